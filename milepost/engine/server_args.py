@@ -1,0 +1,239 @@
+"""Launch settings of the embedded engine server (`milepost serve`).
+
+Names follow SGLang's launch flags so a recipe can switch `engine.backend` between SGLang and
+ours without renaming. Deviations: no hub names (model and tokenizer are local directories) and
+`--cpu-kv-cache-gb`, which sizes the KV pool on CPU where SGLang has no CPU path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+_GIB = 1 << 30
+
+
+class ServerArgs(BaseModel):
+    """Validated at construction; call `resolved()` at start to turn every "auto" into a value."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: Path = Field(
+        description="Hugging Face model directory (config.json + safetensors) to serve.",
+        json_schema_extra={"flags": ["--model"]},
+    )
+    tokenizer_path: Path | None = Field(
+        None, description="Directory of the tokenizer; defaults to --model-path."
+    )
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(30000, description="Port the HTTP server listens on.")
+    dtype: Dtype = Field(
+        "auto", description="Weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA."
+    )
+    device: Device = Field("auto", description="Device to run on; auto = cuda when available, else cpu.")
+    mem_fraction_static: float = Field(
+        0.85,
+        description="On CUDA, fraction of free device memory (at start) for weights plus KV cache.",
+    )
+    max_total_tokens: int | None = Field(
+        None,
+        description="KV pool size in tokens; default derived from --mem-fraction-static on CUDA "
+        "and from --cpu-kv-cache-gb on CPU.",
+    )
+    cpu_kv_cache_gb: float = Field(
+        1.0, description="On CPU, GiB of memory for the KV pool when --max-total-tokens is not given."
+    )
+    page_size: int = Field(16, description="Tokens per KV cache block.")
+    context_length: int | None = Field(
+        None,
+        description="Longest sequence (prompt + output) served; default and upper bound: the "
+        "model's max_position_embeddings.",
+    )
+    chunked_prefill_size: int | None = Field(
+        None, description="Most prefill tokens per engine step; default 2048 on CUDA, 512 on CPU."
+    )
+    max_running_requests: int = Field(256, description="Most requests decoding at once.")
+    disable_radix_cache: bool = Field(False, description="Turn off prefix reuse across requests.")
+    random_seed: int = Field(0, description="Seed of the sampler's random generator.")
+    weight_version: str = Field(
+        "default", description="Weight version reported before the first weight update."
+    )
+    log_level: LogLevel = Field("info", description="Logging level of the server process.")
+
+    @field_validator("model_path")
+    @classmethod
+    def _model_dir(cls, v: Path) -> Path:
+        if not v.is_dir():
+            raise ValueError(
+                f"--model-path {v} is not a directory; pass a local Hugging Face model directory "
+                "(this machine has no hub access)"
+            )
+        if not (v / "config.json").is_file():
+            raise ValueError(
+                f"--model-path {v} has no config.json; pass the directory that save_pretrained wrote"
+            )
+        return v
+
+    @field_validator("tokenizer_path")
+    @classmethod
+    def _tokenizer_dir(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_dir():
+            raise ValueError(f"--tokenizer-path {v} is not a directory; pass a local tokenizer directory")
+        return v
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("--host must not be empty; use 127.0.0.1 (default) or 0.0.0.0")
+        return v
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        if not 1 <= v <= 65535:
+            raise ValueError(f"--port must be in [1, 65535]; got {v}")
+        return v
+
+    @field_validator("mem_fraction_static")
+    @classmethod
+    def _mem_fraction(cls, v: float) -> float:
+        if not 0.0 < v < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1); got {v}")
+        return v
+
+    @field_validator("cpu_kv_cache_gb")
+    @classmethod
+    def _cpu_kv(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError(f"--cpu-kv-cache-gb must be > 0; got {v}")
+        return v
+
+    @field_validator(
+        "max_total_tokens", "page_size", "context_length", "chunked_prefill_size", "max_running_requests"
+    )
+    @classmethod
+    def _positive(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v < 1:
+            flag = "--" + str(info.field_name).replace("_", "-")
+            raise ValueError(f"{flag} must be >= 1; got {v}")
+        return v
+
+    @field_validator("random_seed")
+    @classmethod
+    def _seed(cls, v: int) -> int:
+        if not 0 <= v < 2**63:  # torch generators take a non-negative 64-bit seed
+            raise ValueError(f"--random-seed must be in [0, 2**63); got {v}")
+        return v
+
+    @field_validator("weight_version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        if not v:
+            raise ValueError("--weight-version must not be empty; the default is 'default'")
+        return v
+
+    @model_validator(mode="after")
+    def _combinations(self) -> ServerArgs:
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(
+                f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page of "
+                f"--page-size ({self.page_size}) tokens; raise --max-total-tokens or lower --page-size"
+            )
+        model_max = model_max_positions(self.model_path)
+        if self.context_length is not None and model_max is not None and self.context_length > model_max:
+            raise ValueError(
+                f"--context-length {self.context_length} exceeds the model's max_position_embeddings "
+                f"({model_max}) in {self.model_path / 'config.json'}; pass --context-length <= {model_max}"
+            )
+        return self
+
+    def resolved(self) -> ServerArgs:
+        """A copy where device, dtype, tokenizer path, context length and prefill chunk are concrete.
+
+        Reads CUDA availability, so call it in the server process at start, not at import.
+        `max_total_tokens` stays None unless given: only the engine knows its KV bytes per token
+        (see `kv_pool_tokens`).
+        """
+        import torch  # deferred: parsing flags should not pay for importing torch
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was given but CUDA is not available; use --device cpu or auto")
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        context_length = self.context_length or model_max_positions(self.model_path)
+        if context_length is None:
+            raise ValueError(
+                f"{self.model_path / 'config.json'} has no max_position_embeddings; pass --context-length"
+            )
+        chunk = self.chunked_prefill_size or (2048 if device == "cuda" else 512)
+        return self.model_copy(
+            update={
+                "device": device,
+                "dtype": dtype,
+                "tokenizer_path": self.tokenizer_path or self.model_path,
+                "context_length": context_length,
+                "chunked_prefill_size": chunk,
+            }
+        )
+
+    def kv_pool_tokens(self, kv_bytes_per_token: int, cuda_kv_budget_bytes: int | None = None) -> int:
+        """KV pool size in tokens, a whole number of pages.
+
+        `kv_bytes_per_token` is the bytes one token takes over all layers (K and V). On CUDA the
+        caller passes `cuda_kv_budget_bytes` = free memory at start * --mem-fraction-static
+        minus the weights; on CPU the budget is --cpu-kv-cache-gb. --max-total-tokens wins.
+        """
+        if self.max_total_tokens is not None:
+            tokens = self.max_total_tokens
+        else:
+            if kv_bytes_per_token < 1:
+                raise ValueError(f"kv_bytes_per_token must be >= 1; got {kv_bytes_per_token}")
+            if self.device == "auto":
+                raise ValueError("kv_pool_tokens needs a concrete device; call resolved() first")
+            if self.device == "cuda":
+                if cuda_kv_budget_bytes is None:
+                    raise ValueError("kv_pool_tokens on CUDA needs cuda_kv_budget_bytes")
+                budget = cuda_kv_budget_bytes
+            else:
+                budget = int(self.cpu_kv_cache_gb * _GIB)
+            tokens = budget // kv_bytes_per_token
+        tokens -= tokens % self.page_size
+        if tokens < self.page_size:
+            hint = "--mem-fraction-static" if self.device == "cuda" else "--cpu-kv-cache-gb"
+            raise ValueError(
+                f"the KV pool holds {tokens} tokens, less than one page of {self.page_size}; "
+                f"raise {hint} or --max-total-tokens"
+            )
+        return tokens
+
+    def torch_dtype(self) -> Any:
+        """The torch dtype of a resolved `dtype` (returned as `torch.dtype`)."""
+        import torch
+
+        if self.dtype == "auto":
+            raise ValueError("dtype is still 'auto'; call resolved() first")
+        return getattr(torch, self.dtype)
+
+
+def model_max_positions(model_path: Path) -> int | None:
+    """`max_position_embeddings` from a model directory's config.json (or its text_config)."""
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model-path: {path} is not valid JSON ({e}); re-save the checkpoint") from e
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int):
+            return value
+    return None
