@@ -1,0 +1,226 @@
+"""CPU/reference attention backends: a paged KV cache for the engine, packed varlen for full sequences.
+
+Both implement `AttentionBackend` from base.py with torch SDPA. They favour clarity over speed: GPU
+kernels will replace `TorchPagedAttention` later and must reproduce its semantics (bottom-right
+aligned causal mask over each sequence's cached prefix plus its new tokens, GQA by head groups).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class PagedKVCache:
+    """Per-layer K and V pools of `num_blocks * block_size` slots; slot = block_id * block_size + offset."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+@dataclass
+class PagedBatch:
+    """Layout of one forward over the paged cache (B sequences, T new tokens in sequence order).
+
+    query_start_loc: [B+1] int64, cumulative count of new tokens per sequence.
+    seq_lens: [B] int64, KV length of each sequence after this forward (cached + new tokens).
+    block_tables: [B, max_blocks] int64, each sequence's block ids in order, padded with 0.
+    slot_mapping: [T] int64, cache slot of each new token.
+    The *_cpu lists mirror the tensors on the host so `prepare` needs no device sync; `positions`
+    ([T] int64) is filled by `build` for the caller's convenience (the model needs it, attention not).
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens_cpu: list[int] | None = None
+    query_lens_cpu: list[int] | None = None
+    positions: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedBatch:
+        """Batch for sequences that each append query_lens[i] tokens, ending at length seq_lens[i]."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
+            raise ValueError("query_lens, seq_lens and block_tables need one (non-empty) entry per sequence")
+        positions, slots = [], []
+        for q, n, blocks in zip(query_lens, seq_lens, block_tables):
+            if not 1 <= q <= n:
+                raise ValueError(f"each sequence needs 1 <= query_len <= seq_len, got {q} and {n}")
+            if len(blocks) * block_size < n:
+                raise ValueError(f"block table {list(blocks)} holds fewer than seq_len={n} slots")
+            pos = torch.arange(n - q, n)
+            table = torch.as_tensor(list(blocks), dtype=torch.int64)
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max(len(b) for b in block_tables)
+        padded = [list(b) + [0] * (width - len(b)) for b in block_tables]
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        return cls(
+            query_start_loc=torch.tensor(cu, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int64, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
+            slot_mapping=torch.cat(slots).to(device),
+            seq_lens_cpu=list(seq_lens),
+            query_lens_cpu=list(query_lens),
+            positions=torch.cat(positions).to(device),
+        )
+
+
+@dataclass
+class _PrefillSeq:
+    token_start: int
+    query_len: int
+    kv_slots: torch.Tensor  # [seq_len] slots of positions 0..seq_len-1
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, None when query_len == seq_len (plain causal)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw) -> torch.Tensor:
+    """q: [N, H, Lq, D], k/v: [N, Hkv, Lk, D]; GQA handled by SDPA itself (no repeated K/V copies)."""
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa, **kw)
+
+
+class TorchPagedAttention:
+    """Paged-KV attention with torch ops: decode rows vectorized, prefill rows one sequence at a time.
+
+    Inference only: new K/V are written into the cache detached, so no gradient flows through it
+    (train with `VarlenCausalAttention`).
+    """
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self._batch: PagedBatch | None = None
+
+    def prepare(self, batch: PagedBatch) -> None:
+        """Precompute gather indices and masks once per forward; every layer reuses them."""
+        bs = self.cache.block_size
+        q_lens = batch.query_lens_cpu
+        if q_lens is None:
+            q_lens = torch.diff(batch.query_start_loc).tolist()
+        s_lens = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.tolist()
+        if len(q_lens) != len(s_lens) or any(not 1 <= q <= n for q, n in zip(q_lens, s_lens)):
+            raise ValueError(f"PagedBatch needs 1 <= query_len <= seq_len per sequence: {q_lens} vs {s_lens}")
+        device = batch.block_tables.device
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+        dec = [i for i, q in enumerate(q_lens) if q == 1]
+        pre = [i for i, q in enumerate(q_lens) if q > 1]
+
+        self._dec_tokens: torch.Tensor | None = None
+        if dec:
+            idx = torch.tensor(dec, dtype=torch.int64, device=device)
+            lmax = max(s_lens[i] for i in dec)
+            j = torch.arange(lmax, device=device)
+            tables = batch.block_tables.index_select(0, idx)
+            self._dec_slots = tables[:, j // bs] * bs + j % bs  # [Bd, Lmax]
+            # Padded positions point at block 0 (any valid slot); the mask drops them.
+            self._dec_mask = (j[None, :] < batch.seq_lens.index_select(0, idx)[:, None])[:, None, None, :]
+            self._dec_tokens = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=device)
+        self._prefill: list[_PrefillSeq] = []
+        for i in pre:
+            q, n = q_lens[i], s_lens[i]
+            pos = torch.arange(n, device=device)
+            slots = batch.block_tables[i, pos // bs] * bs + pos % bs
+            mask = None
+            if q < n:  # causal mask aligned bottom-right: query r sits at position n - q + r
+                rows = torch.arange(n - q, n, device=device)
+                mask = pos[None, :] <= rows[:, None]
+            self._prefill.append(_PrefillSeq(starts[i], q, slots, mask))
+        self._pre_tokens = (
+            torch.cat([torch.arange(p.token_start, p.token_start + p.query_len) for p in self._prefill]).to(device)
+            if self._prefill
+            else None
+        )
+        self._all_decode = not pre
+        self._batch = batch
+
+    def attend(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] of the new tokens -> [T, H, D]."""
+        if self._batch is None:
+            raise RuntimeError("TorchPagedAttention.attend called before prepare(batch)")
+        kc, vc = self.cache.k[layer_id], self.cache.v[layer_id]
+        slots = self._batch.slot_mapping
+        kc[slots] = k.detach().to(kc.dtype)
+        vc[slots] = v.detach().to(vc.dtype)
+
+        dec_out = None
+        if self._dec_tokens is not None:
+            qd = q.index_select(0, self._dec_tokens)[:, :, None, :]  # [Bd, H, 1, D]
+            kd = kc[self._dec_slots].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, Lmax, D]
+            vd = vc[self._dec_slots].transpose(1, 2).to(q.dtype)
+            dec_out = _sdpa(qd, kd, vd, scale, attn_mask=self._dec_mask)[:, :, 0, :]
+            if self._all_decode:
+                return dec_out  # decode queries are the tokens themselves, in order
+        pieces = []
+        for p in self._prefill:
+            qp = q[p.token_start : p.token_start + p.query_len].transpose(0, 1)[None]
+            kp = kc[p.kv_slots].transpose(0, 1)[None].to(q.dtype)
+            vp = vc[p.kv_slots].transpose(0, 1)[None].to(q.dtype)
+            o = _sdpa(qp, kp, vp, scale, attn_mask=p.mask, is_causal=p.mask is None)
+            pieces.append(o[0].transpose(0, 1))
+        pre_out = torch.cat(pieces)
+        if dec_out is None and len(self._prefill) == 1:
+            return pre_out
+        out = q.new_zeros(q.shape).index_copy(0, self._pre_tokens, pre_out)
+        if dec_out is not None:
+            out = out.index_copy(0, self._dec_tokens, dec_out)
+        return out
+
+
+class VarlenCausalAttention:
+    """Packed sequences without a cache: causal attention within each [cu[i], cu[i+1]) span."""
+
+    def __init__(self, cu_seqlens: torch.Tensor) -> None:
+        bounds = [int(x) for x in cu_seqlens.tolist()]  # one host sync per forward, not per layer
+        if len(bounds) < 2 or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens must start at 0 and strictly increase, got {bounds}")
+        self.bounds = bounds
+
+    def attend(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]; T must equal cu_seqlens[-1]."""
+        if q.shape[0] != self.bounds[-1]:
+            raise ValueError(f"got {q.shape[0]} tokens but cu_seqlens covers {self.bounds[-1]}")
+        pieces = []
+        for s, e in zip(self.bounds, self.bounds[1:]):
+            qs, ks, vs = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))
+            pieces.append(_sdpa(qs, ks, vs, scale, is_causal=True)[0].transpose(0, 1))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

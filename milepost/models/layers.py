@@ -1,0 +1,168 @@
+"""Building blocks shared by the native decoder models: RMSNorm, RoPE, gated MLP, self-attention.
+
+Linear layers are plain `nn.Linear` members under their Hugging Face names (q_proj, gate_proj, ...)
+so quantized linears or LoRA can be swapped in per module later. Everything is out-of-place so the
+trainer can backprop through the same code the engine runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from milepost.models.base import ForwardContext
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class RMSNorm(nn.Module):
+    """Normalizes in fp32, casts back, then scales (the order transformers uses, for bf16 parity)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_parameters(config: object) -> dict:
+    """The RoPE settings of an HF config as one flat dict with at least rope_type and rope_theta.
+
+    transformers 5 stores them in `config.rope_parameters`; 4.x used `rope_theta` + `rope_scaling`.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(config: object, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32 for rope types "default" and "llama3"."""
+    p = rope_parameters(config)
+    rope_type = p["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if p.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1.0 is not supported by the native models")
+    # Explicit CPU: models may be built under a meta-device context; frequencies must be real.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (float(p["rope_theta"]) ** exponents)
+    if rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
+        # interpolated smoothly, relative to the pretraining context length.
+        factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old_ctx = float(p.get("original_max_position_embeddings") or config.max_position_embeddings)
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        inv_freq = torch.where(in_band, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables [T, head_dim] for absolute positions; applied with the rotate-half convention."""
+
+    def __init__(self, config: object, head_dim: int) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: `model.to(bf16)` must not round the frequencies.
+        self._inv_freq = rope_inv_freq(config, head_dim)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim], cos/sin: [T, head_dim] -> rotated x."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def check_silu(config: object) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported by the native models (only 'silu')")
+
+
+class GatedMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)); gate and up stay separate HF-named modules."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SelfAttention(nn.Module):
+    """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, then the context's attention backend."""
+
+    def __init__(self, config: object, layer_id: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})"
+            )
+        self.scale = self.head_dim**-0.5
+        hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.attention.attend(self.layer_id, q, k, v, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: object, layer_id: int, qk_norm: bool, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(config, layer_id, qk_norm)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h), ctx)

@@ -1,0 +1,100 @@
+"""Llama-family decoder (SmolLM2 and friends) and `DecoderLM`, the skeleton Qwen3 models reuse.
+
+Module and parameter names mirror transformers' (`model.layers.N.self_attn.q_proj.weight`, ...) so
+a dense model's state dict *is* its Hugging Face checkpoint; `weight_view` only has to resolve
+tied embeddings (and, in the MoE subclass, per-expert slices of stacked expert weights).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from milepost.models.base import ForwardContext
+from milepost.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, check_silu
+
+
+class DecoderLM(nn.Module):
+    """Embedding, pre-norm decoder layers, final norm, LM head. Subclasses pick q/k norm and MLPs."""
+
+    qk_norm: ClassVar[bool] = False
+
+    def __init__(self, config: object) -> None:
+        super().__init__()
+        check_silu(config)
+        self.check_config(config)
+        self.hf_config = config
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.vocab_size: int = config.vocab_size
+        self.moe_top_k: int = 0
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.qk_norm, self.make_mlp(config, i)) for i in range(self.num_layers)
+        )
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, self.head_dim)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._hf_names: list[str] | None = None
+        self._hf_name_set: frozenset[str] = frozenset()
+
+    def check_config(self, config: object) -> None:
+        """Refuse config features this definition does not implement (override per architecture)."""
+
+    def make_mlp(self, config: object, layer_id: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final-normed hidden states [T, hidden]."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)  # computed once, shared by every layer
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, ctx)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab] fp32."""
+        return self.lm_head(hidden).float()
+
+    # --- weights by Hugging Face name -------------------------------------------------------------
+
+    def hf_weight_names(self) -> list[str]:
+        if self._hf_names is None:
+            # named_parameters drops the tied lm_head (same Parameter as embed_tokens): listed once.
+            self._hf_names = self._expand_hf_names([name for name, _ in self.named_parameters()])
+            self._hf_name_set = frozenset(self._hf_names)
+        return list(self._hf_names)
+
+    def _expand_hf_names(self, param_names: list[str]) -> list[str]:
+        """Map internal parameter names to checkpoint names (identity for dense models)."""
+        return param_names
+
+    def weight_view(self, hf_name: str) -> torch.Tensor:
+        if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+            hf_name = "model.embed_tokens.weight"
+        if self._hf_names is None:
+            self.hf_weight_names()
+        if hf_name not in self._hf_name_set:
+            raise self.unknown_weight(hf_name)
+        return self.get_parameter(hf_name).detach()  # detached view: copy_ works outside no_grad
+
+    def unknown_weight(self, hf_name: str) -> KeyError:
+        close = difflib.get_close_matches(hf_name, self.hf_weight_names(), n=3)
+        hint = f"closest names: {close}" if close else "names look like 'model.layers.0.self_attn.q_proj.weight'"
+        return KeyError(
+            f"{hf_name!r} is not a weight of {type(self).__name__} "
+            f"({self.num_layers} layers, vocab {self.vocab_size}); {hint}"
+        )
+
+
+class LlamaForCausalLM(DecoderLM):
+    """LlamaForCausalLM: optional attention_bias / mlp_bias, tied embeddings per config, RoPE default|llama3."""
