@@ -1,0 +1,276 @@
+"""The engine loop: one thread that owns the model, the KV cache and the scheduler.
+
+Everything that touches model state (steps, weight updates, pause/continue, cache flushes) runs
+on this thread, between steps, so a weight update never lands in the middle of a forward pass.
+Other threads talk to it through `submit`, `abort` and `call` (a function run between steps).
+Pause modes follow SGLang: abort ends in-flight requests; retract drops their KV and requeues
+them, so they are recomputed and continue under the new weights; in_place freezes them with
+their KV. Each output token records the weight version that sampled it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+import torch
+
+from milepost.engine.block_pool import BlockPool
+from milepost.engine.radix_cache import RadixCache
+from milepost.engine.request import Request, RequestOutput
+from milepost.engine.runner import ModelRunner
+from milepost.engine.sampling import sample
+from milepost.engine.scheduler import Chunk, Scheduler
+from milepost.engine.stats import EngineStats
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
+@dataclass
+class EngineConfig:
+    block_size: int
+    num_blocks: int
+    chunked_prefill_size: int
+    max_running_requests: int
+    context_length: int
+    enable_prefix_cache: bool = True
+    weight_version: str = "default"
+    random_seed: int = 0
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer: object | None, cfg: EngineConfig) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.pool = BlockPool(cfg.num_blocks)
+        self.cache = RadixCache(self.pool, cfg.block_size) if cfg.enable_prefix_cache else None
+        self.scheduler = Scheduler(
+            self.pool, self.cache, cfg.block_size, cfg.chunked_prefill_size,
+            cfg.max_running_requests,
+        )
+        self.weight_version = cfg.weight_version
+        self.paused: PauseMode | None = None
+        self.stats = EngineStats()
+        self._by_rid: dict[str, Request] = {}
+        self._generator = torch.Generator(device=runner.device).manual_seed(cfg.random_seed)
+        self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="milepost-engine", daemon=True)
+        self.error: BaseException | None = None
+        self._closers: list[Callable[[], None]] = []
+
+    # ---- thread-safe API -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Register cleanup (e.g. open weight groups) to run when the engine closes."""
+        self._closers.append(fn)
+
+    def close(self) -> None:
+        for fn in self._closers:
+            fn()
+        self._stopping = True
+        self._inbox.put(lambda: None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def submit(self, req: Request) -> None:
+        if req.params.sampling_seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(
+                req.params.sampling_seed
+            )
+        else:
+            req.generator = self._generator
+        self._inbox.put(lambda: self._add(req))
+
+    def abort(self, rid: str | None, message: str = "aborted by request") -> None:
+        """Abort one request by id, or every request when rid is None."""
+        self._inbox.put(lambda: self._abort(rid, message))
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run fn on the engine thread between steps; its result or exception lands in the future."""
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+
+        self._inbox.put(run)
+        return fut
+
+    # ---- engine-thread operations (use through `call`) --------------------------------------
+    def pause(self, mode: PauseMode) -> None:
+        if mode == "abort":
+            self._abort(None, "generation paused with mode abort")
+        elif mode == "retract":
+            self.scheduler.retract_all()
+        self.paused = mode
+
+    def resume(self) -> None:
+        self.paused = None
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests are queued or running."""
+        if self.scheduler.has_work:
+            return False
+        if self.cache is not None:
+            self.cache.reset()
+        return True
+
+    def after_weight_update(self, weight_version: str | None, flush_cache: bool) -> None:
+        """Record the new version; drop cached prefixes computed with the old weights."""
+        if weight_version is not None:
+            self.weight_version = weight_version
+        if flush_cache and self.cache is not None:
+            self.cache.reset()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                idle = self.paused is not None or not self.scheduler.has_work
+                self._drain_inbox(block=idle)
+                if self.paused is None and self.scheduler.has_work:
+                    self.step()
+        except BaseException as e:  # the server reports it on /health
+            log.exception("engine loop crashed")
+            self.error = e
+            self._abort(None, f"engine error: {e}")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            task = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                task()
+                task = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def step(self) -> None:
+        """One forward pass: schedule chunks, compute, sample, finish what is done."""
+        t0 = time.perf_counter()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return
+        logits = self.runner.forward(chunks)
+        self.scheduler.after_forward(chunks)
+        sampling = [c.req for c in chunks if c.samples]
+        if sampling:
+            result = sample(
+                logits,
+                [r.params for r in sampling],
+                [r.generator for r in sampling],
+                [self._banned(r) for r in sampling],
+                max(r.top_logprobs_num for r in sampling),
+            )
+            for i, req in enumerate(sampling):
+                self._append_token(req, i, result)
+        self.stats.record_step(chunks, len(sampling), time.perf_counter() - t0)
+
+    def _append_token(self, req: Request, row: int, result: object) -> None:
+        token = int(result.tokens[row])
+        req.output_ids.append(token)
+        req.output_versions.append(self.weight_version)
+        if req.return_logprob:
+            req.output_logprobs.append(float(result.logprobs[row]))
+            if req.top_logprobs_num > 0:
+                k = req.top_logprobs_num
+                req.output_top_logprobs.append(
+                    list(zip(result.top_logprobs[row, :k].tolist(), result.top_ids[row, :k].tolist()))
+                )
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        reason = self._finish_reason(req, token)
+        if reason is not None:
+            self._finish(req, reason)
+        elif req.stream:
+            self._emit(req)
+
+    def _finish_reason(self, req: Request, token: int) -> dict | None:
+        p = req.params
+        if token in req.stop_ids:
+            return {"type": "stop", "matched": token}
+        if p.stop and self.tokenizer is not None:
+            longest = max(len(s) for s in p.stop)
+            tail = self.tokenizer.decode(req.output_ids[-(4 * longest + 4):])
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if req.total_len >= self.cfg.context_length:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _banned(self, req: Request) -> list[int]:
+        if len(req.output_ids) < req.params.min_new_tokens:
+            return sorted(req.stop_ids)
+        return []
+
+    # ---- request bookkeeping ------------------------------------------------------------------
+    def _add(self, req: Request) -> None:
+        if req.rid in self._by_rid:
+            req.on_output(_abort_output(req, f"duplicate rid {req.rid!r}: already running"))
+            return
+        self._by_rid[req.rid] = req
+        if req.params.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        self.scheduler.add(req)
+
+    def _abort(self, rid: str | None, message: str) -> None:
+        targets = list(self._by_rid.values()) if rid is None else [self._by_rid.get(rid)]
+        for req in targets:
+            if req is not None and not req.is_finished:
+                self._finish(req, {"type": "abort", "message": message})
+
+    def _finish(self, req: Request, reason: dict) -> None:
+        req.finish_reason = reason
+        routed = self.runner.routed_experts(req) if req.return_routed_experts else None
+        self.scheduler.finish(req)
+        self._by_rid.pop(req.rid, None)
+        self.stats.record_finish(req)
+        self._emit(req, routed)
+
+    def _emit(self, req: Request, routed: str | None = None) -> None:
+        a = req.emitted
+        req.emitted = len(req.output_ids)
+        req.on_output(
+            RequestOutput(
+                rid=req.rid,
+                new_token_ids=req.output_ids[a:],
+                new_logprobs=req.output_logprobs[a:],
+                new_top_logprobs=req.output_top_logprobs[a:],
+                new_weight_versions=req.output_versions[a:],
+                prompt_tokens=len(req.prompt_ids),
+                cached_tokens=req.cached_tokens,
+                finished=req.is_finished,
+                finish_reason=req.finish_reason,
+                routed_experts=routed,
+                weight_version=self.weight_version,
+            )
+        )
+
+
+def _abort_output(req: Request, message: str) -> RequestOutput:
+    return RequestOutput(
+        rid=req.rid, new_token_ids=[], new_logprobs=[], new_top_logprobs=[],
+        new_weight_versions=[], prompt_tokens=len(req.prompt_ids), cached_tokens=0,
+        finished=True, finish_reason={"type": "abort", "message": message},
+    )
+
+
+__all__ = ["Chunk", "Engine", "EngineConfig", "PauseMode"]

@@ -1,0 +1,84 @@
+"""One generation request as the engine tracks it, and the output events it emits."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from milepost.engine.sampling import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What the engine tells a request's owner: the tokens since the last event, and finish state.
+
+    Lists are slices produced since the previous event of this request, so a stream costs O(new
+    tokens) per step; the owner concatenates them.
+    """
+
+    rid: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    new_top_logprobs: list[list[tuple[float, int]]]
+    new_weight_versions: list[str]
+    prompt_tokens: int
+    cached_tokens: int
+    finished: bool
+    finish_reason: dict | None = None
+    routed_experts: str | None = None  # base64 of int32 [prompt+completion-1, layers, top_k], C order
+    weight_version: str = ""
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None]
+    stop_ids: frozenset[int]  # stop_token_ids, plus EOS unless ignore_eos
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_routed_experts: bool = False
+    stream: bool = False
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.monotonic)
+
+    state: ReqState = ReqState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens of all_ids whose KV is in `blocks`
+    cached_tokens: int = 0  # prefix-cache hits at first admission (SGLang's meta_info field)
+    admitted_once: bool = False
+    emitted: int = 0  # output tokens already sent to the owner
+    finish_reason: dict | None = None
+    first_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def tokens_to_compute(self) -> int:
+        """Tokens whose KV must be computed before the next token can be sampled."""
+        return self.total_len - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is ReqState.FINISHED

@@ -1,0 +1,177 @@
+"""Continuous batching: which tokens of which requests go into the next forward pass.
+
+Every step, each running request that is fully prefilled decodes one token; the rest of the
+step's token budget (`chunked_prefill_size`) goes to prefill chunks, first of requests already
+mid-prefill, then of newly admitted ones, so a long prompt never stalls the decodes. A request
+admitted from the queue first reuses the longest cached prefix. When blocks run out the prefix
+cache is evicted first, then the newest running requests are preempted: their KV is dropped and
+they wait to be recomputed later (their generated tokens are kept).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from milepost.engine.block_pool import BlockPool
+from milepost.engine.radix_cache import RadixCache
+from milepost.engine.request import ReqState, Request
+
+
+@dataclass
+class Chunk:
+    """`length` tokens of `req` starting at position `start` are computed in this step."""
+
+    req: Request
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the request's tokens, so the next token is sampled."""
+        return self.start + self.length == self.req.total_len
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: BlockPool,
+        cache: RadixCache | None,
+        block_size: int,
+        chunked_prefill_size: int,
+        max_running_requests: int,
+    ) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.block_size = block_size
+        self.chunked_prefill_size = chunked_prefill_size
+        self.max_running = max_running_requests
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> list[Chunk]:
+        chunks = self._schedule_once()
+        while not chunks and self.running:
+            # Every running request is mid-prefill and the pool is full: free the newest one's
+            # blocks so the others can finish (it is recomputed later).
+            self._preempt(max(self.running, key=lambda r: r.arrival))
+            chunks = self._schedule_once()
+        return chunks
+
+    def _schedule_once(self) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        # Oldest first: preemption only takes newer requests, which have no chunk yet this step.
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if req.state is ReqState.RUNNING and req.tokens_to_compute == 1:
+                if self._grow(req, req.total_len, may_preempt=True):
+                    chunks.append(Chunk(req, req.num_computed, 1))
+
+        budget = self.chunked_prefill_size - len(chunks)
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.state is ReqState.RUNNING and req.tokens_to_compute > 1:
+                n = min(req.tokens_to_compute, budget)
+                # No preemption here: a victim may already hold a decode chunk of this step.
+                if self._grow(req, req.num_computed + n, may_preempt=False):
+                    chunks.append(Chunk(req, req.num_computed, n))
+                    budget -= n
+
+        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            self._attach_prefix(req)
+            n = min(req.tokens_to_compute, budget)
+            if not self._grow(req, req.num_computed + n, may_preempt=False):
+                self._release(req)
+                break
+            self.waiting.popleft()
+            req.state = ReqState.RUNNING
+            self.running.append(req)
+            chunks.append(Chunk(req, req.num_computed, n))
+            budget -= n
+        return chunks
+
+    def after_forward(self, chunks: list[Chunk]) -> None:
+        """Account the KV written by the step; cache full prompt blocks for requests to share."""
+        for c in chunks:
+            c.req.num_computed = c.start + c.length
+            if self.cache is not None and c.length > 1:
+                self.cache.insert(c.req.prompt_ids[: c.req.num_computed], c.req.blocks)
+
+    def finish(self, req: Request) -> None:
+        """Remove a request (finished or aborted) from the queues and release its KV."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.state = ReqState.FINISHED
+
+    def retract_all(self) -> None:
+        """Move every running request back to the front of the queue, KV dropped (recomputed later)."""
+        for req in reversed(self.running):
+            self._release(req)
+            req.state = ReqState.WAITING
+            self.waiting.appendleft(req)
+        self.running.clear()
+
+    def _attach_prefix(self, req: Request) -> None:
+        if req.blocks or self.cache is None:
+            return
+        tokens = req.all_ids
+        blocks = self.cache.match(tokens)
+        # At least one token must be computed to get logits for the next sample.
+        while blocks and len(blocks) * self.block_size >= len(tokens):
+            blocks.pop()
+        self.pool.incref(blocks)
+        req.blocks = blocks
+        req.num_computed = len(blocks) * self.block_size
+        if not req.admitted_once:
+            req.cached_tokens = req.num_computed
+            req.admitted_once = True
+
+    def _grow(self, req: Request, n_tokens: int, may_preempt: bool) -> bool:
+        """Make req's blocks cover n_tokens positions; evict cache, then preempt newer requests."""
+        need = -(-n_tokens // self.block_size) - len(req.blocks)
+        while need > 0:
+            got = self.pool.allocate(need)
+            if got is not None:
+                req.blocks.extend(got)
+                return True
+            missing = need - self.pool.num_free
+            if self.cache is not None and self.cache.evict(missing) > 0:
+                continue
+            if not may_preempt:
+                return False
+            victim = self._newest_running_after(req)
+            if victim is None:  # nothing newer to take from: give up this request's place
+                self._preempt(req)
+                return False
+            self._preempt(victim)
+        return True
+
+    def _newest_running_after(self, req: Request) -> Request | None:
+        newer = [r for r in self.running if r is not req and r.arrival >= req.arrival]
+        return max(newer, key=lambda r: r.arrival) if newer else None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.state = ReqState.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _release(self, req: Request) -> None:
+        if self.cache is not None and req.num_computed > 0:
+            self.cache.insert(req.all_ids[: req.num_computed], req.blocks)
+        self.pool.decref(req.blocks)
+        req.blocks = []
+        req.num_computed = 0

@@ -1,0 +1,74 @@
+"""Builds a ready engine from resolved ServerArgs: model, tokenizer, KV pool sized to its budget."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from milepost.engine.engine import Engine, EngineConfig
+from milepost.engine.runner import ModelRunner
+from milepost.engine.server import ServerInfo
+from milepost.engine.server_args import ServerArgs
+from milepost.models.attention import PagedKVCache
+from milepost.models.registry import load_model
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: Path) -> object | None:
+    """The checkpoint's tokenizer, or None when the directory has none (input_ids only then)."""
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        log.warning("no tokenizer in %s: the server accepts input_ids only", path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def build_engine(args: ServerArgs) -> tuple[Engine, ServerInfo, object | None]:
+    """args must be resolved (no "auto" left)."""
+    device = torch.device(args.device)
+    dtype = args.torch_dtype()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        free_at_start, _ = torch.cuda.mem_get_info(device)
+    model = load_model(args.model_path, dtype, device)
+    cfg = model.hf_config
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem
+    budget = None
+    if device.type == "cuda":
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        budget = int(free_at_start * args.mem_fraction_static) - weights
+    tokens = args.kv_pool_tokens(kv_bytes_per_token, budget)
+    kv = PagedKVCache(model.num_layers, tokens // args.page_size, args.page_size,
+                      model.num_kv_heads, model.head_dim, dtype, device)
+    log.info("KV pool: %d tokens in %d blocks of %d (%.1f MiB)", tokens, kv.num_blocks,
+             args.page_size, kv.nbytes() / 2**20)
+
+    tokenizer = load_tokenizer(Path(args.tokenizer_path or args.model_path))
+    eos = getattr(cfg, "eos_token_id", None)
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_ids = sorted({*eos_ids, tokenizer.eos_token_id})
+    context_length = args.context_length or cfg.max_position_embeddings
+    engine = Engine(
+        ModelRunner(model, kv, device),
+        tokenizer,
+        EngineConfig(
+            block_size=args.page_size, num_blocks=kv.num_blocks,
+            chunked_prefill_size=args.chunked_prefill_size or 512,
+            max_running_requests=args.max_running_requests, context_length=context_length,
+            enable_prefix_cache=not args.disable_radix_cache,
+            weight_version=args.weight_version, random_seed=args.random_seed,
+        ),
+    )
+    info = ServerInfo(
+        model_path=str(args.model_path),
+        tokenizer_path=str(args.tokenizer_path or args.model_path) if tokenizer else None,
+        context_length=context_length, vocab_size=model.vocab_size, eos_token_ids=eos_ids,
+        server_args=args.model_dump(mode="json") | {"max_total_tokens": tokens},
+    )
+    return engine, info, tokenizer

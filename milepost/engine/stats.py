@@ -1,0 +1,86 @@
+"""Engine counters: throughput, prefix-cache hit rate, queue depths; rendered for Prometheus.
+
+Counters are plain numbers owned by the engine thread; readers on other threads take a
+snapshot, which is consistent enough for monitoring (each value is a single Python object).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from milepost.engine.request import Request
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    computed_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    busy_seconds: float = 0.0
+    _recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens sampled)
+
+    def record_step(self, chunks: list, n_sampled: int, seconds: float) -> None:
+        self.steps += 1
+        self.generated_tokens += n_sampled
+        self.computed_tokens += sum(c.length for c in chunks)
+        self.busy_seconds += seconds
+        self._recent.append((time.monotonic(), n_sampled))
+
+    def record_finish(self, req: Request) -> None:
+        self.finished_requests += 1
+        if req.finish_reason and req.finish_reason.get("type") == "abort":
+            self.aborted_requests += 1
+        if req.admitted_once:
+            self.prompt_tokens += len(req.prompt_ids)
+            self.cached_tokens += req.cached_tokens
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def generation_throughput(self, window_s: float = 10.0) -> float:
+        """Sampled tokens per second over the last window_s seconds of steps."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent) if now - t <= window_s]
+        if len(recent) < 2:
+            return 0.0
+        span = max(recent[-1][0] - recent[0][0], 1e-6)
+        return sum(n for _, n in recent[1:]) / span
+
+
+def prometheus_text(stats: EngineStats, gauges: dict[str, float]) -> bytes:
+    """Prometheus exposition of the counters plus the engine's current gauges."""
+    counters = {
+        "prompt_tokens": (stats.prompt_tokens, "Prompt tokens admitted."),
+        "cached_tokens": (stats.cached_tokens, "Prompt tokens served from the prefix cache."),
+        "generation_tokens": (stats.generated_tokens, "Tokens sampled."),
+        "requests_finished": (stats.finished_requests, "Requests finished (any reason)."),
+        "requests_aborted": (stats.aborted_requests, "Requests aborted."),
+        "forward_steps": (stats.steps, "Engine forward passes."),
+    }
+    all_gauges = {
+        "cache_hit_rate": stats.cache_hit_rate,
+        "gen_throughput": stats.generation_throughput(),
+        **gauges,
+    }
+
+    class _Collector(Collector):
+        def collect(self):  # noqa: ANN202 - prometheus_client's interface
+            for name, (value, doc) in counters.items():
+                yield CounterMetricFamily(f"milepost:{name}", doc, value=value)
+            for name, value in all_gauges.items():
+                yield GaugeMetricFamily(f"milepost:{name}", name.replace("_", " "), value=value)
+
+    registry = CollectorRegistry()
+    registry.register(_Collector())
+    return generate_latest(registry)

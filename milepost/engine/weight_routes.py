@@ -1,0 +1,121 @@
+"""SGLang's weight-update endpoints: from tensor, from disk, over a torch.distributed group.
+
+Each update is checked whole before anything is copied (WeightLoader.stage), so a refused update
+leaves the old weights fully in place and answers 400 naming the tensors at fault. Updates from
+tensors and over a group insist on the engine's dtype (a silent cast would hide a trainer
+exporting the wrong precision); updates from disk cast, as loading a checkpoint does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from milepost.engine.engine import Engine
+from milepost.engine.protocol import (
+    DestroyWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqInput,
+    UpdateWeightsFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightVersionReqInput,
+)
+from milepost.engine.weight_update import WeightLoader
+from milepost.weights.codec import WeightUpdateError
+from milepost.weights.process_group import WeightGroupRegistry
+
+
+def _fail(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"success": False, "message": message})
+
+
+def weight_router(engine: Engine) -> APIRouter:
+    router = APIRouter()
+    loader = WeightLoader(engine.runner.model)
+    groups = WeightGroupRegistry()
+    engine.on_close(groups.close)
+
+    async def update(load: Callable[[], int], version: str | None, flush: bool, abort_all: bool,
+                     ) -> JSONResponse:
+        def run() -> int:
+            if abort_all:
+                engine.pause("abort")
+                engine.resume()
+            n = load()
+            engine.after_weight_update(version, flush)
+            return n
+
+        try:
+            n = await asyncio.wrap_future(engine.call(run))
+        except WeightUpdateError as e:
+            return _fail(f"weights unchanged: {e}")
+        return JSONResponse({"success": True, "message": f"updated {n} tensors",
+                             "weight_version": engine.weight_version})
+
+    @router.post("/update_weights_from_tensor")
+    async def from_tensor(body: UpdateWeightsFromTensorReqInput) -> JSONResponse:
+        if body.load_format not in (None, "direct"):
+            return _fail(f"load_format {body.load_format!r} is not supported; use null")
+        if len(body.serialized_named_tensors) != 1:
+            return _fail("serialized_named_tensors: this engine has one tensor-parallel rank; "
+                         f"send 1 entry, got {len(body.serialized_named_tensors)}")
+        data = body.serialized_named_tensors[0]
+        return await update(lambda: loader.from_tensors(data, strict_dtype=True),
+                            body.weight_version, body.flush_cache, body.abort_all_requests)
+
+    @router.post("/update_weights_from_disk")
+    async def from_disk(body: UpdateWeightsFromDiskReqInput) -> JSONResponse:
+        if body.load_format not in (None, "auto", "safetensors"):
+            return _fail(f"load_format {body.load_format!r} is not supported; use 'safetensors'")
+        return await update(lambda: loader.from_disk(body.model_path),
+                            body.weight_version, body.flush_cache, body.abort_all_requests)
+
+    @router.post("/init_weights_update_group")
+    async def init_group(body: InitWeightsUpdateGroupReqInput) -> JSONResponse:
+        try:  # rendezvous with the trainer blocks: keep it off the event loop and the engine
+            await asyncio.to_thread(
+                groups.init, body.master_address, body.master_port, body.rank_offset,
+                body.world_size, body.group_name, body.backend,
+            )
+        except (WeightUpdateError, ValueError, RuntimeError) as e:
+            return _fail(f"init_weights_update_group failed: {e}")
+        return JSONResponse({"success": True, "message": f"joined group {body.group_name!r}"})
+
+    @router.post("/update_weights_from_distributed")
+    async def from_distributed(body: UpdateWeightsFromDistributedReqInput) -> JSONResponse:
+        if body.load_format is not None:
+            return _fail(f"load_format {body.load_format!r} is not supported; use null")
+        try:
+            group = groups.get(body.group_name)
+        except (KeyError, WeightUpdateError) as e:
+            return _fail(str(e))
+        return await update(
+            lambda: loader.from_distributed(group, body.names, body.dtypes, body.shapes,
+                                            strict_dtype=True),
+            body.weight_version, body.flush_cache, body.abort_all_requests,
+        )
+
+    @router.post("/destroy_weights_update_group")
+    async def destroy_group(body: DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
+        try:
+            groups.destroy(body.group_name)
+        except (KeyError, WeightUpdateError) as e:
+            return _fail(str(e))
+        return JSONResponse({"success": True, "message": f"left group {body.group_name!r}"})
+
+    @router.post("/update_weight_version")
+    async def set_version(body: UpdateWeightVersionReqInput) -> JSONResponse:
+        def run() -> None:
+            if body.abort_all_requests:
+                engine.pause("abort")
+                engine.resume()
+            engine.after_weight_update(body.new_version, flush_cache=False)
+
+        await asyncio.wrap_future(engine.call(run))
+        return JSONResponse({"success": True, "message": "weight version updated",
+                             "weight_version": engine.weight_version})
+
+    return router
