@@ -1,0 +1,293 @@
+"""Loads new weights into a running engine's model, all-or-nothing.
+
+Every update is staged first (names resolved through `model.weight_view`, shapes and dtypes
+checked, every problem collected) and only then committed by in-place copies, so a refused update
+leaves the old weights fully in place. Sources follow SGLang's update endpoints: serialized
+tensors, a Hugging Face directory on disk, and a broadcast over a weight group.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import difflib
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import safe_open
+
+from milepost.weights.codec import WeightUpdateError, deserialize_named_tensors
+from milepost.weights.process_group import WeightGroup
+
+__all__ = ["WeightLoader", "WeightUpdateError", "parse_dtype"]
+
+_MAX_LISTED_PROBLEMS = 40  # a wrong model can produce thousands; the first few tell the story
+# Checkpoint entries that are derived state, not weights (old Llama exports saved RoPE tables);
+# the model loader (milepost/models/registry.py) skips the same ones.
+_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightAddressable(Protocol):
+    """The part of the model contract (milepost/models/base.py) that weight loading uses."""
+
+    def weight_view(self, hf_name: str) -> torch.Tensor: ...
+
+    def hf_weight_names(self) -> list[str]: ...
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """Parse a dtype name as SGLang sends it: 'bfloat16' or 'torch.bfloat16' -> torch.bfloat16."""
+    attr = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(attr, torch.dtype):
+        raise WeightUpdateError(f"unknown dtype {name!r}; use a torch dtype name like 'bfloat16'")
+    return attr
+
+
+class WeightLoader:
+    """Copies named Hugging Face tensors into `model`'s parameters, refusing bad updates whole.
+
+    Not thread-safe with the forward pass: the engine must call the load methods between steps
+    (no batch may run while a commit is half done).
+    """
+
+    def __init__(self, model: WeightAddressable) -> None:
+        self.model = model
+
+    # -- staging and commit: the two halves every source goes through -------------------------
+
+    def stage(
+        self, named: Iterable[tuple[str, torch.Tensor]], *, strict_dtype: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Resolve and check every (hf_name, tensor); return (destination view, source) pairs.
+
+        Copies nothing. With strict_dtype a dtype difference is an error, else the commit casts
+        (floating <-> non-floating casts are always refused). Raises one WeightUpdateError that
+        lists every problem.
+        """
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        problems: list[str] = []
+        seen: set[str] = set()
+        for name, src in named:
+            if not isinstance(src, torch.Tensor):
+                problems.append(f"{name}: expected a tensor, got {type(src).__name__}")
+                continue
+            view = self._check(name, tuple(src.shape), src.dtype, strict_dtype, seen, problems)
+            if view is not None:
+                pairs.append((view, src))
+        self._raise_if(problems)
+        return pairs
+
+    @torch.no_grad()  # parameters may require grad (the trainer shares model code)
+    def commit(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each source into its destination view (casting dtype, moving device)."""
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    # -- sources -----------------------------------------------------------------------------
+
+    def from_named(
+        self, named: Iterable[tuple[str, torch.Tensor]], *, strict_dtype: bool = False
+    ) -> int:
+        """Stage then commit `named`; returns how many tensors were written."""
+        pairs = self.stage(named, strict_dtype=strict_dtype)
+        self.commit(pairs)
+        return len(pairs)
+
+    def from_tensors(self, serialized: str, *, strict_dtype: bool = False) -> int:
+        """`/update_weights_from_tensor`: one entry of `serialized_named_tensors` (this TP rank's).
+
+        Casts to the model dtype unless strict_dtype, like SGLang's loader.
+        """
+        return self.from_named(deserialize_named_tensors(serialized), strict_dtype=strict_dtype)
+
+    def from_disk(self, model_path: str, *, require_complete: bool = True) -> int:
+        """`/update_weights_from_disk`: every *.safetensors file of a Hugging Face directory.
+
+        Shapes are checked from the file headers before any tensor is read; tensors are cast to
+        the model dtype. With require_complete, a checkpoint that lacks any of the model's weights
+        is refused (a partial load would silently mix two checkpoints).
+        """
+        root = Path(model_path)
+        if not root.is_dir():
+            raise WeightUpdateError(f"model_path {model_path!r} is not a directory")
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise WeightUpdateError(
+                f"model_path {model_path!r} holds no *.safetensors files; "
+                "save the checkpoint with save_pretrained(safe_serialization=True)"
+            )
+        with contextlib.ExitStack() as stack:
+            # Opening validates each header against its file size, so a truncated file fails here.
+            try:
+                handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+            except Exception as e:
+                raise WeightUpdateError(f"cannot read safetensors under {model_path!r}: {e}") from e
+            problems: list[str] = []
+            seen: set[str] = set()
+            plan: list[tuple[torch.Tensor, object, str]] = []
+            for handle in handles:
+                for name in handle.keys():
+                    if name.endswith(_DERIVED_SUFFIXES):
+                        continue
+                    shape = tuple(handle.get_slice(name).get_shape())
+                    view = self._check(name, shape, None, False, seen, problems)
+                    if view is not None:
+                        plan.append((view, handle, name))
+            if require_complete:
+                missing = self._uncovered([view for view, _, _ in plan])
+                problems += [f"{name}: missing from {model_path!r}" for name in missing]
+            self._raise_if(problems)
+            with torch.no_grad():
+                for view, handle, name in plan:
+                    view.copy_(handle.get_tensor(name))  # type: ignore[attr-defined]
+        return len(plan)
+
+    def from_distributed(
+        self,
+        group: WeightGroup,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        strict_dtype: bool = False,
+    ) -> int:
+        """`/update_weights_from_distributed`: receive the tensors the trainer (rank 0) broadcasts.
+
+        Names, dtypes and shapes are checked against the model before receiving. If they describe
+        well-formed tensors that the model refuses, the broadcasts are still received (into a
+        scratch buffer, one at a time) and dropped before raising, so the trainer's broadcasts
+        complete and the group stays usable; malformed metadata raises at once and leaves the
+        group out of step (destroy and re-init it).
+        """
+        specs = self._parse_specs(names, dtypes, shapes)
+        problems: list[str] = []
+        seen: set[str] = set()
+        for name, dtype, shape in specs:
+            self._check(name, shape, dtype, strict_dtype, seen, problems)
+        if problems:
+            for _, dtype, shape in specs:
+                group.broadcast(torch.empty(shape, dtype=dtype, device=group.device), src=0)
+            self._raise_if(problems, "; the broadcast was received and dropped")
+        # Fresh buffers in the sent dtype: the wire carries exactly what the trainer declared.
+        buffers = [torch.empty(shape, dtype=dtype, device=group.device) for _, dtype, shape in specs]
+        group.broadcast_many(buffers, src=0)
+        return self.from_named(
+            [(name, buf) for (name, _, _), buf in zip(specs, buffers)], strict_dtype=strict_dtype
+        )
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _check(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | None,
+        strict_dtype: bool,
+        seen: set[str],
+        problems: list[str],
+    ) -> torch.Tensor | None:
+        """The destination view for `name`, or None after appending why it cannot take the data."""
+        if name in seen:
+            problems.append(f"{name}: appears twice in one update")
+            return None
+        seen.add(name)
+        try:
+            view = self.model.weight_view(name)
+        except KeyError as e:
+            # Hints cost a fuzzy search over all names; only listed problems get one.
+            hint = self._unknown_hint(name, e) if len(problems) < _MAX_LISTED_PROBLEMS else ""
+            problems.append(f"{name}: unknown name for this model{hint}")
+            return None
+        if tuple(view.shape) != shape:
+            problems.append(
+                f"{name}: shape mismatch, model expects {list(view.shape)}, got {list(shape)}"
+            )
+            return None
+        if dtype is not None and dtype != view.dtype:
+            if strict_dtype:
+                problems.append(
+                    f"{name}: dtype mismatch, model expects {view.dtype}, got {dtype} "
+                    "(strict dtype; send the model's dtype or allow casting)"
+                )
+                return None
+            if dtype.is_floating_point != view.dtype.is_floating_point:
+                problems.append(f"{name}: cannot cast {dtype} into the model's {view.dtype}")
+                return None
+        return view
+
+    def _unknown_hint(self, name: str, err: KeyError) -> str:
+        detail = f" ({err.args[0]})" if err.args else ""
+        close = difflib.get_close_matches(name, self.model.hf_weight_names(), n=1, cutoff=0.8)
+        guess = f"; did you mean {close[0]!r}?" if close else ""
+        return f"{detail}; names must be Hugging Face names (see model.hf_weight_names()){guess}"
+
+    def _uncovered(self, written: list[torch.Tensor]) -> list[str]:
+        """Model weights whose memory no written view covers.
+
+        Compared by memory rather than by name because one checkpoint name can fill many model
+        names (fused MoE experts fill every per-expert weight; a tied lm_head is the embedding).
+        """
+        merged: list[tuple[str, int, int]] = []  # disjoint, sorted
+        for device, start, end in sorted(s for s in map(_span, written) if s is not None):
+            if merged and merged[-1][0] == device and start <= merged[-1][2]:
+                _, start, prev_end = merged.pop()
+                end = max(end, prev_end)
+            merged.append((device, start, end))
+        missing = []
+        for name in self.model.hf_weight_names():
+            span = _span(self.model.weight_view(name))
+            if span is None:
+                continue
+            i = bisect.bisect_right(merged, (span[0], span[1], sys.maxsize)) - 1
+            if i < 0 or merged[i][0] != span[0] or merged[i][2] < span[2]:
+                missing.append(name)
+        return missing
+
+    @staticmethod
+    def _parse_specs(
+        names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        if not len(names) == len(dtypes) == len(shapes):
+            raise WeightUpdateError(
+                f"names, dtypes and shapes must have one entry per tensor; got "
+                f"{len(names)}, {len(dtypes)} and {len(shapes)}"
+            )
+        specs = []
+        problems = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            try:
+                torch_dtype = parse_dtype(dtype)
+            except WeightUpdateError as e:
+                problems.append(f"{name}: {e}")
+                continue
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                problems.append(f"{name}: shape {list(shape)} is not a list of sizes >= 0")
+                continue
+            specs.append((str(name), torch_dtype, tuple(int(d) for d in shape)))
+        WeightLoader._raise_if(
+            problems, "; nothing was received, so re-create the weight group before the next update"
+        )
+        return specs
+
+    @staticmethod
+    def _raise_if(problems: list[str], note: str = "") -> None:
+        if not problems:
+            return
+        listed = problems[:_MAX_LISTED_PROBLEMS]
+        more = len(problems) - len(listed)
+        lines = [f"weight update refused, no weight was changed{note} ({len(problems)} problems):"]
+        lines += [f"  - {p}" for p in listed]
+        if more:
+            lines.append(f"  ... and {more} more")
+        raise WeightUpdateError("\n".join(lines))
+
+
+def _span(t: torch.Tensor) -> tuple[str, int, int] | None:
+    """(device, first byte, one past the last byte) that `t` touches; None for empty tensors."""
+    if t.numel() == 0:
+        return None
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return str(t.device), t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
