@@ -14,7 +14,6 @@ from milepost.engine.server_args import ServerArgs
 from milepost.flags import add_model_flags, model_from_namespace
 
 
-
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -36,7 +35,27 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_serve,)
+def _add_tiny_model(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "tiny-model",
+        help="write a tiny random Hugging Face checkpoint (with tokenizer) for first runs and tests",
+        description="Build a tiny random checkpoint locally; nothing is downloaded.",
+    )
+    parser.add_argument("path", help="directory to write (created if missing)")
+    parser.add_argument("--arch", choices=["llama", "qwen3", "qwen3_moe"], default="qwen3")
+    parser.add_argument("--seed", type=int, default=0)
+
+    def run(ns: argparse.Namespace) -> int:
+        from milepost.testing.checkpoints import make_tiny_checkpoint
+
+        path = make_tiny_checkpoint(ns.path, ns.arch, seed=ns.seed)
+        print(f"wrote a tiny {ns.arch} checkpoint to {path}")
+        return 0
+
+    parser.set_defaults(run=run)
+
+
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_serve, _add_tiny_model)
 
 
 def build_parser() -> argparse.ArgumentParser:
