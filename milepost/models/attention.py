@@ -36,7 +36,7 @@ class PagedKVCache:
         self.head_dim = head_dim
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros_like(t) for t in self.k]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
@@ -161,11 +161,10 @@ class TorchPagedAttention:
                 rows = torch.arange(n - q, n, device=device)
                 mask = pos[None, :] <= rows[:, None]
             self._prefill.append(_PrefillSeq(starts[i], q, slots, mask))
-        self._pre_tokens = (
-            torch.cat([torch.arange(p.token_start, p.token_start + p.query_len) for p in self._prefill]).to(device)
-            if self._prefill
-            else None
-        )
+        self._pre_tokens = None
+        if self._prefill:
+            ranges = [torch.arange(p.token_start, p.token_start + p.query_len) for p in self._prefill]
+            self._pre_tokens = torch.cat(ranges).to(device)
         self._all_decode = not pre
         self._batch = batch
 

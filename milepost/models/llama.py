@@ -29,7 +29,8 @@ class DecoderLM(nn.Module):
         self.hf_config = config
         self.num_layers: int = config.num_hidden_layers
         self.num_kv_heads: int = config.num_key_value_heads
-        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads = config.num_attention_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.vocab_size: int = config.vocab_size
         self.moe_top_k: int = 0
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -51,7 +52,8 @@ class DecoderLM(nn.Module):
         """Refuse config features this definition does not implement (override per architecture)."""
 
     def make_mlp(self, config: object, layer_id: int) -> nn.Module:
-        return GatedMLP(config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
+        bias = bool(getattr(config, "mlp_bias", False))
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final-normed hidden states [T, hidden]."""
@@ -89,7 +91,8 @@ class DecoderLM(nn.Module):
 
     def unknown_weight(self, hf_name: str) -> KeyError:
         close = difflib.get_close_matches(hf_name, self.hf_weight_names(), n=3)
-        hint = f"closest names: {close}" if close else "names look like 'model.layers.0.self_attn.q_proj.weight'"
+        example = "'model.layers.0.self_attn.q_proj.weight'"
+        hint = f"closest names: {close}" if close else f"names look like {example}"
         return KeyError(
             f"{hf_name!r} is not a weight of {type(self).__name__} "
             f"({self.num_layers} layers, vocab {self.vocab_size}); {hint}"
@@ -97,4 +100,4 @@ class DecoderLM(nn.Module):
 
 
 class LlamaForCausalLM(DecoderLM):
-    """LlamaForCausalLM: optional attention_bias / mlp_bias, tied embeddings per config, RoPE default|llama3."""
+    """LlamaForCausalLM: attention_bias / mlp_bias and tied embeddings per config, RoPE default|llama3."""

@@ -75,7 +75,8 @@ class SparseMoeBlock(nn.Module):
             ids = forced[:, self.layer_id, :].to(torch.int64)
             if ids.shape != (x.shape[0], self.top_k):
                 raise ValueError(
-                    f"forced_experts must be [T={x.shape[0]}, layers, top_k={self.top_k}], got {tuple(forced.shape)}"
+                    f"forced_experts must be [T={x.shape[0]}, layers, top_k={self.top_k}], "
+                    f"got {tuple(forced.shape)}"
                 )
             w = probs.gather(1, ids)  # the router's probs at the forced ids: gradients still reach it
         else:

@@ -55,7 +55,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     path = Path(path)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
-        raise FileNotFoundError(f"no *.safetensors files in {path} (only safetensors checkpoints load natively)")
+        raise FileNotFoundError(
+            f"no *.safetensors files in {path} (only safetensors checkpoints load natively)"
+        )
     model = build_model(AutoConfig.from_pretrained(path), dtype, device)
     expected = set(model.hf_weight_names())
     loaded: set[str] = set()
@@ -81,16 +83,20 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
                     loaded.add(name)
     if unexpected:
         raise ValueError(f"{path}: weights unknown to {type(model).__name__}: {_short(unexpected)}")
-    # Fused expert names fill every per-expert slice of a layer at once.
+    # A fused expert name fills every per-expert slice of its layer at once.
     for name in [n for n in loaded if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
         prefix, fused = name.rsplit(".", 1)
-        parts = ("gate", "up") if fused == "gate_up_proj" else ("down",)
-        loaded.update(n for n in expected if n.startswith(prefix + ".") and n.rsplit(".", 2)[-2][:-5] in parts)
+        suffixes = ("gate_proj.weight", "up_proj.weight")
+        if fused == "down_proj":
+            suffixes = ("down_proj.weight",)
+        loaded.update(n for n in expected if n.startswith(prefix + ".") and n.endswith(suffixes))
     if model.tie_word_embeddings:
         loaded.discard("lm_head.weight")
     missing = sorted(expected - loaded)
     if missing:
-        raise ValueError(f"{path}: checkpoint lacks {len(missing)} weights of {type(model).__name__}: {_short(missing)}")
+        raise ValueError(
+            f"{path}: checkpoint lacks {len(missing)} weights of {type(model).__name__}: {_short(missing)}"
+        )
     return model
 
 
