@@ -169,7 +169,8 @@ def init_weight_group(
     # The same nesting torch's _new_process_group_helper applies under SGLang's
     # init_custom_process_group: PrefixStore(group_name) / "<group_name>/" / "<device>/".
     device_prefix = "cuda/" if backend == "nccl" else "cpu/"
-    store = dist.PrefixStore(device_prefix, dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, tcp)))
+    group_store = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, tcp))
+    store = dist.PrefixStore(device_prefix, group_store)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
     else:

@@ -33,7 +33,9 @@ def broadcast_named_tensors(group: WeightGroup, named: Sequence[tuple[str, torch
     receives them in the same order, so send exactly what `describe_named_tensors` described.
     """
     if group.rank != 0:
-        raise ValueError(f"broadcast_named_tensors sends from rank 0; this is rank {group.rank} of {group.name!r}")
+        raise ValueError(
+            f"broadcast_named_tensors sends from rank 0; this is rank {group.rank} of {group.name!r}"
+        )
     device = group.device
     tensors = [t.detach().to(device) for _, t in named]
     group.broadcast_many(tensors, src=0)

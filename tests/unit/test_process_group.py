@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from milepost.weights.codec import WeightUpdateError
-from milepost.weights.process_group import WeightGroupRegistry, init_weight_group
+from milepost.weights.process_group import BackendName, WeightGroupRegistry, init_weight_group
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 30.0
@@ -141,6 +141,23 @@ def test_nccl_broadcast_between_two_gpus(tmp_path: Path) -> None:
         assert torch.equal(bits(r), bits(s)), s.dtype
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_group_of_one_builds_and_broadcasts() -> None:
+    # Two NCCL ranks cannot share one GPU; a group of one still exercises construction and the
+    # lazily created communicator on machines with a single device.
+    torch.cuda.set_device(0)
+    sent = [t.cuda() for t in sample_tensors()]
+    with init_weight_group("127.0.0.1", free_port(), 0, 1, "nccl_solo", "nccl", TIMEOUT_S) as group:
+        assert group.device == torch.device("cuda", 0)
+        copies = [t.clone() for t in sent]
+        group.broadcast_many(copies)
+        with pytest.raises(ValueError, match="must be on CUDA"):
+            group.broadcast(torch.zeros(2))
+    for s, r in zip(sent, copies):
+        assert torch.equal(bits(r), bits(s))
+
+
 # -- rank 1, run as a script --------------------------------------------------------------------
 
 
@@ -154,7 +171,8 @@ def _receive(port: int, out: Path, backend: str) -> None:
     recv = [torch.zeros(t.shape, dtype=t.dtype, device=device) for t in specs]
     recv[7] = torch.zeros(tuple(reversed(specs[7].shape)), dtype=specs[7].dtype, device=device).t()
     name = "nccl_bitexact" if backend == "nccl" else "bitexact"
-    with init_weight_group("127.0.0.1", port, 1, 2, name, backend, TIMEOUT_S) as group:  # type: ignore[arg-type]
+    kind: BackendName = "nccl" if backend == "nccl" else "gloo"
+    with init_weight_group("127.0.0.1", port, 1, 2, name, kind, TIMEOUT_S) as group:
         group.broadcast(recv[0])
         group.broadcast_many(recv[1:])
     torch.save([t.cpu() for t in recv], out / "received.pt")

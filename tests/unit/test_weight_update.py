@@ -145,7 +145,8 @@ def test_dtype_mismatch_strict_refuses_and_lenient_casts() -> None:
     new = checkpoint(TinyModel(seed=1))  # float32
     with pytest.raises(WeightUpdateError) as err:
         WeightLoader(model).from_named(new, strict_dtype=True)
-    assert "model.norm.weight: dtype mismatch, model expects torch.bfloat16, got torch.float32" in str(err.value)
+    expected = "model.norm.weight: dtype mismatch, model expects torch.bfloat16, got torch.float32"
+    assert expected in str(err.value)
     assert f"{len(new)} problems" in str(err.value)
     assert_unchanged(model, before)
     WeightLoader(model).from_named(new, strict_dtype=False)
@@ -215,11 +216,13 @@ class _MustNotReceive:
 
 
 def test_distributed_malformed_metadata_raises_before_receiving() -> None:
-    loader = WeightLoader(TinyModel())
+    loader, group = WeightLoader(TinyModel()), _MustNotReceive()
     with pytest.raises(WeightUpdateError, match="model.norm.weight: unknown dtype 'bf16'"):
-        loader.from_distributed(_MustNotReceive(), ["model.norm.weight"], ["bf16"], [[8]])  # type: ignore[arg-type]
+        loader.from_distributed(group, ["model.norm.weight"], ["bf16"], [[8]])  # type: ignore[arg-type]
     with pytest.raises(WeightUpdateError, match="one entry per tensor"):
-        loader.from_distributed(_MustNotReceive(), ["model.norm.weight"], [], [[8]])  # type: ignore[arg-type]
+        loader.from_distributed(group, ["model.norm.weight"], [], [[8]])  # type: ignore[arg-type]
+    with pytest.raises(WeightUpdateError, match="not a list of sizes"):
+        loader.from_distributed(group, ["model.norm.weight"], ["float32"], [[-8]])  # type: ignore[arg-type]
 
 
 def test_distributed_update_across_two_processes(tmp_path: Path) -> None:
