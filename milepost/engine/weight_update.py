@@ -165,18 +165,22 @@ class WeightLoader:
         specs = self._parse_specs(names, dtypes, shapes)
         problems: list[str] = []
         seen: set[str] = set()
-        for name, dtype, shape in specs:
-            self._check(name, shape, dtype, strict_dtype, seen, problems)
+        views = [self._check(n, shp, dt, strict_dtype, seen, problems) for n, dt, shp in specs]
         if problems:
             for _, dtype, shape in specs:
                 group.broadcast(torch.empty(shape, dtype=dtype, device=group.device), src=0)
             self._raise_if(problems, "; the broadcast was received and dropped")
-        # Fresh buffers in the sent dtype: the wire carries exactly what the trainer declared.
-        buffers = [torch.empty(shape, dtype=dtype, device=group.device) for _, dtype, shape in specs]
+        # Fresh buffers in the declared dtype (the wire carries exactly that), on the parameter's
+        # own GPU for nccl (the communicator binds to the device of the first tensor it moves).
+        nccl = group.backend == "nccl"
+        buffers = [
+            torch.empty(shape, dtype=dtype, device=view.device if nccl else group.device)  # type: ignore[union-attr]
+            for (_, dtype, shape), view in zip(specs, views)
+        ]
         group.broadcast_many(buffers, src=0)
-        return self.from_named(
-            [(name, buf) for (name, _, _), buf in zip(specs, buffers)], strict_dtype=strict_dtype
-        )
+        pairs = [(view, buf) for view, buf in zip(views, buffers) if view is not None]
+        self.commit(pairs)  # every view was checked above against exactly these shapes/dtypes
+        return len(pairs)
 
     # -- helpers -----------------------------------------------------------------------------
 
