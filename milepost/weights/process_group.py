@@ -172,7 +172,13 @@ def init_weight_group(
     group_store = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, tcp))
     store = dist.PrefixStore(device_prefix, group_store)
     if backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        try:  # gloo connects every pair now; a member with another group_name never shows up
+            pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        except Exception as e:
+            raise RuntimeError(
+                f"weight group {group_name!r}: rank {rank} could not connect to all {world_size} "
+                f"members within {timeout_s}s; do all use the same group_name and world_size? ({e})"
+            ) from e
     else:
         opts = dist.ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = False
