@@ -81,20 +81,32 @@ class RadixCache:
 
     def num_evictable(self) -> int:
         """Blocks eviction could free now: nodes whose whole subtree only the cache holds."""
+        # Iterative post-order: the tree is one level per block, so a long sequence with small
+        # pages is thousands of levels deep, past Python's recursion limit.
+        total = 0
+        all_free: dict[int, bool] = {}  # id(node) -> its whole subtree is cache-only
+        stack: list[tuple[_Node, bool]] = [(self._root, False)]
+        while stack:
+            node, children_done = stack.pop()
+            if not children_done:
+                stack.append((node, True))
+                stack.extend((c, False) for c in node.children.values())
+                continue
+            free = all([all_free.pop(id(c)) for c in node.children.values()])
+            if node is not self._root:
+                free = free and self.pool.refcount(node.block) == 1
+                total += free
+            all_free[id(node)] = free
+        return total
 
-        def count(node: _Node) -> tuple[int, bool]:
-            total, all_free = 0, True
-            for child in node.children.values():
-                n, free = count(child)
-                total += n
-                all_free &= free
-            if node is self._root:
-                return total, all_free
-            if all_free and self.pool.refcount(node.block) == 1:
-                return total + 1, True
-            return total, False
-
-        return count(self._root)[0]
+    def held_blocks(self) -> list[int]:
+        """Every block the tree holds a reference on."""
+        blocks, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            blocks.append(node.block)
+            stack.extend(node.children.values())
+        return blocks
 
     def reset(self) -> None:
         """Drop the whole tree (e.g. after a weight update); blocks running requests hold survive."""

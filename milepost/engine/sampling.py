@@ -89,9 +89,12 @@ def sample(
     rows that ask for it, so the common RL case (T=1, no truncation) does no sort.
     """
     logits = logits.float()
-    for i, ids in enumerate(banned):
-        if ids:
-            logits[i, ids] = float("-inf")
+    if any(banned):
+        # .float() is a no-op on fp32 input: copy before banning so the caller's logits stay intact.
+        logits = logits.clone()
+        for i, ids in enumerate(banned):
+            if ids:
+                logits[i, ids] = float("-inf")
     temps = torch.tensor(
         [1.0 if p.greedy else p.temperature for p in params], device=logits.device
     )

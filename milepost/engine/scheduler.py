@@ -62,14 +62,14 @@ class Scheduler:
         while not chunks and self.running:
             # Every running request is mid-prefill and the pool is full: free the newest one's
             # blocks so the others can finish (it is recomputed later).
-            self._preempt(max(self.running, key=lambda r: r.arrival))
+            self._preempt(max(self.running, key=_age))
             chunks = self._schedule_once()
         return chunks
 
     def _schedule_once(self) -> list[Chunk]:
         chunks: list[Chunk] = []
-        # Oldest first: preemption only takes newer requests, which have no chunk yet this step.
-        for req in sorted(self.running, key=lambda r: r.arrival):
+        # Oldest first: preemption only takes strictly newer requests, which have no chunk yet.
+        for req in sorted(self.running, key=_age):
             if req.state is ReqState.RUNNING and req.tokens_to_compute == 1:
                 if self._grow(req, req.total_len, may_preempt=True):
                     chunks.append(Chunk(req, req.num_computed, 1))
@@ -93,6 +93,9 @@ class Scheduler:
                 self._release(req)
                 break
             self.waiting.popleft()
+            if not req.admitted_once:  # set here, not in _attach_prefix: an attempt may fail
+                req.cached_tokens = req.num_computed
+                req.admitted_once = True
             req.state = ReqState.RUNNING
             self.running.append(req)
             chunks.append(Chunk(req, req.num_computed, n))
@@ -134,13 +137,15 @@ class Scheduler:
         self.pool.incref(blocks)
         req.blocks = blocks
         req.num_computed = len(blocks) * self.block_size
-        if not req.admitted_once:
-            req.cached_tokens = req.num_computed
-            req.admitted_once = True
 
     def _grow(self, req: Request, n_tokens: int, may_preempt: bool) -> bool:
         """Make req's blocks cover n_tokens positions; evict cache, then preempt newer requests."""
         need = -(-n_tokens // self.block_size) - len(req.blocks)
+        if need > 0 and not may_preempt and self.cache is not None:
+            # Without preemption only free + evictable blocks can serve: if they are too few,
+            # evicting would wipe cached prefixes for an allocation that fails anyway.
+            if need > self.pool.num_free + self.cache.num_evictable():
+                return False
         while need > 0:
             got = self.pool.allocate(need)
             if got is not None:
@@ -159,8 +164,10 @@ class Scheduler:
         return True
 
     def _newest_running_after(self, req: Request) -> Request | None:
-        newer = [r for r in self.running if r is not req and r.arrival >= req.arrival]
-        return max(newer, key=lambda r: r.arrival) if newer else None
+        # Strictly newer under the decode loop's own order: with `>=` on arrival alone, a request
+        # sharing its timestamp with one already given a chunk this step could preempt it.
+        newer = [r for r in self.running if _age(r) > _age(req)]
+        return max(newer, key=_age) if newer else None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -175,3 +182,8 @@ class Scheduler:
         self.pool.decref(req.blocks)
         req.blocks = []
         req.num_computed = 0
+
+
+def _age(req: Request) -> tuple[float, str]:
+    """Arrival order, made total by rid (live rids are unique) for requests submitted together."""
+    return (req.arrival, req.rid)
