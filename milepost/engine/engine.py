@@ -23,7 +23,7 @@ import torch
 
 from milepost.engine.block_pool import BlockPool
 from milepost.engine.radix_cache import RadixCache
-from milepost.engine.request import Request, RequestOutput
+from milepost.engine.request import ReqState, Request, RequestOutput
 from milepost.engine.runner import ModelRunner
 from milepost.engine.sampling import sample
 from milepost.engine.scheduler import Chunk, Scheduler
@@ -104,6 +104,8 @@ class Engine:
         def run() -> None:
             if fut.set_running_or_notify_cancel():
                 try:
+                    if self.error is not None:  # model state after a crash is unknown
+                        raise RuntimeError(f"the engine loop crashed: {self.error!r}")
                     fut.set_result(fn())
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
@@ -114,13 +116,18 @@ class Engine:
     # ---- engine-thread operations (use through `call`) --------------------------------------
     def pause(self, mode: PauseMode) -> None:
         if mode == "abort":
-            self._abort(None, "generation paused with mode abort")
+            self.abort_all("generation paused with mode abort")
         elif mode == "retract":
             self.scheduler.retract_all()
         self.paused = mode
 
     def resume(self) -> None:
         self.paused = None
+
+    def abort_all(self, message: str) -> None:
+        """End every queued and running request; the pause state is left as it is (an update
+        with abort_all_requests must not resume a server the trainer paused)."""
+        self._abort(None, message)
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while requests are queued or running."""
@@ -148,7 +155,19 @@ class Engine:
         except BaseException as e:  # the server reports it on /health
             log.exception("engine loop crashed")
             self.error = e
-            self._abort(None, f"engine error: {e}")
+            self._serve_after_crash()
+
+    def _serve_after_crash(self) -> None:
+        """End every request, then keep answering the inbox (new requests are aborted, calls
+        fail) until close: a dead loop that stopped reading would leave every caller hanging."""
+        for req in list(self._by_rid.values()):
+            # Not `_finish`: scheduler and pool may be half-updated; only tell the owner.
+            req.finish_reason = {"type": "abort", "message": f"engine error: {self.error}"}
+            req.state = ReqState.FINISHED
+            self._emit(req)
+        self._by_rid.clear()
+        while not self._stopping:
+            self._drain_inbox(block=True)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -222,6 +241,9 @@ class Engine:
 
     # ---- request bookkeeping ------------------------------------------------------------------
     def _add(self, req: Request) -> None:
+        if self.error is not None:
+            req.on_output(_abort_output(req, f"engine error: {self.error}"))
+            return
         if req.rid in self._by_rid:
             req.on_output(_abort_output(req, f"duplicate rid {req.rid!r}: already running"))
             return

@@ -3,14 +3,17 @@
 Each update is checked whole before anything is copied (WeightLoader.stage), so a refused update
 leaves the old weights fully in place and answers 400 naming the tensors at fault. Updates from
 tensors and over a group insist on the engine's dtype (a silent cast would hide a trainer
-exporting the wrong precision); updates from disk cast, as loading a checkpoint does.
+exporting the wrong precision); updates from disk cast, as loading a checkpoint does. A broadcast
+is received and checked off the engine thread, so generation goes on until the trainer has sent
+everything; only the copy into the model runs between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
+import torch
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
@@ -28,6 +31,21 @@ from milepost.weights.codec import WeightUpdateError
 from milepost.weights.process_group import WeightGroupRegistry
 
 
+class _ReceiveOnly(WeightLoader):
+    """A loader that stages (receives, checks) but keeps the commit for later, in `pending`.
+
+    Every WeightLoader source stages whole and then calls `commit` once, so deferring `commit`
+    defers exactly the part that must run between engine steps.
+    """
+
+    def __init__(self, model: object) -> None:
+        super().__init__(model)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def commit(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.pending = list(pairs)
+
+
 def _fail(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse(status_code=status, content={"success": False, "message": message})
 
@@ -42,8 +60,7 @@ def weight_router(engine: Engine) -> APIRouter:
                      ) -> JSONResponse:
         def run() -> int:
             if abort_all:
-                engine.pause("abort")
-                engine.resume()
+                engine.abort_all("aborted by a weight update (abort_all_requests)")
             n = load()
             engine.after_weight_update(version, flush)
             return n
@@ -92,11 +109,24 @@ def weight_router(engine: Engine) -> APIRouter:
             group = groups.get(body.group_name)
         except (KeyError, WeightUpdateError) as e:
             return _fail(str(e))
-        return await update(
-            lambda: loader.from_distributed(group, body.names, body.dtypes, body.shapes,
-                                            strict_dtype=True),
-            body.weight_version, body.flush_cache, body.abort_all_requests,
-        )
+
+        def receive() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            # Not on the engine thread: it would stop generating (and answering pause, flush,
+            # other updates) until the trainer's broadcasts arrive, however late they are.
+            staged = _ReceiveOnly(engine.runner.model)
+            staged.from_distributed(group, body.names, body.dtypes, body.shapes, strict_dtype=True)
+            return staged.pending
+
+        try:
+            pairs = await asyncio.to_thread(receive)
+        except WeightUpdateError as e:
+            return _fail(f"weights unchanged: {e}")
+
+        def commit() -> int:
+            loader.commit(pairs)
+            return len(pairs)
+
+        return await update(commit, body.weight_version, body.flush_cache, body.abort_all_requests)
 
     @router.post("/destroy_weights_update_group")
     async def destroy_group(body: DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
@@ -110,8 +140,7 @@ def weight_router(engine: Engine) -> APIRouter:
     async def set_version(body: UpdateWeightVersionReqInput) -> JSONResponse:
         def run() -> None:
             if body.abort_all_requests:
-                engine.pause("abort")
-                engine.resume()
+                engine.abort_all("aborted by a weight version update (abort_all_requests)")
             engine.after_weight_update(body.new_version, flush_cache=False)
 
         await asyncio.wrap_future(engine.call(run))
