@@ -2,6 +2,8 @@
 
 They run on the same GenerateService as `/generate`; chat prompts are rendered with the
 checkpoint's own chat template. Tools and streaming for agents live in the session server.
+Unknown OpenAI fields are ignored (clients send many), but the ones that would change the
+answer (log-probs, echo, penalties) are refused rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -9,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
+from typing import Annotated, Any, Union
 
-from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Request as HttpRequest
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from milepost.engine.protocol import GenerateReqInput
 from milepost.engine.sampling import SamplingParams
@@ -28,6 +32,15 @@ class _OpenAIBase(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> _OpenAIBase:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) != 0.0:
+                raise ValueError(f"{name}: penalties are not supported by this engine; send 0")
+        return self
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -37,8 +50,42 @@ class _OpenAIBase(BaseModel):
         )
 
 
+def _prompt_shape(v: Any) -> str:
+    if isinstance(v, str):
+        return "str"
+    if isinstance(v, list) and v and isinstance(v[0], str):
+        return "list[str]"
+    if isinstance(v, list) and v and isinstance(v[0], list):
+        return "list[list[int]]"
+    return "list[int]"
+
+
+# OpenAI's four prompt forms: text, token ids, and a batch of either.
+Prompt = Annotated[
+    Union[Annotated[str, Tag("str")], Annotated[list[str], Tag("list[str]")],
+          Annotated[list[int], Tag("list[int]")], Annotated[list[list[int]], Tag("list[list[int]]")]],
+    Discriminator(_prompt_shape),
+]
+
+
 class CompletionRequest(_OpenAIBase):
-    prompt: str | list[int]
+    prompt: Prompt
+    logprobs: int | None = None
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _no_logprobs(self) -> CompletionRequest:
+        if self.logprobs is not None:
+            raise ValueError("logprobs: not supported on /v1/completions; use /generate with "
+                             "return_logprob=true")
+        if self.echo:
+            raise ValueError("echo: not supported; the prompt is not returned")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        shape = _prompt_shape(self.prompt)
+        return list(self.prompt) if shape in ("list[str]", "list[list[int]]") else [self.prompt]
 
 
 class ChatMessage(BaseModel):
@@ -49,6 +96,14 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+
+    @model_validator(mode="after")
+    def _no_logprobs(self) -> ChatCompletionRequest:
+        if self.logprobs:
+            raise ValueError("logprobs: not supported on /v1/chat/completions; use /generate "
+                             "with return_logprob=true")
+        return self
 
 
 def _finish(meta: dict) -> str:
@@ -56,28 +111,34 @@ def _finish(meta: dict) -> str:
 
 
 def openai_router(service: object) -> APIRouter:
-    from milepost.engine.server import BadRequest, GenerateService
+    from milepost.engine.server import OPENAI_NAMES, BadRequest, GenerateService
 
     assert isinstance(service, GenerateService)
     router = APIRouter()
 
-    async def run(ids: list[int], req: _OpenAIBase) -> tuple[list[dict], dict]:
+    async def run(prompts: list[list[int]], req: _OpenAIBase, field: str, http: HttpRequest,
+                  ) -> tuple[list[dict], dict]:
+        """Outputs in OpenAI's choice order (prompt-major, then the n samples), and usage."""
         if req.stream:
             raise BadRequest("stream: streaming is not supported on /v1 endpoints; use /generate")
-        params = req.sampling()
-        body = GenerateReqInput(input_ids=ids, sampling_params=params)
-        seqs = service.expand(body)
-        outs = await asyncio.gather(*(service.run(*s, body) for s in seqs))
+        batch = len(prompts) > 1
+        body = GenerateReqInput(input_ids=prompts if batch else prompts[0],
+                                sampling_params=req.sampling())
+        seqs = service.expand(body, names=replace(OPENAI_NAMES, prompt=field))
+        outs = await asyncio.gather(*(service.run(*s, body, http.is_disconnected) for s in seqs))
         usage = {
-            "prompt_tokens": len(ids),
+            "prompt_tokens": sum(len(p) for p in prompts),
             "completion_tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
         }
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return outs, usage
 
     @router.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> dict:
-        outs, usage = await run(service.tokenize(req.prompt), req)
+    async def completions(req: CompletionRequest, http: HttpRequest) -> dict:
+        prompts = req.prompts
+        ids = [service.tokenize(p, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+               for i, p in enumerate(prompts)]
+        outs, usage = await run(ids, req, "prompt", http)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": req.model, "usage": usage,
@@ -86,14 +147,19 @@ def openai_router(service: object) -> APIRouter:
         }
 
     @router.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> dict:
+    async def chat(req: ChatCompletionRequest, http: HttpRequest) -> dict:
         if service.tokenizer is None or not getattr(service.tokenizer, "chat_template", None):
             raise BadRequest("messages: this model has no chat template; use /v1/completions")
-        ids = service.tokenizer.apply_chat_template(
-            [m.model_dump(exclude_none=True) for m in req.messages],
-            add_generation_prompt=True, tokenize=True, return_dict=False,
-        )
-        outs, usage = await run(list(ids), req)
+        try:
+            ids = service.tokenizer.apply_chat_template(
+                [m.model_dump(exclude_none=True) for m in req.messages],
+                add_generation_prompt=True, tokenize=True, return_dict=False,
+            )
+        except Exception as e:  # noqa: BLE001 - the template raises whatever its author chose
+            raise BadRequest(
+                f"messages: the model's chat template cannot render them ({type(e).__name__}: {e})"
+            ) from e
+        outs, usage = await run([list(ids)], req, "messages", http)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": req.model, "usage": usage,
