@@ -32,6 +32,8 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ServerInfo, object | None]:
     device = torch.device(args.device)
     dtype = args.torch_dtype()
     if device.type == "cuda":
+        if device.index is None:  # "cuda" means the current device; pin it so allocations agree
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         free_at_start, _ = torch.cuda.mem_get_info(device)
     model = load_model(args.model_path, dtype, device)
