@@ -65,7 +65,17 @@ def test_cuda_greedy_matches_transformers(tmp_path: Path, arch: str) -> None:
     finally:
         engine.close()
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).cuda()
+    # The engine ignores EOS; transformers must neither stop at it nor ban it (min_new_tokens would).
+    hf.generation_config.eos_token_id = None
     for ids, out in zip(prompts, got):
-        ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=12, do_sample=False,
-                          min_new_tokens=12)
-        assert out == ref[0, len(ids):].tolist()
+        ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=12,
+                          do_sample=False)[0, len(ids):].tolist()
+        if out == ref:
+            continue
+        # GPU kernels (SDPA variants, reduction order) differ from transformers' at ~1e-6, which can
+        # flip an argmax only where the top two logits are practically tied: check that it was so.
+        k = next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + ref[:k]], device="cuda")).logits[0, -1].float()
+        gap = (logits[ref[k]] - logits[out[k]]).abs().item()
+        assert gap < 1e-4, f"diverged at token {k} with a logit gap of {gap}"
