@@ -286,6 +286,7 @@ class GenerateService:
 
 def create_app(engine: Engine, info: ServerInfo, tokenizer: object | None) -> FastAPI:
     from milepost.engine.openai_api import openai_router
+    from milepost.engine.weight_check import weight_check_router
     from milepost.engine.weight_routes import weight_router
 
     app = FastAPI(title="milepost engine", version="0.1.0")
@@ -381,6 +382,7 @@ def create_app(engine: Engine, info: ServerInfo, tokenizer: object | None) -> Fa
         return Response(body, media_type="text/plain; version=0.0.4")
 
     app.include_router(weight_router(engine))
+    app.include_router(weight_check_router(engine))
     app.include_router(openai_router(service))
     return app
 
