@@ -7,6 +7,7 @@ handler; register it in `COMMANDS`. Handlers import their component lazily so `-
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 from collections.abc import Callable
 
@@ -55,7 +56,77 @@ def _add_tiny_model(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_serve, _add_tiny_model)
+def _add_train(subparsers: argparse._SubParsersAction) -> None:
+    from milepost.config import TABLE_OF, TrainConfig
+    from milepost.recipe import describe_settings
+
+    parser = subparsers.add_parser(
+        "train",
+        help="run RL training from a TOML recipe (with --key value overrides)",
+        description="Run RL training: a TOML recipe, then any setting as --key value, --flag or "
+        "--no-flag (later wins). Every setting is listed below under its recipe table. "
+        "`milepost train RUN_DIR/config.resolved.toml` resumes that run.",
+        epilog=describe_settings(TrainConfig, TABLE_OF),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("recipe", help="TOML recipe (recipes/*.toml, or a run's config.resolved.toml)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved settings and exit")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, metavar="--key value", help="settings")
+
+    def run(ns: argparse.Namespace) -> int:
+        from milepost.config import ConfigError, load_config
+
+        overrides = list(ns.overrides)
+        if "-h" in overrides or "--help" in overrides:
+            parser.print_help()
+            return 0
+        print_config = ns.print_config or "--print-config" in overrides
+        overrides = [o for o in overrides if o != "--print-config"]
+        try:
+            cfg = load_config(ns.recipe, overrides)
+        except ConfigError as err:
+            parser.error(str(err))  # exits 2
+        if print_config:
+            from milepost.recipe import dump_toml
+
+            print(dump_toml(cfg, TABLE_OF), end="")
+            return 0
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        path = cfg.write_resolved()
+        logging.getLogger("milepost.cli").info("run %s: resolved settings in %s", cfg.run_dir, path)
+        # Imported by name, lazily: the driver pulls in torch, the trainer and the engines.
+        importlib.import_module("milepost.driver.sync").run(cfg)
+        return 0
+
+    parser.set_defaults(run=run)
+
+
+def _add_report(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="plot a run's metrics (PNG) and summarize them (summary.md)",
+        description="Read RUN_DIR/metrics.jsonl and write plots and summary.md.",
+    )
+    parser.add_argument("run_dir", help="directory of a run (holds metrics.jsonl)")
+    parser.add_argument("--out", default=None, help="where to write (default: RUN_DIR/report)")
+
+    def run(ns: argparse.Namespace) -> int:
+        from milepost.observe.report import write_report
+
+        try:
+            paths = write_report(ns.run_dir, ns.out)
+        except (FileNotFoundError, ValueError) as err:
+            parser.error(str(err))
+        for path in paths:
+            print(path)
+        return 0
+
+    parser.set_defaults(run=run)
+
+
+COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_train, _add_report, _add_serve, _add_tiny_model,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,391 @@
+"""The run configuration of `milepost train`: one typed, validated model from a TOML recipe + overrides.
+
+Names follow the Miles/slime flags where they exist (`--hf-checkpoint`, `--rollout-batch-size`,
+`--n-samples-per-prompt`, `--eps-clip-high`, `--use-kl-loss`, ...). Tables ([model], [rollout], ...)
+only organize a recipe: every key is unique, and `--key value` on the command line sets it wherever
+it lives. Deviation: the debug data flags are `--save-rollouts` / `--load-rollouts` / `--rollout-only`
+(slime's `--save-debug-rollout-data`, `--load-debug-rollout-data`, `--debug-rollout-only` are aliases).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from milepost.config_rules import default_run_dir, refusals, resolve_defaults
+from milepost.flags import flag_name
+from milepost.recipe import ConfigError, dump_toml, parse_overrides, read_recipe
+
+__all__ = ["ConfigError", "TrainConfig", "TABLE_OF", "load_config", "default_run_dir"]
+
+_MIB = 1 << 20
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+BUILTIN_REWARDS = ("exact_match", "math")
+RESOLVED_NAME = "config.resolved.toml"
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelTable(_Table):
+    hf_checkpoint: Path = Field(
+        description="Local Hugging Face model directory (config.json + safetensors) to train from; "
+        "the engines start from it too."
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Weights dtype of trainer and engines; auto = bfloat16 on CUDA, float32 on CPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where trainer and engines run; auto = cuda when available, else cpu."
+    )
+    seed: int = Field(1234, ge=0, description="Seed of the trainer and of the engines' samplers.")
+
+
+class PlacementTable(_Table):
+    colocate: bool = Field(
+        False,
+        description="Trainer and engines share devices: the trainer is offloaded while the engines "
+        "generate, and weights move by in-host handoff (transfer mode tensor).",
+    )
+    actor_num_gpus_per_node: int = Field(
+        1, ge=1, description="Trainer ranks (one process per GPU; on CPU, one process each)."
+    )
+    rollout_num_engines: int | None = Field(
+        None, ge=1, description="Inference engines; default 1, or the number of --engine-urls with "
+        "--engine-backend external."
+    )
+    rollout_num_gpus_per_engine: int = Field(1, ge=1, description="GPUs per engine (its tensor-parallel size).")
+
+
+class EngineTable(_Table):
+    engine_backend: Literal["embedded", "sglang", "external"] = Field(
+        "embedded",
+        description="embedded = milepost's engine (`milepost serve`); sglang = SGLang servers started "
+        "by milepost; external = already-running servers at --engine-urls.",
+    )
+    engine_urls: list[str] | None = Field(
+        None, description="Base URLs (http://host:port) of the servers of --engine-backend external."
+    )
+    engine_mem_fraction_static: float = Field(
+        0.8, gt=0, lt=1, description="On CUDA, share of free device memory for an engine's weights + KV cache.",
+        json_schema_extra={"flags": ["--sglang-mem-fraction-static"]},
+    )
+    engine_max_total_tokens: int | None = Field(
+        None, ge=1, description="KV pool size of each engine in tokens; default derived by the engine."
+    )
+    engine_page_size: int = Field(16, ge=1, description="Tokens per KV cache block of each engine.")
+    router: bool | None = Field(
+        None, description="Put the engines behind sglang-router (sessions stick to one engine); "
+        "default true when there is more than one engine."
+    )
+
+
+class DataTable(_Table):
+    prompt_data: Path | None = Field(
+        None, description="Prompt dataset, JSONL (.jsonl/.json) or Parquet (.parquet); required "
+        "unless --load-rollouts."
+    )
+    input_key: str = Field("prompt", description="Field of a record holding the prompt (text or chat messages).")
+    label_key: str = Field("label", description="Field of a record holding the label the reward compares to.")
+    metadata_key: str = Field("metadata", description="Field of a record copied into Sample.metadata.")
+    apply_chat_template: bool = Field(True, description="Render prompts with the checkpoint's chat template.")
+    rollout_shuffle: bool = Field(True, description="Shuffle the prompts (each epoch) with --rollout-seed.")
+    rollout_seed: int = Field(42, ge=0, description="Seed of the prompt shuffle and of rollout sampling seeds.")
+
+
+class RolloutTable(_Table):
+    num_rollout: int = Field(ge=1, description="Number of RL steps (rollout, train, weight update).")
+    rollout_batch_size: int = Field(ge=1, description="Prompts per RL step.")
+    n_samples_per_prompt: int = Field(8, ge=1, description="Samples (one group) per prompt.")
+    rollout_max_response_len: int = Field(1024, ge=1, description="Most tokens generated per sample.")
+    rollout_temperature: float = Field(1.0, ge=0, description="Sampling temperature of rollouts.")
+    rollout_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of rollouts.")
+    rollout_top_k: int = Field(-1, description="Top-k sampling of rollouts; -1 = off.")
+    rollout_stop: list[str] | None = Field(None, description="Stop strings of rollouts.")
+    rollout_stop_token_ids: list[int] | None = Field(None, description="Stop token ids of rollouts (besides EOS).")
+    reward_fn: str = Field(
+        "exact_match",
+        description="Reward of one sample: exact_match, math, or an import path module.sub:function.",
+        json_schema_extra={"flags": ["--custom-rm-path"]},
+    )
+    group_reward_fn: str | None = Field(
+        None, description="Reward of a whole group at once (import path module.sub:function); "
+        "replaces --reward-fn when given."
+    )
+    rollout_max_concurrency: int | None = Field(
+        None, ge=1, description="Most generation requests in flight over all engines; default: every "
+        "sample of a step (rollout_batch_size * n_samples_per_prompt)."
+    )
+    # Fully asynchronous training (issue: fully-async driver) adds its flags here, with its checks
+    # in TrainConfig._combinations (e.g. fully async + colocate is refused).
+
+
+class AlgorithmTable(_Table):
+    advantage_estimator: Literal["grpo"] = Field("grpo", description="How rewards become advantages.")
+    normalize_advantages: bool = Field(
+        True, description="GRPO: divide each group's centered rewards by the group's std."
+    )
+    eps_clip: float = Field(0.2, gt=0, description="PPO clip range below: ratio >= 1 - eps_clip.")
+    eps_clip_high: float = Field(0.28, gt=0, description="PPO clip range above: ratio <= 1 + eps_clip_high.")
+    use_kl_loss: bool = Field(False, description="Add a KL loss to the reference (initial) policy.")
+    kl_loss_coef: float = Field(0.0, ge=0, description="Weight of the KL loss (needs --use-kl-loss).")
+    kl_loss_type: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    use_rollout_logprobs: bool = Field(
+        False, description="Use the engine's log-probs as the old policy instead of recomputing them."
+    )
+
+
+class OptimizerTable(_Table):
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate (Adam).")
+    min_lr: float = Field(0.0, ge=0, description="Final learning rate of the cosine decay.")
+    lr_warmup_iters: int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
+    lr_decay_style: Literal["constant", "cosine"] = Field(
+        "constant", description="Learning rate after warmup; cosine decays to --min-lr over the run."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW).")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(0.98, ge=0, lt=1, description="Adam beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    clip_grad: float = Field(1.0, ge=0, description="Max global gradient norm; 0 = no clipping.")
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Samples per optimizer step; default rollout_batch_size * "
+        "n_samples_per_prompt (one step per rollout)."
+    )
+    max_tokens_per_micro_batch: int = Field(
+        4096, ge=1, description="Token budget of one micro-batch of a trainer rank (dynamic batching).",
+        json_schema_extra={"flags": ["--max-tokens-per-gpu"]},
+    )
+
+
+class CheckpointTable(_Table):
+    run_dir: Path | None = Field(
+        None, description="Directory of this run (checkpoints, metrics, logs); default "
+        "runs/<recipe name>-<timestamp>."
+    )
+    save_interval: int = Field(0, ge=0, description="Save a checkpoint every N steps; 0 = only at the end.")
+    resume: str = Field(
+        "auto", description="auto = continue from the latest checkpoint in --run-dir if any; never; "
+        "or the path of a checkpoint."
+    )
+    save_hf_at_end: bool = Field(True, description="Write the final weights as a Hugging Face directory.")
+
+
+class WeightsTable(_Table):
+    update_weight_buffer_size: int = Field(
+        512 * _MIB, ge=_MIB, description="Bytes per weight-update bucket (trainer to engines)."
+    )
+    update_weights_interval: int = Field(1, ge=1, description="Push weights to the engines every N steps.")
+    update_weight_transfer_mode: Literal["tensor", "broadcast", "disk"] | None = Field(
+        None, description="tensor = in-host handoff; broadcast = torch.distributed group; disk = "
+        "safetensors files. Default: tensor when colocated, else broadcast."
+    )
+    check_weight_update: bool = Field(
+        False, description="After each update, verify the engines hold exactly the trainer's weights."
+    )
+
+
+class LoggingTable(_Table):
+    use_tensorboard: bool = Field(False, description="Also log metrics to TensorBoard (run_dir/tensorboard).")
+    use_wandb: bool = Field(False, description="Also log metrics to Weights & Biases, offline mode (run_dir/wandb).")
+    wandb_project: str = Field("milepost", description="W&B project name.")
+    log_interval: int = Field(1, ge=1, description="Log metrics every N steps.")
+    eval_interval: int = Field(0, ge=0, description="Evaluate every N steps on --eval-prompt-data; 0 = never.")
+    eval_prompt_data: Path | None = Field(None, description="Evaluation prompts (JSONL or Parquet).")
+
+
+class DebugTable(_Table):
+    save_rollouts: Path | None = Field(
+        None, description="Save every step's rollout data under this directory.",
+        json_schema_extra={"flags": ["--save-debug-rollout-data"]},
+    )
+    load_rollouts: Path | None = Field(
+        None, description="Train on rollouts saved by --save-rollouts instead of generating.",
+        json_schema_extra={"flags": ["--load-debug-rollout-data"]},
+    )
+    rollout_only: bool = Field(
+        False, description="Generate (and save) rollouts without training.",
+        json_schema_extra={"flags": ["--debug-rollout-only"]},
+    )
+
+
+TABLES: dict[str, type[_Table]] = {
+    "model": ModelTable, "placement": PlacementTable, "engine": EngineTable, "data": DataTable,
+    "rollout": RolloutTable, "algorithm": AlgorithmTable, "optimizer": OptimizerTable,
+    "checkpoint": CheckpointTable, "weights": WeightsTable, "logging": LoggingTable, "debug": DebugTable,
+}
+TABLE_OF: dict[str, str] = {name: t for t, cls in TABLES.items() for name in cls.model_fields}
+
+
+def _check_dataset(flag: str, v: Path | None) -> Path | None:
+    if v is None:
+        return None
+    if not v.is_file():
+        raise ValueError(f"{flag} {v} does not exist; pass a JSONL or Parquet file")
+    if v.suffix.lower() not in (".jsonl", ".json", ".parquet"):
+        raise ValueError(f"{flag} {v} is neither JSONL (.jsonl/.json) nor Parquet (.parquet)")
+    return v.absolute()
+
+
+class TrainConfig(
+    DebugTable, LoggingTable, WeightsTable, CheckpointTable, OptimizerTable, AlgorithmTable,
+    RolloutTable, DataTable, EngineTable, PlacementTable, ModelTable,
+):
+    """Validated at construction, which also resolves every derived default (device, dtype,
+    router, global_batch_size, rollout_max_concurrency, transfer mode, run_dir...): after it,
+    no field is "auto" or None except the optional ones that stay unset."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("hf_checkpoint")
+    @classmethod
+    def _hf_dir(cls, v: Path) -> Path:
+        if not v.is_dir():
+            raise ValueError(f"--hf-checkpoint {v} is not a directory; pass a local Hugging Face model "
+                             "directory (nothing is downloaded)")
+        if not (v / "config.json").is_file():
+            raise ValueError(f"--hf-checkpoint {v} has no config.json; pass the directory that "
+                             "save_pretrained wrote")
+        return v.absolute()
+
+    @field_validator("prompt_data")
+    @classmethod
+    def _prompts(cls, v: Path | None) -> Path | None:
+        return _check_dataset("--prompt-data", v)
+
+    @field_validator("eval_prompt_data")
+    @classmethod
+    def _eval_prompts(cls, v: Path | None) -> Path | None:
+        return _check_dataset("--eval-prompt-data", v)
+
+    @field_validator("load_rollouts")
+    @classmethod
+    def _load(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.exists():
+            raise ValueError(f"--load-rollouts {v} does not exist; pass what --save-rollouts wrote")
+        return None if v is None else v.absolute()
+
+    @field_validator("run_dir", "save_rollouts")
+    @classmethod
+    def _absolute(cls, v: Path | None) -> Path | None:
+        return None if v is None else v.expanduser().absolute()
+
+    @field_validator("engine_urls")
+    @classmethod
+    def _urls(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        if not v:
+            raise ValueError("--engine-urls is empty; give at least one http://host:port")
+        bad = [u for u in v if not re.match(r"^https?://[^/\s]+", u)]
+        if bad:
+            raise ValueError(f"--engine-urls: {bad} are not http(s)://host:port URLs")
+        return [u.rstrip("/") for u in v]
+
+    @field_validator("reward_fn")
+    @classmethod
+    def _reward(cls, v: str) -> str:
+        if v not in BUILTIN_REWARDS and not _IMPORT_PATH.match(v):
+            raise ValueError(f"--reward-fn {v!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
+                             "nor an import path module.sub:function")
+        return v
+
+    @field_validator("group_reward_fn")
+    @classmethod
+    def _group_reward(cls, v: str | None) -> str | None:
+        if v is not None and not _IMPORT_PATH.match(v):
+            raise ValueError(f"--group-reward-fn {v!r} is not an import path module.sub:function")
+        return v
+
+    @field_validator("rollout_top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError(f"--rollout-top-k must be -1 (off) or >= 1; got {v}")
+        return v
+
+    @field_validator("resume")
+    @classmethod
+    def _resume(cls, v: str) -> str:
+        if v not in ("auto", "never") and not Path(v).exists():
+            raise ValueError(f"--resume {v!r} is neither auto, never, nor an existing checkpoint path")
+        return v if v in ("auto", "never") else str(Path(v).absolute())
+
+    @model_validator(mode="after")
+    def _combinations(self) -> TrainConfig:
+        problems = refusals(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        resolve_defaults(self)
+        return self
+
+    # ---- derived quantities the driver needs ----------------------------------------------------
+    @property
+    def samples_per_rollout(self) -> int:
+        """rollout_batch_size * n_samples_per_prompt: samples produced by one RL step."""
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """Optimizer steps taken on one rollout's samples."""
+        return self.samples_per_rollout // int(self.global_batch_size or self.samples_per_rollout)
+
+    def write_resolved(self, run_dir: Path | None = None) -> Path:
+        """Write every setting to <run_dir>/config.resolved.toml (loadable by load_config); its path."""
+        run_dir = Path(run_dir or self.run_dir)  # type: ignore[arg-type]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / RESOLVED_NAME
+        tmp = path.with_suffix(".toml.tmp")
+        header = ("Resolved settings of this run, written by milepost; rerun or resume with\n"
+                  f"  milepost train {path}")
+        tmp.write_text(dump_toml(self, TABLE_OF, header))
+        os.replace(tmp, path)
+        return path
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = e["loc"]
+        if e["type"] == "missing" and loc and loc[0] in TABLE_OF:
+            name = str(loc[0])
+            lines.append(f"{flag_name(name)} is required: set {name} in the recipe's [{TABLE_OF[name]}] "
+                         f"table or pass {flag_name(name)} VALUE")
+        elif e["type"] == "extra_forbidden" and loc:
+            lines.append(f"unknown setting {loc[0]}")
+        else:
+            lines.append(_one(e))
+    return "\n".join(lines)
+
+
+def _one(e: Any) -> str:
+    msg = e["msg"].removeprefix("Value error, ")
+    loc = e["loc"]
+    if loc and isinstance(loc[0], str) and loc[0] in TABLE_OF and not msg.startswith("--"):
+        where = flag_name(loc[0]) + "".join(f"[{i}]" for i in loc[1:])
+        return f"{where}: {msg}; got {e['input']!r}"
+    return msg
+
+
+def load_config(recipe: Path | str | None, overrides: list[str] | None = None) -> TrainConfig:
+    """The validated config of a run: `recipe` (TOML; None = none), then `overrides` (`--key value`...).
+
+    Raises ConfigError naming every setting at fault. A missing run_dir becomes
+    runs/<recipe stem>-<timestamp> (absolute), so the resolved config names its own run directory
+    and `milepost train <run_dir>/config.resolved.toml` resumes that run.
+    """
+    values: dict[str, Any] = {}
+    if recipe is not None:
+        values.update(read_recipe(Path(recipe), TABLE_OF))
+    values.update(parse_overrides(TrainConfig, list(overrides or [])))
+    if values.get("run_dir") is None:
+        values["run_dir"] = default_run_dir(Path(recipe).stem if recipe is not None else "run")
+    try:
+        return TrainConfig.model_validate(values)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None

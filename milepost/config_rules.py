@@ -1,0 +1,128 @@
+"""Invalid combinations of a TrainConfig, refused at start, and its derived defaults.
+
+Each refusal names every setting involved and the fix; all of them are reported at once.
+Fully-async checks (e.g. fully async + colocate) join `refusals` with the fully-async flags.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from milepost.config import TrainConfig
+
+
+def default_run_dir(name: str = "run") -> Path:
+    """runs/<name>-<YYYYmmdd-HHMMSS> under the current directory."""
+    return Path("runs") / f"{name}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def refusals(c: TrainConfig) -> list[str]:
+    """Every invalid combination, each naming the settings at fault and the fix."""
+    p: list[str] = []
+    if c.device == "cuda" and not _cuda_available():
+        p.append("--device cuda was given but CUDA is not available; use --device cpu or auto")
+    if c.prompt_data is None and c.load_rollouts is None:
+        p.append("--prompt-data is required (a JSONL or Parquet file of prompts), unless --load-rollouts "
+                 "trains on saved rollouts")
+    if c.load_rollouts is not None and c.rollout_only:
+        p.append("--load-rollouts with --rollout-only would neither generate nor train; drop one of them")
+    if c.engine_backend == "external" and not c.engine_urls:
+        p.append("--engine-backend external needs --engine-urls (the servers' http://host:port)")
+    if c.engine_backend != "external" and c.engine_urls:
+        p.append(f"--engine-urls is only for --engine-backend external (got --engine-backend "
+                 f"{c.engine_backend}, whose engines milepost starts); drop --engine-urls or use external")
+    if (c.engine_backend == "external" and c.engine_urls and c.rollout_num_engines is not None
+            and c.rollout_num_engines != len(c.engine_urls)):
+        p.append(f"--rollout-num-engines {c.rollout_num_engines} differs from the {len(c.engine_urls)} "
+                 "--engine-urls; drop --rollout-num-engines (it follows the URLs)")
+    if c.colocate and c.engine_backend == "external":
+        p.append("--colocate needs engines milepost starts beside the trainer, but --engine-backend external "
+                 "engines run elsewhere; drop --colocate or use embedded")
+    if c.colocate and c.update_weight_transfer_mode not in (None, "tensor"):
+        p.append(f"--colocate moves weights by in-host handoff; --update-weight-transfer-mode "
+                 f"{c.update_weight_transfer_mode} is refused with it: use tensor (the default when colocated)")
+    if c.engine_backend == "embedded" and c.rollout_num_gpus_per_engine > 1:
+        p.append("--rollout-num-gpus-per-engine > 1 needs tensor parallelism, which --engine-backend embedded "
+                 "does not have; use 1 or --engine-backend sglang")
+    if c.engine_backend == "sglang" and importlib.util.find_spec("sglang") is None:
+        p.append("--engine-backend sglang needs the sglang package, which is not installed; use --engine-backend "
+                 "embedded (same protocol) or external")
+    if c.eps_clip_high < c.eps_clip:
+        p.append(f"--eps-clip-high ({c.eps_clip_high}) is below --eps-clip ({c.eps_clip}); clip-higher "
+                 "needs eps_clip_high >= eps_clip")
+    if c.kl_loss_coef > 0 and not c.use_kl_loss:
+        p.append(f"--kl-loss-coef {c.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss "
+                 "or set --kl-loss-coef 0")
+    if c.advantage_estimator == "grpo" and c.n_samples_per_prompt < 2:
+        p.append("--advantage-estimator grpo compares the samples of one prompt; --n-samples-per-prompt "
+                 "must be >= 2")
+    if c.min_lr > c.lr:
+        p.append(f"--min-lr ({c.min_lr}) is above --lr ({c.lr}); the decay goes down to min_lr")
+    samples = c.rollout_batch_size * c.n_samples_per_prompt
+    if c.global_batch_size is not None and samples % c.global_batch_size:
+        p.append(f"--global-batch-size {c.global_batch_size} must divide --rollout-batch-size * "
+                 f"--n-samples-per-prompt = {c.rollout_batch_size} * {c.n_samples_per_prompt} = {samples}")
+    gbs = c.global_batch_size or samples
+    if gbs % c.actor_num_gpus_per_node:
+        p.append(f"--global-batch-size {gbs} (default: rollout_batch_size * n_samples_per_prompt) must be a "
+                 f"multiple of --actor-num-gpus-per-node {c.actor_num_gpus_per_node} (each rank takes a share)")
+    if c.eval_interval > 0 and c.eval_prompt_data is None:
+        p.append(f"--eval-interval {c.eval_interval} needs --eval-prompt-data")
+    if c.eval_prompt_data is not None and c.eval_interval == 0:
+        p.append("--eval-prompt-data is given but --eval-interval is 0 (never); set --eval-interval N")
+    if c.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        p.append("--use-tensorboard needs the tensorboard package: pip install tensorboard")
+    if c.use_wandb and importlib.util.find_spec("wandb") is None:
+        p.append("--use-wandb needs the wandb package: pip install wandb (it runs offline here)")
+    if c.device == "cuda" and not p:
+        p += _gpu_count_refusals(c)
+    return p
+
+
+def _cuda_available() -> bool:
+    import torch  # deferred: only a run that asks about CUDA pays for importing torch
+
+    return torch.cuda.is_available()
+
+
+def _gpu_count_refusals(c: TrainConfig) -> list[str]:
+    import torch
+
+    engines = c.rollout_num_engines or 1
+    engine_gpus = 0 if c.engine_backend == "external" else engines * c.rollout_num_gpus_per_engine
+    need = max(c.actor_num_gpus_per_node, engine_gpus) if c.colocate else c.actor_num_gpus_per_node + engine_gpus
+    have = torch.cuda.device_count()
+    if need <= have:
+        return []
+    how = "max of" if c.colocate else "sum of"
+    return [f"this placement needs {need} GPUs ({how} --actor-num-gpus-per-node {c.actor_num_gpus_per_node} and "
+            f"--rollout-num-engines * --rollout-num-gpus-per-engine = {engine_gpus}) but {have} are visible; "
+            "lower them" + ("" if c.colocate else " or use --colocate")]
+
+
+def resolve_defaults(c: TrainConfig) -> None:
+    """Fill derived defaults in place (the model is frozen afterwards; this runs inside validation)."""
+
+    def put(name: str, value: Any) -> None:
+        object.__setattr__(c, name, value)
+
+    if c.device == "auto":
+        put("device", "cuda" if _cuda_available() else "cpu")
+    if c.dtype == "auto":
+        put("dtype", "bfloat16" if c.device == "cuda" else "float32")
+    if c.rollout_num_engines is None:
+        put("rollout_num_engines", len(c.engine_urls) if c.engine_urls else 1)
+    if c.router is None:
+        put("router", c.rollout_num_engines > 1)  # type: ignore[operator]
+    if c.global_batch_size is None:
+        put("global_batch_size", c.samples_per_rollout)
+    if c.rollout_max_concurrency is None:
+        put("rollout_max_concurrency", c.samples_per_rollout)
+    if c.update_weight_transfer_mode is None:
+        put("update_weight_transfer_mode", "tensor" if c.colocate else "broadcast")
+    if c.run_dir is None:
+        put("run_dir", default_run_dir().absolute())
