@@ -89,13 +89,17 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _gpu_count_refusals(c: TrainConfig) -> list[str]:
+def _visible_gpus() -> int:
     import torch
 
+    return torch.cuda.device_count()
+
+
+def _gpu_count_refusals(c: TrainConfig) -> list[str]:
     engines = c.rollout_num_engines or 1
     engine_gpus = 0 if c.engine_backend == "external" else engines * c.rollout_num_gpus_per_engine
     need = max(c.actor_num_gpus_per_node, engine_gpus) if c.colocate else c.actor_num_gpus_per_node + engine_gpus
-    have = torch.cuda.device_count()
+    have = _visible_gpus()
     if need <= have:
         return []
     how = "max of" if c.colocate else "sum of"

@@ -73,7 +73,8 @@ class StepProgress:
     def update(self, step: int, metrics: dict[str, float]) -> None:
         """Step `step` (from 0) finished with these metrics."""
         reward = _fmt(metrics.get("rollout/reward_mean"), ".4f")
-        step_time = _fmt(metrics.get("perf/step_time"), ".2f") + "s"
+        step_time = _fmt(metrics.get("perf/step_time"), ".2f")
+        step_time += "s" if step_time != "-" else ""
         if self._progress is not None:
             self._progress.update(self._task, completed=step + 1, reward=reward, step_time=step_time)
             return
