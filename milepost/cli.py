@@ -64,7 +64,8 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="run RL training from a TOML recipe (with --key value overrides)",
         description="Run RL training: a TOML recipe, then any setting as --key value, --flag or "
-        "--no-flag (later wins). Every setting is listed below under its recipe table. "
+        "--no-flag (later wins); relative paths are from the current directory. Every setting is "
+        "listed below under its recipe table. "
         "`milepost train RUN_DIR/config.resolved.toml` resumes that run.",
         epilog=describe_settings(TrainConfig, TABLE_OF),
         formatter_class=argparse.RawDescriptionHelpFormatter,

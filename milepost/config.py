@@ -56,10 +56,14 @@ class PlacementTable(_Table):
         1, ge=1, description="Trainer ranks (one process per GPU; on CPU, one process each)."
     )
     rollout_num_engines: int | None = Field(
-        None, ge=1, description="Inference engines; default 1, or the number of --engine-urls with "
-        "--engine-backend external."
+        None,
+        ge=1,
+        description="Inference engines; default 1, or the number of --engine-urls with "
+        "--engine-backend external.",
     )
-    rollout_num_gpus_per_engine: int = Field(1, ge=1, description="GPUs per engine (its tensor-parallel size).")
+    rollout_num_gpus_per_engine: int = Field(
+        1, ge=1, description="GPUs per engine (its tensor-parallel size)."
+    )
 
 
 class EngineTable(_Table):
@@ -72,7 +76,10 @@ class EngineTable(_Table):
         None, description="Base URLs (http://host:port) of the servers of --engine-backend external."
     )
     engine_mem_fraction_static: float = Field(
-        0.8, gt=0, lt=1, description="On CUDA, share of free device memory for an engine's weights + KV cache.",
+        0.8,
+        gt=0,
+        lt=1,
+        description="On CUDA, share of free device memory for an engine's weights + KV cache.",
         json_schema_extra={"flags": ["--sglang-mem-fraction-static"]},
     )
     engine_max_total_tokens: int | None = Field(
@@ -80,22 +87,28 @@ class EngineTable(_Table):
     )
     engine_page_size: int = Field(16, ge=1, description="Tokens per KV cache block of each engine.")
     router: bool | None = Field(
-        None, description="Put the engines behind sglang-router (sessions stick to one engine); "
-        "default true when there is more than one engine."
+        None,
+        description="Put the engines behind sglang-router (sessions stick to one engine); "
+        "default true when there is more than one engine.",
     )
 
 
 class DataTable(_Table):
     prompt_data: Path | None = Field(
-        None, description="Prompt dataset, JSONL (.jsonl/.json) or Parquet (.parquet); required "
-        "unless --load-rollouts."
+        None,
+        description="Prompt dataset, JSONL (.jsonl/.json) or Parquet (.parquet); required "
+        "unless --load-rollouts.",
     )
-    input_key: str = Field("prompt", description="Field of a record holding the prompt (text or chat messages).")
+    input_key: str = Field(
+        "prompt", description="Field of a record holding the prompt (text or chat messages)."
+    )
     label_key: str = Field("label", description="Field of a record holding the label the reward compares to.")
     metadata_key: str = Field("metadata", description="Field of a record copied into Sample.metadata.")
     apply_chat_template: bool = Field(True, description="Render prompts with the checkpoint's chat template.")
     rollout_shuffle: bool = Field(True, description="Shuffle the prompts (each epoch) with --rollout-seed.")
-    rollout_seed: int = Field(42, ge=0, description="Seed of the prompt shuffle and of rollout sampling seeds.")
+    rollout_seed: int = Field(
+        42, ge=0, description="Seed of the prompt shuffle and of rollout sampling seeds."
+    )
 
 
 class RolloutTable(_Table):
@@ -107,19 +120,24 @@ class RolloutTable(_Table):
     rollout_top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of rollouts.")
     rollout_top_k: int = Field(-1, description="Top-k sampling of rollouts; -1 = off.")
     rollout_stop: list[str] | None = Field(None, description="Stop strings of rollouts.")
-    rollout_stop_token_ids: list[int] | None = Field(None, description="Stop token ids of rollouts (besides EOS).")
+    rollout_stop_token_ids: list[int] | None = Field(
+        None, description="Stop token ids of rollouts (besides EOS)."
+    )
     reward_fn: str = Field(
         "exact_match",
         description="Reward of one sample: exact_match, math, or an import path module.sub:function.",
         json_schema_extra={"flags": ["--custom-rm-path"]},
     )
     group_reward_fn: str | None = Field(
-        None, description="Reward of a whole group at once (import path module.sub:function); "
-        "replaces --reward-fn when given."
+        None,
+        description="Reward of a whole group at once (import path module.sub:function); "
+        "replaces --reward-fn when given.",
     )
     rollout_max_concurrency: int | None = Field(
-        None, ge=1, description="Most generation requests in flight over all engines; default: every "
-        "sample of a step (rollout_batch_size * n_samples_per_prompt)."
+        None,
+        ge=1,
+        description="Most generation requests in flight over all engines; default: every "
+        "sample of a step (rollout_batch_size * n_samples_per_prompt).",
     )
     # Fully asynchronous training (issue: fully-async driver) adds its flags here, with its checks
     # in TrainConfig._combinations (e.g. fully async + colocate is refused).
@@ -154,24 +172,30 @@ class OptimizerTable(_Table):
     adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     clip_grad: float = Field(1.0, ge=0, description="Max global gradient norm; 0 = no clipping.")
     global_batch_size: int | None = Field(
-        None, ge=1, description="Samples per optimizer step; default rollout_batch_size * "
-        "n_samples_per_prompt (one step per rollout)."
+        None,
+        ge=1,
+        description="Samples per optimizer step; default rollout_batch_size * "
+        "n_samples_per_prompt (one step per rollout).",
     )
     max_tokens_per_micro_batch: int = Field(
-        4096, ge=1, description="Token budget of one micro-batch of a trainer rank (dynamic batching).",
+        4096,
+        ge=1,
+        description="Token budget of one micro-batch of a trainer rank (dynamic batching).",
         json_schema_extra={"flags": ["--max-tokens-per-gpu"]},
     )
 
 
 class CheckpointTable(_Table):
     run_dir: Path | None = Field(
-        None, description="Directory of this run (checkpoints, metrics, logs); default "
-        "runs/<recipe name>-<timestamp>."
+        None,
+        description="Directory of this run (checkpoints, metrics, logs); default "
+        "runs/<recipe name>-<timestamp>.",
     )
     save_interval: int = Field(0, ge=0, description="Save a checkpoint every N steps; 0 = only at the end.")
     resume: str = Field(
-        "auto", description="auto = continue from the latest checkpoint in --run-dir if any; never; "
-        "or the path of a checkpoint."
+        "auto",
+        description="auto = continue from the latest checkpoint in --run-dir if any; never; "
+        "or the path of a checkpoint.",
     )
     save_hf_at_end: bool = Field(True, description="Write the final weights as a Hugging Face directory.")
 
@@ -182,8 +206,9 @@ class WeightsTable(_Table):
     )
     update_weights_interval: int = Field(1, ge=1, description="Push weights to the engines every N steps.")
     update_weight_transfer_mode: Literal["tensor", "broadcast", "disk"] | None = Field(
-        None, description="tensor = in-host handoff; broadcast = torch.distributed group; disk = "
-        "safetensors files. Default: tensor when colocated, else broadcast."
+        None,
+        description="tensor = in-host handoff; broadcast = torch.distributed group; disk = "
+        "safetensors files. Default: tensor when colocated, else broadcast.",
     )
     check_weight_update: bool = Field(
         False, description="After each update, verify the engines hold exactly the trainer's weights."
@@ -192,32 +217,47 @@ class WeightsTable(_Table):
 
 class LoggingTable(_Table):
     use_tensorboard: bool = Field(False, description="Also log metrics to TensorBoard (run_dir/tensorboard).")
-    use_wandb: bool = Field(False, description="Also log metrics to Weights & Biases, offline mode (run_dir/wandb).")
+    use_wandb: bool = Field(
+        False, description="Also log metrics to Weights & Biases, offline mode (run_dir/wandb)."
+    )
     wandb_project: str = Field("milepost", description="W&B project name.")
     log_interval: int = Field(1, ge=1, description="Log metrics every N steps.")
-    eval_interval: int = Field(0, ge=0, description="Evaluate every N steps on --eval-prompt-data; 0 = never.")
+    eval_interval: int = Field(
+        0, ge=0, description="Evaluate every N steps on --eval-prompt-data; 0 = never."
+    )
     eval_prompt_data: Path | None = Field(None, description="Evaluation prompts (JSONL or Parquet).")
 
 
 class DebugTable(_Table):
     save_rollouts: Path | None = Field(
-        None, description="Save every step's rollout data under this directory.",
+        None,
+        description="Save every step's rollout data under this directory.",
         json_schema_extra={"flags": ["--save-debug-rollout-data"]},
     )
     load_rollouts: Path | None = Field(
-        None, description="Train on rollouts saved by --save-rollouts instead of generating.",
+        None,
+        description="Train on rollouts saved by --save-rollouts instead of generating.",
         json_schema_extra={"flags": ["--load-debug-rollout-data"]},
     )
     rollout_only: bool = Field(
-        False, description="Generate (and save) rollouts without training.",
+        False,
+        description="Generate (and save) rollouts without training.",
         json_schema_extra={"flags": ["--debug-rollout-only"]},
     )
 
 
 TABLES: dict[str, type[_Table]] = {
-    "model": ModelTable, "placement": PlacementTable, "engine": EngineTable, "data": DataTable,
-    "rollout": RolloutTable, "algorithm": AlgorithmTable, "optimizer": OptimizerTable,
-    "checkpoint": CheckpointTable, "weights": WeightsTable, "logging": LoggingTable, "debug": DebugTable,
+    "model": ModelTable,
+    "placement": PlacementTable,
+    "engine": EngineTable,
+    "data": DataTable,
+    "rollout": RolloutTable,
+    "algorithm": AlgorithmTable,
+    "optimizer": OptimizerTable,
+    "checkpoint": CheckpointTable,
+    "weights": WeightsTable,
+    "logging": LoggingTable,
+    "debug": DebugTable,
 }
 TABLE_OF: dict[str, str] = {name: t for t, cls in TABLES.items() for name in cls.model_fields}
 
@@ -233,8 +273,17 @@ def _check_dataset(flag: str, v: Path | None) -> Path | None:
 
 
 class TrainConfig(
-    DebugTable, LoggingTable, WeightsTable, CheckpointTable, OptimizerTable, AlgorithmTable,
-    RolloutTable, DataTable, EngineTable, PlacementTable, ModelTable,
+    DebugTable,
+    LoggingTable,
+    WeightsTable,
+    CheckpointTable,
+    OptimizerTable,
+    AlgorithmTable,
+    RolloutTable,
+    DataTable,
+    EngineTable,
+    PlacementTable,
+    ModelTable,
 ):
     """Validated at construction, which also resolves every derived default (device, dtype,
     router, global_batch_size, rollout_max_concurrency, transfer mode, run_dir...): after it,
@@ -246,11 +295,14 @@ class TrainConfig(
     @classmethod
     def _hf_dir(cls, v: Path) -> Path:
         if not v.is_dir():
-            raise ValueError(f"--hf-checkpoint {v} is not a directory; pass a local Hugging Face model "
-                             "directory (nothing is downloaded)")
+            raise ValueError(
+                f"--hf-checkpoint {v} is not a directory; pass a local Hugging Face model "
+                "directory (nothing is downloaded)"
+            )
         if not (v / "config.json").is_file():
-            raise ValueError(f"--hf-checkpoint {v} has no config.json; pass the directory that "
-                             "save_pretrained wrote")
+            raise ValueError(
+                f"--hf-checkpoint {v} has no config.json; pass the directory that save_pretrained wrote"
+            )
         return v.absolute()
 
     @field_validator("prompt_data")
@@ -291,8 +343,10 @@ class TrainConfig(
     @classmethod
     def _reward(cls, v: str) -> str:
         if v not in BUILTIN_REWARDS and not _IMPORT_PATH.match(v):
-            raise ValueError(f"--reward-fn {v!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
-                             "nor an import path module.sub:function")
+            raise ValueError(
+                f"--reward-fn {v!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
+                "nor an import path module.sub:function"
+            )
         return v
 
     @field_validator("group_reward_fn")
@@ -341,8 +395,10 @@ class TrainConfig(
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / RESOLVED_NAME
         tmp = path.with_suffix(".toml.tmp")
-        header = ("Resolved settings of this run, written by milepost; rerun or resume with\n"
-                  f"  milepost train {path}")
+        header = (
+            "Resolved settings of this run, written by milepost; rerun or resume with\n"
+            f"  milepost train {path}"
+        )
         tmp.write_text(dump_toml(self, TABLE_OF, header))
         os.replace(tmp, path)
         return path
@@ -354,8 +410,10 @@ def _format_errors(err: ValidationError) -> str:
         loc = e["loc"]
         if e["type"] == "missing" and loc and loc[0] in TABLE_OF:
             name = str(loc[0])
-            lines.append(f"{flag_name(name)} is required: set {name} in the recipe's [{TABLE_OF[name]}] "
-                         f"table or pass {flag_name(name)} VALUE")
+            lines.append(
+                f"{flag_name(name)} is required: set {name} in the recipe's [{TABLE_OF[name]}] "
+                f"table or pass {flag_name(name)} VALUE"
+            )
         elif e["type"] == "extra_forbidden" and loc:
             lines.append(f"unknown setting {loc[0]}")
         else:
@@ -375,7 +433,8 @@ def _one(e: Any) -> str:
 def load_config(recipe: Path | str | None, overrides: list[str] | None = None) -> TrainConfig:
     """The validated config of a run: `recipe` (TOML; None = none), then `overrides` (`--key value`...).
 
-    Raises ConfigError naming every setting at fault. A missing run_dir becomes
+    Relative paths are taken from the current directory (and stored absolute). Raises ConfigError
+    naming every setting at fault. A missing run_dir becomes
     runs/<recipe stem>-<timestamp> (absolute), so the resolved config names its own run directory
     and `milepost train <run_dir>/config.resolved.toml` resumes that run.
     """

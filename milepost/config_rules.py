@@ -26,50 +26,78 @@ def refusals(c: TrainConfig) -> list[str]:
     if c.device == "cuda" and not _cuda_available():
         p.append("--device cuda was given but CUDA is not available; use --device cpu or auto")
     if c.prompt_data is None and c.load_rollouts is None:
-        p.append("--prompt-data is required (a JSONL or Parquet file of prompts), unless --load-rollouts "
-                 "trains on saved rollouts")
+        p.append(
+            "--prompt-data is required (a JSONL or Parquet file of prompts), unless --load-rollouts "
+            "trains on saved rollouts"
+        )
     if c.load_rollouts is not None and c.rollout_only:
         p.append("--load-rollouts with --rollout-only would neither generate nor train; drop one of them")
     if c.engine_backend == "external" and not c.engine_urls:
         p.append("--engine-backend external needs --engine-urls (the servers' http://host:port)")
     if c.engine_backend != "external" and c.engine_urls:
-        p.append(f"--engine-urls is only for --engine-backend external (got --engine-backend "
-                 f"{c.engine_backend}, whose engines milepost starts); drop --engine-urls or use external")
-    if (c.engine_backend == "external" and c.engine_urls and c.rollout_num_engines is not None
-            and c.rollout_num_engines != len(c.engine_urls)):
-        p.append(f"--rollout-num-engines {c.rollout_num_engines} differs from the {len(c.engine_urls)} "
-                 "--engine-urls; drop --rollout-num-engines (it follows the URLs)")
+        p.append(
+            f"--engine-urls is only for --engine-backend external (got --engine-backend "
+            f"{c.engine_backend}, whose engines milepost starts); drop --engine-urls or use external"
+        )
+    if (
+        c.engine_backend == "external"
+        and c.engine_urls
+        and c.rollout_num_engines is not None
+        and c.rollout_num_engines != len(c.engine_urls)
+    ):
+        p.append(
+            f"--rollout-num-engines {c.rollout_num_engines} differs from the {len(c.engine_urls)} "
+            "--engine-urls; drop --rollout-num-engines (it follows the URLs)"
+        )
     if c.colocate and c.engine_backend == "external":
-        p.append("--colocate needs engines milepost starts beside the trainer, but --engine-backend external "
-                 "engines run elsewhere; drop --colocate or use embedded")
+        p.append(
+            "--colocate needs engines milepost starts beside the trainer, but --engine-backend external "
+            "engines run elsewhere; drop --colocate or use embedded"
+        )
     if c.colocate and c.update_weight_transfer_mode not in (None, "tensor"):
-        p.append(f"--colocate moves weights by in-host handoff; --update-weight-transfer-mode "
-                 f"{c.update_weight_transfer_mode} is refused with it: use tensor (the default when colocated)")
+        p.append(
+            f"--colocate moves weights by in-host handoff; --update-weight-transfer-mode "
+            f"{c.update_weight_transfer_mode} is refused with it: use tensor (the default when colocated)"
+        )
     if c.engine_backend == "embedded" and c.rollout_num_gpus_per_engine > 1:
-        p.append("--rollout-num-gpus-per-engine > 1 needs tensor parallelism, which --engine-backend embedded "
-                 "does not have; use 1 or --engine-backend sglang")
+        p.append(
+            "--rollout-num-gpus-per-engine > 1 needs tensor parallelism, which --engine-backend embedded "
+            "does not have; use 1 or --engine-backend sglang"
+        )
     if c.engine_backend == "sglang" and importlib.util.find_spec("sglang") is None:
-        p.append("--engine-backend sglang needs the sglang package, which is not installed; use --engine-backend "
-                 "embedded (same protocol) or external")
+        p.append(
+            "--engine-backend sglang needs the sglang package, which is not installed; use --engine-backend "
+            "embedded (same protocol) or external"
+        )
     if c.eps_clip_high < c.eps_clip:
-        p.append(f"--eps-clip-high ({c.eps_clip_high}) is below --eps-clip ({c.eps_clip}); clip-higher "
-                 "needs eps_clip_high >= eps_clip")
+        p.append(
+            f"--eps-clip-high ({c.eps_clip_high}) is below --eps-clip ({c.eps_clip}); clip-higher "
+            "needs eps_clip_high >= eps_clip"
+        )
     if c.kl_loss_coef > 0 and not c.use_kl_loss:
-        p.append(f"--kl-loss-coef {c.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss "
-                 "or set --kl-loss-coef 0")
+        p.append(
+            f"--kl-loss-coef {c.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss "
+            "or set --kl-loss-coef 0"
+        )
     if c.advantage_estimator == "grpo" and c.n_samples_per_prompt < 2:
-        p.append("--advantage-estimator grpo compares the samples of one prompt; --n-samples-per-prompt "
-                 "must be >= 2")
+        p.append(
+            "--advantage-estimator grpo compares the samples of one prompt; --n-samples-per-prompt "
+            "must be >= 2"
+        )
     if c.min_lr > c.lr:
         p.append(f"--min-lr ({c.min_lr}) is above --lr ({c.lr}); the decay goes down to min_lr")
     samples = c.rollout_batch_size * c.n_samples_per_prompt
     if c.global_batch_size is not None and samples % c.global_batch_size:
-        p.append(f"--global-batch-size {c.global_batch_size} must divide --rollout-batch-size * "
-                 f"--n-samples-per-prompt = {c.rollout_batch_size} * {c.n_samples_per_prompt} = {samples}")
+        p.append(
+            f"--global-batch-size {c.global_batch_size} must divide --rollout-batch-size * "
+            f"--n-samples-per-prompt = {c.rollout_batch_size} * {c.n_samples_per_prompt} = {samples}"
+        )
     gbs = c.global_batch_size or samples
     if gbs % c.actor_num_gpus_per_node:
-        p.append(f"--global-batch-size {gbs} (default: rollout_batch_size * n_samples_per_prompt) must be a "
-                 f"multiple of --actor-num-gpus-per-node {c.actor_num_gpus_per_node} (each rank takes a share)")
+        p.append(
+            f"--global-batch-size {gbs} (default: rollout_batch_size * n_samples_per_prompt) must be a "
+            f"multiple of --actor-num-gpus-per-node {c.actor_num_gpus_per_node} (each rank takes a share)"
+        )
     if c.eval_interval > 0 and c.eval_prompt_data is None:
         p.append(f"--eval-interval {c.eval_interval} needs --eval-prompt-data")
     if c.eval_prompt_data is not None and c.eval_interval == 0:
@@ -98,14 +126,18 @@ def _visible_gpus() -> int:
 def _gpu_count_refusals(c: TrainConfig) -> list[str]:
     engines = c.rollout_num_engines or 1
     engine_gpus = 0 if c.engine_backend == "external" else engines * c.rollout_num_gpus_per_engine
-    need = max(c.actor_num_gpus_per_node, engine_gpus) if c.colocate else c.actor_num_gpus_per_node + engine_gpus
+    need = (
+        max(c.actor_num_gpus_per_node, engine_gpus) if c.colocate else c.actor_num_gpus_per_node + engine_gpus
+    )
     have = _visible_gpus()
     if need <= have:
         return []
     how = "max of" if c.colocate else "sum of"
-    return [f"this placement needs {need} GPUs ({how} --actor-num-gpus-per-node {c.actor_num_gpus_per_node} and "
-            f"--rollout-num-engines * --rollout-num-gpus-per-engine = {engine_gpus}) but {have} are visible; "
-            "lower them" + ("" if c.colocate else " or use --colocate")]
+    return [
+        f"this placement needs {need} GPUs ({how} --actor-num-gpus-per-node {c.actor_num_gpus_per_node} and "
+        f"--rollout-num-engines * --rollout-num-gpus-per-engine = {engine_gpus}) but {have} are visible; "
+        "lower them" + ("" if c.colocate else " or use --colocate")
+    ]
 
 
 def resolve_defaults(c: TrainConfig) -> None:

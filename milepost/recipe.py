@@ -237,8 +237,13 @@ def describe_settings(model: type[BaseModel], table_of: Mapping[str, str]) -> st
             if t != table:
                 continue
             info = model.model_fields[name]
-            default = ("required" if info.is_required() else "optional" if info.get_default() is None
-                       else f"default {info.get_default()!r}")
+            default = (
+                "required"
+                if info.is_required()
+                else "optional"
+                if info.get_default() is None
+                else f"default {info.get_default()!r}"
+            )
             extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
             flag = " / ".join([flag_name(name), *extra.get("flags", [])])  # type: ignore[list-item]
             inner = _args(info.annotation)[0]

@@ -125,7 +125,9 @@ class MetricsLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
-            raise ImportError(f"--use-tensorboard needs the tensorboard package ({err}); pip install tensorboard") from err
+            raise ImportError(
+                f"--use-tensorboard needs the tensorboard package ({err}); pip install tensorboard"
+            ) from err
         # purge_step hides events a crashed run logged at steps that are now redone.
         return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=start_step)
 
@@ -133,8 +135,10 @@ class MetricsLogger:
         try:
             import wandb
         except ImportError as err:
-            raise ImportError("--use-wandb needs the wandb package: pip install wandb "
-                              "(milepost runs it in offline mode; sync later with `wandb sync`)") from err
+            raise ImportError(
+                "--use-wandb needs the wandb package: pip install wandb "
+                "(milepost runs it in offline mode; sync later with `wandb sync`)"
+            ) from err
         id_file = self.run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
         id_file.write_text(run_id)
@@ -147,8 +151,10 @@ class MetricsLogger:
             log.debug("metrics: step %d is already in %s; not logged again", step, self.path)
             return False
         if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"metrics: step {step} comes after step {self._last_step}; steps must "
-                             "increase, and one step's metrics go in one log() call")
+            raise ValueError(
+                f"metrics: step {step} comes after step {self._last_step}; steps must "
+                "increase, and one step's metrics go in one log() call"
+            )
         values = {str(k): float(v) for k, v in metrics.items()}
         if {"step", "time"} & values.keys():
             raise ValueError("metrics: 'step' and 'time' are reserved names; rename the metric")

@@ -82,8 +82,11 @@ class StepProgress:
             f" {name.split('/')[-1]}={_fmt(metrics[name], '.4g')}" for name in _PLAIN_EXTRA if name in metrics
         )
         stamp = time.strftime("%H:%M:%S")
-        print(f"{stamp} step {step + 1}/{self.total} reward_mean={reward} step_time={step_time}{extra}",
-              file=self.stream, flush=True)
+        print(
+            f"{stamp} step {step + 1}/{self.total} reward_mean={reward} step_time={step_time}{extra}",
+            file=self.stream,
+            flush=True,
+        )
 
     def close(self) -> None:
         if self._progress is not None:

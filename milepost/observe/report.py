@@ -13,10 +13,19 @@ from pathlib import Path
 from milepost.observe.metrics import read_metrics
 
 # Direction of "best" in the summary; metrics in neither set show no best.
-_HIGHER_IS_BETTER = {"rollout/reward_mean", "eval/reward_mean", "rollout/tokens_per_s", "rollout/cache_hit_rate"}
+_HIGHER_IS_BETTER = {
+    "rollout/reward_mean",
+    "eval/reward_mean",
+    "rollout/tokens_per_s",
+    "rollout/cache_hit_rate",
+}
 _LOWER_IS_BETTER = {
-    "rollout/truncated_frac", "train/train_rollout_logprob_abs_diff",
-    "perf/rollout_time", "perf/train_time", "perf/update_weights_time", "perf/step_time",
+    "rollout/truncated_frac",
+    "train/train_rollout_logprob_abs_diff",
+    "perf/rollout_time",
+    "perf/train_time",
+    "perf/update_weights_time",
+    "perf/step_time",
 }
 _TIME_PARTS = ("perf/rollout_time", "perf/train_time", "perf/update_weights_time")
 
@@ -125,8 +134,12 @@ def _fmt(v: float) -> str:
 def _summary(records: list[dict[str, float]], run_dir: Path, images: list[Path]) -> str:
     names = sorted({k for r in records for k in r} - {"step", "time"})
     steps = [int(r["step"]) for r in records]
-    lines = [f"# Run summary: {run_dir.name}", "", f"- run directory: `{run_dir}`",
-             f"- steps logged: {len(records)} (step {min(steps)} to {max(steps)})"]
+    lines = [
+        f"# Run summary: {run_dir.name}",
+        "",
+        f"- run directory: `{run_dir}`",
+        f"- steps logged: {len(records)} (step {min(steps)} to {max(steps)})",
+    ]
     if _has(records, "perf/step_time"):
         total = sum(v for v in _series(records, "perf/step_time")[1] if not math.isnan(v))
         lines.append(f"- total step time: {total:.1f} s")
@@ -136,7 +149,13 @@ def _summary(records: list[dict[str, float]], run_dir: Path, images: list[Path])
         if not vals:
             continue
         best = max(vals) if name in _HIGHER_IS_BETTER else min(vals) if name in _LOWER_IS_BETTER else None
-        cells = [_fmt(vals[0]), _fmt(vals[-1]), "-" if best is None else _fmt(best), _fmt(min(vals)), _fmt(max(vals))]
+        cells = [
+            _fmt(vals[0]),
+            _fmt(vals[-1]),
+            "-" if best is None else _fmt(best),
+            _fmt(min(vals)),
+            _fmt(max(vals)),
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
     lines += [f"![{p.stem}]({p.name})" for p in images]
@@ -156,11 +175,19 @@ def write_report(run_dir: Path | str, out_dir: Path | str | None = None) -> list
     plots = [
         ("reward.png", lambda p: _plot_reward(records, p)),
         ("response_len.png", lambda p: _plot_response_len(records, p)),
-        ("stability.png", lambda p: _plot_panels(
-            records, ("train/kl", "train/pg_clipfrac", "train/entropy", "train/train_rollout_logprob_abs_diff"),
-            "stability", p)),
-        ("optimizer.png", lambda p: _plot_panels(records, ("train/loss", "train/grad_norm", "train/lr"),
-                                                 "optimizer", p)),
+        (
+            "stability.png",
+            lambda p: _plot_panels(
+                records,
+                ("train/kl", "train/pg_clipfrac", "train/entropy", "train/train_rollout_logprob_abs_diff"),
+                "stability",
+                p,
+            ),
+        ),
+        (
+            "optimizer.png",
+            lambda p: _plot_panels(records, ("train/loss", "train/grad_norm", "train/lr"), "optimizer", p),
+        ),
         ("time_split.png", lambda p: _plot_time_split(records, p)),
     ]
     written = [out / name for name, plot in plots if plot(out / name)]

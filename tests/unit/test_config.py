@@ -34,8 +34,20 @@ def prompts(tmp_path: Path) -> Path:
 @pytest.fixture
 def base(model_dir: Path, prompts: Path, tmp_path: Path) -> list[str]:
     """The fewest flags of a valid run (device pinned so the tests mean the same on a GPU host)."""
-    return ["--hf-checkpoint", str(model_dir), "--prompt-data", str(prompts), "--num-rollout", "3",
-            "--rollout-batch-size", "4", "--device", "cpu", "--run-dir", str(tmp_path / "run")]
+    return [
+        "--hf-checkpoint",
+        str(model_dir),
+        "--prompt-data",
+        str(prompts),
+        "--num-rollout",
+        "3",
+        "--rollout-batch-size",
+        "4",
+        "--device",
+        "cpu",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
 
 
 def _write(path: Path, text: str) -> Path:
@@ -53,7 +65,13 @@ def test_tables_cover_every_field_once() -> None:
 def test_defaults_and_derived_values(base: list[str], tmp_path: Path) -> None:
     cfg = load_config(None, base)
     assert (cfg.n_samples_per_prompt, cfg.rollout_temperature, cfg.rollout_top_k) == (8, 1.0, -1)
-    assert (cfg.eps_clip, cfg.eps_clip_high, cfg.kl_loss_type, cfg.lr, cfg.adam_beta2) == (0.2, 0.28, "k3", 1e-6, 0.98)
+    assert (cfg.eps_clip, cfg.eps_clip_high, cfg.kl_loss_type, cfg.lr, cfg.adam_beta2) == (
+        0.2,
+        0.28,
+        "k3",
+        1e-6,
+        0.98,
+    )
     assert cfg.update_weight_buffer_size == 512 << 20 and cfg.resume == "auto" and cfg.save_hf_at_end
     assert cfg.apply_chat_template and cfg.rollout_shuffle and not cfg.colocate
     # derived
@@ -67,12 +85,16 @@ def test_defaults_and_derived_values(base: list[str], tmp_path: Path) -> None:
         cfg.lr = 1.0  # type: ignore[misc]  # frozen: the driver cannot drift from the resolved file
 
 
-def test_derived_router_transfer_and_run_dir(base: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_derived_router_transfer_and_run_dir(
+    base: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = load_config(None, [*base, "--rollout-num-engines", "2", "--colocate"])
     assert cfg.router is True and cfg.update_weight_transfer_mode == "tensor"
     cfg = load_config(None, [*base, "--rollout-num-engines", "2", "--no-router"])
     assert cfg.router is False
-    ext = load_config(None, [*base, "--engine-backend", "external", "--engine-urls", "http://a:1,http://b:2/"])
+    ext = load_config(
+        None, [*base, "--engine-backend", "external", "--engine-urls", "http://a:1,http://b:2/"]
+    )
     assert ext.rollout_num_engines == 2 and ext.engine_urls == ["http://a:1", "http://b:2"] and ext.router
     monkeypatch.chdir(tmp_path)
     recipe = _write(tmp_path / "gsm8k-tiny.toml", "")
@@ -83,7 +105,9 @@ def test_derived_router_transfer_and_run_dir(base: list[str], tmp_path: Path, mo
 
 
 def test_recipe_then_overrides(base: list[str], tmp_path: Path) -> None:
-    recipe = _write(tmp_path / "r.toml", """
+    recipe = _write(
+        tmp_path / "r.toml",
+        """
 n_samples_per_prompt = 4            # flat keys are fine too
 [optimizer]
 lr = 2e-6
@@ -93,16 +117,38 @@ rollout_stop = ["</answer>", "a,b"]
 rollout_temperature = 0.7
 [data]
 apply_chat_template = false
-""")
+""",
+    )
     cfg = load_config(recipe, base)
     assert (cfg.lr, cfg.clip_grad, cfg.rollout_temperature, cfg.n_samples_per_prompt) == (2e-6, 0.5, 0.7, 4)
     assert cfg.rollout_stop == ["</answer>", "a,b"] and cfg.apply_chat_template is False
-    cfg = load_config(recipe, [*base, "--lr=3e-6", "--apply-chat-template", "--rollout_temperature", "0.9",
-                               "--rollout-stop", "x,y", "--rollout-stop", "z", "--clip-grad", "1",
-                               "--rollout-stop-token-ids", "[1, 2]", "--custom-rm-path", "pkg.mod:score",
-                               "--use-kl-loss", "false", "--rollout-top-k", "-1"])
+    cfg = load_config(
+        recipe,
+        [
+            *base,
+            "--lr=3e-6",
+            "--apply-chat-template",
+            "--rollout_temperature",
+            "0.9",
+            "--rollout-stop",
+            "x,y",
+            "--rollout-stop",
+            "z",
+            "--clip-grad",
+            "1",
+            "--rollout-stop-token-ids",
+            "[1, 2]",
+            "--custom-rm-path",
+            "pkg.mod:score",
+            "--use-kl-loss",
+            "false",
+            "--rollout-top-k",
+            "-1",
+            "--no-rollout-shuffle",
+        ],
+    )
     assert (cfg.lr, cfg.rollout_temperature, cfg.clip_grad) == (3e-6, 0.9, 1.0)
-    assert cfg.apply_chat_template is True and cfg.use_kl_loss is False
+    assert cfg.apply_chat_template is True and cfg.use_kl_loss is False and cfg.rollout_shuffle is False
     assert cfg.rollout_stop == ["x", "y", "z"] and cfg.rollout_stop_token_ids == [1, 2]
     assert cfg.reward_fn == "pkg.mod:score"
     assert load_config(recipe, [*base, "--rollout-stop", "none"]).rollout_stop is None
@@ -129,7 +175,10 @@ def test_recipe_errors(tmp_path: Path, base: list[str], text: str, needles: list
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--rollout-batchsize", "4"], "unknown setting --rollout-batchsize; did you mean --rollout-batch-size?"),
+        (
+            ["--rollout-batchsize", "4"],
+            "unknown setting --rollout-batchsize; did you mean --rollout-batch-size?",
+        ),
         (["--eps_clip_hihg", "0.3"], "did you mean --eps-clip-high?"),
         (["--no-lr"], "unknown setting --no-lr"),
         (["--lr"], "--lr needs a value"),
@@ -147,11 +196,24 @@ def test_missing_recipe_and_required_setting(model_dir: Path, prompts: Path, tmp
     with pytest.raises(ConfigError, match="recipe .*nope.toml does not exist"):
         load_config(tmp_path / "nope.toml", [])
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["--hf-checkpoint", str(model_dir), "--prompt-data", str(prompts), "--num-rollout", "2"])
+        load_config(
+            None, ["--hf-checkpoint", str(model_dir), "--prompt-data", str(prompts), "--num-rollout", "2"]
+        )
     assert "--rollout-batch-size is required" in str(err.value) and "[rollout]" in str(err.value)
     with pytest.raises(ConfigError, match=r"--lr: Input should be greater than 0"):
-        load_config(None, ["--hf-checkpoint", str(model_dir), "--num-rollout", "1", "--rollout-batch-size", "1",
-                           "--lr", "-1"])
+        load_config(
+            None,
+            [
+                "--hf-checkpoint",
+                str(model_dir),
+                "--num-rollout",
+                "1",
+                "--rollout-batch-size",
+                "1",
+                "--lr",
+                "-1",
+            ],
+        )
 
 
 @pytest.fixture
@@ -163,15 +225,26 @@ def saved_rollouts(tmp_path: Path) -> Path:
 
 REFUSALS = [
     # (extra flags, substrings the message must hold: both settings at fault)
-    (["--global-batch-size", "5"], ["--global-batch-size 5", "--rollout-batch-size", "--n-samples-per-prompt", "= 32"]),
+    (
+        ["--global-batch-size", "5"],
+        ["--global-batch-size 5", "--rollout-batch-size", "--n-samples-per-prompt", "= 32"],
+    ),
     (["--actor-num-gpus-per-node", "3"], ["--global-batch-size 32", "--actor-num-gpus-per-node 3"]),
     (["--rollout-only", "--load-rollouts", "{saved}"], ["--load-rollouts", "--rollout-only"]),
     (["--engine-backend", "external"], ["--engine-backend external", "--engine-urls"]),
     (["--engine-urls", "http://a:1"], ["--engine-urls", "--engine-backend embedded"]),
-    (["--engine-backend", "external", "--engine-urls", "http://a:1", "--rollout-num-engines", "2"],
-     ["--rollout-num-engines 2", "--engine-urls"]),
-    (["--colocate", "--update-weight-transfer-mode", "broadcast"], ["--colocate", "--update-weight-transfer-mode broadcast"]),
-    (["--colocate", "--engine-backend", "external", "--engine-urls", "http://a:1"], ["--colocate", "--engine-backend external"]),
+    (
+        ["--engine-backend", "external", "--engine-urls", "http://a:1", "--rollout-num-engines", "2"],
+        ["--rollout-num-engines 2", "--engine-urls"],
+    ),
+    (
+        ["--colocate", "--update-weight-transfer-mode", "broadcast"],
+        ["--colocate", "--update-weight-transfer-mode broadcast"],
+    ),
+    (
+        ["--colocate", "--engine-backend", "external", "--engine-urls", "http://a:1"],
+        ["--colocate", "--engine-backend external"],
+    ),
     (["--eps-clip-high", "0.1"], ["--eps-clip-high (0.1)", "--eps-clip (0.2)"]),
     (["--kl-loss-coef", "0.01"], ["--kl-loss-coef 0.01", "--use-kl-loss"]),
     (["--n-samples-per-prompt", "1"], ["--advantage-estimator grpo", "--n-samples-per-prompt"]),
@@ -189,10 +262,19 @@ REFUSALS = [
 
 @pytest.mark.parametrize(("extra", "needles"), REFUSALS)
 def test_refusals_name_the_settings(
-    base: list[str], extra: list[str], needles: list[str], tmp_path: Path, prompts: Path, saved_rollouts: Path,
+    base: list[str],
+    extra: list[str],
+    needles: list[str],
+    tmp_path: Path,
+    prompts: Path,
+    saved_rollouts: Path,
 ) -> None:
-    subs = {"{saved}": str(saved_rollouts), "{prompts}": str(prompts), "{missing}": str(tmp_path / "missing.jsonl"),
-            "{csv}": str(_write(tmp_path / "prompts.csv", "prompt,label\n"))}
+    subs = {
+        "{saved}": str(saved_rollouts),
+        "{prompts}": str(prompts),
+        "{missing}": str(tmp_path / "missing.jsonl"),
+        "{csv}": str(_write(tmp_path / "prompts.csv", "prompt,label\n")),
+    }
     extra = [subs.get(a, a) for a in extra]
     with pytest.raises(ConfigError) as err:
         load_config(None, [*base, *extra])
@@ -205,19 +287,25 @@ def test_checkpoint_and_prompt_requirements(model_dir: Path, tmp_path: Path, sav
     with pytest.raises(ConfigError, match="--prompt-data is required"):
         load_config(None, ["--hf-checkpoint", str(model_dir), *flags])
     # training on saved rollouts needs no prompts
-    cfg = load_config(None, ["--hf-checkpoint", str(model_dir), "--load-rollouts", str(saved_rollouts), *flags])
+    cfg = load_config(
+        None, ["--hf-checkpoint", str(model_dir), "--load-rollouts", str(saved_rollouts), *flags]
+    )
     assert cfg.load_rollouts == saved_rollouts and cfg.prompt_data is None
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ConfigError, match="--hf-checkpoint .* has no config.json"):
         load_config(None, ["--hf-checkpoint", str(empty), "--load-rollouts", str(saved_rollouts), *flags])
     with pytest.raises(ConfigError, match="--hf-checkpoint .* is not a directory"):
-        load_config(None, ["--hf-checkpoint", str(tmp_path / "nope"), "--load-rollouts", str(saved_rollouts), *flags])
+        load_config(
+            None, ["--hf-checkpoint", str(tmp_path / "nope"), "--load-rollouts", str(saved_rollouts), *flags]
+        )
 
 
 def test_every_refusal_is_reported_at_once(base: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
-        load_config(None, [*base, "--eps-clip-high", "0.1", "--kl-loss-coef", "0.1", "--global-batch-size", "7"])
+        load_config(
+            None, [*base, "--eps-clip-high", "0.1", "--kl-loss-coef", "0.1", "--global-batch-size", "7"]
+        )
     assert str(err.value).count("\n") == 2
 
 
@@ -230,25 +318,47 @@ def test_cuda_refusals(base: list[str], monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(rules, "_visible_gpus", lambda: 2)
     cfg = load_config(None, [*base, "--device", "auto"])
     assert (cfg.device, cfg.dtype) == ("cuda", "bfloat16")
-    assert load_config(None, [*base, "--device", "cuda", "--rollout-num-engines", "2", "--colocate"]).device == "cuda"
+    assert (
+        load_config(None, [*base, "--device", "cuda", "--rollout-num-engines", "2", "--colocate"]).device
+        == "cuda"
+    )
     with pytest.raises(ConfigError) as err:
         load_config(None, [*base, "--device", "cuda", "--actor-num-gpus-per-node", "2"])
     msg = str(err.value)
     assert "needs 3 GPUs" in msg and "--actor-num-gpus-per-node 2" in msg and "--rollout-num-engines" in msg
 
 
-@pytest.mark.skipif("sglang" in sys.modules or __import__("importlib").util.find_spec("sglang") is not None,
-                    reason="sglang is installed")
+@pytest.mark.skipif(
+    "sglang" in sys.modules or __import__("importlib").util.find_spec("sglang") is not None,
+    reason="sglang is installed",
+)
 def test_sglang_backend_needs_sglang(base: list[str]) -> None:
     with pytest.raises(ConfigError, match="--engine-backend sglang needs the sglang package"):
         load_config(None, [*base, "--engine-backend", "sglang"])
 
 
 def test_resolved_config_round_trips(base: list[str], tmp_path: Path) -> None:
-    cfg = load_config(None, [*base, "--rollout-stop", '["</a>", "quote \\" and \\\\ back", "naïve\\ttab"]',
-                             "--rollout-stop-token-ids", "7,8", "--lr", "1.5e-7", "--colocate",
-                             "--engine-max-total-tokens", "4096", "--save-rollouts", str(tmp_path / "dump"),
-                             "--group-reward-fn", "a.b:c", "--global-batch-size", "8"])
+    cfg = load_config(
+        None,
+        [
+            *base,
+            "--rollout-stop",
+            '["</a>", "quote \\" and \\\\ back", "naïve\\ttab"]',
+            "--rollout-stop-token-ids",
+            "7,8",
+            "--lr",
+            "1.5e-7",
+            "--colocate",
+            "--engine-max-total-tokens",
+            "4096",
+            "--save-rollouts",
+            str(tmp_path / "dump"),
+            "--group-reward-fn",
+            "a.b:c",
+            "--global-batch-size",
+            "8",
+        ],
+    )
     path = cfg.write_resolved()
     assert path == tmp_path / "run" / "config.resolved.toml"
     doc = tomllib.loads(path.read_text())
@@ -285,7 +395,9 @@ def test_cli_train_refuses_and_prints(
     recipe = _write(tmp_path / "r.toml", "")
     with pytest.raises(SystemExit) as exit_:
         main(["train", str(recipe), *base, "--eps-clip-high", "0.1"])
-    assert exit_.value.code == 2 and "--eps-clip-high (0.1) is below --eps-clip (0.2)" in capsys.readouterr().err
+    assert (
+        exit_.value.code == 2 and "--eps-clip-high (0.1) is below --eps-clip (0.2)" in capsys.readouterr().err
+    )
     assert main(["train", str(recipe), *base, "--print-config", "--rollout-temperature", "0.5"]) == 0
     out = capsys.readouterr().out
     assert tomllib.loads(out)["rollout"]["rollout_temperature"] == 0.5

@@ -20,12 +20,20 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _step_metrics(step: int) -> dict[str, float]:
     return {
-        "rollout/reward_mean": 0.1 + 0.04 * step, "rollout/reward_std": 0.2,
-        "rollout/response_len_mean": 50.0 + step, "rollout/truncated_frac": 0.05,
-        "train/loss": 0.3 - 0.01 * step, "train/pg_clipfrac": 0.02, "train/kl": 0.001 * step,
-        "train/entropy": 1.5, "train/grad_norm": 0.8, "train/lr": 1e-6,
+        "rollout/reward_mean": 0.1 + 0.04 * step,
+        "rollout/reward_std": 0.2,
+        "rollout/response_len_mean": 50.0 + step,
+        "rollout/truncated_frac": 0.05,
+        "train/loss": 0.3 - 0.01 * step,
+        "train/pg_clipfrac": 0.02,
+        "train/kl": 0.001 * step,
+        "train/entropy": 1.5,
+        "train/grad_norm": 0.8,
+        "train/lr": 1e-6,
         "train/train_rollout_logprob_abs_diff": 0.01,
-        "perf/rollout_time": 2.0, "perf/train_time": 1.0, "perf/update_weights_time": 0.25,
+        "perf/rollout_time": 2.0,
+        "perf/train_time": 1.0,
+        "perf/update_weights_time": 0.25,
         "perf/step_time": 3.5 + 0.1 * step,
     }
 
@@ -35,8 +43,15 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def test_documented_names() -> None:
-    for name in ("rollout/reward_mean", "rollout/cache_hit_rate", "rollout/tokens_per_s", "train/grad_norm",
-                 "train/train_rollout_logprob_abs_diff", "perf/update_weights_time", "perf/step_time"):
+    for name in (
+        "rollout/reward_mean",
+        "rollout/cache_hit_rate",
+        "rollout/tokens_per_s",
+        "train/grad_norm",
+        "train/train_rollout_logprob_abs_diff",
+        "perf/update_weights_time",
+        "perf/step_time",
+    ):
         assert name in METRICS and METRICS[name]
 
 
@@ -123,8 +138,14 @@ def test_report_writes_plots_and_summary(tmp_path: Path) -> None:
             m.log(step, _step_metrics(step))
     paths = write_report(tmp_path, tmp_path / "out")
     names = [p.name for p in paths]
-    assert names == ["reward.png", "response_len.png", "stability.png", "optimizer.png", "time_split.png",
-                     "summary.md"]
+    assert names == [
+        "reward.png",
+        "response_len.png",
+        "stability.png",
+        "optimizer.png",
+        "time_split.png",
+        "summary.md",
+    ]
     for p in paths[:-1]:
         assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000
     summary = paths[-1].read_text()
