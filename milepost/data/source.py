@@ -1,4 +1,4 @@
-"""Prompt datasets: rows of a JSONL or Parquet file, tokenized once at load, served in seeded epochs.
+"""Prompt datasets: JSONL or Parquet rows, tokenized once at load, served in seeded epochs.
 
 Every row is checked and tokenized when the file is loaded, so a malformed row stops the run at
 start (naming file, line and key) rather than mid-run. Prompts whose generation was given up on
@@ -91,7 +91,7 @@ class PromptDataset:
         shuffle: bool = True,
         seed: int = 0,
     ) -> PromptDataset:
-        """Load and tokenize every row of a `.jsonl` / `.json` (one object a line) or `.parquet` file.
+        """Load and tokenize every row of a `.jsonl` (one object a line) or `.parquet` file.
 
         input_key: the prompt field, plain text or a list of chat messages `{role, content, ...}`.
         label_key: the field rewards compare with; None when rows have no label (else required).

@@ -1,4 +1,4 @@
-"""HTTP client of an engine that speaks SGLang's protocol (a real SGLang server or `milepost serve`).
+"""HTTP client of an engine speaking SGLang's protocol (a real SGLang server or `milepost serve`).
 
 `EngineClient` is async (httpx); `SyncEngineClient` offers the same calls to synchronous code.
 Errors split by what a caller can do about them: `EngineRequestError` (4xx, the request is at

@@ -257,7 +257,8 @@ def _report(result: RolloutResult, first_error: str | None, retry_reward_errors:
         log.error("rollout: %d of %d groups failed and are not trained on (%d reward function "
                   "errors, %d engine refusals); first error: %s", len(result.failed_groups), n,
                   result.num_reward_errors, result.num_engine_refusals, first_error)
-        final = result.num_engine_refusals + (0 if retry_reward_errors else result.num_reward_errors)
+        final = result.num_engine_refusals + (0 if retry_reward_errors
+                                               else result.num_reward_errors)
         if final == n:
             raise RolloutError(f"every group of the rollout failed ({result.num_reward_errors} "
                                f"reward function errors, {result.num_engine_refusals} engine "
@@ -296,7 +297,8 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
         )
     prompt_tokens = sum(s.metadata["prompt_tokens"] for s in answered)
     if prompt_tokens:
-        out["prefix_cache_hit_rate"] = sum(s.metadata["cached_tokens"] for s in answered) / prompt_tokens
+        cached = sum(s.metadata["cached_tokens"] for s in answered)
+        out["prefix_cache_hit_rate"] = cached / prompt_tokens
     if result.elapsed_s > 0:
         out["tokens_per_s"] = sum(s.response_length for s in answered) / result.elapsed_s
     return out

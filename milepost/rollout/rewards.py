@@ -17,12 +17,12 @@ import math as _math
 import re
 from collections.abc import Awaitable, Callable
 from fractions import Fraction
-from typing import Any, Union
+from typing import Any
 
 from milepost.types import Sample
 
-RewardFn = Callable[[Sample], Union[float, Awaitable[float]]]
-GroupRewardFn = Callable[[list[Sample]], Union[list[float], Awaitable[list[float]]]]
+RewardFn = Callable[[Sample], float | Awaitable[float]]
+GroupRewardFn = Callable[[list[Sample]], list[float] | Awaitable[list[float]]]
 
 
 # ---- answer extraction and normalization -----------------------------------------------------
@@ -212,7 +212,7 @@ async def score_group(group: list[Sample], reward_fn: RewardFn | None,
         for s in group:
             try:
                 s.reward = _check_reward(await _call(reward_fn, s), _name(reward_fn))
-            except Exception as e:  # a user's function may raise anything; reported, not hidden
+            except Exception as e:  # noqa: BLE001 - a user's function may raise anything; reported
                 s.metadata["reward_error"] = error = f"{_name(reward_fn)}: {type(e).__name__}: {e}"
     if error is None and group_reward_fn is not None:
         try:
@@ -220,7 +220,7 @@ async def score_group(group: list[Sample], reward_fn: RewardFn | None,
             if not isinstance(rewards, (list, tuple)) or len(rewards) != len(group):
                 raise TypeError(f"returned {rewards!r}; expected a list of {len(group)} rewards")
             values = [_check_reward(r, _name(group_reward_fn)) for r in rewards]
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             error = f"{_name(group_reward_fn)}: {type(e).__name__}: {e}"
             for s in group:
                 s.metadata["reward_error"] = error

@@ -121,7 +121,7 @@ def test_seeded_epochs_and_resume(tmp_path, tok):
     b = PromptDataset.from_file(path, tok, seed=7)
     first = [_indices(a.next_batch(4)) for _ in range(6)]  # 24 prompts: 2.4 epochs
     assert first == [_indices(b.next_batch(4)) for _ in range(6)]
-    flat = sum(first, [])
+    flat = [i for batch in first for i in batch]
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
     assert flat[:10] != flat[10:20]  # each epoch gets its own order
     assert flat[:10] != list(range(10))

@@ -1,14 +1,12 @@
 """rollout_groups over a fake engine: group outcomes (trained, requeued, dropped), reward errors,
-round-robin placement, concurrency limit, metrics; and saving / loading rollouts."""
+round-robin placement, concurrency limit, metrics."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 
-from milepost.data.rollout_io import load_rollout, rollout_path, save_rollout
 from milepost.data.source import PromptItem
 from milepost.rollout.client import (
     EngineProtocolError,
@@ -71,7 +69,7 @@ def test_sampling_settings():
                                     "max_new_tokens": 4}
     s = SamplingSettings(stop=["\n"], stop_token_ids=[2])
     assert s.to_params()["stop"] == ["\n"] and s.to_params()["stop_token_ids"] == [2]
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(max_new_tokens=0)):
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": 0}, {"max_new_tokens": 0}):
         with pytest.raises(ValueError):
             SamplingSettings(**bad)
 
@@ -147,23 +145,3 @@ def test_groups_spread_round_robin_and_group_fn():
     assert [s.reward for s in result.groups[0]] == [0.0, 1.0]
     with pytest.raises(ValueError, match="give a reward_fn"):
         asyncio.run(rollout_groups(engines, items(1), 2, SAMPLING, None))
-
-
-def test_save_and_load_rollout(tmp_path):
-    result = asyncio.run(rollout_groups([FakeEngine("e")], items(3), 2, SAMPLING, math_reward))
-    path = save_rollout(tmp_path / "r", 12, result.groups)
-    assert path == rollout_path(tmp_path / "r", 12) and path.name == "rollout_000012.jsonl"
-    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
-    back = load_rollout(tmp_path / "r", 12)
-    assert [[s.to_dict() for s in g] for g in back] == [[s.to_dict() for s in g] for g in result.groups]
-    assert back[0][0].status is Status.COMPLETED
-
-    result.groups[0][0].metadata["obj"] = object()
-    with pytest.raises(TypeError, match="group 0 of step 13 is not JSON serializable"):
-        save_rollout(tmp_path / "r", 13, result.groups)
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
-    with pytest.raises(FileNotFoundError, match="no saved rollout for step 13"):
-        load_rollout(tmp_path / "r", 13)
-    path.write_text(json.dumps([{"nope": 1}]) + "\n")
-    with pytest.raises(ValueError, match="line 1: not a saved group"):
-        load_rollout(tmp_path / "r", 12)
