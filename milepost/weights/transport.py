@@ -31,6 +31,7 @@ from milepost.weights.process_group import BackendName, WeightGroup, init_weight
 from milepost.weights.sender import broadcast_named_tensors
 
 T = TypeVar("T")
+_GRACE_S = 2.0  # after a first failure, how long the other calls may take to report theirs
 
 
 class TransportError(RuntimeError):
@@ -104,7 +105,8 @@ class _EngineFanout:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        # Not waiting: a call to a hung engine ends by itself within timeout_s.
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
     def __enter__(self) -> Any:
@@ -175,8 +177,16 @@ class _EngineFanout:
         everything = [*pending, *also]
         done, not_done = futures.wait(everything, timeout=self.timeout_s + 5,
                                       return_when=futures.FIRST_EXCEPTION)
+        if any(f.exception() for f in done) and not_done:
+            # A lost peer often shows first as the trainer's collective failing, which cannot
+            # say which engine it was; its HTTP call names it a moment later.
+            done, not_done = futures.wait(everything, timeout=min(_GRACE_S, self.timeout_s))
         errors = [str(f.exception()) for f in everything if f in done and f.exception()]
         if errors:
+            waiting = [f"engine {i} ({self.engine_urls[i]})" for i, f in enumerate(pending)
+                       if f in not_done]
+            if waiting:
+                errors.append(f"still waiting on {', '.join(waiting)}")
             raise TransportError("; ".join(errors))
         if not_done:
             late = [f"engine {i} ({self.engine_urls[i]})" for i, f in enumerate(pending)
@@ -235,6 +245,12 @@ class BroadcastTransport(_EngineFanout):
             self._group = self._guard(self._init_group)
 
     def _init_group(self) -> WeightGroup:
+        # Check every engine answers first: once rank 0 hosts the store it waits for all
+        # members for timeout_s, in a thread nothing can stop.
+        try:
+            self._wait(self._call_all("GET", "/health"))
+        except TransportError as e:
+            raise TransportError(f"creating weight group {self.group_name!r}: {e}") from e
         port = self.master_port or free_port(self.master_address)
         world = 1 + len(self.engine_urls)
         posts = self._post_all("/init_weights_update_group", lambda i: {
@@ -292,16 +308,19 @@ class BroadcastTransport(_EngineFanout):
             return
         group, self._group = self._group, None
         if group is not None:
-            for f in self._post_all("/destroy_weights_update_group",
-                                    lambda i: {"group_name": self.group_name}):
-                try:
-                    f.result()
-                except TransportError:
-                    pass  # a dead or broken engine: nothing to leave there
+            # After a failed send an engine may still sit in a receive on this group; leaving
+            # the group under it could hang that engine: it is left to end with its peers.
+            if self._broken is None:
+                for f in self._post_all("/destroy_weights_update_group",
+                                        lambda i: {"group_name": self.group_name}):
+                    try:
+                        f.result()
+                    except TransportError:
+                        pass  # a dead engine: nothing to leave there
+            # Closing our side under a running collective is unsafe; one stuck on a dead peer
+            # ends at the group's timeout and the group is dropped with it.
             if self._inflight is None or self._inflight.done():
                 group.close()
-            # else a broadcast is stuck on a dead peer; it ends at the group's timeout and the
-            # group is dropped with it (closing under a running collective is unsafe).
         super().close()
 
 
