@@ -77,3 +77,12 @@ class CausalLM(Protocol):
     def hf_weight_names(self) -> list[str]:
         """Every Hugging Face name a full checkpoint of this model provides (tied weights once)."""
         ...
+
+    def hf_tensors(self, param_name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Inverse of `weight_view` for one parameter: (hf_name, slice of `full`) pairs.
+
+        `full` is the complete value of the parameter named `param_name` in `named_parameters()`
+        (for example gathered from FSDP shards); over all parameters this covers
+        `hf_weight_names()` exactly once.
+        """
+        ...

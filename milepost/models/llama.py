@@ -80,6 +80,15 @@ class DecoderLM(nn.Module):
         """Map internal parameter names to checkpoint names (identity for dense models)."""
         return param_names
 
+    def hf_tensors(self, param_name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The inverse of `weight_view` for one parameter: the Hugging Face tensors it holds.
+
+        `full` is the complete value of parameter `param_name` (e.g. gathered from FSDP shards);
+        the result is the (hf_name, view of `full`) pairs that a checkpoint stores for it. Over
+        `named_parameters()` this yields every name of `hf_weight_names()` exactly once.
+        """
+        return [(param_name, full)]
+
     def weight_view(self, hf_name: str) -> torch.Tensor:
         if hf_name == "lm_head.weight" and self.tie_word_embeddings:
             hf_name = "model.embed_tokens.weight"

@@ -122,6 +122,20 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 names.append(name)
         return names
 
+    def hf_tensors(self, param_name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Stacked experts split into the hub's per-expert names (see `weight_view` for the layout)."""
+        for stacked in ("w13", "w2"):
+            if param_name.endswith(f".mlp.experts.{stacked}"):
+                prefix, inter = param_name[: -len(stacked)], self.hf_config.moe_intermediate_size
+                if stacked == "w2":
+                    return [(f"{prefix}{e}.down_proj.weight", full[e]) for e in range(self.num_experts)]
+                out = []
+                for e in range(self.num_experts):
+                    out.append((f"{prefix}{e}.gate_proj.weight", full[e, :inter]))
+                    out.append((f"{prefix}{e}.up_proj.weight", full[e, inter:]))
+                return out
+        return super().hf_tensors(param_name, full)
+
     def _experts(self, layer: str, hf_name: str) -> StackedExperts:
         layer_id = int(layer)
         if layer_id >= self.num_layers or not isinstance(self.model.layers[layer_id].mlp, SparseMoeBlock):

@@ -1,0 +1,44 @@
+"""AdamW and the learning-rate schedule (linear warmup, then constant or cosine to min_lr).
+
+The schedule is a pure function of the optimizer step (`lr_at`), wrapped in a `LambdaLR` whose
+state (the step counter) is what checkpoints save; the function itself is rebuilt from settings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from milepost.train.settings import TrainerSettings
+
+
+def lr_at(step: int, s: TrainerSettings) -> float:
+    """Learning rate of optimizer step `step` (0-based)."""
+    if s.lr_warmup_iters and step < s.lr_warmup_iters:
+        return s.lr * (step + 1) / s.lr_warmup_iters
+    if s.lr_decay_style == "constant":
+        return s.lr
+    span = s.num_steps_total - s.lr_warmup_iters
+    progress = min(max(step - s.lr_warmup_iters, 0) / span, 1.0)
+    return s.min_lr + (s.lr - s.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], s: TrainerSettings
+) -> tuple[torch.optim.AdamW, LambdaLR]:
+    """AdamW over `params` and its schedule (the lr before the first step is lr_at(0))."""
+    optimizer = torch.optim.AdamW(
+        list(params),
+        lr=s.lr,
+        betas=(s.adam_beta1, s.adam_beta2),
+        eps=s.adam_eps,
+        weight_decay=s.weight_decay,
+    )
+    base = s.lr if s.lr > 0 else 1.0  # LambdaLR multiplies the base lr; avoid 0 * factor losing the schedule
+    for group in optimizer.param_groups:
+        group["lr"] = base
+    scheduler = LambdaLR(optimizer, lambda step: lr_at(step, s) / base)
+    return optimizer, scheduler

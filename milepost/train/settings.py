@@ -1,0 +1,103 @@
+"""`TrainerSettings`: exactly the knobs a training backend needs, validated on construction.
+
+The run config (milepost/config.py) maps its fields onto this dataclass; names follow the report's
+flags (`--lr`, `--eps-clip-high`, `--kl-loss-type`, ...). Backends never read the run config itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KL_TYPES = ("k1", "k2", "k3")
+LR_DECAY_STYLES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Optimizer, schedule, batching, loss and placement settings of one trainer.
+
+    lr / min_lr: peak and final learning rate (min_lr only matters for cosine decay).
+    lr_warmup_iters: optimizer steps of linear warmup, lr * (i + 1) / lr_warmup_iters at step i.
+    lr_decay_style: "constant" or "cosine" (cosine from lr to min_lr over num_steps_total steps).
+    num_steps_total: optimizer steps of the whole run (not rollouts); required for cosine.
+    weight_decay, adam_beta1, adam_beta2, adam_eps: AdamW.
+    clip_grad: max global gradient norm; <= 0 disables clipping (the norm is still reported).
+    global_batch_size: samples per optimizer step, over all ranks; a multiple of the world size.
+    max_tokens_per_micro_batch: token budget of one packed forward/backward (a longer sample runs alone).
+    eps_clip / eps_clip_high: PPO ratio clip range [1 - eps_clip, 1 + eps_clip_high] (high defaults to low).
+    use_kl_loss / kl_loss_coef / kl_loss_type: KL to a frozen reference model (k1 | k2 | k3). The
+        reference model exists only when use_kl_loss; coef 0 then logs the KL without penalizing it.
+    entropy_coef: weight of the entropy bonus (subtracted from the loss).
+    temperature: the rollout sampling temperature; log-probs are log_softmax(logits / temperature),
+        the distribution the engine reports, so the train-rollout comparison is like for like.
+    logprob_chunk_size: tokens per chunk of the LM head + log_softmax (bounds fp32 logit memory).
+    seed: seeds torch / python / numpy at creation.
+    dtype: compute dtype ("float32" | "bfloat16"); master weights and optimizer state stay fp32,
+        exported weights are in this dtype.
+    device: "cpu" (gloo) or "cuda" (NCCL; rank r uses cuda:(r % device_count)).
+    """
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: Literal["constant", "cosine"] = "constant"
+    num_steps_total: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    global_batch_size: int = 32
+    max_tokens_per_micro_batch: int = 8192
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: Literal["k1", "k2", "k3"] = "k1"
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    logprob_chunk_size: int = 1024
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"TrainerSettings: {msg}")
+
+        need(self.lr >= 0 and 0 <= self.min_lr <= self.lr, f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr})")
+        need(self.lr_warmup_iters >= 0, f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+        need(self.lr_decay_style in LR_DECAY_STYLES, f"lr_decay_style must be one of {LR_DECAY_STYLES}")
+        need(
+            self.lr_decay_style != "cosine" or self.num_steps_total > self.lr_warmup_iters,
+            f"lr_decay_style='cosine' needs num_steps_total ({self.num_steps_total}) > lr_warmup_iters "
+            f"({self.lr_warmup_iters}): set num_steps_total to the run's number of optimizer steps",
+        )
+        need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "adam betas must lie in [0, 1)")
+        need(self.adam_eps > 0 and self.weight_decay >= 0, "need adam_eps > 0 and weight_decay >= 0")
+        need(self.global_batch_size > 0, f"global_batch_size must be > 0, got {self.global_batch_size}")
+        need(self.max_tokens_per_micro_batch > 0, "max_tokens_per_micro_batch must be > 0")
+        need(self.eps_clip > 0 and (self.eps_clip_high is None or self.eps_clip_high > 0), "eps_clip(_high) must be > 0")
+        need(self.kl_loss_type in KL_TYPES, f"kl_loss_type must be one of {KL_TYPES}, got {self.kl_loss_type!r}")
+        need(self.kl_loss_coef >= 0, f"kl_loss_coef must be >= 0, got {self.kl_loss_coef}")
+        need(
+            self.use_kl_loss or self.kl_loss_coef == 0,
+            f"kl_loss_coef={self.kl_loss_coef} needs use_kl_loss=True (it creates the reference model)",
+        )
+        need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        need(self.logprob_chunk_size > 0, "logprob_chunk_size must be > 0")
+        need(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        need(self.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    @property
+    def clip_high(self) -> float:
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
