@@ -154,6 +154,8 @@ class _EngineFanout:
             answer = r.json()
         except ValueError:
             answer = {"message": r.text}
+        if not isinstance(answer, dict):
+            answer = {"message": r.text}
         if r.status_code != 200 or answer.get("success") is False:
             message = answer.get("message") or answer.get("error") or r.text
             raise TransportError(f"{who}: {path} answered {r.status_code}: {message}")
