@@ -29,7 +29,9 @@ def free_port() -> int:
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:
     try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # N ranks share the cores
+        # One intra-op thread per rank: tiny test models gain nothing from more, and OpenMP workers
+        # spinning against busy cores made a 5x64 matmul take 15 ms here.
+        torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
