@@ -1,14 +1,14 @@
-"""Run a function on N real ranks (fresh processes, gloo on a free loopback port) and collect results.
+"""Run a function on N real ranks (fresh processes on a free loopback port) and collect results.
 
-For tests of distributed code on CPU: `run_ranks(fn, 2, *args)` calls `fn(rank, world_size, *args)`
-in each process inside an initialized default process group and returns the per-rank results
-(picklable; tensors are fine). A failure on any rank raises with that rank's traceback.
+For tests of distributed code: `run_ranks(fn, 2, *args)` calls `fn(rank, world_size, *args)` in
+each process inside an initialized default process group (gloo; nccl with backend="nccl") and
+returns the per-rank results (picklable; tensors are fine, sent as bytes). A failure on any rank
+raises with that rank's traceback.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import queue
 import socket
 import traceback
@@ -27,13 +27,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str, results: Any, args: tuple
+) -> None:
     try:
         # One intra-op thread per rank: tiny test models gain nothing from more, and OpenMP workers
         # spinning against busy cores made a 5x64 matmul take 15 ms here.
         torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -50,12 +54,16 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, result
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-    """`fn` must be importable by name (a module-level function): ranks are spawned processes."""
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0, backend: str = "gloo"
+) -> list[Any]:
+    """`fn` must be importable by name (a module-level function): ranks are spawned processes.
+
+    backend "nccl" puts rank r on cuda:(r % device_count) before joining the group."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, backend, results, args)) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

@@ -16,7 +16,7 @@ import torch
 from milepost.train.batch import TrainBatch, split_for_rank
 from milepost.types import Sample
 
-__all__ = ["TrainBackend", "TrainBatch", "split_for_rank", "TRAIN_METRICS"]
+__all__ = ["TRAIN_METRICS", "TrainBackend", "TrainBatch", "split_for_rank"]
 
 # Keys of the dict `train_step` returns (train_rollout_logprob_abs_diff only when the batch has
 # rollout log-probs). Values are identical on every rank.

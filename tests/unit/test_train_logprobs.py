@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from milepost.models.attention import VarlenCausalAttention
+from milepost.models.base import ForwardContext
 from milepost.models.registry import build_model, load_model
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.train.logprobs import TokenScorer, pack, token_logprobs
-from milepost.models.attention import VarlenCausalAttention
-from milepost.models.base import ForwardContext
 
 ARCHS = {"qwen3": {}, "qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1]), "llama": {}}
 

@@ -136,7 +136,7 @@ def test_settings_refuse_bad_combinations() -> None:
 def test_split_for_rank_keeps_steps_and_balances_tokens() -> None:
     lengths = [9, 8, 7, 1, 1, 1, 5, 5, 2, 9, 9, 2]  # two steps of 6; a contiguous split gives 17/8/2
     parts = [split_for_rank(lengths, r, 3, 6) for r in range(3)]
-    assert sorted(sum(parts, [])) == list(range(12))
+    assert sorted(i for p in parts for i in p) == list(range(12))
     for p in parts:
         assert len(p) == 4 and all(i < 6 for i in p[:2]) and all(i >= 6 for i in p[2:])
     step0 = [sum(lengths[i] for i in p[:2]) for p in parts]
