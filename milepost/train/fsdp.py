@@ -157,16 +157,30 @@ class FSDPBackend:
     # --- training --------------------------------------------------------------------------------
 
     def _steps(self, batch: TrainBatch) -> list[list[int]]:
+        """Optimizer steps as local index lists, after checking that all ranks agree on the batch shape.
+
+        The optional fields decide which collectives run (old/ref log-prob passes), so a rank that
+        has them while a peer has not would hang both: refuse it instead, naming the field.
+        """
         per_rank = self.settings.global_batch_size // self.world_size
-        counts = torch.tensor([len(batch)], dtype=torch.int64, device=self.device)
-        gathered = [torch.zeros_like(counts) for _ in range(self.world_size)]
-        dist.all_gather(gathered, counts)
-        sizes = [int(c) for c in gathered]
+        optional = ("rollout_logprobs", "old_logprobs", "ref_logprobs")
+        mine = [len(batch)] + [getattr(batch, f) is not None for f in optional]
+        local = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        rows = [g.tolist() for g in gathered]
+        sizes = [r[0] for r in rows]
         if len(set(sizes)) > 1 or sizes[0] == 0 or sizes[0] % per_rank:
             raise ValueError(
                 f"train_step needs the same non-zero multiple of global_batch_size / world_size = {per_rank} "
                 f"samples on every rank, got {sizes} per rank; split the rollout with split_for_rank"
             )
+        for j, field in enumerate(optional, start=1):
+            if len({r[j] for r in rows}) > 1:
+                raise ValueError(
+                    f"TrainBatch.{field} is set on ranks {[i for i, r in enumerate(rows) if r[j]]} only; "
+                    "every rank must give it or none (e.g. rollout log-probs missing from some samples)"
+                )
         return [list(range(i, i + per_rank)) for i in range(0, len(batch), per_rank)]
 
     def _micro_inputs(self, batch: TrainBatch, mb: list[int], old, ref) -> dict[str, torch.Tensor | None]:

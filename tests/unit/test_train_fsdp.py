@@ -86,7 +86,17 @@ def export_worker(rank: int, world: int, path: str, out: str) -> dict:
     hf = {n: t.clone() for n, t in backend.named_hf_weights()}
     backend.export_hf(out)
     probe = [Sample(0, 0, tokens=[1, 40, 41, 42, 43, 44, 45, 46], response_length=6)]
-    return {"params": full_params(backend), "hf": hf, "logprobs": backend.compute_logprobs(probe)}
+    refused = []
+    uneven = random_batch(2 + 2 * rank, 6)  # 2 samples on rank 0, 4 on rank 1
+    lopsided = random_batch(2, 7)
+    if rank == 1:
+        lopsided.rollout_logprobs = None  # would make rank 0 alone run collectives: must be refused
+    for bad in (uneven, lopsided):
+        try:
+            backend.train_step(bad)
+        except ValueError as e:
+            refused.append(str(e))
+    return {"params": full_params(backend), "hf": hf, "logprobs": backend.compute_logprobs(probe), "refused": refused}
 
 
 def test_moe_named_hf_weights_round_trip_and_export(tmp_path: Path) -> None:
@@ -94,6 +104,9 @@ def test_moe_named_hf_weights_round_trip_and_export(tmp_path: Path) -> None:
     out = tmp_path / "export"
     results = run_ranks(export_worker, 2, str(path), str(out))
     hf, params = results[0]["hf"], results[0]["params"]
+    for r in results:  # refused on every rank, before any collective could hang
+        assert "got [2, 4] per rank" in r["refused"][0]
+        assert "rollout_logprobs is set on ranks [0] only" in r["refused"][1]
     assert all(torch.equal(hf[n], results[1]["hf"][n]) for n in hf)  # every rank yields the same
     fresh = build_model(load_model(path, torch.float32, "cpu").hf_config, torch.float32, "cpu")
     assert sorted(hf) == sorted(fresh.hf_weight_names())
