@@ -32,7 +32,8 @@ TRAIN_METRICS = (
     "train_rollout_logprob_abs_diff",  # mean |old_logp - rollout_logp| over loss tokens
     "tokens",  # tokens (prompt + response) trained on, all ranks
     "loss_tokens",  # loss-mask tokens, all ranks
-    "optimizer_steps",  # optimizer steps taken in this call
+    "optimizer_steps",  # optimizer steps in this call
+    "skipped_steps",  # of which skipped because the gradient norm was nan/inf
 )
 
 

@@ -9,6 +9,7 @@ global loss-token count. Master weights and AdamW state are fp32; `dtype` only s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -200,58 +201,64 @@ class FSDPBackend:
         self._require_onloaded("train_step")
         steps = self._steps(batch)
         plans = [self._aligned_plan([batch.tokens[i].numel() for i in step]) for step in steps]
-        resp = batch.response_lengths
         old = batch.old_logprobs
         if old is None:  # behaviour policy = the weights before this rollout's first optimizer step
             old = [torch.empty(0)] * len(batch)
             for step, plan in zip(steps, plans):
-                scored = self._score(self.policy, [batch.tokens[i] for i in step], [resp[i] for i in step], plan)
-                for i, lp in zip(step, scored):
+                tokens, resp = [batch.tokens[i] for i in step], [batch.response_lengths[i] for i in step]
+                for i, lp in zip(step, self._score(self.policy, tokens, resp, plan)):
                     old[i] = lp
         ref = batch.ref_logprobs
         if ref is None and self.reference is not None:
             ref = self.compute_logprobs_of(batch, self.reference)
-        sums = dict.fromkeys(METRIC_SUMS, 0.0)
-        loss_sum = grad_norm_sum = abs_diff = 0.0
+
+        # Per-rank sums on the device (one host sync per optimizer step, for the grad norm).
+        acc = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64, device=self.device)  # metric sums, loss
+        loss_tokens, grad_norms, nonfinite = 0.0, [], 0
         lr = self.optimizer.param_groups[0]["lr"]
-        loss_tokens = 0.0
         for step, plan in zip(steps, plans):
             denom = self._all_reduce([float(sum(batch.loss_masks[i].sum() for i in step))])[0]
             loss_tokens += denom
             for local in plan:
-                mb = [step[j] for j in local]
-                packed = pack([batch.tokens[i] for i in mb], [resp[i] for i in mb], self.device) if mb else dummy_batch(self.device)
-                inputs = self._micro_inputs(batch, mb, old, ref)
-                logp, entropy = self.policy.score(packed)
-                loss, mb_sums = policy_loss(logp, entropy, denom=max(denom, 1.0), settings=self.loss_settings, **inputs)
-                loss.backward()
-                loss_sum += float(loss.detach())
-                for k, v in mb_sums.items():
-                    sums[k] += float(v)
-            grad_norm_sum += self._clip_gradients()
+                acc += self._micro_step(batch, [step[j] for j in local], old, ref, max(denom, 1.0))
+            grad_norms.append(self._clip_gradients())
             lr = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
+            if math.isfinite(grad_norms[-1]):
+                self.optimizer.step()
+            else:  # a nan/inf gradient would poison the weights and Adam's moments: skip the update
+                nonfinite += 1
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+        abs_diff = 0.0
         if batch.rollout_logprobs is not None:
-            for i in range(len(batch)):
-                keep = batch.loss_masks[i] > 0
-                abs_diff += float((old[i] - batch.rollout_logprobs[i]).abs()[keep].sum())
+            for o, r, m in zip(old, batch.rollout_logprobs, batch.loss_masks):
+                abs_diff += float((o - r).abs()[m > 0].sum())
         n_tokens = float(sum(t.numel() for t in batch.tokens))
-        keys = list(sums)
-        reduced = self._all_reduce([sums[k] for k in keys] + [loss_sum, abs_diff, n_tokens])
-        metrics = {k: v / max(loss_tokens, 1.0) for k, v in zip(keys, reduced)}
+        reduced = self._all_reduce(acc.tolist() + [abs_diff, n_tokens])
+        per_token = max(loss_tokens, 1.0)
+        metrics = {k: v / per_token for k, v in zip(METRIC_SUMS, reduced)}
         metrics.update(
-            loss=reduced[len(keys)] / len(steps),
-            grad_norm=grad_norm_sum / len(steps),
+            loss=reduced[len(METRIC_SUMS)] / len(steps),
+            grad_norm=sum(grad_norms) / len(steps),
             lr=lr,
-            tokens=reduced[len(keys) + 2],
+            tokens=reduced[-1],
             loss_tokens=loss_tokens,
             optimizer_steps=float(len(steps)),
+            skipped_steps=float(nonfinite),
         )
         if batch.rollout_logprobs is not None:
-            metrics["train_rollout_logprob_abs_diff"] = reduced[len(keys) + 1] / max(loss_tokens, 1.0)
+            metrics["train_rollout_logprob_abs_diff"] = reduced[-2] / per_token
         return metrics
+
+    def _micro_step(self, batch: TrainBatch, mb: list[int], old, ref, denom: float) -> torch.Tensor:
+        """Forward + backward of one micro-batch; returns [metric sums..., loss] (float64, detached)."""
+        resp = batch.response_lengths
+        packed = pack([batch.tokens[i] for i in mb], [resp[i] for i in mb], self.device) if mb else dummy_batch(self.device)
+        logp, entropy = self.policy.score(packed)
+        loss, sums = policy_loss(logp, entropy, denom=denom, settings=self.loss_settings, **self._micro_inputs(batch, mb, old, ref))
+        loss.backward()
+        return torch.stack([*(sums[k] for k in METRIC_SUMS), loss.detach()]).double()
 
     def compute_logprobs_of(self, batch: TrainBatch, module: TokenScorer) -> list[torch.Tensor]:
         """Log-probs of a TrainBatch's responses under `module` (policy or reference), per sample on CPU."""
