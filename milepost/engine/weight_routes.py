@@ -131,7 +131,8 @@ def weight_router(engine: Engine) -> APIRouter:
     @router.post("/destroy_weights_update_group")
     async def destroy_group(body: DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
         try:
-            groups.destroy(body.group_name)
+            # Off the event loop: shutting a group down can wait on a peer that vanished.
+            await asyncio.to_thread(groups.destroy, body.group_name)
         except (KeyError, WeightUpdateError) as e:
             return _fail(str(e))
         return JSONResponse({"success": True, "message": f"left group {body.group_name!r}"})
