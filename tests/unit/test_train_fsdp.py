@@ -144,7 +144,15 @@ def learn_worker(rank: int, world: int, path: str) -> dict:
                 backend.train_step(batch)
             backend.onload()
         history.append(float(backend.compute_logprobs(samples[:1])[0][0]))
-    return {"history": history}
+    # bf16 compute over fp32 master weights: trains, and exports in the compute dtype.
+    bf16 = FSDPBackend.create(path, TrainerSettings(lr=3e-3, global_batch_size=2, dtype="bfloat16"))
+    before = float(bf16.compute_logprobs(samples[:1])[0][0])
+    for _ in range(3):
+        bf16.train_step(batch)
+    after = float(bf16.compute_logprobs(samples[:1])[0][0])
+    dtypes = {t.dtype for _, t in bf16.named_hf_weights()}
+    masters = {p.dtype for p in bf16.policy.parameters()}
+    return {"history": history, "bf16": (before, after, dtypes, masters)}
 
 
 def test_training_makes_rewarded_token_more_likely(tmp_path: Path) -> None:
@@ -153,3 +161,5 @@ def test_training_makes_rewarded_token_more_likely(tmp_path: Path) -> None:
     h = result["history"]
     assert all(b > a for a, b in zip(h, h[1:])), h
     assert h[-1] - h[0] > 0.5, h
+    before, after, dtypes, masters = result["bf16"]
+    assert after > before + 0.2 and dtypes == {torch.bfloat16} and masters == {torch.float32}
