@@ -57,7 +57,11 @@ def main() -> None:
            "--max-tokens-per-micro-batch", "8192", "--save-hf-at-end", "false"]
     cmd += ["--colocate"] if a.colocate else []
     print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    done = subprocess.run(cmd)
+    if done.returncode != 0:
+        for log in sorted((run_dir / "logs").glob("*.log")):
+            print(f"--- {log.name} (tail)\n{log.read_text(errors='replace')[-3000:]}")
+        sys.exit(done.returncode)
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     if a.out:
         Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
