@@ -14,20 +14,32 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import torch
 import torch.distributed as dist
 
 from milepost.config import TrainConfig
 from milepost.data.rollout_io import load_rollout, save_rollout
 from milepost.data.source import PromptDataset
+from milepost.driver.preflight import (
+    RunError,
+    check_resume,
+    load_reward_fns,
+    model_fingerprint,
+    resume_checkpoint,
+)
 from milepost.observe.metrics import MetricsLogger
 from milepost.observe.progress import StepProgress
 from milepost.rollout.client import EngineClient
-from milepost.rollout.generate import SamplingSettings, rollout_groups, rollout_metrics
-from milepost.rollout.rewards import load_group_reward_fn, load_reward_fn
+from milepost.rollout.generate import (
+    RolloutResult,
+    SamplingSettings,
+    rollout_groups,
+    rollout_metrics,
+)
 from milepost.train.advantages import AdvantageSettings, get_estimator
 from milepost.train.batch import TrainBatch, split_for_rank
-from milepost.train.checkpoint import checkpoint_path, latest_checkpoint
+from milepost.train.checkpoint import checkpoint_path
 from milepost.train.fsdp import FSDPBackend
 from milepost.train.settings import TrainerSettings
 from milepost.types import Group
@@ -48,6 +60,17 @@ class StepTimer:
         self.times[name] = self.times.get(name, 0.0) + seconds
 
 
+def _merge(into: RolloutResult, more: RolloutResult) -> None:
+    into.groups += more.groups
+    into.requeue += more.requeue
+    into.dropped += more.dropped
+    into.aborted_groups += more.aborted_groups
+    into.failed_groups += more.failed_groups
+    into.num_reward_errors += more.num_reward_errors
+    into.num_engine_refusals += more.num_engine_refusals
+    into.elapsed_s += more.elapsed_s
+
+
 class Runtime:
     def __init__(self, cfg: TrainConfig, engine_urls: list[str], router_url: str | None) -> None:
         self.cfg = cfg
@@ -58,18 +81,22 @@ class Runtime:
         self.step_metrics: dict[str, float] = {}
         self.timer = StepTimer()
         self._empty_rollouts = 0
-        self.backend = None if cfg.rollout_only else FSDPBackend.create(
-            cfg.hf_checkpoint, trainer_settings(cfg))
         self.start_step = 0
         self.data: PromptDataset | None = None
         self.weights: WeightSync | None = None
-        if self.lead:
+        if self.lead:  # first: a bad dataset row stops the run before the model is sharded
             self._init_lead()
+        self.backend = None if cfg.rollout_only else FSDPBackend.create(
+            cfg.hf_checkpoint, trainer_settings(cfg))
         self._resume()
+        if self.lead and self.engine_urls:
+            wait_for_engines(self.engine_urls)
         self.metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.use_tensorboard,
                                      wandb=cfg.use_wandb, wandb_project=cfg.wandb_project,
                                      start_step=self.start_step) if self.lead else None
-        self.progress = StepProgress(cfg.num_rollout, start=self.start_step) if self.lead else None
+        # Entered: on a terminal it is a live bar, which must be started before its first update.
+        self.progress = (StepProgress(cfg.num_rollout, start=self.start_step).__enter__()
+                         if self.lead else None)
 
     def _init_lead(self) -> None:
         cfg = self.cfg
@@ -81,9 +108,7 @@ class Runtime:
                 cfg.prompt_data, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
                 metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
                 shuffle=cfg.rollout_shuffle, seed=cfg.rollout_seed)
-            self.reward_fn = load_reward_fn(cfg.reward_fn)
-            self.group_reward_fn = (load_group_reward_fn(cfg.group_reward_fn)
-                                    if cfg.group_reward_fn else None)
+            self.reward_fn, self.group_reward_fn = load_reward_fns(cfg)
         if self.engine_urls and not cfg.rollout_only:
             transport = (TensorTransport(self.engine_urls)
                          if cfg.update_weight_transfer_mode == "tensor"
@@ -97,11 +122,12 @@ class Runtime:
 
     def _resume(self) -> None:
         cfg = self.cfg
-        if cfg.resume == "never" or self.backend is None:
+        if self.backend is None:
             return
-        path = latest_checkpoint(cfg.run_dir) if cfg.resume == "auto" else Path(cfg.resume)
+        path = resume_checkpoint(cfg)
         if path is None:
             return
+        check_resume(cfg, path)  # also done by the launcher; here for ranks started elsewhere
         extra = self.backend.load_checkpoint(path)
         self.start_step = int(extra["step"]) + 1
         if self.data is not None and extra.get("data") is not None:
@@ -128,31 +154,40 @@ class Runtime:
     def _lead_rollout(self, step: int) -> list[Group]:
         cfg = self.cfg
         if cfg.load_rollouts is not None:
-            return load_rollout(cfg.load_rollouts, step)
+            groups = load_rollout(cfg.load_rollouts, step)
+            # The saved groups' own numbers (rewards, lengths, cache hits), as the saving run logged.
+            replay = rollout_metrics(RolloutResult(groups=groups))
+            self.step_metrics.update({f"rollout/{k}": v for k, v in replay.items()
+                                      if k not in ("elapsed_s", "tokens_per_s")})
+            return groups
         want = cfg.rollout_batch_size
-        groups: list[Group] = []
-        while len(groups) < want:
-            result = asyncio.run(self._rollout(self.data.next_batch(want - len(groups)), step))
+        # Prompts whose groups were dropped (reward errors, refusals) or aborted are replaced by
+        # further rollouts until the step has `want` groups; the step's metrics count them all.
+        step_result = RolloutResult()
+        attempted = 0
+        while len(step_result.groups) < want:
+            items = self.data.next_batch(want - len(step_result.groups))
+            # Group indices stay unique within the step: GRPO normalizes rewards per group_index.
+            result = asyncio.run(self._rollout(items, step * want + attempted))
+            attempted += len(items)
             self.data.requeue(result.requeue)
-            groups += result.groups
-            self.step_metrics.update({f"rollout/{k}": v for k, v in rollout_metrics(result).items()})
+            _merge(step_result, result)
             if not result.groups:
                 self._empty_rollouts += 1
                 if self._empty_rollouts >= MAX_EMPTY_ROLLOUTS:
-                    raise RuntimeError(
+                    raise RunError(
                         f"{MAX_EMPTY_ROLLOUTS} rollouts in a row produced no trainable group "
-                        f"(aborted: {result.num_aborted_groups}, failed: {len(result.dropped)}); "
-                        "check the engine logs under logs/ and the reward function")
+                        f"(aborted: {result.num_aborted_groups}, failed: {len(result.dropped)}) "
+                        f"from engines {self.engine_urls}; check the engine logs under "
+                        f"{cfg.run_dir / 'logs'} and the reward function")
             else:
                 self._empty_rollouts = 0
-        rewards = torch.tensor([s.reward for g in groups for s in g], dtype=torch.float64)
-        self.step_metrics["rollout/reward_mean"] = rewards.mean().item()
-        self.step_metrics["rollout/reward_std"] = rewards.std(correction=0).item()
+        self.step_metrics.update({f"rollout/{k}": v for k, v in rollout_metrics(step_result).items()})
         if cfg.save_rollouts is not None:
-            save_rollout(cfg.save_rollouts, step, groups)
-        return groups
+            save_rollout(cfg.save_rollouts, step, step_result.groups)
+        return step_result.groups
 
-    async def _rollout(self, items: list, step: int):
+    async def _rollout(self, items: list, group_index_start: int) -> RolloutResult:
         cfg = self.cfg
         sampling = SamplingSettings(
             temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
@@ -163,7 +198,7 @@ class Runtime:
             return await rollout_groups(
                 clients, items, cfg.n_samples_per_prompt, sampling, self.reward_fn,
                 self.group_reward_fn, cfg.rollout_max_concurrency,
-                group_index_start=step * cfg.rollout_batch_size)
+                group_index_start=group_index_start)
         finally:
             for c in clients:
                 await c.aclose()
@@ -190,8 +225,11 @@ class Runtime:
                                                       and (step + 1) % cfg.save_interval == 0))
 
     def save(self, step: int) -> None:
+        """Checkpoint after `step` (logged already). Its time shows as perf/save_time in the
+        next step's metrics."""
         t0 = time.perf_counter()
-        extra = {"step": step, "data": self.data.state_dict() if self.data is not None else None}
+        extra = {"step": step, "data": self.data.state_dict() if self.data is not None else None,
+                 "model": model_fingerprint(self.cfg.hf_checkpoint)}
         box = [extra]
         if self.world > 1:  # the data state lives on rank 0; every rank writes the same extra
             dist.broadcast_object_list(box, src=0)
@@ -230,6 +268,9 @@ class Runtime:
         self.timer.add("perf/update_weights_time", time.perf_counter() - t0)
 
     def log(self, step: int, step_start: float) -> None:
+        """Write the step's metrics. Called before the step's checkpoint, so a step a checkpoint
+        holds is always in metrics.jsonl (a step logged but not saved is redone, and its line
+        replaced, on resume)."""
         self.timer.add("perf/step_time", time.perf_counter() - step_start)
         if self.lead:
             merged = {**self.step_metrics, **self.timer.times}
@@ -245,6 +286,23 @@ class Runtime:
             self.progress.close()
             if self.weights is not None:
                 self.weights.close()
+
+
+def wait_for_engines(urls: list[str], timeout_s: float = 900.0) -> None:
+    """Block until every engine answers /health: the launcher may start the trainer ranks while
+    engines still load. (The launcher stops the run if one fails to start; this bound is a
+    backstop for launchers that do not.)"""
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RunError(f"engine {url} did not answer /health within {timeout_s:.0f} s")
+            time.sleep(0.2)
 
 
 def trainer_settings(cfg: TrainConfig) -> TrainerSettings:

@@ -1,25 +1,47 @@
-"""The synchronous RL loop: generate -> train -> save when due -> update weights -> offload.
+"""The synchronous RL loop: generate -> train -> update weights -> log -> save when due -> offload.
 
 `run` is what `milepost train` calls: it starts the run's components and the trainer ranks.
-`train_loop` is what every trainer rank runs. Deviation from the issue's order: weights are sent
-before the colocated trainer is offloaded, because the in-host handoff reads them where they are.
+`train_loop` is what every trainer rank runs. Deviations from the issue's order: weights are sent
+before the colocated trainer is offloaded, because the in-host handoff reads them where they are;
+and a step is logged before it is saved, so every step a checkpoint holds is in metrics.jsonl
+(a run killed in between redoes that step on resume, and its line is replaced).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import TYPE_CHECKING
 
 from milepost.config import TrainConfig
-from milepost.driver.runtime import Runtime
+from milepost.driver.preflight import RunError, preflight
 from milepost.launch.local import LocalLauncher
+from milepost.launch.process import ComponentStartError
+
+if TYPE_CHECKING:  # the launcher never imports the trainer (torch, transformers: seconds)
+    from milepost.driver.runtime import Runtime
+
+log = logging.getLogger(__name__)
 
 
 def run(cfg: TrainConfig) -> int:
+    """Start everything, train, stop everything; the exit code (0 = every step done)."""
     config_path = cfg.write_resolved()
-    with LocalLauncher(cfg, cfg.run_dir) as launch:
-        engine_urls = [] if cfg.load_rollouts is not None else launch.start_engines()
-        router_url = launch.start_router(engine_urls) if cfg.router and engine_urls else None
-        return launch.run_trainer_ranks(config_path, engine_urls, router_url)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls would flood the log
+    try:
+        preflight(cfg)
+        with LocalLauncher(cfg, cfg.run_dir) as launch:
+            # Trainer ranks start while engines load, unless they share devices (colocated: an
+            # engine sizes its KV cache from the free memory it sees) or a router must see
+            # healthy engines first.
+            overlap = not cfg.colocate and not cfg.router
+            engine_urls = ([] if cfg.load_rollouts is not None
+                           else launch.start_engines(wait=not overlap))
+            router_url = launch.start_router(engine_urls) if cfg.router and engine_urls else None
+            return launch.run_trainer_ranks(config_path, engine_urls, router_url)
+    except (RunError, ComponentStartError) as e:  # the message says it all: no traceback
+        log.error("%s", e)
+        return 1
 
 
 def train_loop(rt: Runtime) -> None:
@@ -29,9 +51,9 @@ def train_loop(rt: Runtime) -> None:
         rt.onload_trainer()
         groups = rt.generate(step)
         rt.train(groups)
+        rt.update_weights(step)
+        rt.log(step, start)
         if rt.save_due(step):
             rt.save(step)
-        rt.update_weights(step)
         if rt.cfg.colocate:
             rt.offload_trainer()
-        rt.log(step, start)

@@ -1,18 +1,22 @@
 """One trainer rank: `python -m milepost.driver.worker CONFIG --engine-urls ...` (started by a launcher).
 
 Joins the default process group from the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK,
-WORLD_SIZE), then runs the sync loop.
+WORLD_SIZE), then runs the sync loop. Errors whose message says everything (bad input, a
+component gone) are logged as one line and exit 1; anything else keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import torch.distributed as dist
 
 from milepost.config import load_config
+
+log = logging.getLogger("milepost.driver.worker")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,18 +29,53 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
 
+    from milepost.data.source import DatasetError
+    from milepost.driver.preflight import RunError
     from milepost.driver.runtime import Runtime
     from milepost.driver.sync import train_loop
+    from milepost.rollout.client import EngineError
+    from milepost.rollout.generate import RolloutError
+    from milepost.weights.transport import TransportError
 
     dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
-    rt = Runtime(cfg, args.engine_urls, args.router_url)
+    rt = None
     try:
+        rt = Runtime(cfg, args.engine_urls, args.router_url)
         train_loop(rt)
+    except (RunError, DatasetError, RolloutError, TransportError, EngineError) as e:
+        # No destroy_process_group: the other ranks may be blocked in a collective; exiting
+        # ends this rank's part, and the launcher stops the others.
+        log.error("rank %d: %s", dist.get_rank(), e)
+        return 1
+    except RuntimeError as e:
+        if dist.get_rank() == 0 or not _peer_gone(e):
+            raise
+        # A consequence, not a cause: the rank that failed first said why; no second traceback.
+        log.error("rank %d: stopped because another rank is gone (%s)", dist.get_rank(),
+                  str(e).splitlines()[0][:200])
+        return 1
     finally:
-        rt.close()
-        dist.destroy_process_group()
+        if rt is not None:
+            rt.close()
+    dist.destroy_process_group()
     return 0
 
 
+def _peer_gone(e: RuntimeError) -> bool:
+    """The error of a collective whose peer process exited (gloo says it this way)."""
+    return any(m in str(e) for m in ("closed by peer", "reset by peer", "Broken pipe"))
+
+
+def _exit(code: int) -> None:
+    """Leave without interpreter teardown. A gloo worker thread may still be releasing a finished
+    collective's tensors when Python finalizes; it then cannot take the GIL and the process
+    aborts ("terminate called without an active exception", seen at the end of a resumed run
+    with nothing left to train). Everything this rank owns was closed in `main`."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

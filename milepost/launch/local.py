@@ -1,23 +1,28 @@
 """Placement on one host: start engines, the router and the trainer ranks as local processes.
 
 One place decides which process gets which device and port, starts every component, and stops
-them all (also when one of them fails). Devices: trainer rank r uses GPU r; an engine uses the
-GPU of trainer rank i % ranks when colocated, else the GPUs after the trainer's. A Ray launcher
-for many hosts will start the same components (same commands, same arguments) on other nodes.
+them all: when one of them fails, and also when the launcher itself is killed (every child is
+tied to it, see `die_with_parent`). An engine or router that dies mid-run stops the run with a
+message naming it, rather than leaving the trainer to retry a dead server. Devices: trainer rank
+r uses GPU r; an engine uses the GPU of trainer rank i % ranks when colocated, else the GPUs
+after the trainer's. A Ray launcher for many hosts will start the same components (same
+commands, same arguments) on other nodes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from milepost.launch.process import ManagedProcess, free_port
+from milepost.launch.process import ManagedProcess, die_with_parent, free_port
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +35,15 @@ class LocalLauncher:
         self.run_dir = Path(run_dir)
         self.logs = self.run_dir / "logs"
         self.components: list[ManagedProcess] = []
+        self.urls: dict[str, str] = {}  # component name -> its base URL, for messages
         self.on_gpu = cfg.device == "cuda"
 
     # ---- engines and router ------------------------------------------------------------------
-    def start_engines(self) -> list[str]:
+    def start_engines(self, wait: bool = True) -> list[str]:
+        """Start the engines; their URLs. wait=False returns before they are healthy: the
+        caller starts the trainer ranks meanwhile (both load weights: minutes on big models),
+        `run_trainer_ranks` watches the engines finish starting, and rank 0 waits for them
+        before its first request."""
         cfg = self.cfg
         if cfg.engine_backend == "external":
             for url in cfg.engine_urls:
@@ -46,10 +56,12 @@ class LocalLauncher:
             proc = ManagedProcess(
                 f"engine {i}", cmd, self.logs / f"engine-{i}.log",
                 f"http://127.0.0.1:{port}/health", env=self._engine_env(i), timeout_s=600,
+                tied_to_parent=True, wait=wait,
             )
             self.components.append(proc)
             urls.append(f"http://127.0.0.1:{port}")
-            log.info("engine %d ready at %s", i, urls[-1])
+            self.urls[proc.name] = urls[-1]
+            log.info("engine %d %s at %s", i, "ready" if wait else "starting", urls[-1])
         return urls
 
     def _engine_cmd(self, port: int) -> list[str]:
@@ -83,9 +95,10 @@ class LocalLauncher:
                "--port", str(port), "--worker-urls", *worker_urls, "--policy", "manual",
                "--assignment-mode", "min_load", "--log-level", "warn"]
         proc = ManagedProcess("router", cmd, self.logs / "router.log",
-                              f"http://127.0.0.1:{port}/health", timeout_s=120)
+                              f"http://127.0.0.1:{port}/health", timeout_s=120, tied_to_parent=True)
         self.components.append(proc)
-        return f"http://127.0.0.1:{port}"
+        self.urls[proc.name] = f"http://127.0.0.1:{port}"
+        return self.urls[proc.name]
 
     # ---- trainer ranks -----------------------------------------------------------------------
     def run_trainer_ranks(self, config_path: Path, engine_urls: list[str],
@@ -105,8 +118,54 @@ class LocalLauncher:
                    "--engine-urls", *engine_urls]
             if router_url:
                 cmd += ["--router-url", router_url]
-            procs.append(subprocess.Popen(cmd, env=env))
-        return _wait_all(procs, self.components)
+            # preexec_fn runs prctl only (no Python objects, no locks): safe despite the warning.
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))  # noqa: PLW1509
+        with _sigterm_as_exit():
+            return self._wait_all(procs)
+
+    def _wait_all(self, procs: list[subprocess.Popen]) -> int:
+        """Wait for every rank. The first rank to fail, or an engine / the router dying, stops
+        the others: a dead engine cannot come back (weight updates and rollouts would only
+        fail against it, or hang), so the run ends there with a message naming it."""
+        try:
+            while True:
+                codes = [p.poll() for p in procs]
+                if all(c == 0 for c in codes):
+                    return 0
+                for c in self.components:  # started with wait=False: still coming up?
+                    if not c.ready and c.poll_ready():
+                        log.info("%s ready at %s", c.name, self.urls.get(c.name, "?"))
+                dead = self._dead_components()
+                if dead:
+                    log.error("%s; stopping the trainer ranks", dead)
+                    _terminate(procs)
+                    return 1
+                failed = [c for c in codes if c not in (None, 0)]
+                if failed:
+                    dead = self._dead_components()  # often the cause: say so
+                    log.error("trainer rank %d exited with code %d (its error is above); stopping the "
+                              "others%s",
+                              codes.index(failed[0]), failed[0], f" ({dead})" if dead else "")
+                    _terminate(procs)
+                    return failed[0] if failed[0] > 0 else 128 - failed[0]  # killed by a signal
+                time.sleep(0.5)
+        except BaseException as e:  # a failed start, Ctrl-C, SIGTERM: never leave ranks behind
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                log.warning("interrupted (%s); stopping the trainer ranks and engines",
+                            "Ctrl-C" if isinstance(e, KeyboardInterrupt) else "SIGTERM")
+            _terminate(procs)
+            raise
+
+    def _dead_components(self) -> str:
+        """'' while every engine and the router run, else what stopped and where its log is."""
+        lines = []
+        for c in self.components:
+            if not c.alive:
+                tail = c.log_tail(800).strip()
+                lines.append(f"{c.name} ({self.urls.get(c.name, '?')}) stopped with exit code "
+                             f"{c.proc.returncode} while the run was going; its log: {c.log_path}"
+                             + (f"; last lines:\n{tail}" if tail else ""))
+        return "\n".join(lines)
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -121,28 +180,22 @@ class LocalLauncher:
         self.close()
 
 
-def _wait_all(procs: list[subprocess.Popen], components: list[ManagedProcess]) -> int:
-    """Wait for every rank; the first failure (or a dead engine) stops the rest."""
-    reported: set[str] = set()
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                log.error("a trainer rank exited with code %d; stopping the others", failed[0])
-                _terminate(procs)
-                return failed[0]
-            if all(c == 0 for c in codes):
-                return 0
-            for c in components:
-                if not c.alive and c.name not in reported:
-                    reported.add(c.name)
-                    log.error("%s stopped (exit code %s); its log: %s", c.name,
-                              c.proc.returncode, c.log_path)
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        _terminate(procs)
-        raise
+class _sigterm_as_exit:
+    """While waiting on the ranks, SIGTERM raises SystemExit (like Ctrl-C raises
+    KeyboardInterrupt), so `kill <launcher>` still stops the ranks and closes the engines."""
+
+    def __enter__(self) -> None:
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
 
 
 def _terminate(procs: list[subprocess.Popen]) -> None:

@@ -6,14 +6,40 @@ failed start (with the log's tail) and stopping (terminate, then kill) are writt
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes a child die when the process that started it dies, even by
+    SIGKILL (no cleanup code runs then, so `close()` cannot stop it). Linux only; None elsewhere.
+
+    The signal fires when the *thread* that started the child exits: start such children from a
+    thread that lives as long as they should (the launcher's main thread).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    parent = os.getpid()
+
+    def set_parent_death_signal() -> None:
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return set_parent_death_signal
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,7 +54,13 @@ class ComponentStartError(RuntimeError):
 
 
 class ManagedProcess:
-    """Start `cmd`, log to `log_path`, wait until `health_url` answers 200, stop on close()."""
+    """Start `cmd`, log to `log_path`, wait until `health_url` answers 200, stop on close().
+
+    tied_to_parent: the child is killed if this process dies without closing it (see
+    `die_with_parent`); the launcher sets it so no engine outlives a killed `milepost train`.
+    wait: block until healthy (default). With wait=False the caller polls `poll_ready()` (so it
+    can start other things meanwhile); `timeout_s` still counts from the start.
+    """
 
     def __init__(
         self,
@@ -39,32 +71,48 @@ class ManagedProcess:
         *,
         env: Mapping[str, str] | None = None,
         timeout_s: float = 300.0,
+        tied_to_parent: bool = False,
+        wait: bool = True,
     ) -> None:
         self.name = name
         self.cmd = list(cmd)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.health_url = health_url
+        self.ready = health_url is None
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
+            preexec_fn=die_with_parent() if tied_to_parent else None,  # noqa: PLW1509 (prctl only)
         )
-        if health_url is not None:
-            self._wait_healthy(health_url, timeout_s)
+        if wait:
+            self.wait_ready()
 
-    def _wait_healthy(self, url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+    def poll_ready(self) -> bool:
+        """True once the health URL answered 200 (one quick check per call). Raises
+        ComponentStartError (with the log's tail) if it exited or timed out before that."""
+        if self.ready:
+            return True
+        if self.proc.poll() is not None:
+            self._start_failed(f"exited with code {self.proc.returncode}")
+        try:
+            if httpx.get(self.health_url, timeout=2).status_code == 200:
+                self.ready = True
+                return True
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > self._deadline:
+            self._start_failed(f"not healthy after {self._timeout_s:.0f} s")
+        return False
+
+    def wait_ready(self) -> None:
+        while not self.poll_ready():
             time.sleep(0.2)
-        why = (f"exited with code {self.proc.returncode}" if self.proc.poll() is not None
-               else f"not healthy after {timeout_s:.0f} s")
+
+    def _start_failed(self, why: str) -> None:
         self.close()
         raise ComponentStartError(f"{self.name} {why}; log {self.log_path}:\n{self.log_tail()}")
 

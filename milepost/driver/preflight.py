@@ -1,0 +1,96 @@
+"""Checks made before a run starts anything, and `RunError`, the error a run reports without traceback.
+
+`preflight` runs in the launcher before any engine starts: the reward functions import, and the
+checkpoint a resume would load was trained from this model. (Dataset rows are checked by rank 0
+as it loads them: tokenizing needs the tokenizer, and is done once.) A checkpoint records the
+model it was trained from (`model_fingerprint`, in the checkpoint's extra) so a resume can tell.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from milepost.config import TrainConfig
+from milepost.rollout.rewards import load_group_reward_fn, load_reward_fn
+
+log = logging.getLogger(__name__)
+
+# config.json keys that do not change what the weights mean: left out of the comparison.
+_NOT_THE_MODEL = {"transformers_version", "dtype", "torch_dtype", "use_cache", "_name_or_path",
+                  "initializer_range"}
+
+
+class RunError(RuntimeError):
+    """A run cannot start or go on, for a reason its message fully states (bad input, a
+    component gone): reported as one line, without a traceback."""
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Refuse, before any process starts, what would only fail once engines and ranks are up."""
+    if cfg.load_rollouts is None:
+        load_reward_fns(cfg)
+    path = resume_checkpoint(cfg)
+    if path is not None and not cfg.rollout_only:
+        check_resume(cfg, path)
+
+
+def load_reward_fns(cfg: TrainConfig) -> tuple[Any, Any]:
+    """(reward_fn, group_reward_fn or None), imported; RunError naming the setting if not."""
+    try:
+        reward_fn = load_reward_fn(cfg.reward_fn)
+        group_fn = load_group_reward_fn(cfg.group_reward_fn) if cfg.group_reward_fn else None
+    except ValueError as e:  # the loaders name the setting and what failed to import
+        raise RunError(f"{e}; check the import path (is its module on PYTHONPATH?)") from None
+    return reward_fn, group_fn
+
+
+def resume_checkpoint(cfg: TrainConfig) -> Path | None:
+    """The checkpoint this run continues from: the latest of run_dir (auto), the given one, or None."""
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto" and not (Path(cfg.run_dir) / "checkpoints").is_dir():
+        return None  # a fresh run: the launcher need not import torch (below) to know it
+    from milepost.train.checkpoint import META_FILE, latest_checkpoint
+
+    if cfg.resume == "auto":
+        return latest_checkpoint(cfg.run_dir)
+    path = Path(cfg.resume)
+    if not (path / META_FILE).is_file():
+        raise RunError(f"--resume {path} is not a complete milepost checkpoint (no {META_FILE}); "
+                       "pass a RUN_DIR/checkpoints/step_N directory, or auto / never")
+    return path
+
+
+def model_fingerprint(hf_checkpoint: Path) -> dict[str, Any]:
+    """What a checkpoint records of the model it was trained from: its path and its config."""
+    config = json.loads((Path(hf_checkpoint) / "config.json").read_text())
+    return {"hf_checkpoint": str(hf_checkpoint),
+            "config": {k: v for k, v in config.items() if k not in _NOT_THE_MODEL}}
+
+
+def check_resume(cfg: TrainConfig, path: Path) -> None:
+    """Refuse a checkpoint trained from another model (its weights would not fit, or would be
+    silently trained on as if they were this model's)."""
+    from milepost.train.checkpoint import META_FILE
+
+    saved = json.loads((path / META_FILE).read_text()).get("extra", {}).get("model")
+    if saved is None:  # written before checkpoints recorded their model: nothing to compare
+        return
+    now = model_fingerprint(cfg.hf_checkpoint)
+    diffs = sorted(k for k in saved["config"].keys() | now["config"].keys()
+                   if saved["config"].get(k) != now["config"].get(k))
+    which = (f"--resume {path}" if cfg.resume != "auto"
+             else f"the latest checkpoint of --run-dir {cfg.run_dir} ({path})")
+    if diffs:
+        shown = "; ".join(f"{k}: {saved['config'].get(k)!r} there, {now['config'].get(k)!r} here"
+                          for k in diffs[:6])
+        raise RunError(
+            f"{which} was trained from {saved['hf_checkpoint']}, a different model than "
+            f"--hf-checkpoint {cfg.hf_checkpoint} ({shown}); resume with the model it was "
+            "trained from, or start afresh in another --run-dir (or with --resume never)")
+    if saved["hf_checkpoint"] != now["hf_checkpoint"]:
+        log.warning("%s was trained from %s; resuming it with --hf-checkpoint %s, whose config "
+                    "is the same", which, saved["hf_checkpoint"], cfg.hf_checkpoint)
