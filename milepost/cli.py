@@ -96,8 +96,7 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
         path = cfg.write_resolved()
         logging.getLogger("milepost.cli").info("run %s: resolved settings in %s", cfg.run_dir, path)
         # Imported by name, lazily: the driver pulls in torch, the trainer and the engines.
-        importlib.import_module("milepost.driver.sync").run(cfg)
-        return 0
+        return importlib.import_module("milepost.driver.sync").run(cfg) or 0  # the exit code
 
     parser.set_defaults(run=run)
 
