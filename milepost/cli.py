@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import sys
 from collections.abc import Callable
 
 from milepost.engine.server_args import ServerArgs
@@ -93,14 +94,17 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
         epilog=describe_settings(TrainConfig, TABLE_OF),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("recipe", help="TOML recipe (recipes/*.toml, or a run's config.resolved.toml)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved settings and exit")
-    parser.add_argument("overrides", nargs=argparse.REMAINDER, metavar="--key value", help="settings")
+    # One REMAINDER list so a run can also be given by flags alone (no recipe file).
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, metavar="[RECIPE.toml] --key value",
+                        help="an optional TOML recipe (recipes/*.toml, or a run's "
+                        "config.resolved.toml), then settings")
 
     def run(ns: argparse.Namespace) -> int:
         from milepost.config import ConfigError, load_config
 
         overrides = list(ns.overrides)
+        ns.recipe = overrides.pop(0) if overrides and not overrides[0].startswith("-") else None
         if "-h" in overrides or "--help" in overrides:
             parser.print_help()
             return 0
@@ -163,5 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `milepost` script; returns the process exit code."""
-    ns = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:]):
+        # Settings are open-ended `--key value` pairs that argparse cannot declare up front, and a
+        # leading one (no recipe file) would be refused as unknown: hand the rest over verbatim.
+        ns = parser.parse_args(["train"])
+        ns.overrides = argv[1:]
+        return ns.run(ns)
+    ns = parser.parse_args(argv)
     return ns.run(ns)
