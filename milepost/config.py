@@ -205,10 +205,11 @@ class WeightsTable(_Table):
         512 * _MIB, ge=_MIB, description="Bytes per weight-update bucket (trainer to engines)."
     )
     update_weights_interval: int = Field(1, ge=1, description="Push weights to the engines every N steps.")
-    update_weight_transfer_mode: Literal["tensor", "broadcast", "disk"] | None = Field(
+    update_weight_transfer_mode: Literal["tensor", "broadcast"] | None = Field(
         None,
-        description="tensor = in-host handoff; broadcast = torch.distributed group; disk = "
-        "safetensors files. Default: tensor when colocated, else broadcast.",
+        description="tensor = in-host handoff; broadcast = torch.distributed group (p2p and "
+        "disk-delta come with the weight-transport issue). Default: tensor when colocated, else "
+        "broadcast.",
     )
     check_weight_update: bool = Field(
         False, description="After each update, verify the engines hold exactly the trainer's weights."
