@@ -7,7 +7,7 @@ W&B (offline mode) when asked. Names follow the report's panels; a driver may lo
 | rollout/reward_std | std of those rewards |
 | rollout/response_len_mean | mean response length in tokens |
 | rollout/truncated_frac | share of samples cut by rollout_max_response_len |
-| rollout/cache_hit_rate | prompt tokens served from the engines' prefix cache / prompt tokens |
+| rollout/prefix_cache_hit_rate | prompt tokens served from the engines' prefix cache / prompt tokens |
 | rollout/tokens_per_s | generated tokens / rollout wall time |
 | train/loss | total loss (policy gradient + KL + entropy terms), mean over optimizer steps |
 | train/pg_clipfrac | share of response tokens whose ratio was clipped |

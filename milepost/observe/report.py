@@ -17,7 +17,7 @@ _HIGHER_IS_BETTER = {
     "rollout/reward_mean",
     "eval/reward_mean",
     "rollout/tokens_per_s",
-    "rollout/cache_hit_rate",
+    "rollout/prefix_cache_hit_rate",
 }
 _LOWER_IS_BETTER = {
     "rollout/truncated_frac",
