@@ -45,7 +45,7 @@ def _steps(run_dir: Path) -> list[int]:
 def test_documented_names() -> None:
     for name in (
         "rollout/reward_mean",
-        "rollout/cache_hit_rate",
+        "rollout/prefix_cache_hit_rate",
         "rollout/tokens_per_s",
         "train/grad_norm",
         "train/train_rollout_logprob_abs_diff",
