@@ -1,0 +1,87 @@
+"""Write the demo's datasets and base model: `python -m milepost.demo.prepare OUT_DIR`.
+
+OUT_DIR/rl_prompts.jsonl (RL prompts + labels), OUT_DIR/drills.jsonl and OUT_DIR/tutor.jsonl
+(the supervised data, in the order the pass consumes it) and OUT_DIR/base_model/ (the HF directory
+`milepost serve` and `milepost train` load). A complete OUT_DIR is reused as it is (its
+`prepare.json` records how it was made); --force rebuilds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from milepost.demo.base_model import INFO_FILE, DemoModelRecipe, make_demo_model
+from milepost.demo.task import OPERANDS, write_datasets
+
+STAMP = "prepare.json"
+N_PROMPTS = 4096
+DATA_VERSION = 1  # bump when the task or the pass changes, so old OUT_DIRs are rebuilt
+
+
+def _settings(recipe: DemoModelRecipe) -> dict:
+    return {"version": DATA_VERSION, "n_prompts": N_PROMPTS, "operands": list(OPERANDS), "model": asdict(recipe)}
+
+
+def prepare(
+    out_dir: str | Path, *, seed: int = 0, force: bool = False, seconds_budget: float | None = 180.0
+) -> tuple[Path, Path]:
+    """Build (or reuse) the demo data and base model in `out_dir`; returns (model dir, RL prompts)."""
+    out_dir = Path(out_dir)
+    model_dir, prompts = out_dir / "base_model", out_dir / "rl_prompts.jsonl"
+    stamp = out_dir / STAMP
+    recipe = DemoModelRecipe(seed=seed)
+    settings = _settings(recipe)
+    if not force and stamp.exists() and json.loads(stamp.read_text()).get("settings") == settings:
+        return model_dir, prompts
+    t0 = time.perf_counter()
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    stamp.unlink(missing_ok=True)
+    paths = write_datasets(
+        out_dir,
+        n_prompts=N_PROMPTS,
+        n_drills=recipe.drill_steps * recipe.batch_size,
+        n_tutor=recipe.tutor_steps * recipe.batch_size,
+        seed=seed,
+        teacher_accuracy=recipe.teacher_accuracy,
+    )
+    make_demo_model(
+        model_dir, seconds_budget=seconds_budget, recipe=recipe, data=(paths["drills"], paths["tutor"])
+    )
+    info = json.loads((model_dir / INFO_FILE).read_text())
+    stamp.write_text(
+        json.dumps({"settings": settings, "seconds": round(time.perf_counter() - t0, 2), "model": info}, indent=2)
+        + "\n"
+    )
+    return model_dir, prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m milepost.demo.prepare", description=__doc__)
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="rebuild even if OUT_DIR is complete")
+    ap.add_argument(
+        "--seconds-budget", type=float, default=180.0, help="fail if the supervised pass takes longer (0 = no limit)"
+    )
+    args = ap.parse_args(argv)
+    model_dir, prompts = prepare(
+        args.out_dir, seed=args.seed, force=args.force, seconds_budget=args.seconds_budget or None
+    )
+    info = json.loads((args.out_dir / STAMP).read_text())
+    m = info["model"]
+    print(
+        f"base model {model_dir}: supervised pass {m['sft_seconds']}s, sampled accuracy "
+        f"{m['sampled_accuracy']:.3f} (estimates {m['estimate_rate']:.3f}, right when computing "
+        f"{m['computing_accuracy']:.3f}); RL prompts {prompts}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
