@@ -11,7 +11,6 @@ logs the first error (see `milepost.rollout.generate.rollout_groups`).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math as _math
 import re
@@ -19,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from fractions import Fraction
 from typing import Any
 
+from milepost.plugins import load_callable
 from milepost.types import Sample
 
 RewardFn = Callable[[Sample], float | Awaitable[float]]
@@ -153,21 +153,10 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "math": math
 
 # ---- loading and calling ---------------------------------------------------------------------
 
-def _import(path: str, setting: str) -> Callable[..., Any]:
-    module, _, attr = path.partition(":")
-    try:
-        obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{setting}: cannot import {path!r}: {e}") from e
-    if not callable(obj):
-        raise ValueError(f"{setting}: {path!r} is not callable")
-    return obj
-
-
 def load_reward_fn(name: str, setting: str = "reward_fn") -> RewardFn:
     """A builtin reward function by name, or any callable by import path `module.sub:function`."""
     if ":" in name:
-        return _import(name, setting)
+        return load_callable(name, setting)
     if name not in BUILTIN_REWARDS:
         raise ValueError(f"{setting}: unknown reward function {name!r}; builtins are "
                          f"{sorted(BUILTIN_REWARDS)}, or give an import path 'module.sub:function'")
@@ -178,7 +167,7 @@ def load_group_reward_fn(name: str, setting: str = "group_reward_fn") -> GroupRe
     """A group reward function by import path `module.sub:function` (there are no builtins)."""
     if ":" not in name:
         raise ValueError(f"{setting}: give an import path 'module.sub:function', got {name!r}")
-    return _import(name, setting)
+    return load_callable(name, setting)
 
 
 def _check_reward(value: Any, what: str) -> float:

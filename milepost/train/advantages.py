@@ -7,12 +7,12 @@ REINFORCE++ and PPO (report section 3.4) register themselves here when they land
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from milepost.plugins import load_callable
 from milepost.types import Sample
 
 
@@ -45,14 +45,7 @@ def register(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
 def get_estimator(name: str) -> AdvantageEstimator:
     """A registered estimator by name, or any callable by import path `module.sub:function`."""
     if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"advantage estimator {name!r} could not be imported: {e}") from e
-        if not callable(fn):
-            raise ValueError(f"advantage estimator {name!r} is not callable")
-        return fn
+        return load_callable(name, "advantage_estimator")
     if name not in _REGISTRY:
         raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(_REGISTRY)} (or use 'module:function')")
     return _REGISTRY[name]
