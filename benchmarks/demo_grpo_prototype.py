@@ -4,7 +4,7 @@ No milepost engine or trainer: transformers' `generate` samples, the same model 
 PPO-clip loss over group-normalized advantages updates it with AdamW. It prints the mean reward
 of every rollout and the wall time, so the recipe's hyperparameters have a measured curve.
 
-    python benchmarks/demo_grpo_prototype.py --work-dir runs/demo-proto   # builds data + model first
+    python benchmarks/demo_grpo_prototype.py   # builds runs/tiny-demo (data + base model) first
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def policy_loss(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work-dir", type=Path, default=Path("runs/demo-proto"))
+    ap.add_argument("--work-dir", type=Path, default=Path("runs/tiny-demo"))
     ap.add_argument("--model", type=Path, default=None, help="base model dir (default: build one in work-dir)")
     ap.add_argument("--prompts", type=Path, default=None, help="RL prompt JSONL (default: work-dir's)")
     ap.add_argument("--rollouts", type=int, default=40)
@@ -130,8 +130,8 @@ def main() -> None:
     ap.add_argument("--global-batch-size", type=int, default=256, help="samples per optimizer step")
     ap.add_argument("--max-response-len", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=0, help="optimizer steps of linear lr warmup")
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--warmup", type=int, default=5, help="optimizer steps of linear lr warmup")
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--eps-clip", type=float, default=0.2)
     ap.add_argument("--eps-clip-high", type=float, default=0.28)
@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--no-std-norm", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--target", type=float, default=0.8, help="report when the mean reward first reaches this")
+    ap.add_argument("--target", type=float, default=0.8, help="report when the 5-rollout mean reward reaches this")
     ap.add_argument("--log", type=Path, default=None, help="write per-rollout metrics as JSONL here")
     args = ap.parse_args()
 
