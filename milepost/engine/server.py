@@ -239,14 +239,20 @@ class GenerateService:
         )
         return q
 
-    async def run(self, ids: list[int], params: SamplingParams, rid: str, body: GenerateReqInput,
-                  disconnected: Callable[[], Awaitable[bool]] | None = None) -> dict:
-        """Generate one sequence; if `disconnected()` turns true (the client left), abort it."""
+    def _start(self, ids: list[int], params: SamplingParams, rid: str, body: GenerateReqInput,
+               stream: bool) -> tuple[_Result, asyncio.Queue[RequestOutput]]:
+        """Submit one sequence of a /generate body; its accumulator and output queue."""
         result = _Result(rid, params, body.return_logprob or body.top_logprobs_num > 0,
                          body.return_text_in_logprobs)
         q = self.submit(ids, params, rid, return_logprob=result.return_logprob,
                         top_logprobs_num=body.top_logprobs_num,
-                        return_routed_experts=body.return_routed_experts, stream=False)
+                        return_routed_experts=body.return_routed_experts, stream=stream)
+        return result, q
+
+    async def run(self, ids: list[int], params: SamplingParams, rid: str, body: GenerateReqInput,
+                  disconnected: Callable[[], Awaitable[bool]] | None = None) -> dict:
+        """Generate one sequence; if `disconnected()` turns true (the client left), abort it."""
+        result, q = self._start(ids, params, rid, body, stream=False)
         self.active.add(rid)
         try:
             while result.last is None or not result.last.finished:
@@ -267,11 +273,7 @@ class GenerateService:
 
     async def stream(self, ids: list[int], params: SamplingParams, rid: str,
                      body: GenerateReqInput) -> AsyncIterator[bytes]:
-        result = _Result(rid, params, body.return_logprob or body.top_logprobs_num > 0,
-                         body.return_text_in_logprobs)
-        q = self.submit(ids, params, rid, return_logprob=result.return_logprob,
-                        top_logprobs_num=body.top_logprobs_num,
-                        return_routed_experts=body.return_routed_experts, stream=True)
+        result, q = self._start(ids, params, rid, body, stream=True)
         self.active.add(rid)
         try:
             while result.last is None or not result.last.finished:
