@@ -139,8 +139,61 @@ class RolloutTable(_Table):
         description="Most generation requests in flight over all engines; default: every "
         "sample of a step (rollout_batch_size * n_samples_per_prompt).",
     )
-    # Fully asynchronous training (issue: fully-async driver) adds its flags here, with its checks
-    # in TrainConfig._combinations (e.g. fully async + colocate is refused).
+
+
+class FullyAsyncTable(_Table):
+    """Fully asynchronous RL (report section 2.2): engines generate while the trainer trains."""
+
+    fully_async: bool = Field(
+        False,
+        description="Overlap rollout and training: a background worker keeps --max-inflight "
+        "trajectories generating into a bounded buffer; each step trains on finished groups. "
+        "Needs a disaggregated placement (refused with --colocate).",
+    )
+    max_inflight: int | None = Field(
+        None, ge=1,
+        description="--fully-async: most trajectories generating at once; default "
+        "rollout_batch_size * n_samples_per_prompt.",
+    )
+    rollout_granularity: Literal["group", "sample"] | None = Field(
+        None,
+        description="--fully-async: when a finished trajectory frees its in-flight place: sample "
+        "(at once; the default) or group (when the last trajectory of its group ends).",
+    )
+    buffer_capacity_factor: float = Field(
+        2.0, gt=0,
+        description="--fully-async: the buffer holds this many train batches of groups "
+        "(capacity = factor * rollout_batch_size); putting a group blocks while it is full.",
+    )
+    buffer_class: str | None = Field(
+        None,
+        description="--fully-async: import path module.sub:Class of a buffer replacing the "
+        "default (put / take / metrics / close; checked at start).",
+    )
+    max_staleness: int | None = Field(
+        None,
+        description="--fully-async: most weight versions a trained group may lag the trainer "
+        "(trainer version - oldest token version in the group); 0 = on-policy; unset = no limit.",
+    )
+    stale_group_policy: Literal["retry", "discard"] = Field(
+        "retry", description="--fully-async: a group past --max-staleness: its prompt is retried or discarded."
+    )
+    aborted_group_policy: Literal["retry", "discard"] = Field(
+        "retry",
+        description="--fully-async: a group generation gave up on (abort, timeout): its prompt is "
+        "retried or discarded.",
+    )
+    group_filter: str | None = Field(
+        None,
+        description="--fully-async: import path of fn(group) -> bool; a group it rejects is "
+        "discarded on arrival (e.g. milepost.data.filters:rewards_differ).",
+        json_schema_extra={"flags": ["--dynamic-sampling-filter-path"]},
+    )
+    pause_generation_mode: Literal["retract", "in_place", "abort"] = Field(
+        "retract",
+        description="--fully-async: how engines pause for a weight update: retract / in_place "
+        "(in-flight trajectories continue under the new weights) or abort (retried or discarded).",
+    )
 
 
 class AlgorithmTable(_Table):
@@ -223,10 +276,26 @@ class LoggingTable(_Table):
     )
     wandb_project: str = Field("milepost", description="W&B project name.")
     log_interval: int = Field(1, ge=1, description="Log metrics every N steps.")
+
+
+class EvalTable(_Table):
     eval_interval: int = Field(
-        0, ge=0, description="Evaluate every N steps on --eval-prompt-data; 0 = never."
+        0, ge=0,
+        description="Evaluate every N steps (and after the last) on --eval-prompt-data; 0 = never.",
     )
-    eval_prompt_data: Path | None = Field(None, description="Evaluation prompts (JSONL or Parquet).")
+    eval_prompt_data: Path | None = Field(
+        None, description="Evaluation prompts (JSONL or Parquet; same keys as --prompt-data)."
+    )
+    n_samples_per_eval_prompt: int = Field(1, ge=1, description="Samples per evaluation prompt.")
+    eval_max_response_len: int | None = Field(
+        None, ge=1, description="Most tokens per evaluation sample; default --rollout-max-response-len."
+    )
+    eval_temperature: float | None = Field(
+        None, ge=0, description="Evaluation sampling temperature; default --rollout-temperature."
+    )
+    eval_top_p: float | None = Field(
+        None, gt=0, le=1, description="Evaluation nucleus threshold; default --rollout-top-p."
+    )
 
 
 class DebugTable(_Table):
@@ -253,11 +322,13 @@ TABLES: dict[str, type[_Table]] = {
     "engine": EngineTable,
     "data": DataTable,
     "rollout": RolloutTable,
+    "fully_async": FullyAsyncTable,
     "algorithm": AlgorithmTable,
     "optimizer": OptimizerTable,
     "checkpoint": CheckpointTable,
     "weights": WeightsTable,
     "logging": LoggingTable,
+    "eval": EvalTable,
     "debug": DebugTable,
 }
 TABLE_OF: dict[str, str] = {name: t for t, cls in TABLES.items() for name in cls.model_fields}
@@ -275,12 +346,14 @@ def _check_dataset(flag: str, v: Path | None) -> Path | None:
 
 class TrainConfig(
     DebugTable,
+    EvalTable,
     LoggingTable,
     WeightsTable,
     CheckpointTable,
     OptimizerTable,
     AlgorithmTable,
     RolloutTable,
+    FullyAsyncTable,
     DataTable,
     EngineTable,
     PlacementTable,

@@ -98,10 +98,8 @@ def refusals(c: TrainConfig) -> list[str]:
             f"--global-batch-size {gbs} (default: rollout_batch_size * n_samples_per_prompt) must be a "
             f"multiple of --actor-num-gpus-per-node {c.actor_num_gpus_per_node} (each rank takes a share)"
         )
-    if c.eval_interval > 0 or c.eval_prompt_data is not None:
-        # Never accept a setting that would silently do nothing: evaluation is not built yet.
-        p.append("--eval-interval / --eval-prompt-data: evaluation during training is not implemented "
-                 "yet (it comes with the fully-async issue); leave them unset")
+    p += _eval_refusals(c)
+    p += _fully_async_refusals(c)
     if c.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
         p.append("--use-tensorboard needs the tensorboard package: pip install tensorboard")
     if c.use_wandb and importlib.util.find_spec("wandb") is None:
@@ -162,3 +160,64 @@ def resolve_defaults(c: TrainConfig) -> None:
         put("update_weight_transfer_mode", "tensor" if c.colocate else "broadcast")
     if c.run_dir is None:
         put("run_dir", default_run_dir().absolute())
+    if c.fully_async and c.max_inflight is None:
+        put("max_inflight", c.samples_per_rollout)
+    if c.fully_async and c.rollout_granularity is None:
+        put("rollout_granularity", "sample")  # the report's default under fully async
+
+
+def _eval_refusals(c: TrainConfig) -> list[str]:
+    """Evaluation runs on the rollout engines right after a weight update, so it needs both."""
+    if c.eval_interval == 0:
+        return ([f"--eval-prompt-data {c.eval_prompt_data} is set but --eval-interval is 0, so it "
+                 "would never be used; set --eval-interval N or drop --eval-prompt-data"]
+                if c.eval_prompt_data is not None else [])
+    p: list[str] = []
+    if c.eval_prompt_data is None:
+        p.append(f"--eval-interval {c.eval_interval} needs --eval-prompt-data (the held-out prompts)")
+    if c.load_rollouts is not None or c.rollout_only:
+        p.append("--eval-interval needs engines and a policy that trains; it cannot be used with "
+                 "--load-rollouts (no engines) or --rollout-only (no updates to evaluate)")
+    if c.eval_interval % c.update_weights_interval:
+        p.append(f"--eval-interval {c.eval_interval} must be a multiple of "
+                 f"--update-weights-interval {c.update_weights_interval}: an evaluation measures "
+                 "the weights just sent to the engines")
+    return p
+
+
+_ASYNC_ONLY = ("max_inflight", "rollout_granularity", "buffer_class", "max_staleness", "group_filter")
+
+
+def _fully_async_refusals(c: TrainConfig) -> list[str]:
+    """Fully asynchronous RL (report 2.2): its placement, buffer and staleness settings."""
+    from milepost.config import _IMPORT_PATH
+
+    if not c.fully_async:
+        given = [name for name in _ASYNC_ONLY if getattr(c, name) is not None]
+        return ([f"--{given[0].replace('_', '-')} only applies to --fully-async runs; add "
+                 "--fully-async or drop it"] if given else [])
+    p: list[str] = []
+    if c.colocate:
+        p.append("--fully-async generates while the trainer trains, so trainer and engines need "
+                 "devices of their own; it is refused with --colocate (drop one of them)")
+    if c.load_rollouts is not None or c.rollout_only:
+        p.append("--fully-async needs live engines and a trainer; it cannot be used with "
+                 "--load-rollouts or --rollout-only")
+    if c.save_rollouts is not None:
+        p.append("--save-rollouts is not supported with --fully-async yet; drop one of them")
+    if c.max_staleness is not None and c.max_staleness < 0:
+        p.append(f"--max-staleness {c.max_staleness} is negative; use 0 (on-policy), a positive "
+                 "number of weight versions, or leave it unset (no limit)")
+    capacity = int(c.buffer_capacity_factor * c.rollout_batch_size)
+    if capacity < c.rollout_batch_size:
+        p.append(f"--buffer-capacity-factor {c.buffer_capacity_factor} gives a buffer of {capacity} "
+                 f"groups, smaller than one train batch (--rollout-batch-size "
+                 f"{c.rollout_batch_size}): no step could ever take its batch; use a factor >= 1")
+    if c.max_inflight is not None and c.max_inflight < c.n_samples_per_prompt:
+        p.append(f"--max-inflight {c.max_inflight} is below --n-samples-per-prompt "
+                 f"{c.n_samples_per_prompt}: no group could ever start; raise it")
+    for name in ("buffer_class", "group_filter"):
+        path = getattr(c, name)
+        if path is not None and not _IMPORT_PATH.match(path):
+            p.append(f"--{name.replace('_', '-')} {path!r} is not an import path module.sub:name")
+    return p

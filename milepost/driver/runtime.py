@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import torch
@@ -28,6 +30,7 @@ from milepost.driver.preflight import (
     model_fingerprint,
     resume_checkpoint,
 )
+from milepost.eval.shared import evaluate_on_engines
 from milepost.observe.metrics import MetricsLogger
 from milepost.observe.progress import StepProgress
 from milepost.rollout.client import EngineClient
@@ -47,6 +50,9 @@ from milepost.weights.sync import WeightSync
 from milepost.weights.transport import BroadcastTransport, TensorTransport
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+V = TypeVar("V")
 
 # Consecutive rollouts that yield no trainable group before the run stops (engines gone, say).
 MAX_EMPTY_ROLLOUTS = 3
@@ -109,6 +115,10 @@ class Runtime:
                 metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
                 shuffle=cfg.rollout_shuffle, seed=cfg.rollout_seed)
             self.reward_fn, self.group_reward_fn = load_reward_fns(cfg)
+            self.eval_items = (PromptDataset.from_file(
+                cfg.eval_prompt_data, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
+                metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
+                shuffle=False).items if cfg.eval_prompt_data is not None else [])
         if self.engine_urls and not cfg.rollout_only:
             transport = (TensorTransport(self.engine_urls)
                          if cfg.update_weight_transfer_mode == "tensor"
@@ -193,15 +203,10 @@ class Runtime:
             temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
             max_new_tokens=cfg.rollout_max_response_len, stop=tuple(cfg.rollout_stop or ()),
             stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()))
-        clients = [EngineClient(url) for url in self.engine_urls]
-        try:
-            return await rollout_groups(
-                clients, items, cfg.n_samples_per_prompt, sampling, self.reward_fn,
-                self.group_reward_fn, cfg.rollout_max_concurrency,
-                group_index_start=group_index_start)
-        finally:
-            for c in clients:
-                await c.aclose()
+        return await self._with_clients(lambda clients: rollout_groups(
+            clients, items, cfg.n_samples_per_prompt, sampling, self.reward_fn,
+            self.group_reward_fn, cfg.rollout_max_concurrency,
+            group_index_start=group_index_start))
 
     def train(self, groups: list[Group]) -> None:
         if self.backend is None:
@@ -237,6 +242,40 @@ class Runtime:
         if step == self.cfg.num_rollout - 1 and self.cfg.save_hf_at_end:
             self.backend.export_hf(Path(self.cfg.run_dir) / "hf")
         self.timer.add("perf/save_time", time.perf_counter() - t0)
+
+    def eval_due(self, step: int) -> bool:
+        cfg = self.cfg
+        return cfg.eval_interval > 0 and ((step + 1) % cfg.eval_interval == 0
+                                          or step == cfg.num_rollout - 1)
+
+    def evaluate(self, step: int) -> None:
+        """Rank 0 scores the weights just sent (version step+1) on the eval prompts; the score
+        is logged with this step, or counted as skipped with the reason."""
+        if not self.lead:
+            return
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        sampling = SamplingSettings(
+            temperature=_default(cfg.eval_temperature, cfg.rollout_temperature),
+            top_p=_default(cfg.eval_top_p, cfg.rollout_top_p), top_k=cfg.rollout_top_k,
+            max_new_tokens=_default(cfg.eval_max_response_len, cfg.rollout_max_response_len),
+            stop=tuple(cfg.rollout_stop or ()),
+            stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()))
+        result = asyncio.run(self._with_clients(lambda clients: evaluate_on_engines(
+            clients, self.eval_items, cfg.n_samples_per_eval_prompt, sampling, self.reward_fn,
+            self.group_reward_fn, expected_version=str(step + 1),
+            max_concurrency=cfg.rollout_max_concurrency)))
+        self.step_metrics.update({f"eval/{k}": v for k, v in result.metrics.items()})
+        self.step_metrics["eval/skipped"] = float(result.skipped_reason is not None)
+        self.timer.add("perf/eval_time", time.perf_counter() - t0)
+
+    async def _with_clients(self, use: Callable[[list[EngineClient]], Awaitable[T]]) -> T:
+        clients = [EngineClient(url) for url in self.engine_urls]
+        try:
+            return await use(clients)
+        finally:
+            for c in clients:
+                await c.aclose()
 
     def offload_trainer(self) -> None:
         if self.backend is not None:
@@ -303,6 +342,10 @@ def wait_for_engines(urls: list[str], timeout_s: float = 900.0) -> None:
             if time.monotonic() > deadline:
                 raise RunError(f"engine {url} did not answer /health within {timeout_s:.0f} s")
             time.sleep(0.2)
+
+
+def _default(value: V | None, fallback: V) -> V:
+    return fallback if value is None else value
 
 
 def trainer_settings(cfg: TrainConfig) -> TrainerSettings:

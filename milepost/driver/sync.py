@@ -1,10 +1,12 @@
-"""The synchronous RL loop: generate -> train -> update weights -> log -> save when due -> offload.
+"""The synchronous RL loop: generate -> train -> update weights -> evaluate when due -> log ->
+save when due -> offload.
 
 `run` is what `milepost train` calls: it starts the run's components and the trainer ranks.
 `train_loop` is what every trainer rank runs. Deviations from the issue's order: weights are sent
 before the colocated trainer is offloaded, because the in-host handoff reads them where they are;
-and a step is logged before it is saved, so every step a checkpoint holds is in metrics.jsonl
-(a run killed in between redoes that step on resume, and its line is replaced).
+evaluation follows the update it measures, so its score lands in that step's metrics; and a step
+is logged before it is saved, so every step a checkpoint holds is in metrics.jsonl (a run killed
+in between redoes that step on resume, and its line is replaced).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def train_loop(rt: Runtime) -> None:
         groups = rt.generate(step)
         rt.train(groups)
         rt.update_weights(step)
+        if rt.eval_due(step):
+            rt.evaluate(step)
         rt.log(step, start)
         if rt.save_due(step):
             rt.save(step)

@@ -300,13 +300,23 @@ def test_engine_logprobs_match_trainer_after_weight_updates(reference):
     assert torch.allclose(engine_lp, hf_lp, atol=1e-4), (engine_lp - hf_lp).abs().max()
 
 
-def test_colocated_two_ranks_finishes(work):
+def test_colocated_two_ranks_finishes_and_evaluates_when_due(work):
     run = train(work, work / "coloc", actor_num_gpus_per_node=2, colocate=True,
-                check_weight_update=True)
+                check_weight_update=True, eval_interval=3,
+                eval_prompt_data=str(work / "prompts.jsonl"), n_samples_per_eval_prompt=2)
     records = check_finished(run)
     resolved = (run.run_dir / "config.resolved.toml").read_text()
     assert 'update_weight_transfer_mode = "tensor"' in resolved
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-3 for r in records)
+    # Due after step 2 (every 3rd) and after the last; each score measured the weights just sent.
+    evaluated = [r["step"] for r in records if "eval/reward_mean" in r]
+    assert evaluated == [2, STEPS - 1]
+    for r in records:
+        if r["step"] in evaluated:
+            assert r["eval/skipped"] == 0 and r["eval/mixed_version_frac"] == 0
+            assert r["eval/weight_version"] == r["step"] + 1
+            assert r["eval/num_samples"] == 16  # 8 prompts x 2 samples
+            assert 0 <= r["eval/reward_mean"] <= 1 and r["perf/eval_time"] > 0
     print(f"colocated run: {run.seconds:.1f} s")
 
 

@@ -250,8 +250,16 @@ REFUSALS = [
     (["--n-samples-per-prompt", "1"], ["--advantage-estimator grpo", "--n-samples-per-prompt"]),
     (["--min-lr", "1e-5"], ["--min-lr", "--lr"]),
     (["--rollout-num-gpus-per-engine", "2"], ["--rollout-num-gpus-per-engine", "--engine-backend embedded"]),
-    (["--eval-interval", "5"], ["--eval-interval", "not implemented"]),
-    (["--eval-prompt-data", "{prompts}"], ["--eval-prompt-data", "not implemented"]),
+    (["--eval-interval", "5"], ["--eval-interval 5 needs --eval-prompt-data"]),
+    (["--eval-prompt-data", "{prompts}"], ["--eval-prompt-data", "--eval-interval is 0"]),
+    (
+        ["--eval-interval", "3", "--eval-prompt-data", "{prompts}", "--update-weights-interval", "2"],
+        ["--eval-interval 3", "--update-weights-interval 2"],
+    ),
+    (
+        ["--eval-interval", "1", "--eval-prompt-data", "{prompts}", "--rollout-only"],
+        ["--eval-interval", "--rollout-only"],
+    ),
     (["--prompt-data", "{missing}"], ["--prompt-data", "does not exist"]),
     (["--prompt-data", "{csv}"], ["--prompt-data", "neither JSONL"]),
     (["--reward-fn", "my_reward"], ["--reward-fn 'my_reward'", "import path"]),
