@@ -233,7 +233,7 @@ class Runtime:
         """Checkpoint after `step` (logged already). Its time shows as perf/save_time in the
         next step's metrics."""
         t0 = time.perf_counter()
-        extra = {"step": step, "data": self.data.state_dict() if self.data is not None else None,
+        extra = {"step": step, "data": self.data_state(),
                  "model": model_fingerprint(self.cfg.hf_checkpoint)}
         box = [extra]
         if self.world > 1:  # the data state lives on rank 0; every rank writes the same extra
@@ -242,6 +242,11 @@ class Runtime:
         if step == self.cfg.num_rollout - 1 and self.cfg.save_hf_at_end:
             self.backend.export_hf(Path(self.cfg.run_dir) / "hf")
         self.timer.add("perf/save_time", time.perf_counter() - t0)
+
+    def data_state(self) -> dict | None:
+        """What a checkpoint keeps of the data source (the fully-async runtime adds the prompts
+        still generating or waiting, so a resume generates them again)."""
+        return self.data.state_dict() if self.data is not None else None
 
     def eval_due(self, step: int) -> bool:
         cfg = self.cfg
