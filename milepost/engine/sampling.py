@@ -82,30 +82,44 @@ def sample(
     banned: list[list[int]],
     top_logprobs_num: int = 0,
 ) -> SampleResult:
-    """logits: [B, V] fp32 -> one token per row.
+    """logits: [B, V] fp32 -> one token per row, the whole batch in a few batched ops.
 
     banned[i]: token ids row i may not produce this step (stop tokens before min_new_tokens).
-    Rows without truncation share one softmax; truncation (top-k/top-p/min-p) runs only on the
-    rows that ask for it, so the common RL case (T=1, no truncation) does no sort.
+    One log_softmax serves both the reported log-probs and the sampling probabilities (no second
+    pass over the logits). Greedy rows take the argmax; sampled rows draw by the exponential race
+    argmax(p / q), q ~ Exp(1), which is what torch.multinomial does for one sample, so a seeded
+    request draws exactly the tokens the former row-by-row sampler drew. Rows that share a
+    generator draw their q in one call; truncations run only on the rows that ask for them, with
+    per-row settings in tensors (top-k and top-p through torch.topk, not a full sort).
     """
     logits = logits.float()
     if any(banned):
         # .float() is a no-op on fp32 input: copy before banning so the caller's logits stay intact.
         logits = logits.clone()
-        for i, ids in enumerate(banned):
-            if ids:
-                logits[i, ids] = float("-inf")
-    temps = torch.tensor(
-        [1.0 if p.greedy else p.temperature for p in params], device=logits.device
-    )
-    logprobs_all = torch.log_softmax(logits / temps[:, None], dim=-1)  # [B, V]
+        rows = [i for i, ids in enumerate(banned) for _ in ids]
+        cols = [t for ids in banned for t in ids]
+        logits[rows, cols] = float("-inf")
+    temps = [1.0 if p.greedy else p.temperature for p in params]
+    scaled = logits
+    if any(t != 1.0 for t in temps):  # x / 1.0 == x exactly: skip the pass when all are 1
+        scaled = logits / torch.tensor(temps, device=logits.device)[:, None]
+    logprobs_all = torch.log_softmax(scaled, dim=-1)  # [B, V]
 
-    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
-    for i in (i for i, p in enumerate(params) if not p.greedy):
-        tokens[i] = _sample_row(logprobs_all[i], params[i], generators[i])
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if not drawn:
+        tokens = logits.argmax(dim=-1)
+    else:
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        probs = logprobs_all.exp() if not greedy else logprobs_all[drawn].exp()  # [n, V]
+        _truncate(probs, [params[i] for i in drawn])
+        picked = _race(probs, [generators[i] for i in drawn])
+        if greedy:
+            tokens[drawn] = picked
+        else:
+            tokens = picked
 
     chosen = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     top_ids = top_lp = None
@@ -114,19 +128,69 @@ def sample(
     return SampleResult(tokens, chosen, top_ids, top_lp)
 
 
-def _sample_row(
-    logprobs: torch.Tensor, p: SamplingParams, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Draw one token from exp(logprobs) after the row's truncations; logprobs: [V]."""
-    probs = logprobs.exp()
-    if 0 < p.top_k < probs.shape[0]:
-        kth = probs.topk(p.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if p.min_p > 0.0:
-        probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        mass_before = sorted_probs.cumsum(0) - sorted_probs
-        sorted_probs[mass_before >= p.top_p * sorted_probs.sum()] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+# Nucleus candidates looked at first; a row whose nucleus is wider falls back to a full sort.
+TOP_P_CANDIDATES = 1024
+
+
+def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Zero, in place, what each row's top-k, then min-p, then top-p drop; probs: [n, V]."""
+    vocab = probs.shape[1]
+    dev = probs.device
+    rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
+    if rows:
+        ks = torch.tensor([params[j].top_k for j in rows], device=dev)
+        sub = probs[rows]
+        kth = sub.topk(int(ks.max())).values.gather(1, (ks - 1)[:, None])  # [r, 1] k-th largest
+        probs[rows] = sub.masked_fill_(sub < kth, 0.0)
+    rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
+    if rows:
+        min_p = torch.tensor([params[j].min_p for j in rows], device=dev)
+        sub = probs[rows]
+        floor = min_p[:, None] * sub.amax(dim=1, keepdim=True)
+        probs[rows] = sub.masked_fill_(sub < floor, 0.0)
+    rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
+    if rows:
+        top_p = torch.tensor([params[j].top_p for j in rows], device=dev)
+        probs[rows] = _nucleus(probs[rows], top_p)
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep, per row, the most likely tokens until the mass BEFORE a token reaches top_p * total.
+
+    probs: [r, V] (unnormalized after other truncations), top_p: [r]. Sorting only the top
+    TOP_P_CANDIDATES is exact whenever the nucleus ends inside them (the cumulative sums over
+    the head of a full sort are the same numbers); other rows are sorted whole.
+    """
+    limit = top_p * probs.sum(dim=1)  # [r]
+    k = min(TOP_P_CANDIDATES, probs.shape[1])
+    vals, ids = probs.topk(k, dim=1)  # sorted descending
+    before = vals.cumsum(dim=1) - vals
+    out = torch.zeros_like(probs).scatter_(1, ids, vals.masked_fill_(before >= limit[:, None], 0.0))
+    if k < probs.shape[1]:
+        wide = (before[:, -1] + vals[:, -1] < limit).nonzero().flatten().tolist()
+        if wide:  # the nucleus spills past the candidates: sort those rows whole
+            vals, ids = probs[wide].sort(dim=1, descending=True)
+            before = vals.cumsum(dim=1) - vals
+            out[wide] = torch.zeros_like(vals).scatter_(
+                1, ids, vals.masked_fill_(before >= limit[wide, None], 0.0))
+    return out
+
+
+def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """argmax(probs / q) per row with q ~ Exp(1) from the row's generator; probs: [n, V] (consumed).
+
+    Rows sharing a generator fill their q in one call, in row order, as the former per-row
+    multinomial consumed that generator's stream.
+    """
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for j, g in enumerate(generators):
+        groups.setdefault(id(g), (g, []))[1].append(j)
+    q = torch.empty_like(probs)
+    for g, rows in groups.values():
+        if len(rows) == probs.shape[0]:
+            q.exponential_(generator=g)
+        elif len(rows) == 1:
+            q[rows[0]].exponential_(generator=g)
+        else:
+            q[rows] = torch.empty_like(probs[: len(rows)]).exponential_(generator=g)
+    return probs.div_(q).argmax(dim=1)

@@ -188,3 +188,61 @@ def test_sampling_params_normalize_stop_and_greedy() -> None:
     assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.1).greedy
     assert SamplingParams(min_new_tokens=4, max_new_tokens=4).min_new_tokens == 4
+
+
+# ---- the fast batched sampler against the former row-by-row one (milepost.testing) ----------
+
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.9),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.8, min_p=0.01),
+    SamplingParams(temperature=1.0, top_p=0.999),  # a nucleus wider than the sorted candidates
+    SamplingParams(temperature=1e-6),
+]
+
+
+@pytest.mark.parametrize("vocab", [32, 1000, 5003])
+def test_mixed_batch_matches_the_row_by_row_sampler(vocab: int) -> None:
+    """Every row of a batch mixing greedy, plain temperature and each truncation draws the same
+    token and reports the same log-prob as the former per-row sampler, seeded per row or with a
+    generator shared by several rows, with bans and top log-probs, over many steps."""
+    from milepost.testing.reference_sampling import reference_sample
+
+    params = MIXED * 3
+    n = len(params)
+    banned = [[3, 4] if i % 5 == 0 else [] for i in range(n)]
+
+    def generators(seed: int) -> list[torch.Generator]:
+        shared = torch.Generator().manual_seed(seed)  # unseeded requests share the engine's
+        return [torch.Generator().manual_seed(seed + i) if i % 2 else shared for i in range(n)]
+
+    gens_new, gens_old = generators(11), generators(11)
+    for step in range(6):
+        logits = _logits(n, seed=step, vocab=vocab) * (0.3 if step % 2 else 3.0)
+        new = sample(logits.clone(), params, gens_new, banned, top_logprobs_num=3)
+        old = reference_sample(logits.clone(), params, gens_old, banned, top_logprobs_num=3)
+        assert torch.equal(new.tokens, old.tokens), f"step {step}"
+        assert torch.equal(new.logprobs, old.logprobs)
+        assert torch.equal(new.top_ids, old.top_ids)
+        assert torch.equal(new.top_logprobs, old.top_logprobs)
+
+
+def test_wide_nucleus_falls_back_to_a_full_sort() -> None:
+    """top_p close to 1 on flat logits keeps more tokens than the sorted candidates hold; the
+    rows that spill are sorted whole, so no token outside the nucleus is ever drawn."""
+    from milepost.engine import sampling
+
+    vocab = sampling.TOP_P_CANDIDATES * 3
+    logits = torch.zeros(1, vocab)
+    logits[0, :10] = -30.0  # ten tokens with almost no mass: outside a 0.999 nucleus
+    p = SamplingParams(top_p=0.999)
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    res = sample(logits.expand(n, -1).clone(), [p] * n, [g] * n, [[]] * n)
+    drawn = set(res.tokens.tolist())
+    assert not drawn & set(range(10))
+    assert len(drawn) > 50, "tokens beyond the first candidates are drawn"
+    assert max(drawn) >= sampling.TOP_P_CANDIDATES
