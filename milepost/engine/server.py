@@ -287,6 +287,7 @@ class GenerateService:
 
 
 def create_app(engine: Engine, info: ServerInfo, tokenizer: object | None) -> FastAPI:
+    from milepost.engine.memory import MemoryGuard, MemoryOccupation, memory_router
     from milepost.engine.openai_api import openai_router
     from milepost.engine.weight_check import weight_check_router
     from milepost.engine.weight_routes import weight_router
@@ -386,6 +387,9 @@ def create_app(engine: Engine, info: ServerInfo, tokenizer: object | None) -> Fa
     app.include_router(weight_router(engine))
     app.include_router(weight_check_router(engine))
     app.include_router(openai_router(service))
+    memory = MemoryOccupation(engine)  # release/resume for colocated runs (memory.py)
+    app.include_router(memory_router(engine, memory))
+    app.add_middleware(MemoryGuard, memory=memory)
     return app
 
 
