@@ -25,6 +25,7 @@ __all__ = ["ConfigError", "TrainConfig", "TABLE_OF", "load_config", "default_run
 _MIB = 1 << 20
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 BUILTIN_REWARDS = ("exact_match", "math")
+BUILTIN_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 RESOLVED_NAME = "config.resolved.toml"
 
 
@@ -197,15 +198,57 @@ class FullyAsyncTable(_Table):
 
 
 class AlgorithmTable(_Table):
-    advantage_estimator: Literal["grpo"] = Field("grpo", description="How rewards become advantages.")
+    advantage_estimator: str = Field(
+        "grpo",
+        description="How rewards become advantages: grpo, gspo (sequence-level ratio), "
+        "reinforce_plus_plus, reinforce_plus_plus_baseline, ppo (GAE over a learned critic; needs "
+        "--critic-lr), or an import path module.sub:function taking (samples, settings, inputs).",
+    )
     normalize_advantages: bool = Field(
-        True, description="GRPO: divide each group's centered rewards by the group's std."
+        True,
+        description="grpo/gspo: divide each group's centered rewards by the group's std; "
+        "reinforce++/ppo: whiten advantages over the rollout's loss tokens.",
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of per-token rewards (ppo, reinforce++).")
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
+    critic_lr: float | None = Field(
+        None, gt=0, description="Learning rate of the PPO critic (a value model trained in the same ranks); "
+        "required by --advantage-estimator ppo."
+    )
+    critic_hf_checkpoint: Path | None = Field(
+        None, description="Hugging Face directory the critic starts from; default the policy's --hf-checkpoint."
+    )
+    value_clip: float = Field(0.2, gt=0, description="Critic loss: clip range of the value around its old value.")
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL-to-reference penalty folded into per-token rewards (reinforce++, ppo); "
+        "uses --kl-loss-type."
+    )
+    loss_type: Literal["policy_loss", "custom_loss"] = Field(
+        "policy_loss", description="policy_loss (PPO-clip / GSPO) or custom_loss (--custom-loss-function-path)."
+    )
+    custom_loss_function_path: str | None = Field(
+        None, description="A loss module.sub:function(batch: LossBatch, settings: LossSettings) -> (loss, sums)."
+    )
+    loss_aggregation: Literal["token_mean", "sequence_mean"] | None = Field(
+        None, description="token_mean (over all loss tokens of a step) or sequence_mean (each response's "
+        "token mean, averaged); default sequence_mean for gspo, else token_mean."
+    )
+    ratio_correction: Literal["none", "tis", "clip_or_pop"] = Field(
+        "none", description="Train-rollout mismatch correction on r = exp(logp_train - logp_rollout): "
+        "tis clamps r to [--tis-clip-low, --tis-clip] as a per-token weight; clip_or_pop drops tokens outside."
+    )
+    tis_clip_low: float = Field(0.0, ge=0, description="Lower end of the ratio-correction interval.")
+    tis_clip: float = Field(2.0, gt=0, description="Upper end of the ratio-correction interval.")
+    use_rollout_routing_replay: bool = Field(
+        False, description="R3: the trainer's MoE layers use the experts the engine routed each token to."
     )
     eps_clip: float = Field(0.2, gt=0, description="PPO clip range below: ratio >= 1 - eps_clip.")
     eps_clip_high: float = Field(0.28, gt=0, description="PPO clip range above: ratio <= 1 + eps_clip_high.")
     use_kl_loss: bool = Field(False, description="Add a KL loss to the reference (initial) policy.")
     kl_loss_coef: float = Field(0.0, ge=0, description="Weight of the KL loss (needs --use-kl-loss).")
-    kl_loss_type: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "k3", description="KL estimator (Schulman's k1/k2/k3; low_var_kl = k3 clamped to [-10, 10])."
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
     use_rollout_logprobs: bool = Field(
         False, description="Use the engine's log-probs as the old policy instead of recomputing them."
@@ -422,6 +465,23 @@ class TrainConfig(
                 "nor an import path module.sub:function"
             )
         return v
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _estimator(cls, v: str) -> str:
+        if v not in BUILTIN_ESTIMATORS and not _IMPORT_PATH.match(v):
+            raise ValueError(
+                f"unknown advantage estimator {v!r}; use one of {', '.join(BUILTIN_ESTIMATORS)} "
+                "or an import path module.sub:function"
+            )
+        return v
+
+    @field_validator("critic_hf_checkpoint")
+    @classmethod
+    def _critic_dir(cls, v: Path | None) -> Path | None:
+        if v is not None and not (v / "config.json").is_file():
+            raise ValueError(f"--critic-hf-checkpoint {v} is not a Hugging Face model directory (no config.json)")
+        return None if v is None else v.absolute()
 
     @field_validator("group_reward_fn")
     @classmethod

@@ -79,11 +79,7 @@ def refusals(c: TrainConfig) -> list[str]:
             f"--kl-loss-coef {c.kl_loss_coef} has no effect without --use-kl-loss; add --use-kl-loss "
             "or set --kl-loss-coef 0"
         )
-    if c.advantage_estimator == "grpo" and c.n_samples_per_prompt < 2:
-        p.append(
-            "--advantage-estimator grpo compares the samples of one prompt; --n-samples-per-prompt "
-            "must be >= 2"
-        )
+    p += objective_refusals(c)
     if c.min_lr > c.lr:
         p.append(f"--min-lr ({c.min_lr}) is above --lr ({c.lr}); the decay goes down to min_lr")
     samples = c.rollout_batch_size * c.n_samples_per_prompt
@@ -154,6 +150,8 @@ def resolve_defaults(c: TrainConfig) -> None:
         put("router", c.rollout_num_engines > 1)  # type: ignore[operator]
     if c.global_batch_size is None:
         put("global_batch_size", c.samples_per_rollout)
+    if c.loss_aggregation is None:
+        put("loss_aggregation", "sequence_mean" if c.advantage_estimator == "gspo" else "token_mean")
     if c.rollout_max_concurrency is None:
         put("rollout_max_concurrency", c.samples_per_rollout)
     if c.update_weight_transfer_mode is None:
@@ -221,3 +219,56 @@ def _fully_async_refusals(c: TrainConfig) -> list[str]:
         if path is not None and not _IMPORT_PATH.match(path):
             p.append(f"--{name.replace('_', '-')} {path!r} is not an import path module.sub:name")
     return p
+
+
+GROUP_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
+SCALAR_ESTIMATORS = ("grpo", "gspo")
+
+
+def objective_refusals(c: TrainConfig) -> list[str]:
+    """Estimator, critic, loss plug-in, KL, ratio-correction and R3 combinations (issue 7)."""
+    p: list[str] = []
+    est = c.advantage_estimator
+    if est in GROUP_ESTIMATORS and c.n_samples_per_prompt < 2:
+        p.append(f"--advantage-estimator {est} compares the samples of one prompt; --n-samples-per-prompt "
+                 "must be >= 2")
+    if est == "ppo" and c.critic_lr is None:
+        p.append("--advantage-estimator ppo needs a learned value function: set --critic-lr (and optionally "
+                 "--critic-hf-checkpoint, --value-clip, --gamma, --lambd)")
+    if est != "ppo" and (c.critic_lr is not None or c.critic_hf_checkpoint is not None):
+        p.append(f"--critic-lr / --critic-hf-checkpoint train a critic only for --advantage-estimator ppo "
+                 f"(got {est}); drop them or use ppo")
+    if c.kl_coef > 0 and est in SCALAR_ESTIMATORS:
+        p.append(f"--kl-coef puts a per-token KL penalty into the rewards, which {est} (one advantage per "
+                 "sequence) cannot carry; use --use-kl-loss --kl-loss-coef instead")
+    if (c.loss_type == "custom_loss") != (c.custom_loss_function_path is not None):
+        p.append("--loss-type custom_loss and --custom-loss-function-path go together: set both or neither")
+    elif c.custom_loss_function_path is not None:
+        p += _plugin_refusal("milepost.train.losses", "get_loss", "custom_loss", c.custom_loss_function_path)
+    if ":" in est:
+        p += _plugin_refusal("milepost.train.advantages", "get_estimator", est)
+    if c.tis_clip_low >= c.tis_clip:
+        p.append(f"--tis-clip-low ({c.tis_clip_low}) must be below --tis-clip ({c.tis_clip})")
+    if c.ratio_correction != "none" and c.use_rollout_logprobs:
+        p.append(f"--ratio-correction {c.ratio_correction} weighs exp(trainer - rollout log-prob), which "
+                 "--use-rollout-logprobs makes identically 1; drop one of them")
+    if c.use_rollout_routing_replay and not _is_moe_checkpoint(c.hf_checkpoint):
+        p.append(f"--use-rollout-routing-replay: {c.hf_checkpoint} is a dense model (no expert routing to "
+                 "replay); turn it off or train a mixture-of-experts model")
+    return p
+
+
+def _plugin_refusal(module: str, getter: str, *args: str) -> list[str]:
+    """Load a plug-in the way the trainer will (torch imported only here); its error, or nothing."""
+    try:
+        getattr(importlib.import_module(module), getter)(*args)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+def _is_moe_checkpoint(path: Path) -> bool:
+    import json
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0) > 0

@@ -40,8 +40,7 @@ from milepost.rollout.generate import (
     rollout_groups,
     rollout_metrics,
 )
-from milepost.train.advantages import AdvantageSettings, get_estimator
-from milepost.train.batch import TrainBatch, split_for_rank
+from milepost.driver.objective import rank_batch
 from milepost.train.checkpoint import checkpoint_path
 from milepost.train.fsdp import FSDPBackend
 from milepost.train.settings import TrainerSettings
@@ -206,19 +205,15 @@ class Runtime:
         return await self._with_clients(lambda clients: rollout_groups(
             clients, items, cfg.n_samples_per_prompt, sampling, self.reward_fn,
             self.group_reward_fn, cfg.rollout_max_concurrency,
-            group_index_start=group_index_start))
+            group_index_start=group_index_start,
+            return_routed_experts=cfg.use_rollout_routing_replay))
 
     def train(self, groups: list[Group]) -> None:
         if self.backend is None:
             return
         t0 = time.perf_counter()
         samples = [s for g in groups for s in g]
-        estimator = get_estimator(self.cfg.advantage_estimator)
-        advantages = estimator(samples, AdvantageSettings(normalize_std=self.cfg.normalize_advantages))
-        mine = split_for_rank(samples, self.rank, self.world, self.cfg.global_batch_size)
-        batch = TrainBatch.from_samples([samples[i] for i in mine], [advantages[i] for i in mine])
-        if self.cfg.use_rollout_logprobs:
-            batch.old_logprobs = batch.rollout_logprobs
+        batch = rank_batch(self.cfg, self.backend, samples, self.rank, self.world)
         metrics = self.backend.train_step(batch)
         self.step_metrics.update({f"train/{k}": v for k, v in metrics.items()})
         self.timer.add("perf/train_time", time.perf_counter() - t0)
@@ -366,4 +361,19 @@ def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
         kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
         entropy_coef=cfg.entropy_coef, temperature=cfg.rollout_temperature, seed=cfg.seed,
         dtype=cfg.dtype, device=cfg.device,
+        **objective_settings(cfg),
+    )
+
+
+def objective_settings(cfg: TrainConfig) -> dict:
+    """The objective's trainer fields (issue 7: estimators, losses, corrections, critic, R3)."""
+    return dict(
+        kl_in_reward=cfg.kl_coef > 0, loss_type=cfg.loss_type,
+        custom_loss_function_path=cfg.custom_loss_function_path,
+        loss_aggregation=cfg.loss_aggregation,
+        ratio_level="sequence" if cfg.advantage_estimator == "gspo" else "token",
+        ratio_correction=cfg.ratio_correction, tis_clip_low=cfg.tis_clip_low, tis_clip=cfg.tis_clip,
+        critic_lr=cfg.critic_lr, value_clip=cfg.value_clip,
+        critic_hf_checkpoint=None if cfg.critic_hf_checkpoint is None else str(cfg.critic_hf_checkpoint),
+        use_rollout_routing_replay=cfg.use_rollout_routing_replay,
     )

@@ -33,6 +33,9 @@ class TrainBatch:
         backend computes them with its current weights before the first optimizer step.
     ref_logprobs: each [response_length]; None = the backend computes them with its reference model
         when use_kl_loss is on.
+    values / returns: each [response_length], the critic's values before training and the value
+        targets (PPO); returns set = the backend trains its critic on them.
+    routed_experts: each [len(tokens) - 1, layers, top_k] int, the engine's expert ids (R3).
     """
 
     tokens: list[torch.Tensor]
@@ -42,6 +45,9 @@ class TrainBatch:
     rollout_logprobs: list[torch.Tensor] | None = None
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
+    values: list[torch.Tensor] | None = None
+    returns: list[torch.Tensor] | None = None
+    routed_experts: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -53,7 +59,16 @@ class TrainBatch:
                     f"TrainBatch sample {i}: need 1 <= response_length ({r}) < len(tokens) ({tok.numel()}); "
                     "a response needs at least one prompt token before it"
                 )
-        for field in ("loss_masks", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs"):
+        if self.routed_experts is not None:
+            if len(self.routed_experts) != n:
+                raise ValueError(f"TrainBatch.routed_experts has {len(self.routed_experts)} entries for {n} samples")
+            for i, (r, tok) in enumerate(zip(self.routed_experts, self.tokens)):
+                if r.dim() != 3 or r.shape[0] != tok.numel() - 1:
+                    raise ValueError(
+                        f"TrainBatch.routed_experts[{i}] has shape {tuple(r.shape)}, expected "
+                        f"({tok.numel() - 1}, layers, top_k)"
+                    )
+        for field in ("loss_masks", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "returns"):
             values = getattr(self, field)
             if values is None:
                 continue
@@ -74,6 +89,9 @@ class TrainBatch:
         *,
         old_logprobs: Sequence[torch.Tensor] | None = None,
         ref_logprobs: Sequence[torch.Tensor] | None = None,
+        values: Sequence[torch.Tensor] | None = None,
+        returns: Sequence[torch.Tensor] | None = None,
+        routed_experts: Sequence[torch.Tensor] | None = None,
     ) -> TrainBatch:
         """Tensors from `Sample`s; an empty loss_mask means all ones, rollout log-probs are kept only
         when every sample has them."""
@@ -92,6 +110,9 @@ class TrainBatch:
             rollout_logprobs=rollout,
             old_logprobs=None if old_logprobs is None else [_f32(x) for x in old_logprobs],
             ref_logprobs=None if ref_logprobs is None else [_f32(x) for x in ref_logprobs],
+            values=None if values is None else [_f32(x) for x in values],
+            returns=None if returns is None else [_f32(x) for x in returns],
+            routed_experts=None if routed_experts is None else list(routed_experts),
         )
 
     def select(self, indices: Sequence[int]) -> TrainBatch:
@@ -108,6 +129,9 @@ class TrainBatch:
             rollout_logprobs=pick(self.rollout_logprobs),
             old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
+            values=pick(self.values),
+            returns=pick(self.returns),
+            routed_experts=pick(self.routed_experts),
         )
 
 

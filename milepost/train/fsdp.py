@@ -9,6 +9,7 @@ global loss-token count. Master weights and AdamW state are fp32; `dtype` only s
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,8 +27,12 @@ from milepost.train import checkpoint as ckpt
 from milepost.train.batch import TrainBatch, split_for_rank
 from milepost.train.export import write_hf_directory
 from milepost.train.logprobs import TokenScorer, dummy_batch, pack, plan_micro_batches
-from milepost.train.losses import METRIC_SUMS, PolicyLossSettings, policy_loss
+from milepost.train import micro
+from milepost.train.corrections import CORRECTION_SUMS, CorrectionSettings, ratio_weights
+from milepost.train.critic import Critic
+from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss, value_loss
 from milepost.train.optim import build_optimizer
+from milepost.train.replay import RoutingProbe, decode_routed_experts, is_moe
 from milepost.train.settings import TrainerSettings
 from milepost.types import Sample
 
@@ -74,6 +79,7 @@ class FSDPBackend:
         device: torch.device,
         policy: TokenScorer,
         reference: TokenScorer | None,
+        critic: Critic | None = None,
     ) -> None:
         self.model_path = model_path
         self.settings = settings
@@ -83,13 +89,19 @@ class FSDPBackend:
         self.policy = policy
         self.reference = reference
         self.optimizer, self.scheduler = build_optimizer(policy.parameters(), settings)
-        self.loss_settings = PolicyLossSettings(
+        self.critic = critic
+        self.loss_fn = get_loss(settings.loss_type, settings.custom_loss_function_path)
+        self.loss_settings = LossSettings(
             eps_clip=settings.eps_clip,
             eps_clip_high=settings.clip_high,
+            ratio_level=settings.ratio_level,
+            aggregation=settings.loss_aggregation,
             kl_loss_coef=settings.kl_loss_coef,
             kl_loss_type=settings.kl_loss_type,
             entropy_coef=settings.entropy_coef,
+            value_clip=settings.value_clip,
         )
+        self.correction = CorrectionSettings(settings.ratio_correction, settings.tis_clip_low, settings.tis_clip)
         self._offloaded = False
 
     @classmethod
@@ -109,9 +121,16 @@ class FSDPBackend:
             device = torch.device("cpu")
         _seed_everything(settings.seed)
         path = Path(model_path)
+        get_loss(settings.loss_type, settings.custom_loss_function_path)  # a bad plug-in fails before loading
         policy = _shard(path, settings, device, trainable=True)
-        reference = _shard(path, settings, device, trainable=False) if settings.use_kl_loss else None
-        return cls(path, settings, device, policy, reference)
+        if settings.use_rollout_routing_replay and not is_moe(policy):
+            raise ValueError(
+                f"--use-rollout-routing-replay: {path} is a dense model (no expert routing to replay); "
+                "turn it off or train a mixture-of-experts model"
+            )
+        reference = _shard(path, settings, device, trainable=False) if settings.needs_reference else None
+        critic = Critic(path, settings, device) if settings.critic_lr is not None else None
+        return cls(path, settings, device, policy, reference, critic)
 
     # --- collectives helpers -----------------------------------------------------------------------
 
@@ -133,38 +152,68 @@ class FSDPBackend:
     # --- log-probs -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _score(
-        self, module: TokenScorer, tokens: list[torch.Tensor], resp: list[int], plan: list[list[int]]
-    ) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(tokens)
+    def _score(self, module: nn.Module, batch: TrainBatch, plan: list[list[int]], values: bool = False) -> list[torch.Tensor]:
+        """Per-sample log-probs (TokenScorer) or values (the critic) of `batch`, no grad, on CPU."""
+        out: list[torch.Tensor | None] = [None] * len(batch)
         for mb in plan:
-            batch = pack([tokens[i] for i in mb], [resp[i] for i in mb], self.device) if mb else dummy_batch(self.device)
-            logp, _ = module.score(batch)
-            for i, lp in zip(mb, logp.split([resp[i] for i in mb])):
-                out[i] = lp.float().cpu()
+            packed = micro.packed(batch, mb, self.device)
+            forced, _ = self._forced(batch, mb)
+            result = module.values(packed, forced) if values else module.score(packed, forced)[0]
+            for i, x in zip(mb, result.split([batch.response_lengths[i] for i in mb])):
+                out[i] = x.float().cpu()
         for m in _fsdp_modules(module):
             m.reshard()  # no-grad forwards leave the root unsharded; keep the registered params sharded
         return out  # type: ignore[return-value]
+
+    def _forced(self, batch: TrainBatch, mb: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        routed = batch.routed_experts if self.settings.use_rollout_routing_replay else None
+        lm = self.policy.lm
+        return micro.forced_experts(routed, mb, lm.num_layers, lm.moe_top_k, self.device)
+
+    def routed_experts_of(self, samples: Sequence[Sample]) -> list[torch.Tensor] | None:
+        """The samples' engine routings decoded for this model (R3), or None when R3 is off."""
+        if not self.settings.use_rollout_routing_replay:
+            return None
+        lm, missing = self.policy.lm, [i for i, s in enumerate(samples) if not s.routed_experts]
+        if missing:
+            raise ValueError(
+                f"--use-rollout-routing-replay: samples {missing[:5]} carry no routed_experts; the rollout "
+                "must ask the engine for them (return_routed_experts)"
+            )
+        return [decode_routed_experts(s.routed_experts, len(s.tokens), lm.num_layers, lm.moe_top_k) for s in samples]
 
     def compute_logprobs(self, samples: Sequence[Sample], *, reference: bool = False) -> list[torch.Tensor]:
         self._require_onloaded("compute_logprobs")
         module = self.reference if reference else self.policy
         if module is None:
             raise ValueError("compute_logprobs(reference=True) needs a reference model: set use_kl_loss=True")
-        tokens = [torch.as_tensor(s.tokens, dtype=torch.int64) for s in samples]
+        batch = self._scoring_batch(samples)
+        return self._score(module, batch, self._aligned_plan([t.numel() for t in batch.tokens]))
+
+    def compute_values(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """The critic's V(s_t) per response token of each sample: [response_length] fp32 on CPU."""
+        self._require_onloaded("compute_values")
+        if self.critic is None:
+            raise ValueError("compute_values needs a critic: set critic_lr (--critic-lr)")
+        batch = self._scoring_batch(samples)
+        return self._score(self.critic.model, batch, self._aligned_plan([t.numel() for t in batch.tokens]), values=True)
+
+    def _scoring_batch(self, samples: Sequence[Sample]) -> TrainBatch:
         resp = [s.response_length for s in samples]
-        return self._score(module, tokens, resp, self._aligned_plan([len(t) for t in tokens]))
+        zeros = [torch.zeros(r) for r in resp]
+        return TrainBatch([torch.as_tensor(s.tokens, dtype=torch.int64) for s in samples], resp, zeros, zeros,
+                          routed_experts=self.routed_experts_of(samples))
 
     # --- training --------------------------------------------------------------------------------
 
     def _steps(self, batch: TrainBatch) -> list[list[int]]:
         """Optimizer steps as local index lists, after checking that all ranks agree on the batch shape.
 
-        The optional fields decide which collectives run (old/ref log-prob passes), so a rank that
-        has them while a peer has not would hang both: refuse it instead, naming the field.
+        The optional fields decide which collectives run (old/ref log-prob passes, the critic), so a
+        rank that has them while a peer has not would hang both: refuse it instead, naming the field.
         """
         per_rank = self.settings.global_batch_size // self.world_size
-        optional = ("rollout_logprobs", "old_logprobs", "ref_logprobs")
+        optional = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "returns", "routed_experts")
         mine = [len(batch)] + [getattr(batch, f) is not None for f in optional]
         local = torch.tensor(mine, dtype=torch.int64, device=self.device)
         gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
@@ -182,64 +231,72 @@ class FSDPBackend:
                     f"TrainBatch.{field} is set on ranks {[i for i, r in enumerate(rows) if r[j]]} only; "
                     "every rank must give it or none (e.g. rollout log-probs missing from some samples)"
                 )
+        if self.settings.use_rollout_routing_replay and batch.routed_experts is None:
+            raise ValueError("--use-rollout-routing-replay: TrainBatch.routed_experts is missing")
+        if batch.returns is not None and (self.critic is None or batch.values is None):
+            raise ValueError("TrainBatch.returns trains the critic: it needs critic_lr and TrainBatch.values")
         return [list(range(i, i + per_rank)) for i in range(0, len(batch), per_rank)]
 
-    def _micro_inputs(self, batch: TrainBatch, mb: list[int], old, ref) -> dict[str, torch.Tensor | None]:
-        def cat(values: list[torch.Tensor] | None) -> torch.Tensor | None:
-            if values is None:
-                return None
-            return torch.cat([values[i] for i in mb]).to(self.device, torch.float32) if mb else torch.zeros(1, device=self.device)
-
-        return {
-            "old_logp": cat(old),
-            "advantages": cat(batch.advantages),
-            "loss_mask": cat(batch.loss_masks),  # zeros for a dummy micro-batch: it only keeps collectives aligned
-            "ref_logp": cat(ref),
-        }
+    def _correction_weights(self, batch: TrainBatch, old: list[torch.Tensor] | None) -> tuple[list | None, list[float]]:
+        """Per-sample TIS / clip-or-pop weights and this rank's CORRECTION_SUMS (zeros when off)."""
+        if self.correction.kind == "none":
+            return None, [0.0] * len(CORRECTION_SUMS)
+        if batch.rollout_logprobs is None or old is None:
+            raise ValueError(f"--ratio-correction {self.correction.kind} needs the engine's log-probs in the batch")
+        weights, sums = ratio_weights(torch.cat(old), torch.cat(batch.rollout_logprobs), torch.cat(batch.loss_masks), self.correction)
+        return list(weights.split(batch.response_lengths)), [sums[k] for k in CORRECTION_SUMS]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         self._require_onloaded("train_step")
         steps = self._steps(batch)
         plans = [self._aligned_plan([batch.tokens[i].numel() for i in step]) for step in steps]
         old = batch.old_logprobs
-        if old is None:  # behaviour policy = the weights before this rollout's first optimizer step
+        if old is None and self.settings.loss_type != "sft_loss":
+            # behaviour policy = the weights before this rollout's first optimizer step
             old = [torch.empty(0)] * len(batch)
             for step, plan in zip(steps, plans):
-                tokens, resp = [batch.tokens[i] for i in step], [batch.response_lengths[i] for i in step]
-                for i, lp in zip(step, self._score(self.policy, tokens, resp, plan)):
+                sub = self._score(self.policy, batch.select(step), plan)
+                for i, lp in zip(step, sub):
                     old[i] = lp
         ref = batch.ref_logprobs
         if ref is None and self.reference is not None:
             ref = self.compute_logprobs_of(batch, self.reference)
+        weights, correction_sums = self._correction_weights(batch, old)
 
         # Per-rank sums on the device (one host sync per optimizer step, for the grad norm).
-        acc = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64, device=self.device)  # metric sums, loss
+        acc = torch.zeros(len(METRIC_SUMS) + 3, dtype=torch.float64, device=self.device)  # sums, loss, value sums
         loss_tokens, grad_norms, nonfinite = 0.0, [], 0
         lr = self.optimizer.param_groups[0]["lr"]
-        for step, plan in zip(steps, plans):
-            denom = self._all_reduce([float(sum(batch.loss_masks[i].sum() for i in step))])[0]
-            loss_tokens += denom
-            for local in plan:
-                acc += self._micro_step(batch, [step[j] for j in local], old, ref, max(denom, 1.0))
-            grad_norms.append(self._clip_gradients())
-            lr = self.optimizer.param_groups[0]["lr"]
-            if math.isfinite(grad_norms[-1]):
-                self.optimizer.step()
-            else:  # a nan/inf gradient would poison the weights and Adam's moments: skip the update
-                nonfinite += 1
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        probe = RoutingProbe(self.policy) if self.settings.use_rollout_routing_replay else None
+        with probe or contextlib.nullcontext():
+            for step, plan in zip(steps, plans):
+                denoms = self._all_reduce([float(sum(batch.loss_masks[i].sum() for i in step)),
+                                           float(sum(bool((batch.loss_masks[i] > 0).any()) for i in step))])
+                loss_tokens += denoms[0]
+                for local in plan:
+                    mb = [step[j] for j in local]
+                    acc[:-2] += self._micro_step(batch, mb, old, ref, weights, denoms, probe)
+                grad_norms.append(self._clip_gradients(self.policy.parameters(), self.settings.clip_grad))
+                lr = self.optimizer.param_groups[0]["lr"]
+                nonfinite += self._optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
+                if batch.returns is not None:
+                    for local in plan:
+                        acc[-2:] += self._critic_micro_step(batch, [step[j] for j in local], denoms)
+                    norm = self._clip_gradients(self.critic.model.parameters(), self.settings.clip_grad)
+                    self._optimizer_step(self.critic.optimizer, self.critic.scheduler, norm)
 
         abs_diff = 0.0
-        if batch.rollout_logprobs is not None:
+        if batch.rollout_logprobs is not None and old is not None:
             for o, r, m in zip(old, batch.rollout_logprobs, batch.loss_masks):
                 abs_diff += float((o - r).abs()[m > 0].sum())
         n_tokens = float(sum(t.numel() for t in batch.tokens))
-        reduced = self._all_reduce(acc.tolist() + [abs_diff, n_tokens])
+        r3 = [probe.tokens, probe.tokens_differing] if probe is not None else [0.0, 0.0]
+        reduced = self._all_reduce(acc.tolist() + correction_sums + r3 + [abs_diff, n_tokens])
         per_token = max(loss_tokens, 1.0)
+        n = len(METRIC_SUMS)
         metrics = {k: v / per_token for k, v in zip(METRIC_SUMS, reduced)}
         metrics.update(
-            loss=reduced[len(METRIC_SUMS)] / len(steps),
+            loss=reduced[n] / len(steps),
             grad_norm=sum(grad_norms) / len(steps),
             lr=lr,
             tokens=reduced[-1],
@@ -247,27 +304,61 @@ class FSDPBackend:
             optimizer_steps=float(len(steps)),
             skipped_steps=float(nonfinite),
         )
-        if batch.rollout_logprobs is not None:
+        if batch.returns is not None:
+            metrics.update(value_loss=reduced[n + 1] / per_token, value_clipfrac=reduced[n + 2] / per_token)
+        if self.correction.kind != "none":
+            metrics.update({k: v / per_token for k, v in zip(CORRECTION_SUMS, reduced[n + 3 : n + 3 + len(CORRECTION_SUMS)])})
+        if probe is not None:
+            tokens, differing = reduced[-4], reduced[-3]
+            metrics["r3_routing_mismatch_frac"] = differing / max(tokens, 1.0)
+        if batch.rollout_logprobs is not None and old is not None:
             metrics["train_rollout_logprob_abs_diff"] = reduced[-2] / per_token
         return metrics
 
-    def _micro_step(self, batch: TrainBatch, mb: list[int], old, ref, denom: float) -> torch.Tensor:
+    def _micro_step(self, batch: TrainBatch, mb: list[int], old, ref, weights, denoms, probe) -> torch.Tensor:
         """Forward + backward of one micro-batch; returns [metric sums..., loss] (float64, detached)."""
-        resp = batch.response_lengths
-        packed = pack([batch.tokens[i] for i in mb], [resp[i] for i in mb], self.device) if mb else dummy_batch(self.device)
-        logp, entropy = self.policy.score(packed)
-        loss, sums = policy_loss(logp, entropy, denom=denom, settings=self.loss_settings, **self._micro_inputs(batch, mb, old, ref))
+        forced, valid = self._forced(batch, mb)
+        if probe is not None:
+            probe.set_valid(valid)
+        logp, entropy = self.policy.score(micro.packed(batch, mb, self.device), forced)
+        lb = micro.loss_batch(batch, mb, logp, entropy, denoms, self.device, old=old, ref=ref, weights=weights)
+        loss, sums = self.loss_fn(lb, self.loss_settings)
+        unknown = set(sums) - set(METRIC_SUMS)
+        if unknown:
+            raise ValueError(f"the loss returned metric sums {sorted(unknown)}; allowed: {METRIC_SUMS}")
         loss.backward()
-        return torch.stack([*(sums[k] for k in METRIC_SUMS), loss.detach()]).double()
+        if probe is not None:
+            probe.flush()
+        zero = torch.zeros((), device=self.device)
+        return torch.stack([*(sums.get(k, zero).detach().to(self.device) for k in METRIC_SUMS), loss.detach()]).double()
+
+    def _critic_micro_step(self, batch: TrainBatch, mb: list[int], denoms) -> torch.Tensor:
+        """Critic forward + backward of one micro-batch; returns [value_loss sum, value_clipfrac sum]."""
+        forced, _ = self._forced(batch, mb)
+        values = self.critic.model.values(micro.packed(batch, mb, self.device), forced)
+        lb = micro.loss_batch(batch, mb, values, values, denoms, self.device, old=None, ref=None, weights=None)
+        old_values, returns = micro.cat(batch.values, mb, self.device), micro.cat(batch.returns, mb, self.device)
+        loss, sums = value_loss(values, old_values, returns, lb, self.loss_settings)
+        loss.backward()
+        return torch.stack([sums["value_loss"], sums["value_clipfrac"]]).double()
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, scheduler, grad_norm: float) -> int:
+        """Step (unless the gradient is nan/inf: it would poison weights and Adam's moments), schedule,
+        zero grads; returns 1 when skipped."""
+        skipped = 0 if math.isfinite(grad_norm) else 1
+        if not skipped:
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return skipped
 
     def compute_logprobs_of(self, batch: TrainBatch, module: TokenScorer) -> list[torch.Tensor]:
         """Log-probs of a TrainBatch's responses under `module` (policy or reference), per sample on CPU."""
-        plan = self._aligned_plan([t.numel() for t in batch.tokens])
-        return self._score(module, batch.tokens, batch.response_lengths, plan)
+        return self._score(module, batch, self._aligned_plan([t.numel() for t in batch.tokens]))
 
-    def _clip_gradients(self) -> float:
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        max_norm = self.settings.clip_grad if self.settings.clip_grad > 0 else float("inf")
+    def _clip_gradients(self, parameters, clip: float) -> float:
+        params = [p for p in parameters if p.grad is not None]
+        max_norm = clip if clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -289,11 +380,16 @@ class FSDPBackend:
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         self._require_onloaded("save_checkpoint")
+        if self.critic is not None:  # first: a complete actor checkpoint always has its critic
+            self.critic.save(path)
         ckpt.save_checkpoint(path, self.policy, self.optimizer, self.scheduler, extra)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         self._require_onloaded("load_checkpoint")
-        return ckpt.load_checkpoint(path, self.policy, self.optimizer, self.scheduler)
+        extra = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.scheduler)
+        if self.critic is not None:
+            self.critic.load(path)
+        return extra
 
     def export_hf(self, path: str | Path) -> None:
         write_hf_directory(self.named_hf_weights(), self.model_path, path)
@@ -310,6 +406,8 @@ class FSDPBackend:
             for key, value in state.items():
                 if torch.is_tensor(value) and key != "step":  # AdamW keeps `step` on CPU by design
                     state[key] = value.to(device)
+        if self.critic is not None:
+            self.critic.to(device)
         if device.type == "cpu" and self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -130,15 +130,18 @@ class TokenScorer(nn.Module):
         cu_seqlens: torch.Tensor,
         rows: torch.Tensor,
         targets: torch.Tensor,
+        forced_experts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed batch fields -> (logp [N], entropy [N]) fp32."""
-        hidden = self.lm(input_ids, positions, ForwardContext(VarlenCausalAttention(cu_seqlens)))
+        """Packed batch fields -> (logp [N], entropy [N]) fp32. forced_experts: [T, layers, top_k]
+        expert ids for MoE layers to use instead of their router's top-k (routing replay)."""
+        ctx = ForwardContext(VarlenCausalAttention(cu_seqlens), forced_experts=forced_experts)
+        hidden = self.lm(input_ids, positions, ctx)
         return token_logprobs(
             self.lm, hidden, rows, targets, temperature=self.temperature, chunk_size=self.chunk_size
         )
 
-    def score(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return self(batch.input_ids, batch.positions, batch.cu_seqlens, batch.rows, batch.targets)
+    def score(self, batch: PackedBatch, forced_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self(batch.input_ids, batch.positions, batch.cu_seqlens, batch.rows, batch.targets, forced_experts)
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int, count: int | None = None) -> list[list[int]]:

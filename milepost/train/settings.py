@@ -12,7 +12,8 @@ from typing import Literal
 import torch
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-KL_TYPES = ("k1", "k2", "k3")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 LR_DECAY_STYLES = ("constant", "cosine")
 
 
@@ -35,6 +36,15 @@ class TrainerSettings:
     temperature: the rollout sampling temperature; log-probs are log_softmax(logits / temperature),
         the distribution the engine reports, so the train-rollout comparison is like for like.
     logprob_chunk_size: tokens per chunk of the LM head + log_softmax (bounds fp32 logit memory).
+    kl_in_reward: the driver folds a KL-to-reference penalty into the rewards (needs the reference model).
+    loss_type / custom_loss_function_path: policy_loss | sft_loss | custom_loss (module:function,
+        see milepost/train/losses.py for the interface).
+    loss_aggregation: token_mean | sequence_mean. ratio_level: token (PPO/GRPO) | sequence (GSPO).
+    ratio_correction / tis_clip_low / tis_clip: none | tis | clip_or_pop over [low, high]
+        (milepost/train/corrections.py); needs rollout log-probs in the batch.
+    critic_lr / value_clip / critic_hf_checkpoint: a value model (PPO) trained in the same ranks;
+        critic_lr None = no critic. The critic starts from critic_hf_checkpoint (default: the policy's).
+    use_rollout_routing_replay: MoE forwards use TrainBatch.routed_experts (R3); refused on dense models.
     seed: seeds torch / python / numpy at creation.
     dtype: compute dtype ("float32" | "bfloat16"); master weights and optimizer state stay fp32,
         exported weights are in this dtype.
@@ -57,8 +67,20 @@ class TrainerSettings:
     eps_clip_high: float | None = None
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
-    kl_loss_type: Literal["k1", "k2", "k3"] = "k1"
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
     entropy_coef: float = 0.0
+    kl_in_reward: bool = False
+    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
+    custom_loss_function_path: str | None = None
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
+    ratio_level: Literal["token", "sequence"] = "token"
+    ratio_correction: Literal["none", "tis", "clip_or_pop"] = "none"
+    tis_clip_low: float = 0.0
+    tis_clip: float = 2.0
+    critic_lr: float | None = None
+    value_clip: float = 0.2
+    critic_hf_checkpoint: str | None = None
+    use_rollout_routing_replay: bool = False
     temperature: float = 1.0
     logprob_chunk_size: int = 1024
     seed: int = 0
@@ -89,10 +111,25 @@ class TrainerSettings:
             self.use_kl_loss or self.kl_loss_coef == 0,
             f"kl_loss_coef={self.kl_loss_coef} needs use_kl_loss=True (it creates the reference model)",
         )
+        need(self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        need(
+            (self.loss_type == "custom_loss") == bool(self.custom_loss_function_path),
+            "loss_type='custom_loss' and custom_loss_function_path go together",
+        )
+        need(self.loss_aggregation in ("token_mean", "sequence_mean"), "loss_aggregation: token_mean | sequence_mean")
+        need(self.ratio_level in ("token", "sequence"), "ratio_level: token | sequence")
+        need(self.ratio_correction in ("none", "tis", "clip_or_pop"), "ratio_correction: none | tis | clip_or_pop")
+        need(0 <= self.tis_clip_low < self.tis_clip, f"need 0 <= tis_clip_low < tis_clip, got [{self.tis_clip_low}, {self.tis_clip}]")
+        need(self.critic_lr is None or self.critic_lr > 0, f"critic_lr must be > 0, got {self.critic_lr}")
+        need(self.value_clip > 0, f"value_clip must be > 0, got {self.value_clip}")
         need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
         need(self.logprob_chunk_size > 0, "logprob_chunk_size must be > 0")
         need(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         need(self.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.use_kl_loss or self.kl_in_reward
 
     @property
     def clip_high(self) -> float:

@@ -10,7 +10,7 @@ import torch
 from milepost.train.advantages import AdvantageSettings, get_estimator, grpo, register
 from milepost.train.batch import TrainBatch, split_for_rank
 from milepost.train.logprobs import plan_micro_batches
-from milepost.train.losses import PolicyLossSettings, kl_estimate, policy_loss, ppo_clip
+from milepost.train.losses import LossBatch, LossSettings, kl_estimate, policy_loss, ppo_clip
 from milepost.train.optim import lr_at
 from milepost.train.settings import TrainerSettings
 from milepost.types import Sample
@@ -49,7 +49,7 @@ def test_estimator_lookup_by_name_and_path_and_errors() -> None:
     with pytest.raises(ValueError, match="could not be imported"):
         get_estimator("milepost.train.advantages:missing")
     with pytest.raises(ValueError, match="already registered"):
-        register("grpo")(lambda s, c: [])
+        register("grpo")(lambda s, c, i: [])
     with pytest.raises(ValueError, match="no reward"):
         grpo([sample(0, 0, None)], AdvantageSettings())
 
@@ -90,8 +90,10 @@ def test_policy_loss_masks_tokens_and_divides_by_global_count() -> None:
     ref = old - 0.25
     adv = torch.tensor([1.0, 1.0, -1.0, -2.0], dtype=torch.float64)
     mask = torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
-    s = PolicyLossSettings(eps_clip=0.2, eps_clip_high=0.3, kl_loss_coef=0.5, kl_loss_type="k1", entropy_coef=0.1)
-    loss, sums = policy_loss(logp, entropy, old, adv, mask, denom=10.0, settings=s, ref_logp=ref)
+    s = LossSettings(eps_clip=0.2, eps_clip_high=0.3, kl_loss_coef=0.5, kl_loss_type="k1", entropy_coef=0.1)
+    batch = LossBatch(logp, entropy, mask, torch.tensor([0, 0, 1, 1]), 2, token_denom=10.0, seq_denom=2.0,
+                      advantages=adv, old_logp=old, ref_logp=ref)
+    loss, sums = policy_loss(batch, s)
     pg = [-1.0, -1.3, None, 2.0]
     kl = (logp.detach() - ref).tolist()
     want_pg = pg[0] + pg[1] + pg[3]
