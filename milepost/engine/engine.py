@@ -195,16 +195,21 @@ class Engine:
                 [self._banned(r) for r in sampling],
                 max(r.top_logprobs_num for r in sampling),
             )
+            # One device-to-host copy per field for the whole batch (not one sync per request).
+            top = result.top_ids is not None
+            host = _HostSample(result.tokens.tolist(), result.logprobs.tolist(),
+                               result.top_ids.cpu() if top else None,
+                               result.top_logprobs.cpu() if top else None)
             for i, req in enumerate(sampling):
-                self._append_token(req, i, result)
+                self._append_token(req, i, host)
         self.stats.record_step(chunks, len(sampling), time.perf_counter() - t0)
 
-    def _append_token(self, req: Request, row: int, result: object) -> None:
-        token = int(result.tokens[row])
+    def _append_token(self, req: Request, row: int, result: _HostSample) -> None:
+        token = result.tokens[row]
         req.output_ids.append(token)
         req.output_versions.append(self.weight_version)
         if req.return_logprob:
-            req.output_logprobs.append(float(result.logprobs[row]))
+            req.output_logprobs.append(result.logprobs[row])
             if req.top_logprobs_num > 0:
                 k = req.top_logprobs_num
                 req.output_top_logprobs.append(
@@ -285,6 +290,14 @@ class Engine:
                 weight_version=self.weight_version,
             )
         )
+
+
+@dataclass
+class _HostSample:
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
 
 
 def _abort_output(req: Request, message: str) -> RequestOutput:

@@ -1,8 +1,10 @@
 """Turns a step's chunks into one flat forward pass over the paged KV cache.
 
-The runner owns the model, the KV cache and, for MoE models, a per-slot record of the experts
-each token was routed to, kept beside its KV so that a prefix reused from the cache still
-reports the experts that produced it.
+The runner owns the model, the KV cache, the attention backend (Triton kernels on CUDA, the
+torch reference on CPU) and, for MoE models, a per-slot record of the experts each token was
+routed to, kept beside its KV so that a prefix reused from the cache still reports the experts
+that produced it. On CUDA, all-decode steps replay captured graphs (cuda_graph.py); prefill and
+mixed steps run eagerly from arrays built per chunk (forward_batch.py).
 """
 
 from __future__ import annotations
@@ -11,87 +13,116 @@ import base64
 
 import torch
 
+from milepost.engine.cuda_graph import DecodeGraphs
+from milepost.engine.forward_batch import build_flat, slots_of
 from milepost.engine.request import Request
 from milepost.engine.scheduler import Chunk
-from milepost.models.attention import PagedBatch, PagedKVCache, TorchPagedAttention
+from milepost.models.attention import PagedBatch, PagedKVCache
 from milepost.models.base import CausalLM, ForwardContext
+from milepost.models.triton_attention import (
+    AttentionBackendName,
+    TritonPagedAttention,
+    make_paged_attention,
+)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: PagedKVCache, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: PagedKVCache,
+        device: torch.device,
+        attention_backend: AttentionBackendName = "auto",
+        cuda_graph_max_bs: int = 0,
+        context_length: int | None = None,
+        record_routed_experts: bool = True,
+    ) -> None:
+        """cuda_graph_max_bs > 0 (CUDA only) captures decode graphs up to that batch size."""
         self.model = model
         self.kv = kv
         self.device = device
-        self.attention = TorchPagedAttention(kv)
+        self.attention = make_paged_attention(kv, attention_backend)
+        self.fast_path = isinstance(self.attention, TritonPagedAttention)
         self.block_size = kv.block_size
         self.routed_slots: torch.Tensor | None = None  # [slots, layers, top_k] int32
-        if model.moe_top_k > 0:
+        if model.moe_top_k > 0 and record_routed_experts:
             n_slots = kv.num_blocks * kv.block_size
             self.routed_slots = torch.full(
                 (n_slots, model.num_layers, model.moe_top_k), -1, dtype=torch.int32, device=device
             )
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_bs > 0:
+            if device.type != "cuda":
+                raise ValueError("CUDA graphs need a CUDA device; pass --disable-cuda-graph on CPU")
+            if context_length is None:
+                raise ValueError("CUDA graphs need context_length to size their block tables")
+            if not self.fast_path:
+                raise ValueError("CUDA graphs need the triton attention backend; disable graphs "
+                                 "(--disable-cuda-graph) to run the torch reference backend")
+            width = -(-context_length // kv.block_size)
+            self.graphs = DecodeGraphs(model, self.attention, device, kv.block_size,
+                                       cuda_graph_max_bs, width, self.routed_slots is not None)
 
-    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Capture (again) the decode graphs; call after the KV cache or weights were reallocated."""
+        if self.graphs is not None:
+            self.graphs.reset()
+            self.graphs.capture()
+
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Compute KV for every chunk; logits [n_sampling_chunks, vocab] fp32 in chunk order."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        for c in chunks:
-            ids.extend(_token_slice(c.req, c.start, c.start + c.length))
-            pos = range(c.start, c.start + c.length)
-            positions.extend(pos)
-            slots.extend(self._slot(c.req.blocks, p) for p in pos)
-            starts.append(starts[-1] + c.length)
-        seq_lens = [c.start + c.length for c in chunks]
-        max_blocks = max(len(c.req.blocks) for c in chunks)
-        tables = [c.req.blocks + [0] * (max_blocks - len(c.req.blocks)) for c in chunks]
+        # inference_mode is also what switches the model onto its fused GPU kernels (layers.py,
+        # grouped experts); the torch backend stays the reference path throughout.
+        with torch.inference_mode() if self.fast_path else torch.no_grad():
+            return self._forward(chunks)
 
+    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        if self.graphs is not None and all(c.length == 1 for c in chunks):
+            logits = self.graphs.run(chunks, self._record_routed)
+            if logits is not None:
+                return logits
+        return self._forward_eager(chunks)
+
+    def _forward_eager(self, chunks: list[Chunk]) -> torch.Tensor:
+        flat = build_flat(chunks, self.block_size)
         dev = self.device
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+
+        def put(a) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        slot_t = put(flat.slots)
         self.attention.prepare(
             PagedBatch(
-                query_start_loc=torch.tensor(starts, dtype=torch.long, device=dev),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-                block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+                query_start_loc=put(flat.query_start_loc),
+                seq_lens=put(flat.seq_lens),
+                block_tables=put(flat.block_tables),
                 slot_mapping=slot_t,
-                query_lens_cpu=[c.length for c in chunks],
-                seq_lens_cpu=seq_lens,
+                query_lens_cpu=flat.query_lens,
+                seq_lens_cpu=flat.seq_lens.tolist(),
             )
         )
         routed = None
         if self.routed_slots is not None:
-            routed = torch.full((len(ids), *self.routed_slots.shape[1:]), -1, dtype=torch.int32,
-                                device=dev)
+            routed = torch.full((len(flat.input_ids), *self.routed_slots.shape[1:]), -1,
+                                dtype=torch.int32, device=dev)
         ctx = ForwardContext(attention=self.attention, routed_experts=routed)
-        hidden = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            ctx,
-        )
+        hidden = self.model.forward(put(flat.input_ids), put(flat.positions), ctx)
         if routed is not None:
-            self.routed_slots[slot_t] = routed
-        last_rows = [starts[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
-        if not last_rows:
+            self._record_routed(slot_t, routed)
+        if not flat.sample_rows:
             return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[last_rows])
+        rows = torch.tensor(flat.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _record_routed(self, slots: torch.Tensor, routed: torch.Tensor) -> None:
+        self.routed_slots[slots] = routed
 
     def routed_experts(self, req: Request) -> str | None:
         """int32 [total_len - 1, layers, top_k] for every token that went through the model."""
         if self.routed_slots is None or req.num_computed < req.total_len - 1:
             return None  # aborted before its tokens went through the model
-        slots = [self._slot(req.blocks, p) for p in range(req.total_len - 1)]
-        data = self.routed_slots[torch.tensor(slots, dtype=torch.long, device=self.device)]
+        import numpy as np
+
+        slots = slots_of(req.blocks, np.arange(req.total_len - 1), self.block_size)
+        data = self.routed_slots[torch.from_numpy(slots).to(self.device)]
         return base64.b64encode(data.cpu().numpy().tobytes()).decode("ascii")
-
-    def _slot(self, blocks: list[int], pos: int) -> int:
-        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-
-
-def _token_slice(req: Request, start: int, end: int) -> list[int]:
-    """req.all_ids[start:end] without concatenating the whole sequence (decode reads one token)."""
-    n_prompt = len(req.prompt_ids)
-    if start >= n_prompt:
-        return req.output_ids[start - n_prompt : end - n_prompt]
-    return req.prompt_ids[start:end] + req.output_ids[: max(0, end - n_prompt)]

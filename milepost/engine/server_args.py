@@ -40,7 +40,12 @@ class ServerArgs(BaseModel):
     device: Device = Field("auto", description="Device to run on; auto = cuda when available, else cpu.")
     mem_fraction_static: float = Field(
         0.85,
-        description="On CUDA, fraction of free device memory (at start) for weights plus KV cache.",
+        description="On CUDA, fraction of the device's total memory that weights plus the KV pool "
+        "may take (SGLang's meaning); the KV pool gets what is free after loading the weights "
+        "minus (1 - fraction) * total.",
+    )
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="dtype of the KV pool; auto = the model's --dtype (bfloat16 on CUDA)."
     )
     max_total_tokens: int | None = Field(
         None,
@@ -61,6 +66,19 @@ class ServerArgs(BaseModel):
     )
     max_running_requests: int = Field(256, description="Most requests decoding at once.")
     disable_radix_cache: bool = Field(False, description="Turn off prefix reuse across requests.")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="Paged attention kernels: triton (GPU kernels), torch (reference, any device); "
+        "auto = triton on CUDA, torch on CPU.",
+    )
+    disable_cuda_graph: bool = Field(
+        False, description="Run decode steps eagerly instead of replaying captured CUDA graphs."
+    )
+    cuda_graph_max_bs: int | None = Field(
+        None,
+        description="Largest decode batch captured in a CUDA graph (larger batches run eagerly); "
+        "default --max-running-requests.",
+    )
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
         "default", description="Weight version reported before the first weight update."
@@ -117,7 +135,8 @@ class ServerArgs(BaseModel):
         return v
 
     @field_validator(
-        "max_total_tokens", "page_size", "context_length", "chunked_prefill_size", "max_running_requests"
+        "max_total_tokens", "page_size", "context_length", "chunked_prefill_size", "max_running_requests",
+        "cuda_graph_max_bs",
     )
     @classmethod
     def _positive(cls, v: int | None, info: ValidationInfo) -> int | None:
@@ -169,7 +188,18 @@ class ServerArgs(BaseModel):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         elif device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was given but CUDA is not available; use --device cpu or auto")
+        if device == "cuda" and self.attention_backend == "torch" and not self.disable_cuda_graph:
+            raise ValueError(
+                "--attention-backend torch (the reference path) cannot be captured in CUDA graphs; "
+                "add --disable-cuda-graph or use --attention-backend auto/triton"
+            )
+        if device == "cpu" and self.attention_backend == "triton":
+            raise ValueError(
+                "--attention-backend triton runs GPU kernels but the device is cpu; "
+                "use --attention-backend auto or torch on CPU"
+            )
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        kv_cache_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         context_length = self.context_length or model_max_positions(self.model_path)
         if context_length is None:
             raise ValueError(
@@ -180,6 +210,7 @@ class ServerArgs(BaseModel):
             update={
                 "device": device,
                 "dtype": dtype,
+                "kv_cache_dtype": kv_cache_dtype,
                 "tokenizer_path": self.tokenizer_path or self.model_path,
                 "context_length": context_length,
                 "chunked_prefill_size": chunk,
@@ -190,8 +221,9 @@ class ServerArgs(BaseModel):
         """KV pool size in tokens, a whole number of pages.
 
         `kv_bytes_per_token` is the bytes one token takes over all layers (K and V). On CUDA the
-        caller passes `cuda_kv_budget_bytes` = free memory at start * --mem-fraction-static
-        minus the weights; on CPU the budget is --cpu-kv-cache-gb. --max-total-tokens wins.
+        caller passes `cuda_kv_budget_bytes` from kv_budget.cuda_kv_budget_bytes (free memory after
+        the weights minus (1 - --mem-fraction-static) * total); on CPU the budget is
+        --cpu-kv-cache-gb. --max-total-tokens wins.
         """
         if self.max_total_tokens is not None:
             tokens = self.max_total_tokens

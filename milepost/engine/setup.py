@@ -8,10 +8,12 @@ from pathlib import Path
 import torch
 
 from milepost.engine.engine import Engine, EngineConfig
+from milepost.engine.kv_budget import cuda_kv_budget_bytes, out_of_memory_message
 from milepost.engine.runner import ModelRunner
 from milepost.engine.server import ServerInfo
 from milepost.engine.server_args import ServerArgs
 from milepost.models.attention import PagedKVCache
+from milepost.models.base import CausalLM
 from milepost.models.registry import load_model
 
 log = logging.getLogger(__name__)
@@ -27,26 +29,45 @@ def load_tokenizer(path: Path) -> object | None:
     return AutoTokenizer.from_pretrained(path)
 
 
-def build_engine(args: ServerArgs) -> tuple[Engine, ServerInfo, object | None]:
-    """args must be resolved (no "auto" left)."""
+def build_engine(
+    args: ServerArgs, model: CausalLM | None = None, record_routed_experts: bool = True
+) -> tuple[Engine, ServerInfo, object | None]:
+    """args must be resolved (no "auto" left).
+
+    `model`: an already built model on the device (benchmarks with random weights) instead of
+    loading args.model_path's weights; `record_routed_experts=False` skips the per-slot record
+    of MoE routing (benchmarks of its cost).
+    """
     device = torch.device(args.device)
     dtype = args.torch_dtype()
     if device.type == "cuda":
         if device.index is None:  # "cuda" means the current device; pin it so allocations agree
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-        free_at_start, _ = torch.cuda.mem_get_info(device)
-    model = load_model(args.model_path, dtype, device)
+    if model is None:
+        try:
+            model = load_model(args.model_path, dtype, device)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError(out_of_memory_message("the weights", None, args.mem_fraction_static)) from e
     cfg = model.hf_config
-    elem = torch.empty((), dtype=dtype).element_size()
+    kv_dtype = getattr(torch, args.kv_cache_dtype)
+    elem = torch.empty((), dtype=kv_dtype).element_size()
     kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem
+    if model.moe_top_k > 0 and record_routed_experts:  # the routed-expert record beside the KV
+        kv_bytes_per_token += model.num_layers * model.moe_top_k * 4
     budget = None
-    if device.type == "cuda":
+    if device.type == "cuda":  # SGLang's meaning: weights + KV <= fraction of the total (kv_budget.py)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        budget = int(free_at_start * args.mem_fraction_static) - weights
+        free, total = torch.cuda.mem_get_info(device)
+        budget = cuda_kv_budget_bytes(total, free, args.mem_fraction_static, weights)
     tokens = args.kv_pool_tokens(kv_bytes_per_token, budget)
-    kv = PagedKVCache(model.num_layers, tokens // args.page_size, args.page_size,
-                      model.num_kv_heads, model.head_dim, dtype, device)
+    try:
+        kv = PagedKVCache(model.num_layers, tokens // args.page_size, args.page_size,
+                          model.num_kv_heads, model.head_dim, kv_dtype, device)
+    except torch.OutOfMemoryError as e:
+        raise RuntimeError(out_of_memory_message(
+            f"the KV pool of {tokens} tokens", tokens * kv_bytes_per_token, args.mem_fraction_static,
+        )) from e
     log.info("KV pool: %d tokens in %d blocks of %d (%.1f MiB)", tokens, kv.num_blocks,
              args.page_size, kv.nbytes() / 2**20)
 
@@ -56,8 +77,19 @@ def build_engine(args: ServerArgs) -> tuple[Engine, ServerInfo, object | None]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos_ids = sorted({*eos_ids, tokenizer.eos_token_id})
     context_length = args.context_length or cfg.max_position_embeddings
+    graph_bs = 0 if args.disable_cuda_graph or device.type != "cuda" else (
+        args.cuda_graph_max_bs or args.max_running_requests)
+    if graph_bs and model.moe_top_k > 0 and dtype != torch.bfloat16:
+        # Only the bf16 grouped-GEMM experts avoid host syncs; the per-expert loop cannot be captured.
+        log.warning("decode CUDA graphs are off: MoE experts are graph-safe only in bfloat16 (dtype %s)",
+                    args.dtype)
+        graph_bs = 0
+    runner = ModelRunner(model, kv, device, attention_backend=args.attention_backend,
+                         cuda_graph_max_bs=graph_bs, context_length=context_length,
+                         record_routed_experts=record_routed_experts)
+    runner.capture_cuda_graphs()
     engine = Engine(
-        ModelRunner(model, kv, device),
+        runner,
         tokenizer,
         EngineConfig(
             block_size=args.page_size, num_blocks=kv.num_blocks,

@@ -1,0 +1,120 @@
+"""CUDA graphs for decode steps: one graph per captured batch size, all in one memory pool.
+
+A decode step is launch-bound (hundreds of small kernels for ~3 ms of GPU work), so the whole
+forward (embedding to logits) is captured once per batch size and replayed. Inputs live in
+persistent device buffers filled by a single host-to-device copy per step; a batch is padded to
+the next captured size with rows the kernels skip (slot -1, seq_len 0). Graphs hold the KV
+cache's and the weights' addresses: whoever reallocates either must call `reset` (weight updates
+copy in place, so they need not).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from milepost.engine.forward_batch import (
+    DecodeBuffers,
+    capture_sizes,
+    fill_decode,
+    padded_size,
+)
+from milepost.engine.scheduler import Chunk
+from milepost.models.attention import PagedBatch
+from milepost.models.base import CausalLM, ForwardContext
+
+log = logging.getLogger(__name__)
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, attention: object, device: torch.device, block_size: int,
+                 max_bs: int, max_blocks_per_seq: int, record_routed: bool) -> None:
+        self.model = model
+        self.attention = attention
+        self.device = device
+        self.block_size = block_size
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        width = max_blocks_per_seq
+        n = self.max_bs * (4 + width)
+        self._host_t = torch.zeros(n, dtype=torch.int32).pin_memory()
+        self.host = DecodeBuffers.over(self._host_t.numpy(), self.max_bs, width)
+        self._dev = torch.zeros(n, dtype=torch.int32, device=device)
+        mb = self.max_bs
+        self.ids, self.positions, self.slots, self.seq_lens = (self._dev[i * mb:(i + 1) * mb] for i in range(4))
+        self.tables = self._dev[4 * mb:].view(mb, width)
+        self.query_start_loc = torch.arange(mb + 1, dtype=torch.int32, device=device)
+        self.routed = None
+        if record_routed:
+            self.routed = torch.full((mb, model.num_layers, model.moe_top_k), -1, dtype=torch.int32,
+                                     device=device)
+        self._copied = torch.cuda.Event()
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def _prepare(self, bs: int) -> None:
+        self.attention.prepare(PagedBatch(
+            query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
+            block_tables=self.tables[:bs], slot_mapping=self.slots[:bs],
+            query_lens_cpu=[1] * bs, seq_lens_cpu=None,
+        ))
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        routed = self.routed[:bs] if self.routed is not None else None
+        ctx = ForwardContext(attention=self.attention, routed_experts=routed)
+        hidden = self.model.forward(self.ids[:bs], self.positions[:bs], ctx)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()  # the same mode the runner replays in (it selects the fused kernels)
+    def capture(self) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its pool memory."""
+        self.host.slots[:] = -1  # padding everywhere: capture writes no KV and reads none
+        self.host.seq_lens[:] = 0
+        self.host.ids[:] = 0
+        self._dev.copy_(self._host_t)
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):
+            self._prepare(bs)
+            self._forward(bs)  # warm-up: compiles kernels, lazy inits outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[bs] = self._forward(bs)
+            self._graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def reset(self) -> None:
+        """Drop the graphs (after the KV cache or weights were reallocated); `capture` again."""
+        self._graphs.clear()
+        self._logits.clear()
+
+    def run(self, chunks: Sequence[Chunk],
+            record: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+        """Logits [sampling chunks, vocab] for an all-decode step, or None when it is too large.
+
+        The result is a view of the graph's output buffer: valid until the next replay.
+        `record(slots [n], routed [n, layers, top_k])` stores the experts of the real rows.
+        """
+        n = len(chunks)
+        bs = padded_size(n, self.sizes)
+        if bs is None or not self._graphs:
+            return None
+        self._copied.synchronize()  # the previous step's copy has left the pinned buffer
+        fill_decode(self.host, chunks, bs, self.block_size)
+        self._dev.copy_(self._host_t, non_blocking=True)
+        self._copied.record()
+        self._graphs[bs].replay()
+        if record is not None and self.routed is not None:
+            record(self.slots[:n].long(), self.routed[:n])
+        logits = self._logits[bs]
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        if len(rows) == n:
+            return logits[:n]
+        return logits[torch.tensor(rows, dtype=torch.long, device=self.device)]

@@ -1,0 +1,135 @@
+"""Host-side layout of one forward pass, built with numpy per chunk instead of Python lists per token.
+
+`build_flat` gives every array the attention backends and the model need for a step's chunks
+(prefill, cached prefixes, decodes mixed); `fill_decode` writes an all-decode step straight into
+the persistent (pinned) buffers the CUDA-graph runner copies to the device in one transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from milepost.engine.request import Request
+from milepost.engine.scheduler import Chunk
+
+
+@dataclass
+class FlatBatch:
+    """input_ids/positions/slots: [T]; query_start_loc: [B+1]; seq_lens: [B]; block_tables: [B, W]."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    query_lens: list[int]
+    sample_rows: list[int]  # rows of the last token of each chunk that samples
+
+
+def token_slice(req: Request, start: int, end: int) -> list[int]:
+    """req.all_ids[start:end] without concatenating the whole sequence (decode reads one token)."""
+    n_prompt = len(req.prompt_ids)
+    if start >= n_prompt:
+        return req.output_ids[start - n_prompt : end - n_prompt]
+    return req.prompt_ids[start:end] + req.output_ids[: max(0, end - n_prompt)]
+
+
+def slots_of(blocks: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of each position of a sequence whose KV lives in `blocks`."""
+    table = np.asarray(blocks, dtype=np.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def build_flat(chunks: Sequence[Chunk], block_size: int) -> FlatBatch:
+    ids: list[int] = []
+    positions, slots = [], []
+    q_lens = [c.length for c in chunks]
+    for c in chunks:
+        ids.extend(token_slice(c.req, c.start, c.start + c.length))
+        pos = np.arange(c.start, c.start + c.length, dtype=np.int64)
+        positions.append(pos)
+        slots.append(slots_of(c.req.blocks, pos, block_size))
+    cu = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    width = max(len(c.req.blocks) for c in chunks)
+    tables = np.zeros((len(chunks), width), dtype=np.int64)
+    for i, c in enumerate(chunks):
+        tables[i, : len(c.req.blocks)] = c.req.blocks
+    return FlatBatch(
+        input_ids=np.asarray(ids, dtype=np.int64),
+        positions=np.concatenate(positions),
+        slots=np.concatenate(slots),
+        query_start_loc=cu,
+        seq_lens=np.asarray([c.start + c.length for c in chunks], dtype=np.int64),
+        block_tables=tables,
+        query_lens=q_lens,
+        sample_rows=[int(cu[i + 1]) - 1 for i, c in enumerate(chunks) if c.samples],
+    )
+
+
+def padded_size(n: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured batch size >= n (sizes ascending), or None when n exceeds them all."""
+    for s in sizes:
+        if s >= n:
+            return s
+    return None
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """Batch sizes to capture: every size to 8, then steps of 8 to 64, 16 to 256, 32 beyond."""
+    if max_bs < 1:
+        raise ValueError(f"cuda graph max batch size must be >= 1; got {max_bs}")
+    sizes = [1, 2, 4, 8]
+    sizes += list(range(16, 65, 8)) + list(range(80, 257, 16)) + list(range(288, max_bs + 32, 32))
+    out = sorted({s for s in sizes if s < max_bs} | {max_bs})
+    return out
+
+
+@dataclass
+class DecodeBuffers:
+    """Views into one pinned int32 host buffer: [ids | positions | slots | seq_lens | tables(W)]."""
+
+    host: np.ndarray  # [max_bs * (4 + W)] int32, backed by pinned memory
+    ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    seq_lens: np.ndarray
+    tables: np.ndarray  # [max_bs, W]
+
+    @classmethod
+    def over(cls, host: np.ndarray, max_bs: int, width: int) -> DecodeBuffers:
+        if host.shape != (max_bs * (4 + width),):
+            raise ValueError(f"host buffer must hold {max_bs * (4 + width)} int32, got {host.shape}")
+        parts = [host[i * max_bs : (i + 1) * max_bs] for i in range(4)]
+        tables = host[4 * max_bs :].reshape(max_bs, width)
+        return cls(host, *parts, tables)
+
+
+def fill_decode(buf: DecodeBuffers, chunks: Sequence[Chunk], padded_bs: int, block_size: int) -> None:
+    """One decode token per chunk into rows [0, n); rows [n, padded_bs) become padding that the
+    kernels skip (slot -1 writes no KV, seq_len 0 attends to nothing)."""
+    n = len(chunks)
+    width = buf.tables.shape[1]
+    ids, positions, slots = [], [], []
+    for i, c in enumerate(chunks):
+        req, pos = c.req, c.start
+        blocks = req.blocks
+        if len(blocks) > width:
+            raise ValueError(f"request {req.rid} holds {len(blocks)} blocks; graphs were captured for {width}")
+        ids.append(token_slice(req, pos, pos + 1)[0])
+        positions.append(pos)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        buf.tables[i, : len(blocks)] = blocks  # columns past len(blocks) are never read
+    buf.ids[:n] = ids
+    buf.positions[:n] = positions
+    buf.slots[:n] = slots
+    buf.seq_lens[:n] = positions
+    buf.seq_lens[:n] += 1
+    buf.ids[n:padded_bs] = 0
+    buf.positions[n:padded_bs] = 0
+    buf.slots[n:padded_bs] = -1
+    buf.seq_lens[n:padded_bs] = 0

@@ -1,0 +1,242 @@
+"""Triton kernels for attention over the paged KV cache: KV store, split-K decode, varlen prefill.
+
+Cache layout (milepost.models.attention.PagedKVCache): per layer K and V of [slots, Hkv, D], slot =
+block_id * page + offset. Semantics equal `TorchPagedAttention`: each sequence's queries are its
+last `query_len` positions, causal mask aligned bottom-right over its whole KV (cached prefix plus
+the new tokens), GQA by head groups. Decode splits each sequence's KV into NUM_SPLITS ranges
+(flash-decoding) so small batches still fill the GPU, then a second kernel merges the ranges by
+their log-sum-exp. Every launch takes its sizes from device tensors, so it can be graph-captured.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_ct, ROW: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """Copy token t's K and V rows ([Hkv * D] each) into cache slot slots[t]; slot < 0 = padding."""
+    t = tl.program_id(0)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        for c in range(0, ROW, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            m = offs < ROW
+            k = tl.load(K + t * stride_kt + offs, mask=m)
+            v = tl.load(V + t * stride_vt + offs, mask=m)
+            tl.store(KC + slot * stride_ct + offs, k.to(KC.dtype.element_ty), mask=m)
+            tl.store(VC + slot * stride_ct + offs, v.to(VC.dtype.element_ty), mask=m)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k/v: [T, Hkv, D] new tokens -> cache rows `slots` ([T] int32/int64; negative rows skipped)."""
+    t = k.shape[0]
+    if t == 0:
+        return
+    k2, v2 = k.reshape(t, -1), v.reshape(t, -1)  # views when [T, Hkv, D] is contiguous per token
+    row = k2.shape[1]
+    _store_kv_kernel[(t,)](k2, v2, k_cache, v_cache, slots, k2.stride(0), v2.stride(0),
+                           k_cache.stride(0), ROW=row, BLOCK=min(1024, triton.next_power_of_2(row)))
+
+
+@triton.jit
+def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, scale,
+                         stride_qt, stride_qh, stride_ct, stride_ch, stride_tb,
+                         stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    start = split * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, seq_len)
+
+    hh = tl.arange(0, BLOCK_H)
+    hmask = hh < GROUP
+    heads = kvh * GROUP + hh
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None],
+                other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    table = tables + b.to(tl.int64) * stride_tb
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pmask = pos < end
+        blk = tl.load(table + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+        slot = blk * PAGE + pos % PAGE
+        kv_off = slot[:, None] * stride_ct + kvh * stride_ch + d[None, :]
+        k = tl.load(KC + kv_off, mask=pmask[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(pmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + kv_off, mask=pmask[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    has = l_i > 0.0  # an empty range (short sequence, padding row) contributes weight 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    o_ptr = O_part + b * stride_ob + split * stride_os + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptr, out, mask=hmask[:, None])
+    tl.store(L_part + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_merge_kernel(O_part, L_part, Out, stride_ob, stride_os, stride_oh, stride_lb,
+                         stride_ls, stride_xt, stride_xh, D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, D)
+    lse = tl.load(L_part + b * stride_lb + s * stride_ls + h)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all ranges empty (padding row): output zeros
+    w = tl.exp(lse - m)
+    o = tl.load(O_part + b * stride_ob + s[:, None] * stride_os + h * stride_oh + d[None, :])
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(Out + b * stride_xt + h * stride_xh + d, out.to(Out.dtype.element_ty))
+
+
+def decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits per sequence so batch * kv_heads * splits covers ~2 waves of the SMs (power of 2, <= 32)."""
+    want = max(1, -(-2 * num_sms // max(1, batch * num_kv_heads)))
+    return min(32, triton.next_power_of_2(want))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, page: int,
+                 num_splits: int, block_n: int = 64) -> torch.Tensor:
+    """q: [B, H, D] (one query per sequence) -> [B, H, D]; seq_lens[b] = 0 gives zeros."""
+    bsz, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    o_part = torch.empty((bsz, num_splits, heads, dim), dtype=torch.float32, device=q.device)
+    l_part = torch.empty((bsz, num_splits, heads), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(bsz, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, l_part, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4,
+        num_stages=2,
+    )
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(bsz, heads)](
+        o_part, l_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        l_part.stride(0), l_part.stride(1), out.stride(0), out.stride(1), D=dim,
+        NUM_SPLITS=num_splits,
+    )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(Q, KC, VC, O, tables, seq_lens, cu_q, tile_seq, tile_m0, scale,
+                    stride_qt, stride_qh, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    b = tl.load(tile_seq + tile)
+    m0 = tl.load(tile_m0 + tile)
+    q_beg = tl.load(cu_q + b).to(tl.int32)
+    q_len = tl.load(cu_q + b + 1).to(tl.int32) - q_beg
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    ctx = seq_len - q_len  # cached prefix: query row r sits at position ctx + r
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    qpos = ctx + rows
+    d = tl.arange(0, D)
+    q_off = (q_beg + rows).to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :]
+    q = tl.load(Q + q_off, mask=rmask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    table = tables + b.to(tl.int64) * stride_tb
+
+    # Keys before the tile's first query position are visible to every row: no mask needed.
+    full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
+    kv_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pmask = pos < kv_end
+        blk = tl.load(table + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+        kv_off = (blk * PAGE + pos % PAGE)[:, None] * stride_ct + kvh * stride_ch + d[None, :]
+        k = tl.load(KC + kv_off, mask=pmask[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        if n0 >= full_end:
+            s = tl.where((pos[None, :] <= qpos[:, None]) & pmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + kv_off, mask=pmask[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    o_off = (q_beg + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :]
+    tl.store(O + o_off, out.to(O.dtype.element_ty), mask=rmask[:, None])
+
+
+PREFILL_BLOCK_M = 128
+
+
+def prefill_tiles(query_lens: list[int], block_m: int = PREFILL_BLOCK_M) -> tuple[list[int], list[int]]:
+    """(sequence index, first query row) of every BLOCK_M-row tile of a packed batch."""
+    seqs: list[int] = []
+    starts: list[int] = []
+    for i, n in enumerate(query_lens):
+        for m0 in range(0, n, block_m):
+            seqs.append(i)
+            starts.append(m0)
+    return seqs, starts
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q: torch.Tensor,
+                  tile_seq: torch.Tensor, tile_m0: torch.Tensor, scale: float, page: int,
+                  block_m: int = PREFILL_BLOCK_M, block_n: int = 64) -> torch.Tensor:
+    """q: [T, H, D] packed queries of B sequences (cu_q: [B+1]) -> [T, H, D].
+
+    The new tokens' K/V must already be in the cache (store_kv); tile_seq/tile_m0 come from
+    `prefill_tiles` with the same block_m.
+    """
+    heads, dim = q.shape[1], q.shape[2]
+    group = heads // k_cache.shape[1]
+    out = torch.empty_like(q)
+    ieee = q.dtype == torch.float32
+    _prefill_kernel[(tile_seq.shape[0], heads)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, cu_q, tile_seq, tile_m0, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, D=dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee,
+        num_warps=8 if block_m >= 128 else 4, num_stages=2,
+    )
+    return out

@@ -1,0 +1,95 @@
+"""Paged-KV attention on the GPU with our Triton kernels, and the choice of backend by device.
+
+`TritonPagedAttention` has the semantics of `TorchPagedAttention` (attention.py, the CPU/reference
+path). A batch whose rows all decode one token runs the split-K decode kernel; any other batch
+(prefill chunks, cached prefixes, decodes mixed in) runs the varlen prefill kernel. `prepare`
+does no device sync, and for an all-decode batch nothing in `attend` depends on host values that
+change between steps, so the CUDA-graph runner can capture it once per batch size.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from milepost.models.attention import PagedBatch, PagedKVCache, TorchPagedAttention
+
+AttentionBackendName = Literal["auto", "torch", "triton"]
+
+
+class TritonPagedAttention:
+    """Inference only (no autograd through the kernels); the cache is written in place."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        from milepost.kernels import (
+            paged_attention as kernels,  # imports triton: GPU path only
+        )
+
+        self.cache = cache
+        self.kernels = kernels
+        device = cache.k[0].device
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._batch: PagedBatch | None = None
+        self._decode = False
+        self._splits = 1
+        self._tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self, batch: PagedBatch) -> None:
+        q_lens = batch.query_lens_cpu
+        if q_lens is None:
+            raise ValueError("TritonPagedAttention needs PagedBatch.query_lens_cpu (host copy of the layout)")
+        self._batch = batch
+        self._decode = all(n == 1 for n in q_lens)
+        if self._decode:
+            self._splits = self.kernels.decode_splits(len(q_lens), self.cache.num_kv_heads, self.num_sms)
+            return
+        block_m = self._block_m()
+        seqs, starts = self.kernels.prefill_tiles(q_lens, block_m)
+        dev = batch.block_tables.device
+        packed = torch.tensor([seqs, starts], dtype=torch.int32).pin_memory() if dev.type == "cuda" \
+            else torch.tensor([seqs, starts], dtype=torch.int32)
+        packed = packed.to(dev, non_blocking=True)
+        self._tiles = (packed[0], packed[1])
+
+    def _block_m(self) -> int:
+        # fp32 (tests) needs twice the shared memory per tile: halve the rows.
+        return 64 if self.cache.k[0].dtype == torch.float32 else self.kernels.PREFILL_BLOCK_M
+
+    def attend(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] of the new tokens -> [T, H, D]."""
+        batch = self._batch
+        if batch is None:
+            raise RuntimeError("TritonPagedAttention.attend called before prepare(batch)")
+        kc, vc = self.cache.k[layer_id], self.cache.v[layer_id]
+        self.kernels.store_kv(kc, vc, k.contiguous(), v.contiguous(), batch.slot_mapping)
+        q = q.to(kc.dtype).contiguous()
+        page = self.cache.block_size
+        if self._decode:
+            return self.kernels.paged_decode(q, kc, vc, batch.block_tables, batch.seq_lens, scale,
+                                             page, self._splits)
+        tile_seq, tile_m0 = self._tiles
+        return self.kernels.paged_prefill(q, kc, vc, batch.block_tables, batch.seq_lens,
+                                          batch.query_start_loc, tile_seq, tile_m0, scale, page,
+                                          block_m=self._block_m())
+
+
+def make_paged_attention(
+    cache: PagedKVCache, backend: AttentionBackendName = "auto"
+) -> TorchPagedAttention | TritonPagedAttention:
+    """`auto`: Triton kernels on CUDA, torch (reference) elsewhere; an explicit name is obeyed."""
+    on_cuda = cache.k[0].device.type == "cuda"
+    if backend == "auto":
+        backend = "triton" if on_cuda else "torch"
+    if backend == "torch":
+        return TorchPagedAttention(cache)
+    if backend == "triton":
+        if not on_cuda:
+            raise ValueError(
+                "--attention-backend triton needs a CUDA device (the KV cache is on "
+                f"{cache.k[0].device}); use --attention-backend torch or auto on CPU"
+            )
+        return TritonPagedAttention(cache)
+    raise ValueError(f"--attention-backend must be auto, torch or triton; got {backend!r}")
