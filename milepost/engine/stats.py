@@ -7,7 +7,7 @@ snapshot, which is consistent enough for monitoring (each value is a single Pyth
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -27,6 +27,11 @@ class EngineStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     busy_seconds: float = 0.0
+    # Steps that only decoded (every chunk one token): what the bandwidth bound is about.
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    decode_kv_tokens: int = 0  # KV entries the decode steps attended over, summed
+    decode_batch_sizes: Counter = field(default_factory=Counter)  # rows per decode step -> steps
     _recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens sampled)
 
     def record_step(self, chunks: list, n_sampled: int, seconds: float) -> None:
@@ -35,6 +40,11 @@ class EngineStats:
         self.computed_tokens += sum(c.length for c in chunks)
         self.busy_seconds += seconds
         self._recent.append((time.monotonic(), n_sampled))
+        if chunks and all(c.length == 1 for c in chunks):
+            self.decode_steps += 1
+            self.decode_seconds += seconds
+            self.decode_kv_tokens += sum(c.start + 1 for c in chunks)
+            self.decode_batch_sizes[len(chunks)] += 1
 
     def record_finish(self, req: Request) -> None:
         self.finished_requests += 1

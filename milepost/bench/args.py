@@ -1,0 +1,92 @@
+"""Settings of `milepost bench engine` (flags generated from this model, validated at start)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Shape = Literal["qwen3-0.6b", "qwen3-30b-a3b", "tiny"]
+SCENARIOS = ("fixed", "mixed", "multiturn", "prefill")
+
+# Peak memory bandwidth (bytes/s) of devices the bound is computed for, matched on the name.
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12}
+
+
+class BenchArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Path | None = Field(None, description="Hugging Face model directory to benchmark.")
+    shape: Shape | None = Field(
+        None, description="Instead of --model: a real architecture shape with random weights built "
+        "in memory (qwen3-0.6b, qwen3-30b-a3b) or a tiny Qwen3 for CPU runs.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and KV dtype; auto = bfloat16 on CUDA, float32 on CPU.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    scenarios: str = Field(
+        ",".join(SCENARIOS), description="Comma-separated scenarios to run: " + ", ".join(SCENARIOS))
+    requests: int = Field(256, description="Requests of the fixed and mixed scenarios.")
+    prompt_len: int = Field(128, description="Prompt tokens per request (fixed; first turn of multiturn).")
+    output_len: int = Field(256, description="New tokens per request (fixed).")
+    mixed_min: int = Field(100, description="Mixed: shortest prompt and output length.")
+    mixed_max: int = Field(1024, description="Mixed: longest prompt and output length.")
+    sessions: int = Field(32, description="Multiturn: concurrent sessions.")
+    turns: int = Field(8, description="Multiturn: turns per session.")
+    turn_user_len: int = Field(64, description="Multiturn: tokens of the user message each turn adds.")
+    turn_output_len: int = Field(256, description="Multiturn: new tokens per turn.")
+    prefill_requests: int = Field(256, description="Prefill: requests (one new token each).")
+    prefill_len: int = Field(1024, description="Prefill: prompt tokens per request.")
+    temperature: float = Field(1.0, description="Sampling temperature of every request (ignore_eos).")
+    seed: int = Field(0, description="Seed of prompts, lengths and random weights.")
+    hf: bool = Field(True, description="Also run transformers generate (static batches) and print the ratio.")
+    hf_batch_size: int | None = Field(
+        None, description="Static batch size of transformers generate; default: all requests at once.")
+    max_running_requests: int | None = Field(
+        None, description="Engine: most requests decoding at once; default: the scenario's requests.")
+    mem_fraction_static: float = Field(0.85, description="Engine (CUDA): share of GPU memory for weights + KV.")
+    max_total_tokens: int | None = Field(
+        None, description="Engine KV pool in tokens; default from --mem-fraction-static on CUDA, "
+        "or what the largest scenario needs on CPU.")
+    chunked_prefill_size: int | None = Field(None, description="Engine: prefill tokens per step.")
+    peak_bandwidth: float | None = Field(
+        None, description="Device peak memory bandwidth in bytes/s for the decode bound; default "
+        "per known GPU (H200 4.8e12, H100 3.35e12, A100 2.0e12); none on CPU.")
+    json_out: Path | None = Field(None, description="Also write the results as JSON to this file.")
+
+    @field_validator("requests", "prompt_len", "output_len", "mixed_min", "mixed_max", "sessions",
+                     "turns", "turn_user_len", "turn_output_len", "prefill_requests", "prefill_len",
+                     "hf_batch_size", "max_running_requests", "max_total_tokens",
+                     "chunked_prefill_size")
+    @classmethod
+    def _positive(cls, v: int | None, info: object) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"--{info.field_name.replace('_', '-')} must be >= 1; got {v}")
+        return v
+
+    @field_validator("scenarios")
+    @classmethod
+    def _scenarios(cls, v: str) -> str:
+        names = [s.strip() for s in v.split(",") if s.strip()]
+        bad = [s for s in names if s not in SCENARIOS]
+        if bad or not names:
+            raise ValueError(f"--scenarios: unknown {bad or v!r}; choose from {', '.join(SCENARIOS)}")
+        return ",".join(names)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> BenchArgs:
+        if (self.model is None) == (self.shape is None):
+            raise ValueError("give exactly one of --model (a Hugging Face directory) or --shape")
+        if self.model is not None and not (self.model / "config.json").is_file():
+            raise ValueError(f"--model {self.model} has no config.json; pass a Hugging Face directory")
+        if self.mixed_min > self.mixed_max:
+            raise ValueError(f"--mixed-min ({self.mixed_min}) exceeds --mixed-max ({self.mixed_max})")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1); got {self.mem_fraction_static}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0; got {self.temperature}")
+        return self
+
+    @property
+    def scenario_list(self) -> list[str]:
+        return self.scenarios.split(",")

@@ -1,0 +1,193 @@
+"""`milepost bench engine`: the embedded engine against transformers `generate`, one run, ratios.
+
+Same model (same weights), same requests, same lengths on both sides; the engine runs
+in-process (`Engine`, no HTTP) so the numbers are the engine's. Per scenario it reports tokens/s
+of both and their ratio; for decode, the fraction of the memory-bandwidth bound reached:
+(bytes of weights + KV read by the decode steps) / (their measured time) / peak bandwidth.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from dataclasses import asdict
+
+import torch
+
+from milepost.bench import workloads
+from milepost.bench.args import PEAK_BANDWIDTH, BenchArgs
+from milepost.bench.engine_side import EngineBench, EngineResult
+from milepost.bench.hf_side import run_hf
+from milepost.bench.models import (
+    hf_copy,
+    human,
+    kv_bytes_per_token,
+    native_model,
+    parameter_count,
+    weight_bytes_per_decode_step,
+)
+from milepost.engine.server_args import ServerArgs
+from milepost.engine.setup import build_engine
+
+log = logging.getLogger(__name__)
+
+
+def run_bench(args: BenchArgs) -> dict:
+    """Run every scenario of `args` on both sides; the results as a JSON-ready dict."""
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    dtype = getattr(torch, args.dtype if args.dtype != "auto" else
+                    ("bfloat16" if device.type == "cuda" else "float32"))
+    native, config_dir = native_model(args.model, args.shape, dtype, device, args.seed)
+    vocab = native.vocab_size
+    context = native.hf_config.max_position_embeddings
+    loads = _workloads(args, vocab)
+    for w in loads:
+        if workloads.longest_sequence(w) > context:
+            raise ValueError(f"scenario {w.name}: a request reaches {workloads.longest_sequence(w)} "
+                             f"tokens, beyond the model's context {context}; shorten its lengths")
+    sargs = ServerArgs(
+        model_path=config_dir, device=device.type, dtype=str(dtype).removeprefix("torch."),
+        max_running_requests=args.max_running_requests or max(len(w.output_lens) for w in loads),
+        chunked_prefill_size=args.chunked_prefill_size, max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static, random_seed=args.seed,
+    ).resolved()
+    weights_per_step: dict[int, float] = {}  # decode batch size -> weight bytes one step reads
+    kv_token_bytes = kv_bytes_per_token(native, getattr(torch, sargs.kv_cache_dtype))
+    engine, _, _ = build_engine(sargs, model=native)
+    engine.start()
+    try:
+        bench = EngineBench(engine, args.temperature)
+        bench.run(workloads.fixed(min(8, args.requests), 32, 8, vocab, args.seed + 99))  # warm-up
+        ours = {w.name: bench.run(w) for w in loads}
+        pool_tokens = engine.cfg.num_blocks * engine.cfg.block_size
+    finally:
+        engine.close()
+    del engine, bench
+    gc.collect()
+    decode_bytes = {name: _decode_bytes(r, native, kv_token_bytes, weights_per_step)
+                    for name, r in ours.items()}
+    theirs = {}
+    if args.hf:
+        hf = hf_copy(native, dtype, device)
+        run_hf(hf, workloads.fixed(min(8, args.requests), 32, 8, vocab, args.seed + 99),
+               None, args.temperature, device)  # warm-up
+        theirs = {w.name: run_hf(hf, w, args.hf_batch_size, args.temperature, device) for w in loads}
+    peak = args.peak_bandwidth or _known_peak(device)
+    return {
+        "model": str(args.model or args.shape), "parameters": parameter_count(native),
+        "device": _device_name(device), "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": sargs.kv_cache_dtype, "kv_pool_tokens": pool_tokens,
+        "peak_bandwidth": peak, "torch": torch.__version__,
+        "scenarios": [_row(w, ours[w.name], theirs.get(w.name), decode_bytes[w.name], peak)
+                      for w in loads],
+    }
+
+
+def _workloads(args: BenchArgs, vocab: int) -> list[workloads.Workload]:
+    make = {
+        "fixed": lambda: workloads.fixed(args.requests, args.prompt_len, args.output_len, vocab,
+                                         args.seed),
+        "mixed": lambda: workloads.mixed(args.requests, args.mixed_min, args.mixed_max, vocab,
+                                         args.seed),
+        "multiturn": lambda: workloads.multiturn(args.sessions, args.turns, args.prompt_len,
+                                                 args.turn_user_len, args.turn_output_len, vocab,
+                                                 args.seed),
+        "prefill": lambda: workloads.prefill(args.prefill_requests, args.prefill_len, vocab,
+                                             args.seed),
+    }
+    return [make[name]() for name in args.scenario_list]
+
+
+def _decode_bytes(r: EngineResult, native: object, kv_token_bytes: int, cache: dict) -> float:
+    """Bytes the decode steps of a run read: weights per step (by batch size) + KV attended."""
+    weights = 0.0
+    for batch, steps in r.decode_batch_sizes.items():
+        if batch not in cache:
+            cache[batch] = weight_bytes_per_decode_step(native, batch)
+        weights += cache[batch] * steps
+    return weights + r.decode_kv_tokens * kv_token_bytes
+
+
+def _row(w: workloads.Workload, ours: EngineResult, theirs: object | None, decode_bytes: float,
+         peak: float | None) -> dict:
+    counted = "prompt" if w.name == "prefill" else "output"  # prefill is measured in prompt tokens
+    tokens = ours.prompt_tokens if counted == "prompt" else ours.output_tokens
+    row: dict = {"scenario": w.name, "requests": len(w.output_lens), "counted_tokens": counted,
+                 "tokens": tokens, "milepost_seconds": ours.seconds,
+                 "milepost_tok_s": tokens / ours.seconds,
+                 "prompt_tokens": ours.prompt_tokens, "output_tokens": ours.output_tokens,
+                 "milepost_prefill_tok_s": None, "hf_tok_s": None, "ratio": None}
+    if counted == "prompt":
+        row["milepost_prefill_tok_s"] = row["milepost_tok_s"]
+    if theirs is not None:
+        hf_tokens = theirs.prompt_tokens if counted == "prompt" else theirs.output_tokens
+        row.update(hf_seconds=theirs.seconds, hf_tok_s=hf_tokens / theirs.seconds)
+        row["ratio"] = row["milepost_tok_s"] / row["hf_tok_s"]
+    if w.turns > 1:
+        row["prefix_cache_hit_rate"] = ours.cached_tokens / max(ours.prompt_tokens, 1)
+        row["prefix_cache_hit_rate_later_turns"] = (
+            ours.later_turn_cached_tokens / max(ours.later_turn_prompt_tokens, 1))
+    if ours.decode_steps:
+        row["decode_steps"] = ours.decode_steps
+        row["decode_step_ms"] = 1e3 * ours.decode_seconds / ours.decode_steps
+        row["decode_tok_s"] = sum(b * n for b, n in ours.decode_batch_sizes.items()) / ours.decode_seconds
+        row["decode_bytes_per_s"] = decode_bytes / ours.decode_seconds
+        row["bandwidth_fraction"] = row["decode_bytes_per_s"] / peak if peak else None
+    return row
+
+
+def _known_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def print_table(result: dict) -> None:
+    """The results as a rich table (one row per scenario)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(v: float | None, spec: str = ",.0f") -> str:
+        return "-" if v is None else format(v, spec)
+
+    title = (f"milepost bench engine: {result['model']} ({human(result['parameters'])} params), "
+             f"{result['device']}, {result['dtype']} (KV {result['kv_cache_dtype']})")
+    table = Table(title=title)
+    for col in ("scenario", "requests", "tokens", "milepost tok/s", "transformers tok/s", "ratio",
+                "prefix hit", "decode step", "decode tok/s", "of bandwidth bound"):
+        table.add_column(col, justify="left" if col == "scenario" else "right")
+    for r in result["scenarios"]:
+        hit = r.get("prefix_cache_hit_rate")
+        table.add_row(
+            r["scenario"] + (" (prompt tok)" if r["counted_tokens"] == "prompt" else ""),
+            str(r["requests"]), f"{r['tokens']:,}", fmt(r["milepost_tok_s"]), fmt(r["hf_tok_s"]),
+            fmt(r["ratio"], ".2f") + ("x" if r["ratio"] is not None else ""),
+            "-" if hit is None else f"{hit:.1%} ({r['prefix_cache_hit_rate_later_turns']:.1%} t>1)",
+            fmt(r.get("decode_step_ms"), ".2f") + (" ms" if r.get("decode_step_ms") else ""),
+            fmt(r.get("decode_tok_s")),
+            "-" if r.get("bandwidth_fraction") is None else f"{r['bandwidth_fraction']:.1%}",
+        )
+    console = Console(width=None if Console().is_terminal else 160)  # files and pipes: no wrapping
+    console.print(table)
+    if result["peak_bandwidth"] is None:
+        console.print("bandwidth bound: no peak known for this device (pass --peak-bandwidth)")
+
+
+def main(args: BenchArgs) -> int:
+    result = run_bench(args)
+    print_table(result)
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(result, indent=2, default=_jsonable))
+    return 0
+
+
+def _jsonable(v: object) -> object:
+    return asdict(v) if hasattr(v, "__dataclass_fields__") else str(v)

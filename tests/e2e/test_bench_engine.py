@@ -1,0 +1,57 @@
+"""`milepost bench engine` end to end on CPU at tiny size: the real CLI, every scenario, both sides."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+FLAGS = ["--shape", "tiny", "--requests", "6", "--prompt-len", "16", "--output-len", "8",
+         "--mixed-min", "4", "--mixed-max", "20", "--sessions", "2", "--turns", "3",
+         "--turn-user-len", "8", "--turn-output-len", "8", "--prefill-requests", "3",
+         "--prefill-len", "40", "--peak-bandwidth", "1e11"]
+
+
+def _bench(*flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "milepost", "bench", "engine", *flags],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_bench_engine_tiny_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _bench(*FLAGS, "--json-out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for col in ("milepost tok/s", "transformers tok/s", "ratio", "of bandwidth bound"):
+        assert col in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["dtype"] == "float32"
+    rows = {r["scenario"]: r for r in result["scenarios"]}
+    assert list(rows) == ["fixed", "mixed", "multiturn", "prefill"]
+    assert rows["fixed"]["tokens"] == 6 * 8 and rows["fixed"]["prompt_tokens"] == 6 * 16
+    assert rows["prefill"]["counted_tokens"] == "prompt" and rows["prefill"]["tokens"] == 3 * 40
+    assert 6 * 4 <= rows["mixed"]["tokens"] <= 6 * 20
+    turns = rows["multiturn"]
+    assert turns["requests"] == 6 and turns["output_tokens"] == 6 * 8
+    # turn t+1 = turn t's prompt + answer + 8 user tokens: 16, 32, 48 tokens per session
+    assert turns["prompt_tokens"] == 2 * (16 + 32 + 48)
+    # later turns reuse whole cached blocks (16 tokens) of the previous turn's prompt + answer
+    assert turns["prefix_cache_hit_rate_later_turns"] >= 16 * 3 / 80 - 1e-9
+    assert 0 < turns["prefix_cache_hit_rate"] < 1
+    for r in rows.values():
+        assert r["milepost_tok_s"] > 0 and r["hf_tok_s"] > 0
+        assert abs(r["ratio"] - r["milepost_tok_s"] / r["hf_tok_s"]) < 1e-9
+    for name in ("fixed", "mixed", "multiturn"):
+        r = rows[name]
+        assert r["decode_steps"] > 0 and r["decode_step_ms"] > 0
+        assert r["bandwidth_fraction"] == r["decode_bytes_per_s"] / 1e11
+
+
+def test_bench_engine_bad_flags() -> None:
+    proc = _bench("--shape", "tiny", "--scenarios", "fixed,bogus")
+    assert proc.returncode == 2 and "--scenarios" in proc.stderr and "bogus" in proc.stderr
+    proc = _bench("--shape", "tiny", "--scenarios", "fixed", "--prompt-len", "2000",
+                  "--output-len", "100", "--no-hf")
+    assert proc.returncode == 2 and "context" in proc.stderr and "fixed" in proc.stderr
