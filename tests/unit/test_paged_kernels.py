@@ -53,12 +53,12 @@ def _reference(cache: PagedKVCache, batch: PagedBatch, q, k, v) -> torch.Tensor:
 
 @pytest.mark.parametrize("h,hkv,splits", [(4, 2, 1), (4, 2, 4), (3, 3, 2)])
 def test_decode_kernel_matches_reference(h: int, hkv: int, splits: int) -> None:
-    seq_lens = [1, 7, 13, 30]
+    seq_lens = [1, 7, 33, 70]
     cache, batch, q, k, v = _setup([1] * 4, seq_lens, h, hkv, seed=splits)
     ref = _reference(cache, batch, q, k, v)
     kernels.store_kv(cache.k[0], cache.v[0], k, v, batch.slot_mapping)
     out = kernels.paged_decode(q, cache.k[0], cache.v[0], batch.block_tables, batch.seq_lens,
-                               D**-0.5, PAGE, splits, block_n=8)
+                               D**-0.5, PAGE, splits, block_n=16)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -69,11 +69,11 @@ def test_decode_padding_rows_give_zeros_and_write_nothing() -> None:
     kernels.store_kv(cache.k[0], cache.v[0], k, v, slots)
     assert torch.equal(cache.k[0], before)
     out = kernels.paged_decode(q, cache.k[0], cache.v[0], batch.block_tables,
-                               torch.zeros(2, dtype=torch.int64, device=DEV), D**-0.5, PAGE, 2, block_n=8)
+                               torch.zeros(2, dtype=torch.int64, device=DEV), D**-0.5, PAGE, 2, block_n=16)
     assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("q_lens,seq_lens", [([9, 1, 5], [9, 14, 5]), ([3, 11], [20, 11])])
+@pytest.mark.parametrize("q_lens,seq_lens", [([9, 1, 5], [9, 14, 5]), ([3, 11], [40, 11])])
 def test_prefill_kernel_matches_reference_with_cached_prefixes(q_lens, seq_lens) -> None:
     cache, batch, q, k, v = _setup(q_lens, seq_lens, 4, 2, seed=len(q_lens))
     ref = _reference(cache, batch, q, k, v)
@@ -82,7 +82,7 @@ def test_prefill_kernel_matches_reference_with_cached_prefixes(q_lens, seq_lens)
     out = kernels.paged_prefill(
         q, cache.k[0], cache.v[0], batch.block_tables, batch.seq_lens, batch.query_start_loc,
         torch.tensor(seqs, dtype=torch.int32, device=DEV),
-        torch.tensor(starts, dtype=torch.int32, device=DEV), D**-0.5, PAGE, block_m=16, block_n=8,
+        torch.tensor(starts, dtype=torch.int32, device=DEV), D**-0.5, PAGE, block_m=16, block_n=16,
     )
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
