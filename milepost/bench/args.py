@@ -52,6 +52,9 @@ class BenchArgs(BaseModel):
     peak_bandwidth: float | None = Field(
         None, description="Device peak memory bandwidth in bytes/s for the decode bound; default "
         "per known GPU (H200 4.8e12, H100 3.35e12, A100 2.0e12); none on CPU.")
+    routed_experts_cost: bool = Field(
+        False, description="MoE: run the first scenario again with the engine's routed-expert "
+        "record off (same run) and report the cost of recording.")
     json_out: Path | None = Field(None, description="Also write the results as JSON to this file.")
 
     @field_validator("requests", "prompt_len", "output_len", "mixed_min", "mixed_max", "sessions",

@@ -55,19 +55,13 @@ def run_bench(args: BenchArgs) -> dict:
     ).resolved()
     weights_per_step: dict[int, float] = {}  # decode batch size -> weight bytes one step reads
     kv_token_bytes = kv_bytes_per_token(native, getattr(torch, sargs.kv_cache_dtype))
-    engine, _, _ = build_engine(sargs, model=native)
-    engine.start()
-    try:
-        bench = EngineBench(engine, args.temperature)
-        bench.run(workloads.fixed(min(8, args.requests), 32, 8, vocab, args.seed + 99))  # warm-up
-        ours = {w.name: bench.run(w) for w in loads}
-        pool_tokens = engine.cfg.num_blocks * engine.cfg.block_size
-    finally:
-        engine.close()
-    del engine, bench
-    gc.collect()
+    ours, pool_tokens = _engine_runs(sargs, native, loads, args, record_routed_experts=True)
     decode_bytes = {name: _decode_bytes(r, native, kv_token_bytes, weights_per_step)
                     for name, r in ours.items()}
+    unrecorded = None
+    if args.routed_experts_cost and native.moe_top_k > 0:
+        again = _workloads(args, vocab)[:1]  # fresh: multiturn prompts are filled in as it runs
+        unrecorded = _engine_runs(sargs, native, again, args, record_routed_experts=False)[0]
     theirs = {}
     if args.hf:
         hf = hf_copy(native, dtype, device)
@@ -75,14 +69,42 @@ def run_bench(args: BenchArgs) -> dict:
                None, args.temperature, device)  # warm-up
         theirs = {w.name: run_hf(hf, w, args.hf_batch_size, args.temperature, device) for w in loads}
     peak = args.peak_bandwidth or _known_peak(device)
+    rows = [_row(w, ours[w.name], theirs.get(w.name), decode_bytes[w.name], peak) for w in loads]
+    if unrecorded is not None:
+        name, off = next(iter(unrecorded.items()))
+        off_row = _row(loads[0], off, None, _decode_bytes(off, native, kv_token_bytes,
+                                                         weights_per_step), peak)
+        off_row["scenario"] = f"{name} (routed experts not recorded)"
+        rows[0]["routed_experts_cost"] = 1.0 - rows[0]["milepost_tok_s"] / off_row["milepost_tok_s"]
+        rows.insert(1, off_row)
     return {
         "model": str(args.model or args.shape), "parameters": parameter_count(native),
         "device": _device_name(device), "dtype": str(dtype).removeprefix("torch."),
         "kv_cache_dtype": sargs.kv_cache_dtype, "kv_pool_tokens": pool_tokens,
         "peak_bandwidth": peak, "torch": torch.__version__,
-        "scenarios": [_row(w, ours[w.name], theirs.get(w.name), decode_bytes[w.name], peak)
-                      for w in loads],
+        "scenarios": rows,
     }
+
+
+def _engine_runs(sargs: ServerArgs, native: object, loads: list[workloads.Workload],
+                 args: BenchArgs, record_routed_experts: bool,
+                 ) -> tuple[dict[str, EngineResult], int]:
+    """One engine over `native`: a warm-up, then each workload; the engine is freed after."""
+    engine, _, _ = build_engine(sargs, model=native, record_routed_experts=record_routed_experts)
+    engine.start()
+    try:
+        bench = EngineBench(engine, args.temperature)
+        bench.run(workloads.fixed(min(8, args.requests), 32, 8, native.vocab_size,
+                                  args.seed + 99))  # warm-up: first calls compile and allocate
+        results = {w.name: bench.run(w) for w in loads}
+        pool_tokens = engine.cfg.num_blocks * engine.cfg.block_size
+    finally:
+        engine.close()
+    del engine
+    gc.collect()  # the KV pool (and CUDA graphs) go before the next engine or transformers
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return results, pool_tokens
 
 
 def _workloads(args: BenchArgs, vocab: int) -> list[workloads.Workload]:
@@ -163,6 +185,7 @@ def print_table(result: dict) -> None:
     for col in ("scenario", "requests", "tokens", "milepost tok/s", "transformers tok/s", "ratio",
                 "prefix hit", "decode step", "decode tok/s", "of bandwidth bound"):
         table.add_column(col, justify="left" if col == "scenario" else "right")
+    notes: list[str] = []
     for r in result["scenarios"]:
         hit = r.get("prefix_cache_hit_rate")
         table.add_row(
@@ -174,8 +197,13 @@ def print_table(result: dict) -> None:
             fmt(r.get("decode_tok_s")),
             "-" if r.get("bandwidth_fraction") is None else f"{r['bandwidth_fraction']:.1%}",
         )
+        if "routed_experts_cost" in r:
+            notes.append(f"recording routed experts costs {r['routed_experts_cost']:.1%} of "
+                         f"{r['scenario']} throughput (measured against the run without it)")
     console = Console(width=None if Console().is_terminal else 160)  # files and pipes: no wrapping
     console.print(table)
+    for note in notes:
+        console.print(note)
     if result["peak_bandwidth"] is None:
         console.print("bandwidth bound: no peak known for this device (pass --peak-bandwidth)")
 

@@ -28,6 +28,8 @@ class HFResult:
 
 def run_hf(model: torch.nn.Module, w: Workload, batch_size: int | None, temperature: float,
            device: torch.device) -> HFResult:
+    # generate fills unset settings from the model's own config: clear its EOS, or rows stop early
+    model.generation_config.eos_token_id = None
     order = [i for t in range(w.turns) for i in range(t, len(w.output_lens), w.turns)]  # turn-major
     size = batch_size or (len(order) // w.turns)
     batches = []

@@ -70,7 +70,10 @@ def hf_copy(native: CausalLM, dtype: torch.dtype, device: torch.device) -> torch
 
     The native model is moved to the host first (its device memory is released).
     """
-    from transformers.initialization import no_init_weights
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older 5.x releases kept it here
+        from transformers.modeling_utils import no_init_weights
 
     native.to("cpu")
     gc.collect()
