@@ -32,6 +32,8 @@ def preflight(cfg: TrainConfig) -> None:
     """Refuse, before any process starts, what would only fail once engines and ranks are up."""
     if cfg.load_rollouts is None:
         load_reward_fns(cfg)
+    if cfg.fully_async:
+        load_fully_async_plugins(cfg)
     path = resume_checkpoint(cfg)
     if path is not None and not cfg.rollout_only:
         check_resume(cfg, path)
@@ -45,6 +47,22 @@ def load_reward_fns(cfg: TrainConfig) -> tuple[Any, Any]:
     except ValueError as e:  # the loaders name the setting and what failed to import
         raise RunError(f"{e}; check the import path (is its module on PYTHONPATH?)") from None
     return reward_fn, group_fn
+
+
+def load_fully_async_plugins(cfg: TrainConfig) -> tuple[Any, Any]:
+    """(buffer class or None, group filter or None), imported; the buffer class must pass the
+    buffer contract (milepost/data/buffer.py). RunError naming the setting if not."""
+    from milepost.data.buffer import check_buffer_class
+    from milepost.plugins import load_callable
+
+    try:
+        buffer_cls = load_callable(cfg.buffer_class, "--buffer-class") if cfg.buffer_class else None
+        if buffer_cls is not None:
+            check_buffer_class(buffer_cls, cfg.buffer_class)
+        keep = load_callable(cfg.group_filter, "--group-filter") if cfg.group_filter else None
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    return buffer_cls, keep
 
 
 def resume_checkpoint(cfg: TrainConfig) -> Path | None:

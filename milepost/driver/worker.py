@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from milepost.data.source import DatasetError
     from milepost.driver.preflight import RunError
     from milepost.driver.runtime import Runtime
-    from milepost.driver.sync import train_loop
+    from milepost.driver import fully_async, sync
     from milepost.rollout.client import EngineError
     from milepost.rollout.generate import RolloutError
     from milepost.weights.transport import TransportError
@@ -40,8 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
     rt = None
     try:
-        rt = Runtime(cfg, args.engine_urls, args.router_url)
-        train_loop(rt)
+        if cfg.fully_async:
+            from milepost.driver.async_runtime import FullyAsyncRuntime
+
+            rt = FullyAsyncRuntime(cfg, args.engine_urls, args.router_url)
+            fully_async.train_loop(rt)
+        else:
+            rt = Runtime(cfg, args.engine_urls, args.router_url)
+            sync.train_loop(rt)
     except (RunError, DatasetError, RolloutError, TransportError, EngineError) as e:
         # No destroy_process_group: the other ranks may be blocked in a collective; exiting
         # ends this rank's part, and the launcher stops the others.

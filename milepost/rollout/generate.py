@@ -92,7 +92,10 @@ async def generate_one(client: EngineClient, item: PromptItem, sampling: Samplin
     )
     start = time.perf_counter()
     try:
-        out = await client.generate(item.prompt_ids, sampling.to_params(), return_logprob=True,
+        # A row's metadata may carry `sampling_params` for its own requests (e.g. a longer
+        # max_new_tokens for a harder prompt); they override the run's settings.
+        params = {**sampling.to_params(), **(item.metadata.get("sampling_params") or {})}
+        out = await client.generate(item.prompt_ids, params, return_logprob=True,
                                     return_routed_experts=return_routed_experts, rid=rid,
                                     routing_key=routing_key)
     except EngineUnavailableError as e:

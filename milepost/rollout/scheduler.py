@@ -105,9 +105,11 @@ class RolloutWorker:
         self._task_error: BaseException | None = None
         self._free = settings.max_inflight
         self._putting = 0
+        self._held = threading.Event()  # set: start no new group (shared-engine evaluation)
         self._failures = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._main, name="rollout-worker", daemon=True)
         self._started = threading.Event()
 
@@ -126,6 +128,15 @@ class RolloutWorker:
             except RuntimeError:  # the loop already ended (after an error)
                 pass
         self._thread.join(timeout_s)
+
+    def hold(self) -> None:
+        """Start no new group until `release` (trajectories already generating go on)."""
+        self._held.set()
+
+    def release(self) -> None:
+        self._held.clear()
+        if self._loop is not None and self._wake is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     def read_stats(self) -> dict[str, float]:
         mean, idle = self.clock.read_and_reset()
@@ -147,14 +158,19 @@ class RolloutWorker:
     async def _run(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        changed = asyncio.Event()
+        changed = self._wake = asyncio.Event()
         clients = [EngineClient(url) for url in self.engine_urls]
         tasks: set[asyncio.Task] = set()
         self._started.set()
         try:
             while not self._stop.is_set():
-                while self._free >= self.settings.n_samples_per_prompt and not self._putting:
+                while (self._free >= self.settings.n_samples_per_prompt and not self._putting
+                       and not self._held.is_set()):
                     group_index, item = self.ledger.draw()
+                    # Taken here, not in the task: the task runs only after this loop yields.
+                    self._free -= self.settings.n_samples_per_prompt
+                    with self._count_lock:
+                        self.groups_generating += 1
                     client = clients[group_index % len(clients)]
                     task = asyncio.create_task(self._group(client, group_index, item, changed))
                     tasks.add(task)
@@ -185,9 +201,6 @@ class RolloutWorker:
                      changed: asyncio.Event) -> None:
         n = self.settings.n_samples_per_prompt
         per_sample = self.settings.granularity == "sample"
-        self._free -= n
-        with self._count_lock:
-            self.groups_generating += 1
 
         async def one(k: int) -> Sample:
             self.clock.change(+1)

@@ -1,0 +1,143 @@
+"""Fully asynchronous vs synchronous RL on a long-tailed response-length workload (issue 5).
+
+One invocation runs `milepost train` both ways on the same model, prompts and settings (same
+number of steps x groups, so the same total trained groups) and prints trained response tokens
+per second of each and their ratio. Workload (seeded): every prompt row carries its own
+`sampling_params` with `ignore_eos`, so its responses have exactly the drawn length: most are
+short, a few are `--long-factor` times longer (report 2.2: a synchronous step waits for its
+slowest trajectory; the asynchronous worker keeps the engine's places full meanwhile).
+
+    python benchmarks/async_vs_sync.py                 # tiny random Qwen3, CPU
+    python benchmarks/async_vs_sync.py --model qwen3-0.6b --device cuda   # H200
+
+Trained tokens/s = response tokens of every trained sample / the training loop's wall time
+(sum of perf/step_time: from the first step's start to the last step's end, engine start-up
+excluded in both modes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from milepost.testing.checkpoints import make_tiny_checkpoint
+
+QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                 max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def write_prompts(path: Path, n: int, short: int, long_factor: int, long_frac: float,
+                  seed: int) -> list[int]:
+    rng = random.Random(seed)
+    lengths = [short * long_factor if rng.random() < long_frac else short for _ in range(n)]
+    with open(path, "w") as f:
+        for i, length in enumerate(lengths):
+            row = {"prompt": f"Tell a story about the number {i}.", "label": "",
+                   "metadata": {"sampling_params": {"max_new_tokens": length, "ignore_eos": True}}}
+            f.write(json.dumps(row) + "\n")
+    return lengths
+
+
+def recipe(work: Path, args: argparse.Namespace, long_len: int) -> Path:
+    text = f"""
+[model]
+hf_checkpoint = "{work / 'model'}"
+device = "{args.device}"
+seed = 1
+
+[data]
+prompt_data = "{work / 'prompts.jsonl'}"
+apply_chat_template = false
+rollout_shuffle = true
+
+[rollout]
+num_rollout = {args.steps}
+rollout_batch_size = {args.batch}
+n_samples_per_prompt = {args.n}
+rollout_max_response_len = {long_len}
+reward_fn = "milepost.testing.rewards:token_parity_reward"
+
+[engine]
+engine_max_total_tokens = {args.kv_tokens}
+
+[optimizer]
+lr = 1e-5
+max_tokens_per_micro_batch = 8192
+
+[checkpoint]
+save_interval = 0
+save_hf_at_end = false
+"""
+    path = work / "bench.toml"
+    path.write_text(text)
+    return path
+
+
+def run(work: Path, toml: Path, name: str, extra: list[str]) -> dict[str, float]:
+    run_dir = work / name
+    cmd = [sys.executable, "-m", "milepost", "train", str(toml), "--run-dir", str(run_dir), *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    if proc.returncode != 0:
+        sys.exit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tokens = sum(r["rollout/response_len_mean"] * r["rollout/num_samples"] for r in records)
+    loop_s = sum(r["perf/step_time"] for r in records)
+    groups = sum(r["rollout/num_groups"] for r in records)
+    return {"groups": groups, "tokens": tokens, "loop_s": loop_s, "tok_per_s": tokens / loop_s,
+            "wall_s": time.perf_counter() - t0, "records": records}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=8, help="prompts (groups) per step")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--short", type=int, default=16, help="tokens of a short response")
+    ap.add_argument("--long-factor", type=int, default=10)
+    ap.add_argument("--long-frac", type=float, default=0.15)
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", choices=["tiny", "qwen3-0.6b"], default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--kv-tokens", type=int, default=16384)
+    ap.add_argument("--max-inflight", type=int, default=None,
+                    help="async in-flight limit; default batch * n, the sync step's concurrency")
+    ap.add_argument("--work", type=Path, default=None)
+    args = ap.parse_args()
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="async_vs_sync-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if not (work / "model" / "config.json").exists():
+        overrides = QWEN3_06B if args.model == "qwen3-0.6b" else {}
+        make_tiny_checkpoint(work / "model", "qwen3", seed=1, **overrides)
+    lengths = write_prompts(work / "prompts.jsonl", args.prompts, args.short, args.long_factor,
+                            args.long_frac, args.seed)
+    toml = recipe(work, args, args.short * args.long_factor)
+    inflight = args.max_inflight or args.batch * args.n
+    print(f"workload: {args.prompts} prompts, {sum(x > args.short for x in lengths)} long "
+          f"({args.short * args.long_factor} tokens) / others {args.short} tokens; "
+          f"{args.steps} steps x {args.batch} groups x {args.n} samples; async max_inflight {inflight}")
+    sync = run(work, toml, "sync", [])
+    fully = run(work, toml, "async", ["--fully-async", "--max-inflight", str(inflight)])
+    for name, r in (("sync", sync), ("fully async", fully)):
+        print(f"{name:12s} groups {r['groups']:.0f}  trained tokens {r['tokens']:.0f}  "
+              f"loop {r['loop_s']:.1f} s  -> {r['tok_per_s']:.1f} trained tok/s")
+    last = fully["records"][-1]
+    print(f"fully async: mean in-flight {sum(r['rollout/fully_async/inflight_mean'] for r in fully['records']) / len(fully['records']):.1f}, "
+          f"trainer wait {sum(r['perf/trainer_wait_time'] for r in fully['records']):.1f} s, "
+          f"max staleness {max(r['rollout/fully_async/max_staleness'] for r in fully['records']):.0f}, "
+          f"prompts drawn {last['rollout/fully_async/prompts_drawn']:.0f}")
+    print(f"ratio (fully async / sync trained tokens/s): {fully['tok_per_s'] / sync['tok_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

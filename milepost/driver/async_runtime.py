@@ -1,0 +1,135 @@
+"""The trainer rank's parts of fully asynchronous RL (report section 2.2); the loop is fully_async.py.
+
+Rank 0 owns the rollout worker (a background thread generating into the buffer), the buffer and
+the prompt ledger; each step it takes a batch and hands it to the other ranks like the sync loop
+does. The trainer's weight version is the number of finished steps: step s trains at version s,
+and its update makes the engines report s + 1. Weight updates pause the engines with
+`--pause-generation-mode` (retract / in_place: in-flight trajectories continue under the new
+weights, each token recording its version; abort: they end and their groups take the retry path).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from milepost.config import TrainConfig
+from milepost.data.accounting import PromptLedger
+from milepost.data.buffer import BufferClosed, BufferSettings, GroupBuffer
+from milepost.driver.preflight import RunError, load_fully_async_plugins
+from milepost.driver.runtime import Runtime
+from milepost.rollout.client import SyncEngineClient
+from milepost.rollout.generate import RolloutResult, SamplingSettings, rollout_metrics
+from milepost.rollout.scheduler import RolloutWorker, WorkerSettings
+from milepost.types import Group
+
+log = logging.getLogger(__name__)
+PREFIX = "rollout/fully_async/"
+ACCOUNTING_FILE = "fully_async_accounting.json"
+
+
+class FullyAsyncRuntime(Runtime):
+    def __init__(self, cfg: TrainConfig, engine_urls: list[str], router_url: str | None) -> None:
+        super().__init__(cfg, engine_urls, router_url)
+        self.worker: RolloutWorker | None = None
+        if not self.lead:
+            return
+        buffer_cls, group_filter = load_fully_async_plugins(cfg)
+        self.ledger = PromptLedger(self.data)
+        self.buffer = (buffer_cls or GroupBuffer)(BufferSettings(
+            capacity=int(cfg.buffer_capacity_factor * cfg.rollout_batch_size),
+            max_staleness=cfg.max_staleness, stale_policy=cfg.stale_group_policy,
+            aborted_policy=cfg.aborted_group_policy, group_filter=group_filter), self.ledger.drop)
+        sampling = SamplingSettings(
+            temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
+            max_new_tokens=cfg.rollout_max_response_len, stop=tuple(cfg.rollout_stop or ()),
+            stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()))
+        self.worker = RolloutWorker(
+            engine_urls, self.ledger, self.buffer, sampling, self.reward_fn, self.group_reward_fn,
+            WorkerSettings(cfg.n_samples_per_prompt, int(cfg.max_inflight),
+                           cfg.rollout_granularity or "sample"))
+        self._pausers = [SyncEngineClient(url) for url in engine_urls]
+
+    def start_rollout_worker(self) -> None:
+        if self.worker is not None:
+            self.worker.start()
+
+    def stop_rollout_worker(self) -> None:
+        """Stop generating; write where every drawn prompt went (run_dir/fully_async_accounting.json)."""
+        if self.worker is None:
+            return
+        self.worker.stop()
+        summary = self.ledger.summary()
+        summary.update(in_buffer=float(len(self.buffer)),
+                       generating=float(self.worker.groups_generating))
+        (Path(self.cfg.run_dir) / ACCOUNTING_FILE).write_text(json.dumps(summary, indent=1))
+        self.worker = None
+
+    def take_batch(self, step: int) -> list[Group]:
+        """Rank 0 waits for `rollout_batch_size` fresh groups; every rank receives them."""
+        t0 = time.perf_counter()
+        groups: list[Group] | None = None
+        if self.lead:
+            groups = self._take(step)
+        box = [groups]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        self.timer.add("perf/trainer_wait_time", time.perf_counter() - t0)
+        return box[0]
+
+    def _take(self, step: int) -> list[Group]:
+        try:
+            groups = self.buffer.take(self.cfg.rollout_batch_size, trainer_version=step)
+        except BufferClosed:
+            why = self.worker.error if self.worker is not None else None
+            raise RunError(f"the rollout worker stopped ({type(why).__name__}: {why}); check the "
+                           f"engine logs under {Path(self.cfg.run_dir) / 'logs'}") from None
+        self.ledger.trained_groups(groups)
+        replay = rollout_metrics(RolloutResult(groups=groups))
+        self.step_metrics.update({f"rollout/{k}": v for k, v in replay.items()
+                                  if k not in ("elapsed_s", "tokens_per_s")})
+        self.step_metrics.update({PREFIX + k: v for k, v in self.buffer.metrics(step).items()})
+        self.step_metrics.update({PREFIX + k: v for k, v in self.worker.read_stats().items()})
+        self.step_metrics.update({PREFIX + k: v for k, v in self.ledger.summary().items()})
+        return groups
+
+    def update_weights(self, step: int, force: bool = False) -> None:
+        """Pause the engines (the configured mode) around the update, then let them continue."""
+        due = force or (step + 1) % self.cfg.update_weights_interval == 0
+        if not (self.lead and due and self.engine_urls and self.backend is not None):
+            return super().update_weights(step, force)
+        t0 = time.perf_counter()
+        for c in self._pausers:
+            c.pause_generation(self.cfg.pause_generation_mode)
+        try:
+            super().update_weights(step, force)
+        finally:
+            for c in self._pausers:
+                c.continue_generation()
+            self.timer.add("perf/generation_pause_time", time.perf_counter() - t0)
+
+    def evaluate(self, step: int) -> None:
+        """Shared engines (report table 3): new generation holds while the evaluation runs;
+        trajectories already generating go on (same weights: no update happens meanwhile)."""
+        if self.worker is not None:
+            self.worker.hold()
+        try:
+            super().evaluate(step)
+        finally:
+            if self.worker is not None:
+                self.worker.release()
+
+    def data_state(self) -> dict | None:
+        return self.ledger.data_state() if self.lead else None
+
+    def close(self) -> None:
+        try:
+            self.stop_rollout_worker()
+        finally:
+            for c in getattr(self, "_pausers", []):
+                c.close()
+            super().close()
