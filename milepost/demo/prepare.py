@@ -1,6 +1,7 @@
 """Write the demo's datasets and base model: `python -m milepost.demo.prepare OUT_DIR`.
 
-OUT_DIR/rl_prompts.jsonl (RL prompts + labels), OUT_DIR/drills.jsonl and OUT_DIR/tutor.jsonl
+OUT_DIR/rl_prompts.jsonl (RL prompts + labels), OUT_DIR/eval_prompts.jsonl (held-out prompts for
+evaluation during training), OUT_DIR/drills.jsonl and OUT_DIR/tutor.jsonl
 (the supervised data, in the order the pass consumes it) and OUT_DIR/base_model/ (the HF directory
 `milepost serve` and `milepost train` load). A complete OUT_DIR is reused as it is (its
 `prepare.json` records how it was made); --force rebuilds it.
@@ -20,11 +21,12 @@ from milepost.demo.task import OPERANDS, write_datasets
 
 STAMP = "prepare.json"
 N_PROMPTS = 4096
-DATA_VERSION = 1  # bump when the task or the pass changes, so old OUT_DIRs are rebuilt
+N_EVAL = 256
+DATA_VERSION = 2  # bump when the task or the pass changes, so old OUT_DIRs are rebuilt
 
 
 def _settings(recipe: DemoModelRecipe) -> dict:
-    return {"version": DATA_VERSION, "n_prompts": N_PROMPTS, "operands": list(OPERANDS), "model": asdict(recipe)}
+    return {"version": DATA_VERSION, "n_prompts": N_PROMPTS, "n_eval": N_EVAL, "operands": list(OPERANDS), "model": asdict(recipe)}
 
 
 def prepare(
@@ -47,6 +49,7 @@ def prepare(
         n_prompts=N_PROMPTS,
         n_drills=recipe.drill_steps * recipe.batch_size,
         n_tutor=recipe.tutor_steps * recipe.batch_size,
+        n_eval=N_EVAL,
         seed=seed,
         teacher_accuracy=recipe.teacher_accuracy,
     )

@@ -116,14 +116,19 @@ def write_datasets(
     n_prompts: int,
     n_drills: int,
     n_tutor: int,
+    n_eval: int = 0,
     seed: int = 0,
     operands: tuple[int, int] = OPERANDS,
     teacher_accuracy: float = TEACHER_ACCURACY,
 ) -> dict[str, Path]:
-    """Write `rl_prompts.jsonl`, `drills.jsonl` and `tutor.jsonl` into `out_dir`; their paths by name."""
+    """Write `rl_prompts.jsonl`, `drills.jsonl`, `tutor.jsonl` and (n_eval > 0) `eval_prompts.jsonl`
+    (held-out problems, the base model's own evaluation stream) into `out_dir`; their paths by name."""
     out_dir = Path(out_dir)
     seeds = dataset_seeds(seed)
-    return {
+    evals = ({"eval_prompts": write_jsonl(out_dir / "eval_prompts.jsonl",
+                                          prompt_records(n_eval, seeds["held_out"], operands))}
+             if n_eval else {})
+    return {**evals,
         "rl_prompts": write_jsonl(
             out_dir / "rl_prompts.jsonl", prompt_records(n_prompts, seeds["rl_prompts"], operands)
         ),
