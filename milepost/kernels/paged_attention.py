@@ -150,6 +150,43 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 @triton.jit
+def _attend_tile(q, KC, VC, table, n0, kvh, d, qpos, kv_end, m_i, l_i, acc, scale, stride_ct,
+                 stride_ch, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """Online-softmax update of (m, l, acc) with keys [n0, n0 + BLOCK_N) read through the table."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        pmask = pos < kv_end
+        blk = tl.load(table + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(table + pos // PAGE).to(tl.int64)
+    kv_off = (blk * PAGE + pos % PAGE)[:, None] * stride_ct + kvh * stride_ch + d[None, :]
+    if MASKED:
+        k = tl.load(KC + kv_off, mask=pmask[:, None], other=0.0)
+    else:
+        k = tl.load(KC + kv_off)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    if MASKED:
+        s = tl.where((pos[None, :] <= qpos[:, None]) & pmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(VC + kv_off, mask=pmask[:, None], other=0.0)
+    else:
+        v = tl.load(VC + kv_off)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(Q, KC, VC, O, tables, seq_lens, cu_q, tile_seq, tile_m0, scale,
                     stride_qt, stride_qh, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,
                     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -175,31 +212,16 @@ def _prefill_kernel(Q, KC, VC, O, tables, seq_lens, cu_q, tile_seq, tile_m0, sca
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     table = tables + b.to(tl.int64) * stride_tb
 
-    # Keys before the tile's first query position are visible to every row: no mask needed.
+    # Keys before the tile's first query position are visible to every row: no mask needed
+    # (a separate loop, so the common part pipelines without a branch).
     full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
     kv_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pmask = pos < kv_end
-        blk = tl.load(table + pos // PAGE, mask=pmask, other=0).to(tl.int64)
-        kv_off = (blk * PAGE + pos % PAGE)[:, None] * stride_ct + kvh * stride_ch + d[None, :]
-        k = tl.load(KC + kv_off, mask=pmask[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        if n0 >= full_end:
-            s = tl.where((pos[None, :] <= qpos[:, None]) & pmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + kv_off, mask=pmask[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for n0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, KC, VC, table, n0, kvh, d, qpos, kv_end, m_i, l_i, acc,
+                                     scale, stride_ct, stride_ch, PAGE, BLOCK_N, False, IEEE)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, KC, VC, table, n0, kvh, d, qpos, kv_end, m_i, l_i, acc,
+                                     scale, stride_ct, stride_ch, PAGE, BLOCK_N, True, IEEE)
     out = acc / l_i[:, None]
     o_off = (q_beg + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + d[None, :]
     tl.store(O + o_off, out.to(O.dtype.element_ty), mask=rmask[:, None])
