@@ -32,6 +32,19 @@ def params(backend: FSDPBackend) -> dict[str, torch.Tensor]:
     return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().cpu() for n, p in backend.policy.named_parameters()}
 
 
+def trainer_state_bytes(backend: FSDPBackend, device: str) -> int:
+    """Bytes of the trainer's own tensors (policy, reference, grads, optimizer state) on `device`.
+
+    The test compares the memory freed by offload with these, not with all allocated memory: on
+    a tiny model the libraries' workspaces (cuBLAS: 64 MiB on the H200) dwarf the model.
+    """
+    tensors = [p for m in (backend.policy, backend.reference) if m is not None for p in m.parameters()]
+    tensors += [p.grad for p in tensors if p.grad is not None]
+    tensors += [v for st in backend.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local if t.device.type == device)
+
+
 def worker(rank: int, world: int, path: str, dtype: str, offload: bool, out: str) -> dict:
     backend = FSDPBackend.create(path, settings(dtype))
     metrics, memory = [], []
@@ -40,10 +53,11 @@ def worker(rank: int, world: int, path: str, dtype: str, offload: bool, out: str
         metrics.append(backend.train_step(full.select(split_for_rank([t.numel() for t in full.tokens], rank, world, 4))))
         if offload:
             torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
+            before, held = torch.cuda.memory_allocated(), trainer_state_bytes(backend, "cuda")
             backend.offload()
             torch.cuda.synchronize()
-            memory.append((before, torch.cuda.memory_allocated()))
+            memory.append((before - torch.cuda.memory_allocated(), held,
+                           trainer_state_bytes(backend, "cuda")))
             backend.onload()
     hf = dict(backend.named_hf_weights())
     ckpt = Path(out) / f"ckpt-{dtype}-{offload}"
@@ -74,8 +88,9 @@ def test_offload_is_exact_and_frees_memory(tmp_path: Path, dtype: str) -> None:
     for a, b in zip(plain, moved):
         assert a["metrics"] == b["metrics"]
         assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
-        for before, after in b["memory"]:
-            assert after < 0.2 * before, (before, after)
+        for freed, held, left in b["memory"]:
+            assert held > 0 and left == 0, (held, left)  # everything the trainer owns moved
+            assert freed >= held, (freed, held)  # ... and its GPU memory went with it
         assert a["hf_dtypes"] == {getattr(torch, dtype)} and a["hf_devices"] == {"cuda"}
         assert a["resume_bitwise"] and b["resume_bitwise"]
         assert a["metrics"][-1]["kl"] > 0
