@@ -177,6 +177,8 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     def fmt(v: float | None, spec: str = ",.0f") -> str:
+        if v is not None and spec == ",.0f" and abs(v) < 100:
+            spec = ".3g"  # small rates (CPU runs) keep their digits
         return "-" if v is None else format(v, spec)
 
     title = (f"milepost bench engine: {result['model']} ({human(result['parameters'])} params), "

@@ -34,8 +34,7 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
         mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False)),
     "tiny": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         _QWEN3, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True,
-        max_position_embeddings=2048)),
+        num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)),
 }
 
 

@@ -52,6 +52,6 @@ def test_bench_engine_tiny_cpu(tmp_path: Path) -> None:
 def test_bench_engine_bad_flags() -> None:
     proc = _bench("--shape", "tiny", "--scenarios", "fixed,bogus")
     assert proc.returncode == 2 and "--scenarios" in proc.stderr and "bogus" in proc.stderr
-    proc = _bench("--shape", "tiny", "--scenarios", "fixed", "--prompt-len", "2000",
-                  "--output-len", "100", "--no-hf")
+    proc = _bench("--shape", "tiny", "--scenarios", "fixed", "--prompt-len", "4000",
+                  "--output-len", "200", "--no-hf")
     assert proc.returncode == 2 and "context" in proc.stderr and "fixed" in proc.stderr
