@@ -113,22 +113,26 @@ def fill_decode(buf: DecodeBuffers, chunks: Sequence[Chunk], padded_bs: int, blo
     """One decode token per chunk into rows [0, n); rows [n, padded_bs) become padding that the
     kernels skip (slot -1 writes no KV, seq_len 0 attends to nothing)."""
     n = len(chunks)
-    width = buf.tables.shape[1]
-    ids, positions, slots = [], [], []
-    for i, c in enumerate(chunks):
+    ids, positions, tables = [], [], []
+    widest = 0
+    for c in chunks:  # the per-request Python work is kept to list appends (runs every step)
         req, pos = c.req, c.start
-        blocks = req.blocks
-        if len(blocks) > width:
-            raise ValueError(f"request {req.rid} holds {len(blocks)} blocks; graphs were captured for {width}")
-        ids.append(token_slice(req, pos, pos + 1)[0])
+        n_prompt = len(req.prompt_ids)
+        ids.append(req.output_ids[pos - n_prompt] if pos >= n_prompt else req.prompt_ids[pos])
         positions.append(pos)
-        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-        buf.tables[i, : len(blocks)] = blocks  # columns past len(blocks) are never read
+        tables.append(req.blocks)
+        widest = max(widest, len(req.blocks))
+    if widest > buf.tables.shape[1]:
+        raise ValueError(f"a request holds {widest} blocks; graphs were captured for {buf.tables.shape[1]}")
+    # One conversion of the padded block lists; columns past a row's blocks are never read.
+    table = np.array([b if len(b) == widest else b + [0] * (widest - len(b)) for b in tables],
+                     dtype=np.int32).reshape(n, widest)
+    pos_a = np.array(positions, dtype=np.int32)
+    buf.tables[:n, :widest] = table
     buf.ids[:n] = ids
-    buf.positions[:n] = positions
-    buf.slots[:n] = slots
-    buf.seq_lens[:n] = positions
-    buf.seq_lens[:n] += 1
+    buf.positions[:n] = pos_a
+    buf.slots[:n] = table[np.arange(n), pos_a // block_size] * block_size + pos_a % block_size
+    buf.seq_lens[:n] = pos_a + 1
     buf.ids[n:padded_bs] = 0
     buf.positions[n:padded_bs] = 0
     buf.slots[n:padded_bs] = -1
