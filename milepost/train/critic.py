@@ -48,7 +48,7 @@ class ValueModel(nn.Module):
         """Packed batch fields -> values [N] fp32 at the rows that predict response tokens."""
         ctx = ForwardContext(VarlenCausalAttention(cu_seqlens), forced_experts=forced_experts)
         hidden = self.lm(input_ids, positions, ctx)
-        return self.value_head(hidden.index_select(0, rows)).float()[:, 0]
+        return self.value_head(hidden.index_select(0, rows)).float().sum(-1)  # [N, 1] -> [N], a new tensor (no view)
 
     def values(self, batch: PackedBatch, forced: torch.Tensor | None = None) -> torch.Tensor:
         return self(batch.input_ids, batch.positions, batch.cu_seqlens, batch.rows, forced)
