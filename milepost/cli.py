@@ -128,6 +128,36 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def _add_sft(subparsers: argparse._SubParsersAction) -> None:
+    from milepost.recipe import describe_settings
+    from milepost.sft_config import TABLE_OF, SFTConfig
+
+    parser = subparsers.add_parser(
+        "sft",
+        help="supervised fine-tuning on a chat dataset (loss on assistant tokens), no engine",
+        description="Fine-tune on JSONL conversations with the RL trainer: a TOML recipe, then any "
+        "setting as --key value. Checkpoints, resume and export as in `milepost train`.",
+        epilog=describe_settings(SFTConfig, TABLE_OF),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, metavar="[RECIPE.toml] --key value")
+
+    def run(ns: argparse.Namespace) -> int:
+        from milepost.recipe import ConfigError
+        from milepost.sft_config import load_sft_config
+
+        overrides = list(ns.overrides)
+        recipe = overrides.pop(0) if overrides and not overrides[0].startswith("-") else None
+        try:
+            cfg = load_sft_config(recipe, overrides)
+        except ConfigError as err:
+            parser.error(str(err))  # exits 2
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return importlib.import_module("milepost.driver.sft").run(cfg)
+
+    parser.set_defaults(run=run)
+
+
 def _add_report(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "report",
@@ -181,7 +211,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
 
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_train, _add_report, _add_serve, _add_tiny_model, _add_smollm2, _add_bench,
+    _add_train, _add_sft, _add_report, _add_serve, _add_tiny_model, _add_smollm2, _add_bench,
 )
 
 
@@ -198,10 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `milepost` script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    if argv[:1] == ["train"] and not {"-h", "--help"} & set(argv[1:]):
+    if argv[:1] in (["train"], ["sft"]) and not {"-h", "--help"} & set(argv[1:]):
         # Settings are open-ended `--key value` pairs that argparse cannot declare up front, and a
         # leading one (no recipe file) would be refused as unknown: hand the rest over verbatim.
-        ns = parser.parse_args(["train"])
+        ns = parser.parse_args(argv[:1])
         ns.overrides = argv[1:]
         return ns.run(ns)
     ns = parser.parse_args(argv)
