@@ -89,8 +89,11 @@ def sample(
     pass over the logits). Greedy rows take the argmax; sampled rows draw by the exponential race
     argmax(p / q), q ~ Exp(1), which is what torch.multinomial does for one sample, so a seeded
     request draws exactly the tokens the former row-by-row sampler drew. Rows that share a
-    generator draw their q in one call; truncations run only on the rows that ask for them, with
-    per-row settings in tensors (top-k and top-p through torch.topk, not a full sort).
+    generator (unseeded requests) draw their q in one call: the same numbers as row by row on
+    CPU; on CUDA the generator's offsets advance per call, so those draws differ from the former
+    ones (same distribution, still determined by --random-seed). Unlike torch.multinomial there
+    is no validity check that syncs with the host per row. Truncations run only on the rows that
+    ask for them, with per-row settings in tensors (top-k and top-p via torch.topk, no full sort).
     """
     logits = logits.float()
     if any(banned):
