@@ -80,7 +80,9 @@ class EngineTable(_Table):
         0.8,
         gt=0,
         lt=1,
-        description="On CUDA, share of free device memory for an engine's weights + KV cache.",
+        description="On CUDA, share of the device's total memory that an engine's weights + KV "
+        "pool may take (SGLang's meaning: the pool gets what is free after loading the weights "
+        "minus (1 - share) * total).",
         json_schema_extra={"flags": ["--sglang-mem-fraction-static"]},
     )
     engine_max_total_tokens: int | None = Field(
