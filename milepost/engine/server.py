@@ -290,6 +290,7 @@ def create_app(engine: Engine, info: ServerInfo, tokenizer: object | None) -> Fa
     from milepost.engine.memory import MemoryGuard, MemoryOccupation, memory_router
     from milepost.engine.openai_api import openai_router
     from milepost.engine.weight_check import weight_check_router
+    from milepost.engine.weight_delta_routes import weight_delta_router
     from milepost.engine.weight_routes import weight_router
 
     app = FastAPI(title="milepost engine", version="0.1.0")
@@ -386,6 +387,7 @@ def create_app(engine: Engine, info: ServerInfo, tokenizer: object | None) -> Fa
 
     app.include_router(weight_router(engine))
     app.include_router(weight_check_router(engine))
+    app.include_router(weight_delta_router(engine))
     app.include_router(openai_router(service))
     memory = MemoryOccupation(engine)  # release/resume for colocated runs (memory.py)
     app.include_router(memory_router(engine, memory))

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 import torch
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from milepost.engine.engine import Engine
 from milepost.engine.protocol import (
@@ -44,6 +45,20 @@ class _ReceiveOnly(WeightLoader):
 
     def commit(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.pending = list(pairs)
+
+
+class UpdateWeightsFromP2PReqInput(BaseModel):
+    """milepost's peer-to-peer bucket (milepost.weights.p2p): metadata here, bytes by recv."""
+
+    model_config = ConfigDict(extra="forbid")
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+    src_rank: int = Field(0, ge=0)
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
 
 
 def _fail(message: str, status: int = 400) -> JSONResponse:
@@ -120,6 +135,30 @@ def weight_router(engine: Engine) -> APIRouter:
         try:
             pairs = await asyncio.to_thread(receive)
         except WeightUpdateError as e:
+            return _fail(f"weights unchanged: {e}")
+
+        def commit() -> int:
+            loader.commit(pairs)
+            return len(pairs)
+
+        return await update(commit, body.weight_version, body.flush_cache, body.abort_all_requests)
+
+    @router.post("/update_weights_from_p2p")
+    async def from_p2p(body: UpdateWeightsFromP2PReqInput) -> JSONResponse:
+        try:
+            group = groups.get(body.group_name)
+        except (KeyError, WeightUpdateError) as e:
+            return _fail(str(e))
+
+        def receive() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            staged = _ReceiveOnly(engine.runner.model)  # off the engine thread, as above
+            staged.from_p2p(group, body.src_rank, body.names, body.dtypes, body.shapes,
+                            strict_dtype=True)
+            return staged.pending
+
+        try:
+            pairs = await asyncio.to_thread(receive)
+        except (WeightUpdateError, ValueError) as e:
             return _fail(f"weights unchanged: {e}")
 
         def commit() -> int:

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from milepost.weights.codec import WeightUpdateError, deserialize_named_tensors
+from milepost.weights.p2p import flat_layout, unpack
 from milepost.weights.process_group import WeightGroup
 
 __all__ = ["WeightLoader", "WeightUpdateError", "parse_dtype"]
@@ -180,6 +181,39 @@ class WeightLoader:
         group.broadcast_many(buffers, src=0)
         pairs = [(view, buf) for view, buf in zip(views, buffers) if view is not None]
         self.commit(pairs)  # every view was checked above against exactly these shapes/dtypes
+        return len(pairs)
+
+    def from_p2p(
+        self,
+        group: WeightGroup,
+        src_rank: int,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        strict_dtype: bool = False,
+    ) -> int:
+        """`/update_weights_from_p2p`: receive one packed bucket from `src_rank` (milepost.weights.p2p).
+
+        Like `from_distributed`: well-formed metadata that the model refuses still receives the
+        bytes (so the sender's write completes) and then raises; nothing is copied.
+        """
+        specs = self._parse_specs(names, dtypes, shapes)
+        problems: list[str] = []
+        seen: set[str] = set()
+        views = [self._check(n, shp, dt, strict_dtype, seen, problems) for n, dt, shp in specs]
+        dts = [dt for _, dt, _ in specs]
+        shps = [shp for _, _, shp in specs]
+        _, total = flat_layout(shps, dts)
+        device = group.device
+        if group.backend == "nccl" and views and views[0] is not None:
+            device = views[0].device
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+        if total:
+            group.recv(flat, src_rank).wait()
+        self._raise_if(problems, "; the bytes were received and dropped")
+        pairs = [(v, t) for v, t in zip(views, unpack(flat, shps, dts)) if v is not None]
+        self.commit(pairs)
         return len(pairs)
 
     # -- helpers -----------------------------------------------------------------------------

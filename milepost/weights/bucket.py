@@ -84,3 +84,54 @@ def bucket_meta(bucket: Named) -> BucketMeta:
         shapes=[list(t.shape) for _, t in bucket],
         nbytes=sum(tensor_nbytes(t) for _, t in bucket),
     )
+
+
+def is_expert_weight(hf_name: str) -> bool:
+    """Routed expert weights (Qwen3-MoE / Mixtral style `...mlp.experts.N...`), not the router."""
+    return ".mlp.experts." in hf_name
+
+
+def iter_update_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, expert_parallel_size: int = 1
+) -> Iterator[tuple[Named, bool]]:
+    """(bucket, is_last) with routed expert weights in buckets of their own (the expert pass).
+
+    An expert bucket is flushed when its accumulated bytes *times the expert-parallel degree*
+    would pass `bucket_bytes`, because the gather at flush time collects every EP rank's experts
+    (report 4.1); with degree 1 (FSDP: every rank gathers whole tensors) the threshold is the
+    ordinary one. A dense model has no expert weights, so the expert buckets never appear.
+    Ordinary and expert buckets are filled side by side from one pass over `named` (whose
+    gathers are collectives every rank runs in step), so at most two open buckets plus one
+    finished one are held; a tensor bigger than a bucket travels alone.
+    """
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if expert_parallel_size < 1:
+        raise ValueError(f"expert_parallel_size must be >= 1, got {expert_parallel_size}")
+
+    def flushed() -> Iterator[Named]:
+        open_: dict[bool, Named] = {False: [], True: []}
+        size = {False: 0, True: 0}
+        for name, tensor in named:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"iter_update_buckets: {name!r} is a {type(tensor).__name__}, "
+                                "not a tensor")
+            expert = is_expert_weight(name)
+            scale = expert_parallel_size if expert else 1
+            n = tensor_nbytes(tensor)
+            if open_[expert] and (size[expert] + n) * scale > bucket_bytes:
+                yield open_[expert]
+                open_[expert], size[expert] = [], 0
+            open_[expert].append((name, tensor))
+            size[expert] += n
+        for expert in (False, True):
+            if open_[expert]:
+                yield open_[expert]
+
+    pending: Named | None = None
+    for bucket in flushed():
+        if pending is not None:
+            yield pending, False
+        pending = bucket
+    if pending is not None:
+        yield pending, True

@@ -93,6 +93,26 @@ class WeightGroup:
             if wire is not tensor and self.rank != src:
                 tensor.copy_(wire)
 
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> dist.Work:
+        """Start a point-to-point send of contiguous `tensor` to rank `dst`; wait on the result."""
+        return self._p2p(tensor, dst, tag, send=True)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> dist.Work:
+        """Start receiving into contiguous `tensor` from rank `src`; wait on the result."""
+        return self._p2p(tensor, src, tag, send=False)
+
+    def _p2p(self, tensor: torch.Tensor, peer: int, tag: int, send: bool) -> dist.Work:
+        if self._pg is None:
+            raise WeightUpdateError(f"weight group {self.name!r} is closed; init it again")
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"peer rank {peer} is not another member of group {self.name!r} "
+                             f"(size {self.world_size}, this rank {self.rank})")
+        if not tensor.is_contiguous():
+            raise ValueError("point-to-point transfers need a contiguous tensor")
+        self._check_device(tensor)
+        op = self._pg.send if send else self._pg.recv
+        return op([tensor], peer, tag)
+
     def _check_device(self, tensor: torch.Tensor) -> None:
         if self.backend == "nccl" and not tensor.is_cuda:
             raise ValueError(

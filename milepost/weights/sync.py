@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from milepost.weights.bucket import iter_buckets_marking_last, tensor_nbytes
+from milepost.weights.bucket import iter_update_buckets, tensor_nbytes
 from milepost.weights.transport import WeightTransport
-from milepost.weights.verify import compare_digests, tensor_digest, verify
+from milepost.weights.verify import compare_digests, randomize_engines, tensor_digest, verify
 
 __all__ = ["UpdateStats", "WeightSync", "verify"]
 
@@ -33,6 +33,7 @@ class UpdateStats:
     buckets: int
     seconds: float
     verified: bool = False  # every engine's checksums matched what was sent
+    metrics: dict[str, float] | None = None  # the transport's own numbers (disk-delta: bytes)
 
 
 class WeightSync:
@@ -43,10 +44,16 @@ class WeightSync:
         a dtype other than their own, so a bf16 engine needs bf16 weights from an fp32 trainer).
     check_weight_update: after each update, compare sha256 digests of what was sent with what
         every engine holds (`GET /weights_checksum`); costs a pass over the weights on each side.
+    check_equal_once: `--check-weight-update-equal` (report 4.4): before the first update fill
+        every engine tensor with noise, and after it require every engine tensor (but names
+        matching a `check_skip` glob) to equal, bit for bit, what the trainer sent.
+    expert_parallel_size: the expert pass's size multiplier (1 for FSDP).
     """
 
     def __init__(self, transport: WeightTransport | None, bucket_bytes: int,
-                 *, dtype: torch.dtype | None = None, check_weight_update: bool = False) -> None:
+                 *, dtype: torch.dtype | None = None, check_weight_update: bool = False,
+                 check_equal_once: bool = False, check_skip: tuple[str, ...] = (),
+                 expert_parallel_size: int = 1) -> None:
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         if dtype is not None and not dtype.is_floating_point:
@@ -55,6 +62,9 @@ class WeightSync:
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype
         self.check_weight_update = check_weight_update
+        self.check_equal_pending = check_equal_once
+        self.check_skip = tuple(check_skip)
+        self.expert_parallel_size = expert_parallel_size
 
     @property
     def sends(self) -> bool:
@@ -73,12 +83,15 @@ class WeightSync:
                 pass
             return UpdateStats(version, 0, 0, 0, time.perf_counter() - start)
         transport = self.transport
-        digests: dict[str, str] | None = {} if self.check_weight_update else None
+        check_equal = self.check_equal_pending
+        digests: dict[str, str] | None = {} if self.check_weight_update or check_equal else None
         n_bytes = n_tensors = n_buckets = 0
         try:
+            if check_equal:
+                randomize_engines(transport.engine_urls)
             transport.begin(version)
-            for bucket, last in iter_buckets_marking_last(self._prepared(items, digests),
-                                                          self.bucket_bytes):
+            for bucket, last in iter_update_buckets(self._prepared(items, digests),
+                                                    self.bucket_bytes, self.expert_parallel_size):
                 transport.send(bucket, last=last)
                 n_buckets += 1
                 n_tensors += len(bucket)
@@ -93,10 +106,13 @@ class WeightSync:
         transport.finish(version)
         verified = False
         if digests is not None:
-            compare_digests(digests, transport.engine_urls)
+            compare_digests(digests, transport.engine_urls, require_all=check_equal,
+                            skip=self.check_skip if check_equal else ())
             verified = True
+            self.check_equal_pending = False
+        metrics = transport.metrics() if hasattr(transport, "metrics") else None
         return UpdateStats(version, n_bytes, n_tensors, n_buckets, time.perf_counter() - start,
-                           verified)
+                           verified, metrics)
 
     def _prepared(self, items: Iterator[tuple[str, torch.Tensor]],
                   digests: dict[str, str] | None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -8,6 +8,7 @@ bit is a failed update. A real SGLang server has no such endpoint; verification 
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,11 +59,34 @@ def fetch_checksums(url: str, timeout_s: float = 120.0) -> tuple[str, dict[str, 
     return str(body["weight_version"]), dict(body["checksums"])
 
 
+def randomize_engines(engine_urls: Sequence[str], seed: int = 0, timeout_s: float = 120.0) -> None:
+    """Fill every weight of every engine with seeded noise (`POST /weights_randomize`)."""
+    for url in engine_urls:
+        try:
+            r = httpx.post(f"{url.rstrip('/')}/weights_randomize", json={"seed": seed},
+                           timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise WeightMismatchError(f"engine {url}: POST /weights_randomize failed ({e})") from e
+        if r.status_code != 200:
+            raise WeightMismatchError(
+                f"engine {url}: POST /weights_randomize answered {r.status_code}: {r.text}; "
+                "--check-weight-update-equal needs milepost's embedded engine")
+
+
+def _skipped(name: str, skip: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
+
+
 def compare_digests(
-    expected: Mapping[str, str], engine_urls: Sequence[str], timeout_s: float = 120.0
+    expected: Mapping[str, str], engine_urls: Sequence[str], timeout_s: float = 120.0,
+    *, require_all: bool = False, skip: Sequence[str] = (),
 ) -> int:
     """Check every engine against `expected` ({name: digest}); returns how many tensors matched
-    per engine. Raises WeightMismatchError naming each engine at fault and its first tensors."""
+    per engine. Raises WeightMismatchError naming each engine at fault and its first tensors.
+
+    require_all: every tensor the engine holds (except names matching a `skip` glob) must be in
+    `expected`, so a tensor the update never wrote is a failure, not a silent omission.
+    """
     if not expected:
         raise ValueError("compare_digests: nothing to compare (expected is empty)")
     with ThreadPoolExecutor(max(1, len(engine_urls))) as pool:
@@ -73,10 +97,16 @@ def compare_digests(
             failures.append(str(answer))
             continue
         version, held = answer
-        missing = [n for n in expected if n not in held]
-        differ = [n for n in expected if n in held and held[n] != expected[n]]
-        if missing or differ:
+        missing = [n for n in expected if n not in held and not _skipped(n, skip)]
+        differ = [n for n in expected if n in held and held[n] != expected[n]
+                  and not _skipped(n, skip)]
+        unsent = ([n for n in held if n not in expected and not _skipped(n, skip)]
+                  if require_all else [])
+        if missing or differ or unsent:
             parts = []
+            if unsent:
+                parts.append(f"{len(unsent)} never written by the update: "
+                             f"{', '.join(unsent[:_LISTED])}" + (" ..." if len(unsent) > _LISTED else ""))
             if differ:
                 parts.append(f"{len(differ)} differ: {', '.join(differ[:_LISTED])}"
                              + (" ..." if len(differ) > _LISTED else ""))
