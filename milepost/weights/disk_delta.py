@@ -289,7 +289,9 @@ class DeltaReplica:
         wrong-base cases), a corrupt data file, or a result whose digests differ from the index.
         """
         index = read_index(root, version)
-        if index.base_version is not None and index.base_version != self.version:
+        # Overwrite is idempotent: re-applying the version this copy already holds is harmless.
+        again = index.encoding == "overwrite" and version == self.version
+        if index.base_version is not None and index.base_version != self.version and not again:
             held = "no version" if self.version is None else f"version {self.version}"
             raise DeltaError(
                 f"delta version {version} ({index.encoding}) applies on top of version "
