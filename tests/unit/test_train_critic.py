@@ -1,0 +1,84 @@
+"""The FSDP backend with the objective's extras on real gloo ranks: the PPO critic (values, value
+loss, checkpoint), TIS metrics against hand values, GSPO and the driver's advantage plumbing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from milepost.testing.batches import random_train_batch
+from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.dist import run_ranks
+from milepost.train.batch import split_for_rank
+from milepost.train.fsdp import FSDPBackend, TrainerSettings
+from milepost.types import Sample
+
+
+def probe_samples() -> list[Sample]:
+    return [Sample(0, i, tokens=list(range(3 + i, 12 + 2 * i)), response_length=3 + i, reward=float(i % 2))
+            for i in range(4)]
+
+
+def critic_worker(rank: int, world: int, path: str, ckpt: str) -> dict:
+    s = TrainerSettings(lr=1e-3, critic_lr=1e-2, global_batch_size=4, max_tokens_per_micro_batch=32,
+                        ratio_correction="tis", tis_clip_low=0.05, tis_clip=1.5)
+    backend = FSDPBackend.create(path, s)
+    samples = probe_samples()
+    mine = split_for_rank(samples, rank, world, 4)
+    local = [samples[i] for i in mine]
+    v0 = backend.compute_values(local)
+    batch = random_train_batch(4, seed=3).select(split_for_rank([12, 12, 12, 12], rank, world, 4))
+    old = backend.compute_logprobs_of(batch, backend.policy)
+    batch.values = [torch.zeros(r) for r in batch.response_lengths]
+    batch.returns = [torch.full((r,), 0.5) for r in batch.response_lengths]
+    history = [backend.train_step(batch) for _ in range(6)]
+    backend.save_checkpoint(ckpt, {"step": 0})
+    after = backend.compute_values(local)
+    fresh = FSDPBackend.create(path, s)
+    fresh.load_checkpoint(ckpt)
+    return {"v0": v0, "after": after, "reloaded": fresh.compute_values(local), "history": history,
+            "old": old, "rollout": batch.rollout_logprobs, "masks": batch.loss_masks}
+
+
+def test_critic_learns_its_targets_and_survives_a_checkpoint(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False)
+    for world in (1, 2):
+        results = run_ranks(critic_worker, world, str(path), str(tmp_path / f"ckpt{world}"))
+        r = results[0]
+        assert all(float(v.abs().max()) == 0.0 for v in r["v0"])  # zero-initialized head
+        losses = [m["value_loss"] for m in r["history"]]
+        assert math.isclose(losses[0], 0.125, rel_tol=1e-5)  # 0.5 * (0 - 0.5)^2 on every loss token
+        assert losses[-1] < 0.5 * losses[0], losses
+        for a, b in zip(r["after"], r["reloaded"]):
+            torch.testing.assert_close(a, b)  # the critic (and its optimizer) came back from the checkpoint
+        # TIS metrics of the first step: hand values over all ranks' loss tokens
+        ratios, masks = [], []
+        for res in results:
+            for o, ro, m in zip(res["old"], res["rollout"], res["masks"]):
+                ratios.append(torch.exp(o.double() - ro.double()))
+                masks.append(m > 0)
+        ratio = torch.cat(ratios)[torch.cat(masks)]
+        first = r["history"][0]
+        assert math.isclose(first["rollout_ratio"], float(ratio.mean()), rel_tol=1e-5)
+        assert math.isclose(first["rollout_ratio_clipfrac"], float(((ratio > 1.5) | (ratio < 0.05)).double().mean()), rel_tol=1e-6)
+        assert math.isclose(first["rollout_ratio_abs_dev"], float((ratio - 1).abs().mean()), rel_tol=1e-5)
+        assert 0 < first["rollout_ratio_clipfrac"] < 1  # the random rollout log-probs are often far off
+
+
+def gspo_worker(rank: int, world: int, path: str) -> dict:
+    s = TrainerSettings(lr=1e-3, global_batch_size=2, ratio_level="sequence", loss_aggregation="sequence_mean",
+                        eps_clip=3e-4, eps_clip_high=4e-4)
+    backend = FSDPBackend.create(path, s)
+    return backend.train_step(random_train_batch(4, seed=5))  # 2 optimizer steps: the second one clips
+
+
+def test_gspo_trains_and_clips_whole_sequences(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False)
+    m = run_ranks(gspo_worker, 1, str(path))[0]
+    assert m["optimizer_steps"] == 2.0 and math.isfinite(m["loss"])
+    masks = random_train_batch(4, seed=5).loss_masks
+    second_step_share = float(masks[2].sum() + masks[3].sum()) / float(sum(x.sum() for x in masks))
+    # only second-step sequences can have moved out of [1 - 3e-4, 1 + 4e-4], and they clip whole
+    assert 0.0 < m["pg_clipfrac"] <= second_step_share + 1e-9
