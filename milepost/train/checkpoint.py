@@ -24,9 +24,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from milepost.train.optim_stream import StreamingAdamW
 
 META_FILE = "milepost_checkpoint.json"
+STREAM_DIR = "optimizer_stream"  # --stream-optimizer-state-to-disk: each rank's moment files
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -75,6 +83,14 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(dirpath))
 
 
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What DCP saves: the model, and the optimizer unless its state streams from its own files."""
+    if isinstance(optimizer, StreamingAdamW):
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
 def save_checkpoint(
     path: str | Path,
     model: nn.Module,
@@ -99,8 +115,9 @@ def save_checkpoint(
             shutil.rmtree(stale)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    dcp.save(_state(model, optimizer), checkpoint_id=tmp)
+    if isinstance(optimizer, StreamingAdamW):  # its moments are files: copied, per rank
+        optimizer.save_files(tmp / STREAM_DIR / f"rank_{rank}")
     torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_state()}, tmp / f"rank_{rank}.pt")
     dist.barrier()
     if rank == 0:
@@ -134,12 +151,25 @@ def load_checkpoint(
     meta = json.loads((path / META_FILE).read_text())
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format {meta.get('format_version')}, this milepost reads {FORMAT_VERSION}")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank, world = dist.get_rank(), dist.get_world_size()
     same_layout = meta["world_size"] == world
+    streamed = (path / STREAM_DIR).is_dir()
+    if isinstance(optimizer, StreamingAdamW):
+        if streamed and not same_layout:
+            raise ValueError(f"{path} streamed its optimizer state from {meta['world_size']} "
+                             f"trainer ranks; --stream-optimizer-state-to-disk resumes only on the "
+                             f"same layout, not {world} ranks")
+        optimizer.load_files(path / STREAM_DIR / f"rank_{rank}")  # refuses a non-streamed one
+    elif streamed:
+        raise ValueError(f"{path} was written with --stream-optimizer-state-to-disk: resume it with "
+                         "that setting (its Adam moments are in files, not in the checkpoint)")
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    if isinstance(optimizer, StreamingAdamW):
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
     own = torch.load(path / f"rank_{rank if same_layout else 0}.pt", weights_only=False)
     scheduler.load_state_dict(own["scheduler"])
     if same_layout:

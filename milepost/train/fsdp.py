@@ -10,7 +10,6 @@ global loss-token count. Master weights and AdamW state are fp32; `dtype` only s
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,21 @@ from torch.distributed.tensor import DTensor
 
 from milepost.models.registry import load_model
 from milepost.train import checkpoint as ckpt
-from milepost.train.batch import TrainBatch, split_for_rank
-from milepost.train.export import write_hf_directory
-from milepost.train.logprobs import TokenScorer, dummy_batch, pack, plan_micro_batches
 from milepost.train import micro
-from milepost.train.corrections import CORRECTION_SUMS, CorrectionSettings, ratio_weights
+from milepost.train.batch import TrainBatch, split_for_rank
+from milepost.train.corrections import (
+    CORRECTION_SUMS,
+    CorrectionSettings,
+    sample_weights,
+)
 from milepost.train.critic import Critic
+from milepost.train.export import write_hf_directory
+from milepost.train.logprobs import TokenScorer, plan_micro_batches
 from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss, value_loss
-from milepost.train.optim import build_optimizer
-from milepost.train.replay import RoutingProbe, decode_routed_experts, is_moe
+from milepost.train.offload import MoveStats as OffloadStats
+from milepost.train.offload import StateEvictor, trainer_tensors
+from milepost.train.optim import build_optimizer, optimizer_step
+from milepost.train.replay import RoutingProbe, is_moe, samples_routing
 from milepost.train.settings import TrainerSettings
 from milepost.types import Sample
 
@@ -88,7 +93,9 @@ class FSDPBackend:
         self.world_size = dist.get_world_size()
         self.policy = policy
         self.reference = reference
-        self.optimizer, self.scheduler = build_optimizer(policy.parameters(), settings)
+        stream = (None if settings.optimizer_state_dir is None
+                  else Path(settings.optimizer_state_dir) / f"rank_{self.rank}")
+        self.optimizer, self.scheduler = build_optimizer(policy.parameters(), settings, stream)
         self.critic = critic
         self.loss_fn = get_loss(settings.loss_type, settings.custom_loss_function_path)
         self.loss_settings = LossSettings(
@@ -103,6 +110,9 @@ class FSDPBackend:
         )
         self.correction = CorrectionSettings(settings.ratio_correction, settings.tis_clip_low, settings.tis_clip)
         self._offloaded = False
+        self._evictor = StateEvictor(settings.offload_destination, device,
+                                     directory=settings.offload_dir,
+                                     staging_bytes=settings.offload_staging_bytes)
 
     @classmethod
     def create(cls, model_path: str | Path, settings: TrainerSettings) -> FSDPBackend:
@@ -174,13 +184,7 @@ class FSDPBackend:
         """The samples' engine routings decoded for this model (R3), or None when R3 is off."""
         if not self.settings.use_rollout_routing_replay:
             return None
-        lm, missing = self.policy.lm, [i for i, s in enumerate(samples) if not s.routed_experts]
-        if missing:
-            raise ValueError(
-                f"--use-rollout-routing-replay: samples {missing[:5]} carry no routed_experts; the rollout "
-                "must ask the engine for them (return_routed_experts)"
-            )
-        return [decode_routed_experts(s.routed_experts, len(s.tokens), lm.num_layers, lm.moe_top_k) for s in samples]
+        return samples_routing(samples, self.policy.lm.num_layers, self.policy.lm.moe_top_k)
 
     def compute_logprobs(self, samples: Sequence[Sample], *, reference: bool = False) -> list[torch.Tensor]:
         self._require_onloaded("compute_logprobs")
@@ -237,15 +241,6 @@ class FSDPBackend:
             raise ValueError("TrainBatch.returns trains the critic: it needs critic_lr and TrainBatch.values")
         return [list(range(i, i + per_rank)) for i in range(0, len(batch), per_rank)]
 
-    def _correction_weights(self, batch: TrainBatch, old: list[torch.Tensor] | None) -> tuple[list | None, list[float]]:
-        """Per-sample TIS / clip-or-pop weights and this rank's CORRECTION_SUMS (zeros when off)."""
-        if self.correction.kind == "none":
-            return None, [0.0] * len(CORRECTION_SUMS)
-        if batch.rollout_logprobs is None or old is None:
-            raise ValueError(f"--ratio-correction {self.correction.kind} needs the engine's log-probs in the batch")
-        weights, sums = ratio_weights(torch.cat(old), torch.cat(batch.rollout_logprobs), torch.cat(batch.loss_masks), self.correction)
-        return list(weights.split(batch.response_lengths)), [sums[k] for k in CORRECTION_SUMS]
-
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         self._require_onloaded("train_step")
         steps = self._steps(batch)
@@ -261,7 +256,7 @@ class FSDPBackend:
         ref = batch.ref_logprobs
         if ref is None and self.reference is not None:
             ref = self.compute_logprobs_of(batch, self.reference)
-        weights, correction_sums = self._correction_weights(batch, old)
+        weights, correction_sums = sample_weights(old, batch.rollout_logprobs, batch.loss_masks, self.correction)
 
         # Per-rank sums on the device (one host sync per optimizer step, for the grad norm).
         acc = torch.zeros(len(METRIC_SUMS) + 3, dtype=torch.float64, device=self.device)  # sums, loss, value sums
@@ -278,12 +273,12 @@ class FSDPBackend:
                     acc[:-2] += self._micro_step(batch, mb, old, ref, weights, denoms, probe)
                 grad_norms.append(self._clip_gradients(self.policy.parameters(), self.settings.clip_grad))
                 lr = self.optimizer.param_groups[0]["lr"]
-                nonfinite += self._optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
+                nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
                 if batch.returns is not None:
                     for local in plan:
                         acc[-2:] += self._critic_micro_step(batch, [step[j] for j in local], denoms)
                     norm = self._clip_gradients(self.critic.model.parameters(), self.settings.clip_grad)
-                    self._optimizer_step(self.critic.optimizer, self.critic.scheduler, norm)
+                    optimizer_step(self.critic.optimizer, self.critic.scheduler, norm)
 
         abs_diff = 0.0
         if batch.rollout_logprobs is not None and old is not None:
@@ -342,16 +337,6 @@ class FSDPBackend:
         loss.backward()
         return torch.stack([sums["value_loss"], sums["value_clipfrac"]]).double()
 
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer, scheduler, grad_norm: float) -> int:
-        """Step (unless the gradient is nan/inf: it would poison weights and Adam's moments), schedule,
-        zero grads; returns 1 when skipped."""
-        skipped = 0 if math.isfinite(grad_norm) else 1
-        if not skipped:
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return skipped
-
     def compute_logprobs_of(self, batch: TrainBatch, module: TokenScorer) -> list[torch.Tensor]:
         """Log-probs of a TrainBatch's responses under `module` (policy or reference), per sample on CPU."""
         return self._score(module, batch, self._aligned_plan([t.numel() for t in batch.tokens]))
@@ -396,27 +381,24 @@ class FSDPBackend:
 
     # --- offload ---------------------------------------------------------------------------------
 
-    def _move(self, device: torch.device) -> None:
-        for module in (self.policy, self.reference):
-            if module is not None:
-                for m in _fsdp_modules(module):
-                    m.reshard()
-                module.to(device)  # FSDP2's _apply re-registers the sharded params (and moves grads)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and key != "step":  # AdamW keeps `step` on CPU by design
-                    state[key] = value.to(device)
-        if self.critic is not None:
-            self.critic.to(device)
-        if device.type == "cpu" and self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def offload(self) -> None:
-        if not self._offloaded:
-            self._move(torch.device("cpu"))
-            self._offloaded = True
-
-    def onload(self) -> None:
+    def offload(self) -> OffloadStats | None:
+        """Evict weights, gradients and optimizer state (policy, reference, critic) together."""
         if self._offloaded:
-            self._move(self.device)
-            self._offloaded = False
+            return None
+        modules = [self.policy, self.reference, self.critic.model if self.critic else None]
+        for module in modules:
+            for m in _fsdp_modules(module) if module is not None else ():
+                m.reshard()  # the unsharded parameters are freed, not moved
+        stats = self._evictor.evict(trainer_tensors(
+            modules, [self.optimizer, self.critic.optimizer if self.critic else None]))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks to the colocated engine
+        self._offloaded = True
+        return stats
+
+    def onload(self) -> OffloadStats | None:
+        if not self._offloaded:
+            return None
+        stats = self._evictor.restore()
+        self._offloaded = False
+        return stats

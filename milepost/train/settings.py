@@ -45,6 +45,10 @@ class TrainerSettings:
     critic_lr / value_clip / critic_hf_checkpoint: a value model (PPO) trained in the same ranks;
         critic_lr None = no critic. The critic starts from critic_hf_checkpoint (default: the policy's).
     use_rollout_routing_replay: MoE forwards use TrainBatch.routed_experts (R3); refused on dense models.
+    offload_destination / offload_dir / offload_staging_bytes: where `offload()` puts the trainer's
+        tensors: pinned host memory, or per-rank files under offload_dir through a staging buffer.
+    optimizer_state_dir: set = stream the Adam moments from per-rank files there (bucketed by
+        optimizer_bucket_bytes; moments in optimizer_moment_dtype, float32 = bitwise AdamW).
     seed: seeds torch / python / numpy at creation.
     dtype: compute dtype ("float32" | "bfloat16"); master weights and optimizer state stay fp32,
         exported weights are in this dtype.
@@ -86,6 +90,12 @@ class TrainerSettings:
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
+    offload_destination: Literal["host", "disk"] = "host"
+    offload_dir: str | None = None
+    offload_staging_bytes: int = 64 << 20
+    optimizer_state_dir: str | None = None
+    optimizer_bucket_bytes: int = 256 << 20
+    optimizer_moment_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -126,6 +136,11 @@ class TrainerSettings:
         need(self.logprob_chunk_size > 0, "logprob_chunk_size must be > 0")
         need(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         need(self.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        need(self.offload_destination == "host" or self.offload_dir is not None,
+             "offload_destination='disk' needs offload_dir")
+        need(self.offload_staging_bytes > 0 and self.optimizer_bucket_bytes > 0,
+             "offload_staging_bytes and optimizer_bucket_bytes must be > 0")
+        need(self.optimizer_moment_dtype in DTYPES, "optimizer_moment_dtype: float32 | bfloat16")
 
     @property
     def needs_reference(self) -> bool:
