@@ -93,12 +93,19 @@ def profile_steps(a) -> None:
         gens = [engine._generator] * n
         banned = [[] for _ in reqs]
         print(f"  sample(T=1, {n} rows): {_wall_ms(lambda: sample(logits, params, gens, banned, 0)):.3f} ms wall")
-        print(f"  eager decode forward: {_wall_ms(lambda: runner._forward_eager(dec)):.3f} ms wall")
+        with torch.inference_mode():
+            print(f"  eager decode forward: {_wall_ms(lambda: runner._forward_eager(dec)):.3f} ms wall")
         with torch.inference_mode():
             _top_kernels(lambda: runner._forward_eager(dec), "eager decode forward")
         big = [Chunk(r, 0, 1024) for r in [_req(i, 1024, cfg.vocab_size, list(range(i * 65, (i + 1) * 65)))
                                            for i in range(16)]]
         print(f"prefill forward 16x1024: {_wall_ms(lambda: runner.forward(big), 3):.2f} ms wall")
+        runner.attention.sdpa_for_fresh_prefill = True
+        print(f"prefill forward 16x1024, SDPA for fresh prompts: "
+              f"{_wall_ms(lambda: runner.forward(big), 3):.2f} ms wall")
+        runner.attention.sdpa_for_fresh_prefill = False
+        with torch.inference_mode():
+            _top_kernels(lambda: sample(logits, params, gens, banned, 0), "sample T=1", 8)
         with torch.inference_mode():
             _top_kernels(lambda: runner._forward_eager(big), "prefill forward 16x1024")
         engine.close()

@@ -34,6 +34,10 @@ class TritonPagedAttention:
         self._decode = False
         self._splits = 1
         self._tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Prefill with no cached prefix anywhere in the batch may run per-sequence SDPA (flash)
+        # instead of the paged kernel; chosen by measurement (benchmarks/engine_gpu_profile.py).
+        self.sdpa_for_fresh_prefill = False
+        self._fresh_bounds: list[int] | None = None
 
     def prepare(self, batch: PagedBatch) -> None:
         q_lens = batch.query_lens_cpu
@@ -43,6 +47,14 @@ class TritonPagedAttention:
         self._decode = all(n == 1 for n in q_lens)
         if self._decode:
             self._splits = self.kernels.decode_splits(len(q_lens), self.cache.num_kv_heads, self.num_sms)
+            return
+        s_lens = batch.seq_lens_cpu
+        self._fresh_bounds = None
+        if self.sdpa_for_fresh_prefill and s_lens is not None and list(s_lens) == list(q_lens):
+            bounds = [0]
+            for n in q_lens:
+                bounds.append(bounds[-1] + n)
+            self._fresh_bounds = bounds
             return
         block_m = self._block_m()
         seqs, starts = self.kernels.prefill_tiles(q_lens, block_m)
@@ -70,10 +82,25 @@ class TritonPagedAttention:
         if self._decode:
             return self.kernels.paged_decode(q, kc, vc, batch.block_tables, batch.seq_lens, scale,
                                              page, self._splits)
+        if self._fresh_bounds is not None:
+            return _sdpa_fresh(q, k.to(q.dtype), v.to(q.dtype), scale, self._fresh_bounds)
         tile_seq, tile_m0 = self._tiles
         return self.kernels.paged_prefill(q, kc, vc, batch.block_tables, batch.seq_lens,
                                           batch.query_start_loc, tile_seq, tile_m0, scale, page,
                                           block_m=self._block_m())
+
+
+def _sdpa_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                bounds: list[int]) -> torch.Tensor:
+    """Causal attention within each [bounds[i], bounds[i+1]) span of packed q/k/v (no prefix)."""
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    for s, e in zip(bounds, bounds[1:]):
+        qs, ks, vs = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale, is_causal=True,
+                                                             enable_gqa=gqa)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
 
 
 def make_paged_attention(
