@@ -59,3 +59,18 @@ def ratio_weights(
         "rollout_ratio_abs_dev": float((ratio[keep] - 1.0).abs().sum()),
     }
     return weights.float(), sums
+
+
+def sample_weights(
+    old: list[torch.Tensor] | None,
+    rollout: list[torch.Tensor] | None,
+    masks: list[torch.Tensor],
+    settings: CorrectionSettings,
+) -> tuple[list[torch.Tensor] | None, list[float]]:
+    """Per-sample weights ([response_length] each) and CORRECTION_SUMS; (None, zeros) when off."""
+    if settings.kind == "none":
+        return None, [0.0] * len(CORRECTION_SUMS)
+    if rollout is None or old is None:
+        raise ValueError(f"--ratio-correction {settings.kind} needs the engine's log-probs in the batch")
+    weights, sums = ratio_weights(torch.cat(old), torch.cat(rollout), torch.cat(masks), settings)
+    return list(weights.split([m.numel() for m in masks])), [sums[k] for k in CORRECTION_SUMS]

@@ -30,6 +30,17 @@ def decode_routed_experts(data: str, num_tokens: int, num_layers: int, top_k: in
     return torch.from_numpy(raw.copy()).reshape(num_tokens - 1, num_layers, top_k)
 
 
+def samples_routing(samples: Sequence, num_layers: int, top_k: int) -> list[torch.Tensor]:
+    """Every sample's routing decoded ([len(tokens) - 1, layers, top_k]); refuses samples without one."""
+    missing = [i for i, s in enumerate(samples) if not s.routed_experts]
+    if missing:
+        raise ValueError(
+            f"--use-rollout-routing-replay: samples {missing[:5]} carry no routed_experts; the rollout "
+            "must ask the engine for them (return_routed_experts)"
+        )
+    return [decode_routed_experts(s.routed_experts, len(s.tokens), num_layers, top_k) for s in samples]
+
+
 def forced_for_pack(routed: Sequence[torch.Tensor]) -> torch.Tensor:
     """Concatenate per-sample routings [len_i - 1, L, k] into [sum len_i, L, k] int64 for a packed
     forward. Each sequence's last token gets a copy of the row before it: its output feeds no

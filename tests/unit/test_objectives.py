@@ -12,9 +12,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from milepost.train.advantages import AdvantageInputs, AdvantageSettings, estimate, get_estimator, grpo
+from milepost.train.advantages import (
+    AdvantageInputs,
+    AdvantageSettings,
+    estimate,
+    get_estimator,
+    grpo,
+)
 from milepost.train.corrections import CorrectionSettings, ratio_weights
-from milepost.train.losses import LossBatch, LossSettings, aggregate, get_loss, kl_estimate, policy_loss, sft_loss, value_loss
+from milepost.train.losses import (
+    LossBatch,
+    LossSettings,
+    aggregate,
+    get_loss,
+    kl_estimate,
+    policy_loss,
+    sft_loss,
+    value_loss,
+)
 from milepost.types import Sample
 
 F64 = torch.float64
