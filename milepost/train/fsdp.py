@@ -23,13 +23,19 @@ from torch.distributed.tensor import DTensor
 
 from milepost.models.registry import load_model
 from milepost.train import checkpoint as ckpt
-from milepost.train.batch import TrainBatch, split_for_rank
-from milepost.train.export import write_hf_directory
-from milepost.train.logprobs import TokenScorer, dummy_batch, pack, plan_micro_batches
 from milepost.train import micro
-from milepost.train.corrections import CORRECTION_SUMS, CorrectionSettings, sample_weights
+from milepost.train.batch import TrainBatch, split_for_rank
+from milepost.train.corrections import (
+    CORRECTION_SUMS,
+    CorrectionSettings,
+    sample_weights,
+)
 from milepost.train.critic import Critic
+from milepost.train.export import write_hf_directory
+from milepost.train.logprobs import TokenScorer, plan_micro_batches
 from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss, value_loss
+from milepost.train.offload import MoveStats as OffloadStats
+from milepost.train.offload import StateEvictor, trainer_tensors
 from milepost.train.optim import build_optimizer, optimizer_step
 from milepost.train.replay import RoutingProbe, is_moe, samples_routing
 from milepost.train.settings import TrainerSettings
@@ -87,7 +93,9 @@ class FSDPBackend:
         self.world_size = dist.get_world_size()
         self.policy = policy
         self.reference = reference
-        self.optimizer, self.scheduler = build_optimizer(policy.parameters(), settings)
+        stream = (None if settings.optimizer_state_dir is None
+                  else Path(settings.optimizer_state_dir) / f"rank_{self.rank}")
+        self.optimizer, self.scheduler = build_optimizer(policy.parameters(), settings, stream)
         self.critic = critic
         self.loss_fn = get_loss(settings.loss_type, settings.custom_loss_function_path)
         self.loss_settings = LossSettings(
@@ -102,6 +110,9 @@ class FSDPBackend:
         )
         self.correction = CorrectionSettings(settings.ratio_correction, settings.tis_clip_low, settings.tis_clip)
         self._offloaded = False
+        self._evictor = StateEvictor(settings.offload_destination, device,
+                                     directory=settings.offload_dir,
+                                     staging_bytes=settings.offload_staging_bytes)
 
     @classmethod
     def create(cls, model_path: str | Path, settings: TrainerSettings) -> FSDPBackend:
@@ -370,27 +381,24 @@ class FSDPBackend:
 
     # --- offload ---------------------------------------------------------------------------------
 
-    def _move(self, device: torch.device) -> None:
-        for module in (self.policy, self.reference):
-            if module is not None:
-                for m in _fsdp_modules(module):
-                    m.reshard()
-                module.to(device)  # FSDP2's _apply re-registers the sharded params (and moves grads)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and key != "step":  # AdamW keeps `step` on CPU by design
-                    state[key] = value.to(device)
-        if self.critic is not None:
-            self.critic.to(device)
-        if device.type == "cpu" and self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def offload(self) -> None:
-        if not self._offloaded:
-            self._move(torch.device("cpu"))
-            self._offloaded = True
-
-    def onload(self) -> None:
+    def offload(self) -> OffloadStats | None:
+        """Evict weights, gradients and optimizer state (policy, reference, critic) together."""
         if self._offloaded:
-            self._move(self.device)
-            self._offloaded = False
+            return None
+        modules = [self.policy, self.reference, self.critic.model if self.critic else None]
+        for module in modules:
+            for m in _fsdp_modules(module) if module is not None else ():
+                m.reshard()  # the unsharded parameters are freed, not moved
+        stats = self._evictor.evict(trainer_tensors(
+            modules, [self.optimizer, self.critic.optimizer if self.critic else None]))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks to the colocated engine
+        self._offloaded = True
+        return stats
+
+    def onload(self) -> OffloadStats | None:
+        if not self._offloaded:
+            return None
+        stats = self._evictor.restore()
+        self._offloaded = False
+        return stats

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from milepost.train.settings import TrainerSettings
+from milepost.train.optim_stream import StreamingAdamW
+from milepost.train.settings import DTYPES, TrainerSettings
 
 
 def lr_at(step: int, s: TrainerSettings) -> float:
@@ -27,16 +29,20 @@ def lr_at(step: int, s: TrainerSettings) -> float:
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], s: TrainerSettings
-) -> tuple[torch.optim.AdamW, LambdaLR]:
-    """AdamW over `params` and its schedule (the lr before the first step is lr_at(0))."""
-    optimizer = torch.optim.AdamW(
-        list(params),
-        lr=s.lr,
-        betas=(s.adam_beta1, s.adam_beta2),
-        eps=s.adam_eps,
-        weight_decay=s.weight_decay,
-    )
+    params: Iterable[torch.nn.Parameter], s: TrainerSettings, stream_dir: Path | None = None
+) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """AdamW over `params` and its schedule (the lr before the first step is lr_at(0)).
+
+    With `stream_dir`, the Adam moments stream from files there (StreamingAdamW; same update).
+    """
+    hyper = dict(lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), eps=s.adam_eps,
+                 weight_decay=s.weight_decay)
+    if stream_dir is not None:
+        optimizer: torch.optim.Optimizer = StreamingAdamW(
+            params, stream_dir, bucket_bytes=s.optimizer_bucket_bytes,
+            moment_dtype=DTYPES[s.optimizer_moment_dtype], **hyper)
+    else:
+        optimizer = torch.optim.AdamW(list(params), **hyper)
     base = s.lr if s.lr > 0 else 1.0  # LambdaLR multiplies the base lr; avoid 0 * factor losing the schedule
     for group in optimizer.param_groups:
         group["lr"] = base
