@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
+from typing import Self
 
 import numpy as np
 import torch
@@ -84,7 +85,7 @@ class RoutingProbe:
         self.tokens = 0.0
         self.tokens_differing = 0.0
 
-    def __enter__(self) -> RoutingProbe:
+    def __enter__(self) -> Self:
         self.handles = [b.register_forward_hook(self._hook) for b in self.blocks]
         return self
 

@@ -181,7 +181,7 @@ def test_policy_loss_correction_weights_scale_each_tokens_term() -> None:
     adv = torch.tensor([1.0, -1.0, 2.0], dtype=F64)
     mask = torch.ones(3, dtype=F64)
     w = torch.tensor([0.5, 2.0, 0.0], dtype=F64)
-    loss, sums = policy_loss(loss_batch(logp, old, adv, mask, [0, 0, 0], 1, 3.0, 1.0, weights=w), LossSettings())
+    loss, _ = policy_loss(loss_batch(logp, old, adv, mask, [0, 0, 0], 1, 3.0, 1.0, weights=w), LossSettings())
     r1 = math.exp(0.1)
     want = (0.5 * -1.0 + 2.0 * max(r1, min(max(r1, 0.8), 1.2)) + 0.0) / 3.0
     assert float(loss) == pytest.approx(want, abs=1e-12)
