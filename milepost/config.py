@@ -67,6 +67,43 @@ class PlacementTable(_Table):
     )
 
 
+class MemoryTable(_Table):
+    """Where the trainer's state lives between steps (report section 3.2)."""
+
+    offload_train: bool | None = Field(
+        None,
+        description="Between steps, evict the trainer's weights, gradients and optimizer state "
+        "from the device (back before the next step); default: on when --colocate, else off.",
+    )
+    offload_train_destination: Literal["host", "disk"] = Field(
+        "host",
+        description="--offload-train target: pinned host memory, or per-rank files under "
+        "--offload-train-dir streamed through a staging buffer (host memory stays bounded).",
+    )
+    offload_train_dir: Path | None = Field(
+        None, description="--offload-train-destination disk: a node-local directory; default RUN_DIR/offload."
+    )
+    offload_staging_bytes: int = Field(
+        64 << 20, ge=1, description="Size of the pinned staging buffer of disk offload."
+    )
+    stream_optimizer_state_to_disk: bool = Field(
+        False,
+        description="Keep the Adam moments in per-bucket files; the optimizer step loads, updates "
+        "and writes back one bucket at a time (the device never holds all of it).",
+    )
+    optimizer_state_dir: Path | None = Field(
+        None, description="--stream-optimizer-state-to-disk: where; default RUN_DIR/optimizer_state."
+    )
+    optimizer_state_bucket_bytes: int = Field(
+        256 << 20, ge=1, description="--stream-optimizer-state-to-disk: moment bytes per bucket file."
+    )
+    optimizer_moment_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="--stream-optimizer-state-to-disk: dtype of the stored Adam moments (bfloat16 "
+        "halves the files; master weights stay fp32; float32 is bitwise plain AdamW).",
+    )
+
+
 class EngineTable(_Table):
     engine_backend: Literal["embedded", "sglang", "external"] = Field(
         "embedded",
@@ -303,14 +340,35 @@ class WeightsTable(_Table):
         512 * _MIB, ge=_MIB, description="Bytes per weight-update bucket (trainer to engines)."
     )
     update_weights_interval: int = Field(1, ge=1, description="Push weights to the engines every N steps.")
-    update_weight_transfer_mode: Literal["tensor", "broadcast"] | None = Field(
+    update_weight_transfer_mode: Literal["tensor", "broadcast", "p2p", "disk-delta"] | None = Field(
         None,
-        description="tensor = in-host handoff; broadcast = torch.distributed group (p2p and "
-        "disk-delta come with the weight-transport issue). Default: tensor when colocated, else "
-        "broadcast.",
+        description="tensor = in-host handoff; broadcast = one torch.distributed group to every "
+        "engine; p2p = point-to-point writes per engine (transfer plan, one staging buffer); "
+        "disk-delta = changed bytes published to --update-weight-delta-dir (report 4.3). "
+        "Default: tensor when colocated, else broadcast.",
+    )
+    update_weight_delta_dir: Path | None = Field(
+        None,
+        description="disk-delta: the version store, a directory trainer and engines both see at "
+        "the same path; default <run_dir>/weight_deltas.",
+    )
+    update_weight_delta_encoding: Literal["xor", "overwrite"] = Field(
+        "xor",
+        description="disk-delta: xor (compact; applied exactly once on its declared base) or "
+        "overwrite (changed positions + new values; idempotent).",
     )
     check_weight_update: bool = Field(
         False, description="After each update, verify the engines hold exactly the trainer's weights."
+    )
+    check_weight_update_equal: bool = Field(
+        False,
+        description="Once, at the first update: fill every engine tensor with noise, update, then "
+        "require every engine tensor to equal the trainer's bit for bit (report 4.4).",
+    )
+    check_weight_update_equal_skip: list[str] | None = Field(
+        None,
+        description="--check-weight-update-equal: engine tensor names (globs, e.g. '*.k_scale') "
+        "that live only on the rollout side and are not compared.",
     )
 
 
@@ -364,6 +422,7 @@ class DebugTable(_Table):
 TABLES: dict[str, type[_Table]] = {
     "model": ModelTable,
     "placement": PlacementTable,
+    "memory": MemoryTable,
     "engine": EngineTable,
     "data": DataTable,
     "rollout": RolloutTable,
@@ -401,6 +460,7 @@ class TrainConfig(
     FullyAsyncTable,
     DataTable,
     EngineTable,
+    MemoryTable,
     PlacementTable,
     ModelTable,
 ):

@@ -96,6 +96,7 @@ def refusals(c: TrainConfig) -> list[str]:
         )
     p += _eval_refusals(c)
     p += _fully_async_refusals(c)
+    p += weight_update_refusals(c)
     if c.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
         p.append("--use-tensorboard needs the tensorboard package: pip install tensorboard")
     if c.use_wandb and importlib.util.find_spec("wandb") is None:
@@ -156,8 +157,16 @@ def resolve_defaults(c: TrainConfig) -> None:
         put("rollout_max_concurrency", c.samples_per_rollout)
     if c.update_weight_transfer_mode is None:
         put("update_weight_transfer_mode", "tensor" if c.colocate else "broadcast")
+    if c.update_weight_transfer_mode == "disk-delta" and c.update_weight_delta_dir is None:
+        put("update_weight_delta_dir", Path(c.run_dir or default_run_dir()).absolute() / "weight_deltas")
     if c.run_dir is None:
         put("run_dir", default_run_dir().absolute())
+    if c.offload_train is None:
+        put("offload_train", c.colocate)  # the colocated engine needs the memory back
+    if c.offload_train_dir is None and c.offload_train_destination == "disk":
+        put("offload_train_dir", c.run_dir / "offload")
+    if c.optimizer_state_dir is None and c.stream_optimizer_state_to_disk:
+        put("optimizer_state_dir", c.run_dir / "optimizer_state")
     if c.fully_async and c.max_inflight is None:
         put("max_inflight", c.samples_per_rollout)
     if c.fully_async and c.rollout_granularity is None:
@@ -272,3 +281,34 @@ def _is_moe_checkpoint(path: Path) -> bool:
 
     cfg = json.loads((Path(path) / "config.json").read_text())
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0) > 0
+
+
+def session_server_enabled(c: TrainConfig) -> bool:
+    """Hook for the session-server issue: true when the run starts the session server.
+
+    Its flag does not exist yet; when it lands as `use_session_server`, this sees it.
+    """
+    return bool(getattr(c, "use_session_server", False))
+
+
+def weight_update_refusals(c: TrainConfig) -> list[str]:
+    """Weight transports (report 4.3, 4.4): disk-delta's placement, pause mode with sessions."""
+    p: list[str] = []
+    mode = c.update_weight_transfer_mode
+    # disk-delta with --colocate is refused above, with every mode but tensor.
+    if mode == "disk-delta" and getattr(c, "lora_rank", 0):  # hook: LoRA has no flag yet
+        p.append("--update-weight-transfer-mode disk-delta does not carry LoRA adapters; use "
+                 "broadcast (or tensor when colocated) for LoRA runs")
+    if mode != "disk-delta" and (c.update_weight_delta_dir is not None
+                                 or c.update_weight_delta_encoding != "xor"):
+        p.append("--update-weight-delta-dir / --update-weight-delta-encoding only apply to "
+                 "--update-weight-transfer-mode disk-delta; set that mode or drop them")
+    if c.check_weight_update_equal_skip and not c.check_weight_update_equal:
+        p.append("--check-weight-update-equal-skip has no effect without --check-weight-update-equal")
+    if (c.check_weight_update or c.check_weight_update_equal) and c.engine_backend == "sglang":
+        p.append("--check-weight-update(-equal) reads the engines' weights through milepost's "
+                 "/weights_checksum, which an SGLang server lacks; use --engine-backend embedded")
+    if c.pause_generation_mode == "abort" and session_server_enabled(c):
+        p.append("--pause-generation-mode abort would tear down a session's token history "
+                 "mid-trajectory, which the session server cannot tolerate; use retract or in_place")
+    return p

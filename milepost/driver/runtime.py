@@ -46,7 +46,7 @@ from milepost.train.fsdp import FSDPBackend
 from milepost.train.settings import TrainerSettings
 from milepost.types import Group
 from milepost.weights.sync import WeightSync
-from milepost.weights.transport import BroadcastTransport, TensorTransport
+from milepost.weights.factory import make_transport
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +119,12 @@ class Runtime:
                 metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
                 shuffle=False).items if cfg.eval_prompt_data is not None else [])
         if self.engine_urls and not cfg.rollout_only:
-            transport = (TensorTransport(self.engine_urls)
-                         if cfg.update_weight_transfer_mode == "tensor"
-                         else BroadcastTransport(self.engine_urls,
-                                                 "nccl" if cfg.device == "cuda" else "gloo"))
-            self.weights = WeightSync(transport, cfg.update_weight_buffer_size,
+            self.weights = WeightSync(make_transport(cfg, self.engine_urls),
+                                      cfg.update_weight_buffer_size,
                                       dtype=getattr(torch, cfg.dtype),
-                                      check_weight_update=cfg.check_weight_update)
+                                      check_weight_update=cfg.check_weight_update,
+                                      check_equal_once=cfg.check_weight_update_equal,
+                                      check_skip=tuple(cfg.check_weight_update_equal_skip or ()))
         else:
             self.weights = None
 
@@ -278,12 +277,16 @@ class Runtime:
                 await c.aclose()
 
     def offload_trainer(self) -> None:
-        if self.backend is not None:
-            self.backend.offload()
+        if self.backend is not None and self.cfg.offload_train:
+            stats = self.backend.offload()
+            if stats is not None:
+                self.timer.add("perf/offload_time", stats.seconds)
 
     def onload_trainer(self) -> None:
         if self.backend is not None:
-            self.backend.onload()
+            stats = self.backend.onload()
+            if stats is not None:
+                self.timer.add("perf/onload_time", stats.seconds)
 
     def push_resumed_weights(self) -> None:
         """After a resume the engines still hold the initial weights: send the trained ones."""
@@ -301,6 +304,7 @@ class Runtime:
         if self.weights is not None:
             stats = self.weights.update(named, str(step + 1))
             self.step_metrics["perf/update_weights_bytes"] = stats.bytes
+            self.step_metrics.update(stats.metrics or {})  # disk-delta: changed fraction, bytes
         else:
             for _ in named:  # take part in the gathers
                 pass
@@ -360,6 +364,13 @@ def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
         eps_clip_high=cfg.eps_clip_high, use_kl_loss=cfg.use_kl_loss,
         kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
         entropy_coef=cfg.entropy_coef, temperature=cfg.rollout_temperature, seed=cfg.seed,
+        offload_destination=cfg.offload_train_destination,
+        offload_dir=None if cfg.offload_train_dir is None else str(cfg.offload_train_dir),
+        offload_staging_bytes=cfg.offload_staging_bytes,
+        optimizer_state_dir=(str(cfg.optimizer_state_dir)
+                             if cfg.stream_optimizer_state_to_disk else None),
+        optimizer_bucket_bytes=cfg.optimizer_state_bucket_bytes,
+        optimizer_moment_dtype=cfg.optimizer_moment_dtype,
         dtype=cfg.dtype, device=cfg.device,
         **objective_settings(cfg),
     )

@@ -59,5 +59,4 @@ def train_loop(rt: Runtime) -> None:
         rt.log(step, start)
         if rt.save_due(step):
             rt.save(step)
-        if rt.cfg.colocate:
-            rt.offload_trainer()
+        rt.offload_trainer()  # when --offload-train (default with --colocate)

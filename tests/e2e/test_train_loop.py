@@ -361,11 +361,17 @@ def test_kill_then_resume_continues_with_the_same_data(work, reference):
 
 # ---- debug modes ---------------------------------------------------------------------------------
 
-def test_save_and_load_rollouts_reproduce_training(work, reference):
+@pytest.fixture(scope="module")
+def replay(work: Path, reference: Run) -> Run:
+    """The reference run's saved rollouts, trained on again without engines."""
     for step in range(STEPS):
         assert rollout_path(work / "ref-rollouts", step).is_file()
-    run = ok(train(work, work / "replay", "--load-rollouts", str(work / "ref-rollouts"),
-                   actor_num_gpus_per_node=2))
+    return ok(train(work, work / "replay", "--load-rollouts", str(work / "ref-rollouts"),
+                    actor_num_gpus_per_node=2))
+
+
+def test_save_and_load_rollouts_reproduce_training(reference, replay):
+    run = replay
     assert not (run.run_dir / "logs" / "engine-0.log").exists()
     ref, replay = reference.metrics(), run.metrics()
     assert [r["step"] for r in replay] == list(range(STEPS))
@@ -373,6 +379,25 @@ def test_save_and_load_rollouts_reproduce_training(work, reference):
         for k in (*TRAIN_METRICS, "rollout/reward_mean", "rollout/response_len_mean"):
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (a["step"], k)
     print(f"replay run: {run.seconds:.1f} s")
+
+
+def test_streamed_optimizer_and_disk_offload_train_the_same(work, replay):
+    # Issue 9 through `milepost train`: Adam moments streamed from files, the trainer evicted to
+    # disk after every step; the same saved rollouts give bitwise the same weights as the plain
+    # replay above, and every step reports how long the eviction took.
+    run = ok(train(work, work / "memory", "--load-rollouts", str(work / "ref-rollouts"),
+                   actor_num_gpus_per_node=2, stream_optimizer_state_to_disk=True,
+                   optimizer_state_bucket_bytes=65536, offload_train=True,
+                   offload_train_destination="disk", offload_staging_bytes=4096))
+    assert all(r["perf/onload_time"] > 0 for r in run.metrics()[1:])
+    assert sorted(p.name for p in (run.run_dir / "optimizer_state").iterdir()) == ["rank_0", "rank_1"]
+    ckpt = run.run_dir / "checkpoints" / f"step_{STEPS - 1:08d}" / "optimizer_stream"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["rank_0", "rank_1"]
+    from safetensors.torch import load_file
+
+    plain = load_file(replay.run_dir / "hf" / "model.safetensors")
+    streamed = load_file(run.run_dir / "hf" / "model.safetensors")
+    assert all(torch.equal(plain[k], streamed[k]) for k in plain)
 
 
 def test_rollout_only_generates_without_training(work):
