@@ -1,0 +1,128 @@
+"""The CPU check of a family registration (report 2.4.3): over a battery of conversations (tools,
+reasoning, several tool results, many turns), the ids the session server would build turn by
+turn (stored ids + tokenized suffix) must equal the tokenization of the template's canonical
+rendering of the whole conversation. The session server runs it at start and refuses a
+template that fails it. The live check (real stop tokens and parsing against an engine) is
+`tests/e2e/test_session_families.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from milepost.session.families import Message
+from milepost.session.render import Renderer, RenderError
+
+_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+def _call(i: int, city: str) -> dict:
+    return {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+
+
+BATTERY: list[tuple[str, list[Message], list[dict] | None]] = [
+    ("multi-turn chat", [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"},
+    ], None),
+    ("no system prompt", [
+        {"role": "user", "content": "One"}, {"role": "assistant", "content": "Two"},
+        {"role": "user", "content": "Three"}, {"role": "assistant", "content": "Four"},
+    ], None),
+    ("reasoning every turn", [
+        {"role": "user", "content": "Think: 5*5?"},
+        {"role": "assistant", "content": "25", "reasoning_content": "5 times 5 is 25."},
+        {"role": "user", "content": "Now 6*6?"},
+        {"role": "assistant", "content": "36", "reasoning_content": "6 times 6 is 36."},
+        {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "Welcome."},
+    ], None),
+    ("tools, one call per turn", [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [_call(1, "Paris")]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny in Paris."},
+        {"role": "user", "content": "And Oslo?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Call again.",
+         "tool_calls": [_call(2, "Oslo")]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "snow"},
+        {"role": "assistant", "content": "Snow in Oslo."},
+    ], _TOOLS),
+    ("tools, parallel calls and results", [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Rome and Lima?"},
+        {"role": "assistant", "content": "Checking both.",
+         "tool_calls": [_call(3, "Rome"), _call(4, "Lima")]},
+        {"role": "tool", "tool_call_id": "call_3", "content": "hot"},
+        {"role": "tool", "tool_call_id": "call_4", "content": "mild"},
+        {"role": "assistant", "content": "Rome is hot, Lima mild."},
+    ], _TOOLS),
+]
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+def incremental_ids(r: Renderer, messages: list[Message], tools: list[dict] | None) -> list[int]:
+    """The ids the session server builds for `messages`, taking each assistant turn's canonical
+    tokens as if the model had produced them (its end-of-turn token included)."""
+    ids: list[int] = []
+    stored = None
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        history = messages[:k]
+        if stored is None:
+            ids = r.first_prompt(history, tools)
+        else:
+            ids += r.suffix_ids(stored, True, history, tools)
+        prompt_text = r.render(history, tools, add_generation_prompt=True)
+        turn_text = r.cut_after_last_turn(r.render(messages[:k + 1], tools, False))
+        if not turn_text.text.startswith(prompt_text):
+            raise RenderError(f"message {k}: the assistant turn does not render right after the "
+                              f"generation prompt")
+        ids += r.encode(turn_text.text[len(prompt_text):])
+        stored = turn_text
+    return ids
+
+
+def check_append_only(r: Renderer, battery: list[tuple[str, list[Message], list[dict] | None]]
+                      = BATTERY) -> list[CheckResult]:
+    results = []
+    for name, messages, tools in battery:
+        messages = copy.deepcopy(messages)
+        try:
+            canonical = r.cut_after_last_turn(r.render(messages, tools, False)).text
+            got = incremental_ids(r, messages, tools)
+        except RenderError as e:
+            results.append(CheckResult(name, False, str(e)))
+            continue
+        want = r.encode(canonical)
+        if got != want:
+            at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                      min(len(got), len(want)))
+            results.append(CheckResult(name, False, f"incremental ids differ from the canonical "
+                                                    f"tokenization at id {at}"))
+        else:
+            results.append(CheckResult(name, True))
+    return results
+
+
+def require_append_only(r: Renderer) -> None:
+    """Refuse (RenderError) a family + template that fails the battery."""
+    failed = [c for c in check_append_only(r) if not c.ok]
+    if failed:
+        lines = "; ".join(f"{c.name}: {c.detail}" for c in failed)
+        raise RenderError(f"model family {r.family.name!r} with this checkpoint's chat template "
+                          f"is not append-only turn to turn ({lines}); the session server cannot "
+                          f"extend its sessions token-exactly (fix the template or the family)")

@@ -1,0 +1,153 @@
+"""Model families (report 2.4.3): one chat template handling + one reasoning parser + one tool-call
+parser, registered under a name the user gives at launch (a family is never detected from the
+checkpoint). The template itself is the checkpoint's own (its tokenizer's `chat_template`); the
+family says how to read the model's output back into a message and where an assistant turn ends.
+
+Registered: `qwen3` (`<think>` reasoning, `<tool_call>{json}</tool_call>`), `chatml` (SmolLM2
+and other plain ChatML checkpoints: tool calls as `<tool_call>` JSON in the text, no reasoning),
+and `generic` (no parsers; warns that incremental tokenization may diverge).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, Any]
+
+
+class FamilyError(ValueError):
+    """The family name, or its template on this checkpoint, cannot serve a session."""
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """An assistant completion read back into OpenAI message fields."""
+
+    content: str
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def message(self) -> Message:
+        msg: Message = {"role": "assistant", "content": self.content}
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+def parse_think(text: str, start: str = "<think>", end: str = "</think>",
+                ) -> tuple[str | None, str]:
+    """(reasoning, rest) when `text` opens with a think block; (None, text) otherwise. An
+    unclosed block (cut by the length limit) is all reasoning."""
+    stripped = text.lstrip()
+    if not stripped.startswith(start):
+        return None, text
+    body = stripped[len(start):]
+    if end not in body:
+        return body.strip("\n"), ""
+    reasoning, rest = body.split(end, 1)
+    return reasoning.strip("\n"), rest.lstrip("\n")
+
+
+_TOOL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_call_blocks(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """(content before the first call, OpenAI tool_calls) from `<tool_call>{json}</tool_call>`
+    blocks; a block may hold one object or a list of them (SmolLM2 writes lists). A block that is
+    not valid JSON stays in the content: the model's text is never dropped."""
+    calls: list[dict[str, Any]] = []
+    first = None
+    for m in _TOOL_BLOCK.finditer(text):
+        try:
+            payload = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        objs = payload if isinstance(payload, list) else [payload]
+        if not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in objs):
+            continue
+        first = m.start() if first is None else first
+        for o in objs:
+            args = o.get("arguments", {})
+            calls.append({
+                "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                "function": {"name": o["name"],
+                             # OpenAI carries arguments as a JSON string.
+                             "arguments": args if isinstance(args, str)
+                             else json.dumps(args, ensure_ascii=False)}})
+    if not calls:
+        return text, []
+    return text[:first].rstrip("\n"), calls
+
+
+@dataclass(frozen=True)
+class Family:
+    """name: what the user writes (`--session-model-family`). end_of_turn: the text of the token
+    that closes an assistant turn in the template. parse: output text (special tokens kept,
+    end_of_turn removed) -> message fields. checked: a maintainer ran both checks (the CPU
+    append-only battery and the live engine check) on a checkpoint of this family."""
+
+    name: str
+    end_of_turn: str
+    parse: Callable[[str], ParsedOutput]
+    checked: bool = True
+    description: str = ""
+
+
+def _parse_qwen3(text: str) -> ParsedOutput:
+    reasoning, rest = parse_think(text)
+    content, calls = parse_tool_call_blocks(rest)
+    return ParsedOutput(content=content, reasoning_content=reasoning, tool_calls=calls)
+
+
+def _parse_chatml(text: str) -> ParsedOutput:
+    content, calls = parse_tool_call_blocks(text)
+    return ParsedOutput(content=content, tool_calls=calls)
+
+
+def _parse_plain(text: str) -> ParsedOutput:
+    return ParsedOutput(content=text)
+
+
+_REGISTRY: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> None:
+    if family.name in _REGISTRY:
+        raise FamilyError(f"model family {family.name!r} is registered already")
+    _REGISTRY[family.name] = family
+
+
+def family_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_family(name: str) -> Family:
+    """The registered family `name`; `generic` warns once per call that it is unchecked."""
+    if name not in _REGISTRY:
+        raise FamilyError(f"session_model_family: unknown family {name!r}; registered: "
+                          f"{family_names()} (name the family of your checkpoint explicitly; "
+                          f"'generic' works for others but may diverge)")
+    family = _REGISTRY[name]
+    if not family.checked:
+        log.warning("model family %r: no parser or template check is registered for this "
+                    "checkpoint; incremental tokenization may diverge from the template's "
+                    "canonical output", name)
+    return family
+
+
+register_family(Family("qwen3", "<|im_end|>", _parse_qwen3,
+                       description="Qwen3-style: <think> reasoning, <tool_call> JSON"))
+register_family(Family("chatml", "<|im_end|>", _parse_chatml,
+                       description="ChatML (SmolLM2): <tool_call> JSON in the text"))
+register_family(Family("generic", "", _parse_plain, checked=False,
+                       description="any template; no parsers; turn end from the tokenizer's EOS"))

@@ -1,0 +1,114 @@
+"""Server-owned tokenization (report 2.4): the first turn renders the chat template to ids; later
+turns render the whole history, check that it still begins with the stored turn's rendering, and
+tokenize only the appended text. The model's own output tokens are never re-tokenized.
+
+The stored rendering is cut right after the end-of-turn token of the last assistant turn (the
+model stops on that token; what the template writes after it, e.g. ChatML's newline, belongs to the
+suffix). An output that stopped elsewhere (a stop string, another stop id) gets the end-of-turn
+token appended as a prompt token (loss mask 0): the model did not sample it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from milepost.session.families import Family, FamilyError, Message, ParsedOutput
+
+
+class RenderError(ValueError):
+    """The messages cannot be rendered, or their rendering does not extend the stored prefix."""
+
+
+@dataclass
+class Rendered:
+    """A stored turn's rendering: `text` up to and including its last end-of-turn marker."""
+
+    text: str
+
+
+class Renderer:
+    """Chat template + tokenizer + family, for one checkpoint."""
+
+    def __init__(self, tokenizer: Any, family: Family) -> None:
+        self.tokenizer = tokenizer
+        self.family = family
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise FamilyError("session server: the checkpoint's tokenizer has no chat_template; "
+                              "the session server renders messages with it")
+        self.eot = family.end_of_turn or tokenizer.eos_token
+        ids = self.encode(self.eot) if self.eot else []
+        if len(ids) != 1:
+            raise FamilyError(f"model family {family.name!r}: end-of-turn {self.eot!r} is not one "
+                              f"token of this tokenizer ({ids}); pick the family of this checkpoint")
+        self.eot_id = ids[0]
+        # The fast path: the Rust tokenizer without transformers' per-call Python overhead.
+        self._fast = getattr(tokenizer, "_tokenizer", None)
+
+    # ---- text <-> ids ---------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            return []
+        fast = getattr(self, "_fast", None)
+        if fast is not None:
+            return fast.encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # ---- messages -------------------------------------------------------------------------------
+    def render(self, messages: list[Message], tools: list[dict] | None,
+               add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja's own errors (raise_exception, undefined fields)
+            raise RenderError(f"the chat template refused these messages: {e}") from e
+
+    def cut_after_last_turn(self, rendered: str) -> Rendered:
+        """The rendering of a history that ends with an assistant turn, up to that turn's end."""
+        at = rendered.rfind(self.eot)
+        if at < 0:
+            raise RenderError(f"the template rendered an assistant turn without its end-of-turn "
+                              f"marker {self.eot!r}; model family {self.family.name!r} does not "
+                              f"fit this template")
+        return Rendered(rendered[: at + len(self.eot)])
+
+    def first_prompt(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
+        return self.encode(self.render(messages, tools, add_generation_prompt=True))
+
+    def suffix_ids(self, stored: Rendered, ended_with_eot: bool, messages: list[Message],
+                   tools: list[dict] | None) -> list[int]:
+        """Ids to append after a stored turn so that the prompt is `messages` + generation prompt."""
+        full = self.render(messages, tools, add_generation_prompt=True)
+        if not full.startswith(stored.text):
+            at = next((i for i, (a, b) in enumerate(zip(full, stored.text)) if a != b),
+                      min(len(full), len(stored.text)))
+            raise RenderError(
+                f"the chat template's rendering of this history does not extend the stored "
+                f"turns (differs at character {at}: stored {stored.text[at:at + 40]!r}, now "
+                f"{full[at:at + 40]!r}); the template is not append-only for these messages "
+                f"(does it drop earlier reasoning, or did the tools or system prompt change?)")
+        closing = "" if ended_with_eot else self.eot
+        return self.encode(closing + full[len(stored.text):])
+
+    def parse_output(self, output_ids: list[int]) -> ParsedOutput:
+        ids = output_ids[:-1] if output_ids and output_ids[-1] == self.eot_id else output_ids
+        return self.family.parse(self.decode(ids))
+
+
+def normalize_messages(messages: list[Message]) -> list[Message]:
+    """The fields a chat template reads, in the shape templates expect: content as a string (text
+    parts joined; None -> ""), tool-call arguments as JSON strings. Other fields are kept."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        content = m.get("content")
+        if content is None:
+            m["content"] = ""
+        elif isinstance(content, list):
+            m["content"] = "".join(p.get("text", "") for p in content)
+        out.append(m)
+    return out

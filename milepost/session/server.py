@@ -1,0 +1,230 @@
+"""The TITO session server over HTTP (report 2.4): an OpenAI-compatible chat endpoint per session.
+
+    POST   /sessions                               -> {"session_id"}
+    POST   /sessions/{id}/v1/chat/completions      OpenAI chat (messages, tools, tool_calls,
+                                                   reasoning_content, stream)
+    GET    /sessions/{id}                          turns, leaves, stored messages
+    DELETE /sessions/{id}
+    POST   /sessions/{id}/samples                  {"leaves": [ids] | null} -> training samples
+
+Point an agent's `base_url` at `{server}/sessions/{id}/v1`. Token fields a client sends (e.g.
+`prompt_token_ids`) are ignored: the server owns tokenization. `stream: true` answers in
+server-sent-event chunks once the turn has been generated (not token by token).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from milepost.rollout.client import EngineRequestError, EngineUnavailableError
+from milepost.session.families import FamilyError
+from milepost.session.render import RenderError
+from milepost.session.service import (
+    GenerationAborted,
+    SessionNotFound,
+    SessionService,
+    TurnResult,
+)
+from milepost.session.store import SessionConflict
+
+
+class ToolFunction(BaseModel):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # client-side additions (refusal, audio, ...)
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.role != "assistant" and (self.tool_calls or self.reasoning_content):
+            raise ValueError(f"a {self.role} message cannot carry tool_calls or reasoning_content")
+        if self.role in ("user", "system") and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True)
+        for call in d.get("tool_calls") or []:
+            args = call["function"]["arguments"]
+            if not isinstance(args, str):
+                call["function"]["arguments"] = json.dumps(args, ensure_ascii=False)
+        return d
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # token fields and unused OpenAI options
+    model: str = "default"
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _last(self) -> ChatRequest:
+        if self.messages[-1].role == "assistant":
+            raise ValueError("messages: the last message is the assistant's; a turn asks the "
+                             "model to answer a user, tool or system message")
+        return self
+
+    def sampling(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.max_completion_tokens or self.max_tokens,
+                "temperature": self.temperature, "top_p": self.top_p,
+                "stop": [self.stop] if isinstance(self.stop, str) else self.stop}
+
+
+class SamplesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    leaves: list[int] | None = None
+
+
+def _finish(result: TurnResult) -> str:
+    if result.output.finish_type == "length":
+        return "length"
+    return "tool_calls" if result.reply.get("tool_calls") else "stop"
+
+
+def _completion(result: TurnResult, model: str, cid: str) -> dict[str, Any]:
+    out = result.output
+    return {
+        "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": result.reply, "finish_reason": _finish(result),
+                     "logprobs": None}],
+        "usage": {"prompt_tokens": out.prompt_tokens or len(result.turn.ids) - len(out.output_ids),
+                  "completion_tokens": len(out.output_ids),
+                  "total_tokens": len(result.turn.ids),
+                  "prompt_tokens_details": {"cached_tokens": out.cached_tokens}},
+        "milepost": {"turn_id": result.turn.id, "weight_version": out.weight_version,
+                     "overhead_ms": result.overhead_s * 1e3},
+    }
+
+
+def _chunks(result: TurnResult, model: str, cid: str) -> list[str]:
+    """The completion as OpenAI stream chunks (role, reasoning, content, tool calls, finish)."""
+    reply = result.reply
+    base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model}
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    if reply.get("reasoning_content"):
+        deltas.append({"reasoning_content": reply["reasoning_content"]})
+    if reply.get("content"):
+        deltas.append({"content": reply["content"]})
+    for i, call in enumerate(reply.get("tool_calls") or []):
+        deltas.append({"tool_calls": [{"index": i, **call}]})
+    events = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+              for d in deltas]
+    events.append({**base, "choices": [{"index": 0, "delta": {},
+                                        "finish_reason": _finish(result)}],
+                   "usage": _completion(result, model, cid)["usage"]})
+    return [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+
+
+def build_app(service: SessionService) -> FastAPI:
+    app = FastAPI(title="milepost session server")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
+                 for e in exc.errors()]
+        return _error(400, "; ".join(parts), "invalid_request_error")
+
+    @app.exception_handler(SessionNotFound)
+    async def _unknown(_: Request, exc: SessionNotFound) -> JSONResponse:
+        return _error(404, str(exc.args[0]), "not_found")
+
+    @app.exception_handler(SessionConflict)
+    async def _conflict(_: Request, exc: SessionConflict) -> JSONResponse:
+        return _error(409, str(exc), "session_conflict")
+
+    @app.exception_handler(RenderError)
+    async def _render(_: Request, exc: RenderError) -> JSONResponse:
+        return _error(422, str(exc), "template_error")
+
+    @app.exception_handler(FamilyError)
+    async def _family(_: Request, exc: FamilyError) -> JSONResponse:
+        return _error(422, str(exc), "template_error")
+
+    @app.exception_handler(EngineRequestError)
+    async def _engine_refused(_: Request, exc: EngineRequestError) -> JSONResponse:
+        return _error(400, f"the engine refused the turn: {exc.message}", "invalid_request_error")
+
+    @app.exception_handler(EngineUnavailableError)
+    async def _engine_gone(_: Request, exc: EngineUnavailableError) -> JSONResponse:
+        return _error(503, f"the engine is unavailable: {exc}", "engine_unavailable")
+
+    @app.exception_handler(GenerationAborted)
+    async def _aborted(_: Request, exc: GenerationAborted) -> JSONResponse:
+        return _error(503, str(exc), "aborted")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "sessions": len(service.sessions)}
+
+    @app.post("/sessions")
+    async def create() -> dict:
+        return {"session_id": service.create().id, "mode": service.settings.mode}
+
+    @app.get("/sessions/{session_id}")
+    async def show(session_id: str) -> dict:
+        return service.get(session_id).summary()
+
+    @app.delete("/sessions/{session_id}")
+    async def delete(session_id: str) -> dict:
+        service.delete(session_id)
+        return {"deleted": session_id}
+
+    @app.post("/sessions/{session_id}/samples")
+    async def samples(session_id: str, req: SamplesRequest | None = None) -> dict:
+        got = service.samples(session_id, req.leaves if req is not None else None)
+        return {"samples": [s.to_dict() for s in got]}
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def chat(session_id: str, req: ChatRequest) -> Any:
+        result = await service.turn(session_id, [m.as_dict() for m in req.messages], req.tools,
+                                    req.sampling())
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return StreamingResponse(iter(_chunks(result, req.model, cid)),
+                                     media_type="text/event-stream")
+        return _completion(result, req.model, cid)
+
+    return app
