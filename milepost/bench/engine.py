@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import sys
 from dataclasses import asdict
 
 import torch
@@ -67,7 +68,9 @@ def run_bench(args: BenchArgs) -> dict:
         hf = hf_copy(native, dtype, device)
         run_hf(hf, workloads.fixed(min(8, args.requests), 32, 8, vocab, args.seed + 99),
                None, args.temperature, device)  # warm-up
-        theirs = {w.name: run_hf(hf, w, args.hf_batch_size, args.temperature, device) for w in loads}
+        for w in loads:
+            theirs[w.name] = r = run_hf(hf, w, args.hf_batch_size, args.temperature, device)
+            _progress(f"transformers {w.name}: {r.output_tokens} new tokens in {r.seconds:.1f} s")
     peak = args.peak_bandwidth or _known_peak(device)
     rows = [_row(w, ours[w.name], theirs.get(w.name), decode_bytes[w.name], peak) for w in loads]
     if unrecorded is not None:
@@ -96,7 +99,10 @@ def _engine_runs(sargs: ServerArgs, native: object, loads: list[workloads.Worklo
         bench = EngineBench(engine, args.temperature)
         bench.run(workloads.fixed(min(8, args.requests), 32, 8, native.vocab_size,
                                   args.seed + 99))  # warm-up: first calls compile and allocate
-        results = {w.name: bench.run(w) for w in loads}
+        results = {}
+        for w in loads:
+            results[w.name] = r = bench.run(w)
+            _progress(f"milepost {w.name}: {r.output_tokens} new tokens in {r.seconds:.1f} s")
         pool_tokens = engine.cfg.num_blocks * engine.cfg.block_size
     finally:
         engine.close()
@@ -158,6 +164,11 @@ def _row(w: workloads.Workload, ours: EngineResult, theirs: object | None, decod
         row["decode_bytes_per_s"] = decode_bytes / ours.decode_seconds
         row["bandwidth_fraction"] = row["decode_bytes_per_s"] / peak if peak else None
     return row
+
+
+def _progress(line: str) -> None:
+    """Long runs (full-size mixed workloads take minutes) say where they are, on stderr."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _known_peak(device: torch.device) -> float | None:
