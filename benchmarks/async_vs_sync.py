@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,13 @@ from milepost.testing.checkpoints import make_tiny_checkpoint
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                  max_position_embeddings=4096, tie_word_embeddings=True)
+
+# Wide enough that one decode step is bound by reading the weights (~125 MB fp32), as decoding is
+# on GPUs, while a trained token costs its FLOPs: the regime where a synchronous step's wait for
+# its slowest trajectory dominates. The 2-layer tiny model is the opposite (trainer-bound on CPU).
+MEDIUM = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+              num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+SHAPES = {"tiny": {}, "medium": MEDIUM, "qwen3-0.6b": QWEN3_06B}
 
 
 def write_prompts(path: Path, n: int, short: int, long_factor: int, long_frac: float,
@@ -68,9 +76,12 @@ reward_fn = "milepost.testing.rewards:token_parity_reward"
 [engine]
 engine_max_total_tokens = {args.kv_tokens}
 
+[algorithm]
+use_rollout_logprobs = {str(not args.recompute_logprobs).lower()}
+
 [optimizer]
 lr = 1e-5
-max_tokens_per_micro_batch = 8192
+max_tokens_per_micro_batch = {args.micro_batch_tokens}
 
 [checkpoint]
 save_interval = 0
@@ -83,6 +94,7 @@ save_hf_at_end = false
 
 def run(work: Path, toml: Path, name: str, extra: list[str]) -> dict[str, float]:
     run_dir = work / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a left-over run would be resumed, not re-measured
     cmd = [sys.executable, "-m", "milepost", "train", str(toml), "--run-dir", str(run_dir), *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
@@ -106,19 +118,24 @@ def main() -> None:
     ap.add_argument("--long-frac", type=float, default=0.15)
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", choices=["tiny", "qwen3-0.6b"], default="tiny")
+    ap.add_argument("--model", choices=sorted(SHAPES), default="medium")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kv-tokens", type=int, default=16384)
+    ap.add_argument("--micro-batch-tokens", type=int, default=1024,
+                    help="trainer micro-batch budget (packed attention cost grows with its square)")
     ap.add_argument("--max-inflight", type=int, default=None,
                     help="async in-flight limit; default batch * n, the sync step's concurrency")
+    ap.add_argument("--recompute-logprobs", action="store_true",
+                    help="trainer recomputes old log-probs (default: the engine's, both modes)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run sync/async pairs this many times (interleaved: drift hits both)")
     ap.add_argument("--work", type=Path, default=None)
     args = ap.parse_args()
 
     work = args.work or Path(tempfile.mkdtemp(prefix="async_vs_sync-"))
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "model" / "config.json").exists():
-        overrides = QWEN3_06B if args.model == "qwen3-0.6b" else {}
-        make_tiny_checkpoint(work / "model", "qwen3", seed=1, **overrides)
+        make_tiny_checkpoint(work / "model", "qwen3", seed=1, **SHAPES[args.model])
     lengths = write_prompts(work / "prompts.jsonl", args.prompts, args.short, args.long_factor,
                             args.long_frac, args.seed)
     toml = recipe(work, args, args.short * args.long_factor)
@@ -126,17 +143,28 @@ def main() -> None:
     print(f"workload: {args.prompts} prompts, {sum(x > args.short for x in lengths)} long "
           f"({args.short * args.long_factor} tokens) / others {args.short} tokens; "
           f"{args.steps} steps x {args.batch} groups x {args.n} samples; async max_inflight {inflight}")
-    sync = run(work, toml, "sync", [])
-    fully = run(work, toml, "async", ["--fully-async", "--max-inflight", str(inflight)])
-    for name, r in (("sync", sync), ("fully async", fully)):
-        print(f"{name:12s} groups {r['groups']:.0f}  trained tokens {r['tokens']:.0f}  "
-              f"loop {r['loop_s']:.1f} s  -> {r['tok_per_s']:.1f} trained tok/s")
-    last = fully["records"][-1]
-    print(f"fully async: mean in-flight {sum(r['rollout/fully_async/inflight_mean'] for r in fully['records']) / len(fully['records']):.1f}, "
-          f"trainer wait {sum(r['perf/trainer_wait_time'] for r in fully['records']):.1f} s, "
-          f"max staleness {max(r['rollout/fully_async/max_staleness'] for r in fully['records']):.0f}, "
-          f"prompts drawn {last['rollout/fully_async/prompts_drawn']:.0f}")
-    print(f"ratio (fully async / sync trained tokens/s): {fully['tok_per_s'] / sync['tok_per_s']:.2f}x")
+    ratios = []
+    for i in range(args.repeats):
+        sync = run(work, toml, "sync", [])
+        fully = run(work, toml, "async", ["--fully-async", "--max-inflight", str(inflight)])
+        for name, r in (("sync", sync), ("fully async", fully)):
+            print(f"[{i}] {name:12s} groups {r['groups']:.0f}  trained tokens {r['tokens']:.0f}  "
+                  f"loop {r['loop_s']:.1f} s (rollout {total(r, 'perf/rollout_time'):.1f}, train "
+                  f"{total(r, 'perf/train_time'):.1f}) -> {r['tok_per_s']:.1f} trained tok/s")
+        recs = fully["records"]
+        print(f"[{i}] fully async: mean in-flight "
+              f"{total(fully, 'rollout/fully_async/inflight_mean') / len(recs):.1f}, trainer wait "
+              f"{total(fully, 'perf/trainer_wait_time'):.1f} s, max staleness "
+              f"{max(r['rollout/fully_async/max_staleness'] for r in recs):.0f}, prompts drawn "
+              f"{recs[-1]['rollout/fully_async/prompts_drawn']:.0f}")
+        ratios.append(fully["tok_per_s"] / sync["tok_per_s"])
+        print(f"[{i}] ratio (fully async / sync trained tokens/s): {ratios[-1]:.2f}x")
+    if len(ratios) > 1:
+        print(f"ratios {', '.join(f'{r:.2f}' for r in ratios)}; median {sorted(ratios)[len(ratios) // 2]:.2f}x")
+
+
+def total(r: dict, key: str) -> float:
+    return sum(rec.get(key, 0.0) for rec in r["records"])
 
 
 if __name__ == "__main__":

@@ -87,6 +87,18 @@ def test_abort_mode_with_group_granularity_retries_and_accounts(plugins):
     assert len(run.metrics()) == 4
 
 
+def test_evaluation_on_shared_engines_scores_the_version_of_its_step(plugins):
+    # Generation of new groups holds while the evaluation runs; trajectories in flight go on
+    # under the same weights, so every eval request is served by exactly the step's version.
+    run = ok(train(plugins, plugins / "async-eval", "--fully-async", eval_interval=2,
+                   eval_prompt_data=str(plugins / "prompts.jsonl")))
+    evals = [r for r in run.metrics() if "eval/skipped" in r]
+    assert [r["step"] for r in evals] == [1, 3]
+    for r in evals:
+        assert r["eval/skipped"] == 0 and r["eval/mixed_version_frac"] == 0, r
+        assert r["eval/weight_version"] == r["step"] + 1 and math.isfinite(r["eval/reward_mean"])
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(colocate=True), "refused with --colocate"),
     (dict(max_staleness=-1), "--max-staleness -1 is negative"),
