@@ -35,6 +35,10 @@ TRAIN_METRICS = (
     "optimizer_steps",  # optimizer steps in this call
     "skipped_steps",  # of which skipped because the gradient norm was nan/inf
 )
+# Present only when their feature is on (milepost/train/losses.py, corrections.py, critic.py, replay.py):
+# sft_loss (loss_type sft_loss); value_loss, value_clipfrac (a critic trained on TrainBatch.returns);
+# rollout_ratio, rollout_ratio_clipfrac, rollout_ratio_abs_dev (ratio_correction: pre-clamp mean r,
+# share of tokens outside the interval, mean |r - 1|); r3_routing_mismatch_frac (routing replay).
 
 
 @runtime_checkable
