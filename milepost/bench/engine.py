@@ -163,6 +163,8 @@ def _row(w: workloads.Workload, ours: EngineResult, theirs: object | None, decod
         row["decode_tok_s"] = sum(b * n for b, n in ours.decode_batch_sizes.items()) / ours.decode_seconds
         row["decode_bytes_per_s"] = decode_bytes / ours.decode_seconds
         row["bandwidth_fraction"] = row["decode_bytes_per_s"] / peak if peak else None
+        if peak:  # the decode tokens/s that reading those bytes at peak bandwidth would allow
+            row["decode_bound_tok_s"] = row["decode_tok_s"] / row["bandwidth_fraction"]
     return row
 
 

@@ -141,9 +141,9 @@ def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> None:
     dev = probs.device
     rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
     if rows:
-        ks = torch.tensor([params[j].top_k for j in rows], device=dev)
+        ks = [params[j].top_k for j in rows]  # the widest k from the host: no device sync
         sub = probs[rows]
-        kth = sub.topk(int(ks.max())).values.gather(1, (ks - 1)[:, None])  # [r, 1] k-th largest
+        kth = sub.topk(max(ks)).values.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)  # [r, 1]
         probs[rows] = sub.masked_fill_(sub < kth, 0.0)
     rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
     if rows:
