@@ -82,3 +82,45 @@ def test_gspo_trains_and_clips_whole_sequences(tmp_path: Path) -> None:
     second_step_share = float(masks[2].sum() + masks[3].sum()) / float(sum(x.sum() for x in masks))
     # only second-step sequences can have moved out of [1 - 3e-4, 1 + 4e-4], and they clip whole
     assert 0.0 < m["pg_clipfrac"] <= second_step_share + 1e-9
+
+
+def rank_batch_worker(rank: int, world: int, cfg_path: str) -> dict:
+    from milepost.config import load_config
+    from milepost.driver.objective import rank_batch
+    from milepost.driver.runtime import trainer_settings
+
+    cfg = load_config(cfg_path)
+    backend = FSDPBackend.create(cfg.hf_checkpoint, trainer_settings(cfg))
+    samples = probe_samples() * 2
+    for i, s in enumerate(samples):
+        s.group_index, s.reward = i // 2, float(i % 3 == 0)
+    batch = rank_batch(cfg, backend, samples, rank, world)
+    mine = split_for_rank(samples, rank, world, cfg.global_batch_size)
+    return {"mine": mine, "adv": batch.advantages, "returns": batch.returns, "ref": batch.ref_logprobs}
+
+
+def test_rank_batch_ppo_with_kl_reward_is_the_same_on_one_and_two_ranks(tmp_path: Path) -> None:
+    """Values and KL penalties are scored per rank and gathered: the advantages must not depend on
+    how the rollout was split."""
+    from milepost.config import load_config
+
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    cfg = load_config(None, ["--hf-checkpoint", str(path), "--prompt-data", str(prompts), "--num-rollout", "1",
+                             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--device", "cpu",
+                             "--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--kl-coef", "0.5",
+                             "--kl-loss-type", "k1", "--gamma", "0.9", "--lambd", "0.8",
+                             "--run-dir", str(tmp_path / "run")])
+    cfg_path = str(cfg.write_resolved())
+    by_world = {}
+    for world in (1, 2):
+        adv: dict[int, torch.Tensor] = {}
+        for res in run_ranks(rank_batch_worker, world, cfg_path):
+            assert res["returns"] is not None and res["ref"] is not None
+            adv.update(zip(res["mine"], res["adv"]))
+        by_world[world] = [adv[i] for i in range(8)]
+    for a, b in zip(by_world[1], by_world[2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    flat = torch.cat(by_world[1])
+    assert abs(float(flat.mean())) < 1e-4  # whitened over the rollout's loss tokens
