@@ -47,12 +47,14 @@ class SessionServerThread:
     def __init__(self, tokenizer: str | Path | Any, engine_url: str, *, family: str,
                  matcher: str = "strict", settings: SessionSettings | None = None,
                  host: str = "127.0.0.1", port: int | None = None,
-                 engine_timeout_s: float = 600.0) -> None:
+                 engine_timeout_s: float = 600.0,
+                 engine_transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.renderer = make_renderer(tokenizer, family)
         self.matcher = load_matcher(matcher)
         self.settings = settings or SessionSettings()
         self.engine_url = engine_url
         self.engine_timeout_s = engine_timeout_s
+        self.engine_transport = engine_transport  # e.g. one that records the engine's answers
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
         self.service: SessionService | None = None
@@ -68,7 +70,8 @@ class SessionServerThread:
 
     def _app_factory(self) -> Any:
         # The engine client belongs to the server's event loop, so it is made here.
-        client = EngineClient(self.engine_url, self.engine_timeout_s, generate_retries=0)
+        client = EngineClient(self.engine_url, self.engine_timeout_s, generate_retries=0,
+                              transport=self.engine_transport)
         self.service = SessionService(self.renderer, client, self.matcher, self.settings)
         return build_app(self.service)
 
