@@ -153,16 +153,24 @@ def bench_prefill(a, tmp: Path, out: list[dict]) -> None:
     model = random_model(cfg, tmp)
     n, p = a.requests, 1024
     engine, _ = make_engine(model, tmp, n, n * (p + 32), a.prefill_chunk)
-    prompts = prompts_of(n, p, cfg.vocab_size, seed=1)
-    timed_run(engine, prompts[:8], 2, "warm")
-    times = [timed_run(engine, prompts, 1, f"p{i}_") for i in range(3)]
+    rows = []
+    for sdpa in (False, True):
+        engine.runner.attention.sdpa_for_fresh_prefill = sdpa
+        rows.append(_prefill_runs(engine, n, p, cfg.vocab_size, sdpa, a.prefill_chunk))
     engine.close()
-    row = dict(bench="prefill", requests=n, prompt=p, chunk=a.prefill_chunk, runs=times,
-               tokens_per_s=n * p / min(times))
-    out.append(row)
-    print(json.dumps(row), flush=True)
+    for row in rows:
+        out.append(row)
+        print(json.dumps(row), flush=True)
     del engine, model
     torch.cuda.empty_cache()
+
+
+def _prefill_runs(engine, n: int, p: int, vocab: int, sdpa: bool, chunk: int) -> dict:
+    prompts = prompts_of(n, p, vocab, seed=1)
+    timed_run(engine, prompts[:8], 2, f"warm{sdpa}")
+    times = [timed_run(engine, prompts, 1, f"p{i}_{sdpa}") for i in range(3)]
+    return dict(bench="prefill", attention="sdpa (fresh prompts)" if sdpa else "paged triton kernel",
+                requests=n, prompt=p, chunk=chunk, runs=times, tokens_per_s=n * p / min(times))
 
 
 def bench_hf(a, tmp: Path, out: list[dict]) -> None:
