@@ -65,6 +65,11 @@ class PlacementTable(_Table):
     rollout_num_gpus_per_engine: int = Field(
         1, ge=1, description="GPUs per engine (its tensor-parallel size)."
     )
+    trainer_cpu_threads: int | None = Field(
+        None, ge=1,
+        description="On CPU, threads of each trainer rank; default: the host's cores divided "
+        "among the ranks (under --fully-async, the engines' threads taken out first).",
+    )
 
 
 class MemoryTable(_Table):
