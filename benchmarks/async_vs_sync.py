@@ -8,7 +8,7 @@ short, a few are `--long-factor` times longer (report 2.2: a synchronous step wa
 slowest trajectory; the asynchronous worker keeps the engine's places full meanwhile).
 
     python benchmarks/async_vs_sync.py                 # tiny random Qwen3, CPU
-    python benchmarks/async_vs_sync.py --model qwen3-0.6b --device cuda   # H200
+    python benchmarks/async_vs_sync.py --model qwen3-0.6b --device cuda --shared-gpu-engine  # 1 GPU
 
 Trained tokens/s = response tokens of every trained sample / the training loop's wall time
 (sum of perf/step_time: from the first step's start to the last step's end, engine start-up
@@ -61,6 +61,9 @@ hf_checkpoint = "{work / 'model'}"
 device = "{args.device}"
 seed = 1
 
+[placement]
+trainer_cpu_threads = {args.trainer_threads}
+
 [data]
 prompt_data = "{work / 'prompts.jsonl'}"
 apply_chat_template = false
@@ -92,7 +95,19 @@ save_hf_at_end = false
     return path
 
 
-def run(work: Path, toml: Path, name: str, extra: list[str]) -> dict[str, float]:
+def run(work: Path, toml: Path, name: str, extra: list[str],
+        shared_gpu_engine: bool = False) -> dict[str, float]:
+    """One `milepost train`. shared_gpu_engine: the engine is a `milepost serve` started here on
+    the trainer's GPU (engine_backend external, weights by CUDA-IPC handoff), fresh for each run,
+    so a machine with one GPU can run the disaggregated (not colocated) placement."""
+    if shared_gpu_engine:
+        from milepost.testing.server_process import ServerProcess
+
+        with ServerProcess(work / "model", "--device", "cuda", "--mem-fraction-static", "0.3",
+                           "--weight-version", "0", "--max-total-tokens", "65536",
+                           timeout_s=300) as srv:
+            return run(work, toml, name, [*extra, "--engine-backend", "external", "--engine-urls",
+                                          srv.url, "--update-weight-transfer-mode", "tensor"])
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a left-over run would be resumed, not re-measured
     cmd = [sys.executable, "-m", "milepost", "train", str(toml), "--run-dir", str(run_dir), *extra]
@@ -129,6 +144,11 @@ def main() -> None:
                     help="trainer recomputes old log-probs (default: the engine's, both modes)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run sync/async pairs this many times (interleaved: drift hits both)")
+    ap.add_argument("--shared-gpu-engine", action="store_true",
+                    help="one GPU: start the engine on the trainer's GPU (external backend)")
+    ap.add_argument("--trainer-threads", type=int, default=1,
+                    help="CPU threads of the trainer in both modes (the engine has OMP_NUM_THREADS, "
+                    "default 1): the same cores for both schedules")
     ap.add_argument("--work", type=Path, default=None)
     args = ap.parse_args()
 
@@ -145,8 +165,9 @@ def main() -> None:
           f"{args.steps} steps x {args.batch} groups x {args.n} samples; async max_inflight {inflight}")
     ratios = []
     for i in range(args.repeats):
-        sync = run(work, toml, "sync", [])
-        fully = run(work, toml, "async", ["--fully-async", "--max-inflight", str(inflight)])
+        sync = run(work, toml, "sync", [], args.shared_gpu_engine)
+        fully = run(work, toml, "async", ["--fully-async", "--max-inflight", str(inflight)],
+                    args.shared_gpu_engine)
         for name, r in (("sync", sync), ("fully async", fully)):
             print(f"[{i}] {name:12s} groups {r['groups']:.0f}  trained tokens {r['tokens']:.0f}  "
                   f"loop {r['loop_s']:.1f} s (rollout {total(r, 'perf/rollout_time'):.1f}, train "
