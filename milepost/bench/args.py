@@ -49,6 +49,8 @@ class BenchArgs(BaseModel):
         None, description="Engine KV pool in tokens; default from --mem-fraction-static on CUDA, "
         "or what the largest scenario needs on CPU.")
     chunked_prefill_size: int | None = Field(None, description="Engine: prefill tokens per step.")
+    page_size: int = Field(16, description="Engine: tokens per KV block (the prefix cache reuses "
+                           "whole blocks, so it bounds the multiturn hit rate).")
     peak_bandwidth: float | None = Field(
         None, description="Device peak memory bandwidth in bytes/s for the decode bound; default "
         "per known GPU (H200 4.8e12, H100 3.35e12, A100 2.0e12); none on CPU.")
@@ -60,7 +62,7 @@ class BenchArgs(BaseModel):
     @field_validator("requests", "prompt_len", "output_len", "mixed_min", "mixed_max", "sessions",
                      "turns", "turn_user_len", "turn_output_len", "prefill_requests", "prefill_len",
                      "hf_batch_size", "max_running_requests", "max_total_tokens",
-                     "chunked_prefill_size")
+                     "chunked_prefill_size", "page_size")
     @classmethod
     def _positive(cls, v: int | None, info: object) -> int | None:
         if v is not None and v < 1:
