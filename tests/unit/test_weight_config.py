@@ -1,0 +1,60 @@
+"""Weight-update settings: transfer modes, disk-delta's refusals and defaults, the equality check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from milepost.config import ConfigError, TrainConfig, load_config
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> list[str]:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--num-rollout", "3",
+            "--rollout-batch-size", "4", "--device", "cpu", "--run-dir", str(tmp_path / "run")]
+
+
+@pytest.mark.parametrize("mode", ["tensor", "broadcast", "p2p", "disk-delta"])
+def test_every_transfer_mode_is_accepted(base, mode) -> None:
+    assert load_config(None, base + ["--update-weight-transfer-mode", mode]
+                       ).update_weight_transfer_mode == mode
+
+
+def test_disk_delta_defaults_its_store_under_the_run_dir(base, tmp_path) -> None:
+    cfg = load_config(None, base + ["--update-weight-transfer-mode", "disk-delta"])
+    assert cfg.update_weight_delta_dir == (tmp_path / "run" / "weight_deltas").absolute()
+    assert cfg.update_weight_delta_encoding == "xor"
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--colocate", "--update-weight-transfer-mode", "disk-delta"], "--colocate moves weights"),
+    (["--colocate", "--update-weight-transfer-mode", "p2p"], "--colocate moves weights"),
+    (["--update-weight-delta-encoding", "overwrite"], "only apply to --update-weight-transfer-mode"),
+    (["--check-weight-update-equal-skip", "*.k_scale"], "without --check-weight-update-equal"),
+    (["--update-weight-transfer-mode", "rdma"], "update-weight-transfer-mode"),
+])
+def test_invalid_weight_settings_are_refused_at_start(base, extra, needle) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base + extra)
+    assert needle in str(err.value)
+
+
+def test_abort_pause_is_refused_with_the_session_server(base) -> None:
+    if "use_session_server" not in TrainConfig.model_fields:
+        pytest.skip("the session server's flag is not in this tree")
+    with pytest.raises(ConfigError, match="abort"):
+        load_config(None, base + ["--use-session-server", "--session-model-family", "qwen3",
+                                  "--pause-generation-mode", "abort"])
+
+
+def test_equality_check_with_skip_list(base) -> None:
+    cfg = load_config(None, base + ["--check-weight-update-equal",
+                                    "--check-weight-update-equal-skip", '["*.k_scale"]'])
+    assert cfg.check_weight_update_equal and cfg.check_weight_update_equal_skip == ["*.k_scale"]
