@@ -424,6 +424,30 @@ class DebugTable(_Table):
     )
 
 
+class AgentTable(_Table):
+    """Agentic rollout (report 2.3, 2.4): plug-in layers and the TITO session server."""
+
+    rollout_function_path: str | None = Field(
+        None, description="Outermost layer, module.sub:fn: owns data, grouping and group rewards "
+        "(milepost/rollout/layers.py RolloutFn).")
+    custom_generate_function_path: str | None = Field(
+        None, description="Generate layer, module.sub:fn: one prompt -> one Sample, recording its "
+        "own tokens (layers.py GenerateFn).")
+    agent_function_path: str | None = Field(
+        None, description="Innermost layer, module.sub:fn: runs the agent loop against the session "
+        "server's OpenAI base URL (layers.py AgentFn); turns the session server on.")
+    use_session_server: bool = Field(
+        False, description="Start the TITO session server (on by itself with --agent-function-path).")
+    session_mode: Literal["linear", "branching"] = Field(
+        "linear", description="linear: extend the tail only, one sequence per session; branching: "
+        "append-only tree, one sequence per leaf.")
+    session_matcher: str = Field(
+        "strict", description="Replay comparison: strict | json_args | loose (risky) | module.sub:fn.")
+    session_model_family: str | None = Field(
+        None, description="Chat template + parsers family of the checkpoint (qwen3 | chatml | "
+        "generic); never detected, required with the session server.")
+
+
 TABLES: dict[str, type[_Table]] = {
     "model": ModelTable,
     "placement": PlacementTable,
@@ -439,6 +463,7 @@ TABLES: dict[str, type[_Table]] = {
     "logging": LoggingTable,
     "eval": EvalTable,
     "debug": DebugTable,
+    "agent": AgentTable,
 }
 TABLE_OF: dict[str, str] = {name: t for t, cls in TABLES.items() for name in cls.model_fields}
 
@@ -454,6 +479,7 @@ def _check_dataset(flag: str, v: Path | None) -> Path | None:
 
 
 class TrainConfig(
+    AgentTable,
     DebugTable,
     EvalTable,
     LoggingTable,

@@ -97,6 +97,7 @@ def refusals(c: TrainConfig) -> list[str]:
     p += _eval_refusals(c)
     p += _fully_async_refusals(c)
     p += weight_update_refusals(c)
+    p += agent_refusals(c)
     if c.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
         p.append("--use-tensorboard needs the tensorboard package: pip install tensorboard")
     if c.use_wandb and importlib.util.find_spec("wandb") is None:
@@ -284,11 +285,45 @@ def _is_moe_checkpoint(path: Path) -> bool:
 
 
 def session_server_enabled(c: TrainConfig) -> bool:
-    """Hook for the session-server issue: true when the run starts the session server.
+    """True when the run starts the session server (asked for, or an agent fn needs it)."""
+    return bool(c.use_session_server or c.agent_function_path is not None)
 
-    Its flag does not exist yet; when it lands as `use_session_server`, this sees it.
-    """
-    return bool(getattr(c, "use_session_server", False))
+
+def agent_refusals(c: TrainConfig) -> list[str]:
+    """Rollout layers and the session server (report 2.3, 2.4)."""
+    from milepost.config import _IMPORT_PATH
+    from milepost.session.families import family_names
+    from milepost.session.matchers import BUILTIN_MATCHERS
+
+    p: list[str] = []
+    for name in ("rollout_function_path", "custom_generate_function_path", "agent_function_path"):
+        path = getattr(c, name)
+        if path is not None and not _IMPORT_PATH.match(path):
+            p.append(f"--{name.replace('_', '-')} {path!r} is not an import path module.sub:name")
+    layers = any(getattr(c, n) is not None for n in ("rollout_function_path",
+                                                    "custom_generate_function_path",
+                                                    "agent_function_path"))
+    if layers and c.fully_async:
+        p.append("--rollout-function-path / --custom-generate-function-path / "
+                 "--agent-function-path run in the synchronous loop only; drop --fully-async")
+    if not session_server_enabled(c):
+        return p
+    if c.session_model_family is None:
+        p.append(f"the session server needs --session-model-family (one of {family_names()}); "
+                 "milepost never guesses a checkpoint's chat template family")
+    elif c.session_model_family not in family_names():
+        p.append(f"--session-model-family {c.session_model_family!r} is not registered; use one "
+                 f"of {family_names()} (generic works for others but may diverge)")
+    if c.session_matcher not in BUILTIN_MATCHERS and not _IMPORT_PATH.match(c.session_matcher):
+        p.append(f"--session-matcher {c.session_matcher!r} is neither {list(BUILTIN_MATCHERS)} "
+                 "nor an import path module.sub:fn")
+    if c.load_rollouts is not None:
+        p.append("the session server generates live; it cannot be used with --load-rollouts")
+    engines = len(c.engine_urls) if c.engine_urls else (c.rollout_num_engines or 1)
+    if engines > 1 and c.router is False:
+        p.append(f"the session server with {engines} engines needs the router (session affinity "
+                 "through X-SMG-Routing-Key); drop --router false")
+    return p
 
 
 def weight_update_refusals(c: TrainConfig) -> list[str]:

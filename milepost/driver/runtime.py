@@ -33,6 +33,7 @@ from milepost.driver.preflight import (
 from milepost.eval.shared import evaluate_on_engines
 from milepost.observe.metrics import MetricsLogger
 from milepost.observe.progress import StepProgress
+from milepost.rollout.agentic import AgenticRollout, rollout_layers_enabled
 from milepost.rollout.client import EngineClient
 from milepost.rollout.generate import (
     RolloutResult,
@@ -91,6 +92,9 @@ class Runtime:
         self.weights: WeightSync | None = None
         if self.lead:  # first: a bad dataset row stops the run before the model is sharded
             self._init_lead()
+        # Plug-in rollout layers / session server (issue 6): replace the default rollout when set.
+        self.agentic = (AgenticRollout(cfg, engine_urls, router_url, self._sampling())
+                        if self.lead and rollout_layers_enabled(cfg) else None)
         self.backend = None if cfg.rollout_only else FSDPBackend.create(
             cfg.hf_checkpoint, trainer_settings(cfg))
         self._resume()
@@ -195,12 +199,19 @@ class Runtime:
             save_rollout(cfg.save_rollouts, step, step_result.groups)
         return step_result.groups
 
-    async def _rollout(self, items: list, group_index_start: int) -> RolloutResult:
+    def _sampling(self) -> SamplingSettings:
         cfg = self.cfg
-        sampling = SamplingSettings(
+        return SamplingSettings(
             temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
             max_new_tokens=cfg.rollout_max_response_len, stop=tuple(cfg.rollout_stop or ()),
             stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()))
+
+    async def _rollout(self, items: list, group_index_start: int) -> RolloutResult:
+        cfg = self.cfg
+        sampling = self._sampling()
+        if self.agentic is not None:
+            return await self.agentic.rollout(items, group_index_start, self.reward_fn,
+                                              self.group_reward_fn)
         return await self._with_clients(lambda clients: rollout_groups(
             clients, items, cfg.n_samples_per_prompt, sampling, self.reward_fn,
             self.group_reward_fn, cfg.rollout_max_concurrency,
@@ -324,6 +335,8 @@ class Runtime:
         self.timer = StepTimer()
 
     def close(self) -> None:
+        if self.agentic is not None:
+            self.agentic.close()
         if self.lead:
             self.metrics.close()
             self.progress.close()

@@ -91,3 +91,36 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+async def weather_agent_fn(ctx: Any) -> Any:
+    """An agent fn (milepost.rollout.layers.AgentFn) of the weather task: the item's prompt asks
+    for a city's weather; the agent runs the model's tool calls until it answers. Reward 1 when
+    the answer names the city's true condition (the item's label), else 0."""
+    from milepost.rollout.layers import AgentOutcome
+
+    prompt = ctx.item.prompt
+    messages = (list(prompt) if isinstance(prompt, list)
+                else [{"role": "user", "content": str(prompt)}])
+    answer = ""
+    for turn in range(4):
+        resp = await ctx.http.post(f"{ctx.base_url}/chat/completions", json={
+            "messages": messages, "max_tokens": ctx.max_new_tokens})
+        if resp.status_code >= 400:
+            return AgentOutcome(reward=0.0, metadata={"agent_error": resp.text[:200]})
+        choice = resp.json()["choices"][0]
+        msg = choice["message"]
+        messages.append(msg)
+        if choice["finish_reason"] != "tool_calls":
+            answer = msg.get("content") or ""
+            break
+        for call in msg["tool_calls"]:
+            try:
+                city = json.loads(call["function"]["arguments"]).get("city")
+            except (json.JSONDecodeError, AttributeError):
+                city = None
+            messages.append({"role": "tool", "tool_call_id": call["id"],
+                             "content": WEATHER.get(city, "unknown")})
+    truth = str(ctx.item.label or "")
+    return AgentOutcome(reward=float(bool(truth) and truth in answer),
+                        metadata={"agent_turns": turn + 1, "answer": answer})

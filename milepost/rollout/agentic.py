@@ -1,0 +1,105 @@
+"""What `milepost train` runs when a rollout layer is plugged in (`--rollout-function-path`,
+`--custom-generate-function-path`, `--agent-function-path`): the chosen layers, and the session
+server (rank 0, a loopback thread) when the run uses one. With several engines the session
+server talks to the router, and every turn carries its session id as the routing key.
+
+The driver hands over the prompts it drew; a rollout fn that owns its task set may ignore them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+
+from milepost.config import TrainConfig
+from milepost.config_rules import session_server_enabled
+from milepost.data.source import PromptItem
+from milepost.rollout.client import EngineClient
+from milepost.rollout.generate import RolloutResult, SamplingSettings
+from milepost.rollout.layers import (
+    GenerateContext,
+    RolloutContext,
+    default_generate,
+    default_rollout,
+    load_layer,
+)
+
+
+def rollout_layers_enabled(cfg: TrainConfig) -> bool:
+    return any(p is not None for p in (cfg.rollout_function_path,
+                                       cfg.custom_generate_function_path,
+                                       cfg.agent_function_path))
+
+
+class _Prompts:
+    """The prompts the driver drew for one call, as a data source."""
+
+    def __init__(self, items: list[PromptItem]) -> None:
+        self._items = deque(items)
+
+    def next_batch(self, n: int) -> list[PromptItem]:
+        return [self._items.popleft() for _ in range(min(n, len(self._items)))]
+
+    def requeue(self, items: Iterable[PromptItem]) -> None:
+        self._items.extendleft(reversed(list(items)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class AgenticRollout:
+    def __init__(self, cfg: TrainConfig, engine_urls: list[str], router_url: str | None,
+                 sampling: SamplingSettings) -> None:
+        self.cfg = cfg
+        self.engine_urls = engine_urls
+        self.sampling = sampling
+        self.rollout_fn = load_layer(cfg.rollout_function_path, "--rollout-function-path") \
+            or default_rollout
+        self.generate_fn = load_layer(cfg.custom_generate_function_path,
+                                      "--custom-generate-function-path") or default_generate
+        self.agent_fn = load_layer(cfg.agent_function_path, "--agent-function-path")
+        self.session_server = None
+        if session_server_enabled(cfg):
+            from milepost.session.runner import SessionServerThread
+            from milepost.session.service import SessionSettings
+
+            self.session_server = SessionServerThread(
+                cfg.hf_checkpoint, router_url or engine_urls[0],
+                family=cfg.session_model_family, matcher=cfg.session_matcher,
+                settings=SessionSettings(mode=cfg.session_mode, sampling=sampling.to_params(),
+                                         enforce_sampling=True,
+                                         return_routed_experts=cfg.use_rollout_routing_replay))
+
+    async def rollout(self, items: list[PromptItem], group_index_start: int, reward_fn: Any,
+                      group_reward_fn: Any) -> RolloutResult:
+        cfg = self.cfg
+        clients = [EngineClient(url) for url in self.engine_urls]
+        http = httpx.AsyncClient(timeout=None)
+        url = self.session_server.url if self.session_server is not None else None
+
+        def context(g: int) -> GenerateContext:
+            return GenerateContext(clients=clients, sampling=self.sampling, group_index=g,
+                                   session_url=url, agent_fn=self.agent_fn, http=http,
+                                   return_routed_experts=cfg.use_rollout_routing_replay)
+
+        try:
+            return await self.rollout_fn(RolloutContext(
+                data=_Prompts(items), num_groups=len(items),
+                n_samples_per_prompt=cfg.n_samples_per_prompt,
+                group_index_start=group_index_start, generate_fn=self.generate_fn,
+                generate_context=context, reward_fn=reward_fn, group_reward_fn=group_reward_fn,
+                max_concurrency=cfg.rollout_max_concurrency))
+        finally:
+            await http.aclose()
+            for c in clients:
+                await c.aclose()
+
+    def close(self) -> None:
+        if self.session_server is not None:
+            self.session_server.close()

@@ -1,0 +1,158 @@
+"""Contract tests of the three rollout layers (report 2.3 table 4) against a real engine and
+session server, and the agent layer wired into `milepost train`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from milepost.data.source import PromptItem
+from milepost.rollout.client import EngineClient
+from milepost.rollout.generate import SamplingSettings
+from milepost.rollout.layers import (
+    GenerateContext,
+    LayerContractError,
+    RolloutContext,
+    agent_reward,
+    default_generate,
+    default_rollout,
+    load_layer,
+)
+from milepost.session.runner import SessionServerThread
+from milepost.session.service import SessionSettings
+from milepost.testing.agent_model import make_agent_model
+from milepost.testing.server_process import ServerProcess
+from milepost.types import Status
+
+
+@pytest.fixture(scope="module")
+def agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_agent_model(tmp_path_factory.getbasetemp() / "agent_model_shared")
+
+
+@pytest.fixture(scope="module")
+def engine(agent_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(agent_dir, "--max-total-tokens", "16384") as srv:
+        yield srv
+
+
+class _Items:
+    def __init__(self, items):
+        self.items = list(items)
+
+    def next_batch(self, n):
+        out, self.items = self.items[:n], self.items[n:]
+        return out
+
+
+def _items(tok_dir: Path) -> list[PromptItem]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    out = []
+    for i, (city, cond) in enumerate([("Oslo", "snow"), ("Rome", "hot")]):
+        msgs = [{"role": "user", "content": f"Weather in {city}?"}]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        out.append(PromptItem(index=i, prompt=msgs, prompt_ids=ids, label=cond))
+    return out
+
+
+def _run(ctx_fn, items, generate_fn, rollout_fn=default_rollout, agent=None, session_url=None,
+         reward_fn=None, engine_url=None):
+    async def go():
+        clients = [EngineClient(engine_url)]
+        http = httpx.AsyncClient(timeout=120)
+        sampling = SamplingSettings(temperature=1.0, max_new_tokens=64)
+        try:
+            ctx = RolloutContext(
+                data=_Items(items), num_groups=len(items), n_samples_per_prompt=2,
+                group_index_start=10, generate_fn=generate_fn,
+                generate_context=lambda g: GenerateContext(
+                    clients=clients, sampling=sampling, group_index=g, session_url=session_url,
+                    agent_fn=agent, http=http),
+                reward_fn=reward_fn, group_reward_fn=None)
+            return await rollout_fn(ctx)
+        finally:
+            await http.aclose()
+            await clients[0].aclose()
+    return asyncio.run(go())
+
+
+def test_agent_layer_records_tokens_through_the_session_server(agent_dir, engine):
+    agent = load_layer("milepost.testing.agent_harness:weather_agent_fn", "--agent-function-path")
+    with SessionServerThread(agent_dir, engine.url, family="qwen3",
+                             settings=SessionSettings(sampling={"max_new_tokens": 64,
+                                                                "temperature": 0.0},
+                                                      enforce_sampling=True)) as srv:
+        result = _run(None, _items(agent_dir), default_generate, agent=agent,
+                      session_url=srv.url, reward_fn=agent_reward, engine_url=engine.url)
+        assert not srv.service.sessions  # every session was closed after its episode
+    assert [s.group_index for g in result.groups for s in g] == [10, 10, 11, 11]
+    for s in (s for g in result.groups for s in g):
+        assert s.status is Status.COMPLETED and s.reward in (0.0, 1.0)
+        assert s.metadata["turns"] >= 2  # tool call, then the answer
+        assert len(s.loss_mask) == s.response_length == len(s.rollout_logprobs)
+        assert 0 < sum(s.loss_mask) < s.response_length  # tool results are not trained on
+        assert s.reward == s.metadata["agent_reward"]
+
+
+def test_generate_layer_records_its_own_tokens(agent_dir, engine):
+    fn = load_layer("milepost.testing.layer_examples:two_pass_generate", "gen")
+    result = _run(None, _items(agent_dir), fn, reward_fn=lambda s: 1.0, engine_url=engine.url)
+    samples = [s for g in result.groups for s in g]
+    assert len(samples) == 4 and all(s.metadata["passes"] == 2 for s in samples)
+    assert all(s.loss_mask.count(0) == 2 and len(s.loss_mask) == s.response_length
+               for s in samples)
+
+
+def test_rollout_layer_owns_tasks_and_group_rewards(agent_dir, engine):
+    fn = load_layer("milepost.testing.layer_examples:own_taskset_rollout", "roll")
+    result = _run(None, _items(agent_dir), default_generate, rollout_fn=fn,
+                  engine_url=engine.url)
+    assert len(result.groups) == 2
+    for g in result.groups:
+        assert max(s.reward for s in g) == 1.0
+        assert {s.prompt for s in g} <= {"Weather in Oslo?", "Weather in Rome?"}
+
+
+def test_a_layer_that_breaks_its_contract_is_refused(agent_dir, engine):
+    fn = load_layer("milepost.testing.layer_examples:broken_generate", "gen")
+    with pytest.raises(LayerContractError, match="generate fn returned dict"):
+        _run(None, _items(agent_dir), fn, reward_fn=lambda s: 1.0, engine_url=engine.url)
+
+
+def test_milepost_train_with_an_agent_fn(agent_dir, tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"Weather in {c}?"}], "label": w}
+            for c, w in [("Oslo", "snow"), ("Rome", "hot"), ("Lima", "mild"), ("Bern", "snow")]]
+    data = tmp_path / "weather.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "milepost", "train", "--hf-checkpoint", str(agent_dir),
+           "--prompt-data", str(data), "--num-rollout", "2", "--rollout-batch-size", "2",
+           "--n-samples-per-prompt", "2", "--rollout-max-response-len", "64",
+           "--engine-max-total-tokens", "8192", "--run-dir", str(run_dir),
+           "--agent-function-path", "milepost.testing.agent_harness:weather_agent_fn",
+           "--session-model-family", "qwen3",
+           "--reward-fn", "milepost.rollout.layers:agent_reward"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2
+    assert all("train/loss" in m and m["rollout/response_len_mean"] > 0 for m in lines)
+
+
+def test_session_server_refuses_abort_pause_mode() -> None:
+    from milepost.config import TrainConfig
+
+    with pytest.raises(ValueError, match="abort would tear down"):
+        TrainConfig(hf_checkpoint=Path("."), prompt_data=None, load_rollouts=None,
+                    agent_function_path="a.b:c", session_model_family="qwen3",
+                    pause_generation_mode="abort", fully_async=False)
