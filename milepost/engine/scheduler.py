@@ -144,7 +144,8 @@ class Scheduler:
         if need > 0 and not may_preempt and self.cache is not None:
             # Without preemption only free + evictable blocks can serve: if they are too few,
             # evicting would wipe cached prefixes for an allocation that fails anyway.
-            if need > self.pool.num_free + self.cache.num_evictable():
+            # num_evictable walks the whole tree: ask only when the free blocks fall short.
+            if need > self.pool.num_free and need > self.pool.num_free + self.cache.num_evictable():
                 return False
         while need > 0:
             got = self.pool.allocate(need)

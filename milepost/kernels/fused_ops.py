@@ -40,25 +40,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit
 def _norm_rope_kernel(X, W, COS, SIN, Y, stride_xt, stride_xh, stride_yt, stride_yh, stride_ct,
-                      eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+                      n_heads, eps, HALF: tl.constexpr, HEADS: tl.constexpr,
+                      HAS_NORM: tl.constexpr):
+    """One token, all its heads: [HEADS, HALF] halves of each head row at once."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    hh = tl.arange(0, HEADS)
+    hmask = (hh < n_heads)[:, None]
     i = tl.arange(0, HALF)
-    base = X + t * stride_xt + h * stride_xh
-    x1 = tl.load(base + i).to(tl.float32)
-    x2 = tl.load(base + HALF + i).to(tl.float32)
+    base = X + t * stride_xt + hh[:, None] * stride_xh + i[None, :]
+    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
     if HAS_NORM:
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-        w1 = tl.load(W + i).to(tl.float32)
-        w2 = tl.load(W + HALF + i).to(tl.float32)
+        ms = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+        rstd = (1.0 / tl.sqrt(ms + eps))[:, None]
+        w1 = tl.load(W + i).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + i).to(tl.float32)[None, :]
         x1 = ((x1 * rstd).to(Y.dtype.element_ty).to(tl.float32) * w1).to(Y.dtype.element_ty).to(tl.float32)
         x2 = ((x2 * rstd).to(Y.dtype.element_ty).to(tl.float32) * w2).to(Y.dtype.element_ty).to(tl.float32)
     # cos/sin rows are cat(freqs, freqs): the two halves share one table entry.
-    c = tl.load(COS + t * stride_ct + i).to(tl.float32)
-    s = tl.load(SIN + t * stride_ct + i).to(tl.float32)
-    out = Y + t * stride_yt + h * stride_yh
-    tl.store(out + i, (x1 * c - x2 * s).to(Y.dtype.element_ty))
-    tl.store(out + HALF + i, (x2 * c + x1 * s).to(Y.dtype.element_ty))
+    c = tl.load(COS + t * stride_ct + i).to(tl.float32)[None, :]
+    s = tl.load(SIN + t * stride_ct + i).to(tl.float32)[None, :]
+    out = Y + t * stride_yt + hh[:, None] * stride_yh + i[None, :]
+    tl.store(out, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=hmask)
+    tl.store(out + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=hmask)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
@@ -71,9 +75,10 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: tor
         cos, sin = cos.contiguous(), sin.contiguous()
     y = torch.empty((t, heads, dim), dtype=x.dtype, device=x.device)
     if t:
-        _norm_rope_kernel[(t, heads)](
+        _norm_rope_kernel[(t,)](
             x, weight if weight is not None else x, cos, sin, y, x.stride(0), x.stride(1),
-            y.stride(0), y.stride(1), cos.stride(0), eps, HALF=dim // 2, HAS_NORM=weight is not None,
+            y.stride(0), y.stride(1), cos.stride(0), heads, eps, HALF=dim // 2,
+            HEADS=triton.next_power_of_2(heads), HAS_NORM=weight is not None,
         )
     return y
 

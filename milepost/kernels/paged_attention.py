@@ -44,9 +44,9 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 @triton.jit
-def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, scale,
+def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale,
                          stride_qt, stride_qh, stride_ct, stride_ch, stride_tb,
-                         stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                         stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          IEEE: tl.constexpr):
@@ -93,10 +93,14 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, scale,
         m_i = m_new
     has = l_i > 0.0  # an empty range (short sequence, padding row) contributes weight 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    o_ptr = O_part + b * stride_ob + split * stride_os + heads[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptr, out, mask=hmask[:, None])
-    tl.store(L_part + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
+    if NUM_SPLITS == 1:  # one range: the result is final, no merge pass
+        x_ptr = Out + b * stride_xt + heads[:, None] * stride_xh + d[None, :]
+        tl.store(x_ptr, out.to(Out.dtype.element_ty), mask=hmask[:, None])
+    else:
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        o_ptr = O_part + b * stride_ob + split * stride_os + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, out, mask=hmask[:, None])
+        tl.store(L_part + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
 
 
 @triton.jit
@@ -130,17 +134,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bsz, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    o_part = torch.empty((bsz, num_splits, heads, dim), dtype=torch.float32, device=q.device)
-    l_part = torch.empty((bsz, num_splits, heads), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    parts = num_splits
+    o_part = torch.empty((bsz, parts, heads, dim) if num_splits > 1 else (1, 1, 1, 1),
+                         dtype=torch.float32, device=q.device)
+    l_part = torch.empty((bsz, parts, heads) if num_splits > 1 else (1, 1, 1),
+                         dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, o_part, l_part, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, l_part, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
+        out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4,
         num_stages=2,
     )
-    out = torch.empty_like(q)
+    if num_splits == 1:
+        return out
     _decode_merge_kernel[(bsz, heads)](
         o_part, l_part, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         l_part.stride(0), l_part.stride(1), out.stride(0), out.stride(1), D=dim,
