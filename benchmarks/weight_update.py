@@ -130,7 +130,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--verify", action="store_true", help="check the engines' weights at the end")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads of this (trainer) process; engines run with 1. On a "
+                    "host whose cores the engines share, more threads make every torch copy "
+                    "wait on OpenMP barriers")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     args.transports = args.transports.split(",")
     work = Path(tempfile.mkdtemp(prefix="weight-update-bench-"))
     try:
