@@ -139,13 +139,17 @@ class EngineClient:
 
     def __init__(self, base_url: str, timeout_s: float = 600.0, *, generate_retries: int = 2,
                  retry_backoff_s: float = 0.5,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 require_routing_key: bool = False) -> None:
         if generate_retries < 0:
             raise ValueError(f"generate_retries must be >= 0, got {generate_retries}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.generate_retries = generate_retries
         self.retry_backoff_s = retry_backoff_s
+        # Session affinity (report 2.1): a generate without a key would be load-routed and lose
+        # the session's prefix cache silently, so it is an error instead.
+        self.require_routing_key = require_routing_key
         # No connection limit: callers bound their own concurrency (rollout's max_concurrency),
         # and a pool limit would only turn waiting into spurious PoolTimeouts.
         self._http = httpx.AsyncClient(
@@ -204,6 +208,10 @@ class EngineClient:
                        ) -> GenerateOutput:
         """One completion of `input_ids`. Retries EngineUnavailableError `generate_retries` times
         (a retry with a rid uses `rid-retryK`, so `abort_request(rid)` still reaches it)."""
+        if self.require_routing_key and not routing_key:
+            raise ValueError(f"generate on {self.base_url}: this client requires a routing key "
+                             f"({ROUTING_KEY_HEADER}) on every request (session affinity); none "
+                             f"was given, and load-based routing is not a fallback")
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
         for attempt in range(self.generate_retries + 1):
             body: dict[str, Any] = {"input_ids": list(input_ids),

@@ -71,7 +71,7 @@ class SessionServerThread:
     def _app_factory(self) -> Any:
         # The engine client belongs to the server's event loop, so it is made here.
         client = EngineClient(self.engine_url, self.engine_timeout_s, generate_retries=0,
-                              transport=self.engine_transport)
+                              transport=self.engine_transport, require_routing_key=True)
         self.service = SessionService(self.renderer, client, self.matcher, self.settings)
         return build_app(self.service)
 

@@ -130,7 +130,8 @@ def _completion(result: TurnResult, model: str, cid: str) -> dict[str, Any]:
                   "total_tokens": len(result.turn.ids),
                   "prompt_tokens_details": {"cached_tokens": out.cached_tokens}},
         "milepost": {"turn_id": result.turn.id, "weight_version": out.weight_version,
-                     "overhead_ms": result.overhead_s * 1e3},
+                     "overhead_ms": result.overhead_s * 1e3,
+                     "generate_ms": result.generate_s * 1e3},
     }
 
 

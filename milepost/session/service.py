@@ -50,6 +50,7 @@ class TurnResult:
     reply: Message
     output: GenerateOutput
     overhead_s: float
+    generate_s: float = 0.0
 
 
 class SessionService:
@@ -155,4 +156,4 @@ class SessionService:
             if lock is not None:
                 lock.release()
         turn.overhead_s = time.perf_counter() - start - gen_s
-        return TurnResult(turn, reply, out, turn.overhead_s)
+        return TurnResult(turn, reply, out, turn.overhead_s, gen_s)

@@ -148,11 +148,3 @@ def test_milepost_train_with_an_agent_fn(agent_dir, tmp_path):
     assert len(lines) == 2
     assert all("train/loss" in m and m["rollout/response_len_mean"] > 0 for m in lines)
 
-
-def test_session_server_refuses_abort_pause_mode() -> None:
-    from milepost.config import TrainConfig
-
-    with pytest.raises(ValueError, match="abort would tear down"):
-        TrainConfig(hf_checkpoint=Path("."), prompt_data=None, load_rollouts=None,
-                    agent_function_path="a.b:c", session_model_family="qwen3",
-                    pause_generation_mode="abort", fully_async=False)

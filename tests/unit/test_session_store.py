@@ -137,3 +137,25 @@ def test_routed_experts_come_from_the_call_that_processed_each_token() -> None:
     got = got.reshape(-1, 2, 2)
     assert got.shape == (len(t2.ids) - 1, 2, 2)
     assert (got[:4] == r1).all() and (got[4:] == r2[4:]).all()
+
+
+def test_a_client_that_requires_a_routing_key_refuses_a_request_without_one() -> None:
+    import asyncio
+
+    import httpx
+
+    from milepost.rollout.client import EngineClient
+
+    def never(request: httpx.Request) -> httpx.Response:
+        raise AssertionError("a key-less request must not reach the router")
+
+    async def go() -> None:
+        client = EngineClient("http://router", require_routing_key=True,
+                              transport=httpx.MockTransport(never))
+        try:
+            with pytest.raises(ValueError, match="requires a routing key"):
+                await client.generate([1, 2], {"max_new_tokens": 1})
+        finally:
+            await client.aclose()
+
+    asyncio.run(go())
