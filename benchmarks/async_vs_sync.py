@@ -22,6 +22,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -181,7 +182,8 @@ def main() -> None:
         ratios.append(fully["tok_per_s"] / sync["tok_per_s"])
         print(f"[{i}] ratio (fully async / sync trained tokens/s): {ratios[-1]:.2f}x")
     if len(ratios) > 1:
-        print(f"ratios {', '.join(f'{r:.2f}' for r in ratios)}; median {sorted(ratios)[len(ratios) // 2]:.2f}x")
+        print(f"ratios {', '.join(f'{r:.2f}' for r in ratios)}; median "
+              f"{statistics.median(ratios):.2f}x")
 
 
 def total(r: dict, key: str) -> float:
