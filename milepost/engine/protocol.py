@@ -53,9 +53,22 @@ class GenerateReqInput(_Strict):
     return_text_in_logprobs: bool = False
     return_routed_experts: bool = False
     stream: bool = False
+    # Fields sglang-router (0.3.x) adds to every /generate it forwards, with SGLang's defaults.
+    # Logging switches are accepted as they come; the others only at their off value (below).
+    model: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_hidden_states: bool = False
+    return_entropy: bool = False
+    return_bytes: bool = False
+    background: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> GenerateReqInput:
+        on = [f for f in ("return_hidden_states", "return_entropy", "return_bytes", "background")
+              if getattr(self, f)]
+        if on:
+            raise ValueError(f"{', '.join(on)}: not supported by this engine; send false")
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("text, input_ids: give exactly one of them (a prompt as text, "
                              "or as token ids)")
