@@ -60,8 +60,8 @@ def isolation_problem() -> str | None:
         return "bubblewrap (bwrap) is not installed (apt-get install -y bubblewrap)"
     with tempfile.TemporaryDirectory() as d:
         try:
-            out = subprocess.run([*_bwrap_base(Path(d)), "true"], capture_output=True, text=True,
-                                 timeout=20)
+            out = subprocess.run([*_bwrap_base(Path(d)), "true"], check=False,
+                                 capture_output=True, text=True, timeout=20)
         except subprocess.TimeoutExpired:
             return "bwrap did not answer within 20 s"
     if out.returncode != 0:
@@ -103,8 +103,8 @@ class Sandbox:
         argv = ([*_bwrap_base(self.workdir), "/bin/sh", "-c", command] if self.isolated
                 else ["/bin/sh", "-c", command])
         try:
-            out = subprocess.run(argv, cwd=self.workdir, capture_output=True, text=True,
-                                 errors="replace", timeout=self.limits.command_timeout_s,
+            out = subprocess.run(argv, check=False, cwd=self.workdir, capture_output=True,
+                                 text=True, errors="replace", timeout=self.limits.command_timeout_s,
                                  preexec_fn=self._limit, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired as e:
             text = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)

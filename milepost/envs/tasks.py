@@ -74,3 +74,16 @@ def write_task_prompts(path: str | Path) -> Path:
     path.write_text("".join(json.dumps({"prompt": t.instruction, "label": t.name}) + "\n"
                             for t in TASKS))
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write the terminal task set as a prompt dataset.")
+    ap.add_argument("path", help="JSONL file to write (prompt = instruction, label = task name)")
+    print(write_task_prompts(ap.parse_args(argv).path))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

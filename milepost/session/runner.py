@@ -78,7 +78,7 @@ class SessionServerThread:
     def _run(self) -> None:
         try:
             asyncio.run(self._server.serve())
-        except BaseException as e:  # surfaced by _wait_healthy
+        except BaseException as e:  # noqa: BLE001 - surfaced by _wait_healthy
             self._error = e
 
     def _wait_healthy(self, timeout_s: float = 30.0) -> None:

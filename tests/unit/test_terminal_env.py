@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from milepost.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, isolation_problem
+from milepost.envs.sandbox import (
+    Sandbox,
+    SandboxLimits,
+    SandboxUnavailable,
+    isolation_problem,
+)
 from milepost.envs.tasks import TASKS
 
 needs_bwrap = pytest.mark.skipif(isolation_problem() is not None,
