@@ -265,6 +265,10 @@ def objective_refusals(c: TrainConfig) -> list[str]:
     if c.use_rollout_routing_replay and not _is_moe_checkpoint(c.hf_checkpoint):
         p.append(f"--use-rollout-routing-replay: {c.hf_checkpoint} is a dense model (no expert routing to "
                  "replay); turn it off or train a mixture-of-experts model")
+    if c.use_rollout_routing_replay and c.critic_hf_checkpoint not in (None, c.hf_checkpoint):
+        p.append("--use-rollout-routing-replay replays the policy's expert ids, which a critic from another "
+                 "--critic-hf-checkpoint cannot take; drop --critic-hf-checkpoint (the critic then starts "
+                 "from --hf-checkpoint)")
     return p
 
 
