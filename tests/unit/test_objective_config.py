@@ -77,7 +77,12 @@ def test_corrections_and_r3_combinations(base: list[str], tmp_path: Path) -> Non
     assert "--use-rollout-routing-replay" in msg and "dense model" in msg
     moe = _model(tmp_path, "moe", model_type="qwen3_moe", num_experts=4)
     i = base.index("--hf-checkpoint") + 1
-    load_config(None, base[:i] + [str(moe)] + base[i + 1:] + ["--use-rollout-routing-replay"])
+    moe_base = base[:i] + [str(moe)] + base[i + 1:]
+    load_config(None, moe_base + ["--use-rollout-routing-replay"])
+    other = _model(tmp_path, "moe2", model_type="qwen3_moe", num_experts=8)
+    msg = refused(moe_base, "--use-rollout-routing-replay", "--advantage-estimator", "ppo", "--critic-lr", "1e-3",
+                  "--critic-hf-checkpoint", str(other))
+    assert "--critic-hf-checkpoint" in msg
 
 
 def test_sft_config_names_its_settings(tmp_path: Path) -> None:
