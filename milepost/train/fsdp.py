@@ -290,6 +290,8 @@ class FSDPBackend:
         per_token = max(loss_tokens, 1.0)
         n = len(METRIC_SUMS)
         metrics = {k: v / per_token for k, v in zip(METRIC_SUMS, reduced)}
+        if self.settings.loss_type != "sft_loss":  # an RL run has no supervised term to report
+            metrics.pop("sft_loss")
         metrics.update(
             loss=reduced[n] / len(steps),
             grad_norm=sum(grad_norms) / len(steps),
