@@ -404,6 +404,22 @@ class EvalTable(_Table):
     eval_top_p: float | None = Field(
         None, gt=0, le=1, description="Evaluation nucleus threshold; default --rollout-top-p."
     )
+    eval_mode: Literal["shared", "external"] = Field(
+        "shared",
+        description="shared = on the rollout engines (under --fully-async new generation holds "
+        "meanwhile); external = --fully-async only: a snapshot (HF directory) is exported and "
+        "--eval-backend scores it in the background while training goes on (report table 3).",
+    )
+    eval_backend: str | None = Field(
+        None,
+        description="--eval-mode external: import path module.sub:Class; "
+        "Class().evaluate(checkpoint_dir, prompt_data, step) -> dict of numbers.",
+    )
+    max_outstanding_evals: int = Field(
+        1, ge=1,
+        description="--eval-mode external: evaluations running at once; one due beyond it is "
+        "skipped (recorded with the reason), never waited for.",
+    )
 
 
 class DebugTable(_Table):

@@ -200,11 +200,19 @@ def _fully_async_refusals(c: TrainConfig) -> list[str]:
     """Fully asynchronous RL (report 2.2): its placement, buffer and staleness settings."""
     from milepost.config import _IMPORT_PATH
 
+    p: list[str] = []
+    if c.eval_mode == "external" and (c.eval_backend is None or c.eval_interval == 0):
+        p.append("--eval-mode external needs --eval-backend module.sub:Class and --eval-interval N")
+    if c.eval_backend is not None and c.eval_mode != "external":
+        p.append("--eval-backend is only used with --eval-mode external; add it or drop --eval-backend")
+    if c.eval_backend is not None and not _IMPORT_PATH.match(c.eval_backend):
+        p.append(f"--eval-backend {c.eval_backend!r} is not an import path module.sub:Class")
     if not c.fully_async:
         given = [name for name in _ASYNC_ONLY if getattr(c, name) is not None]
-        return ([f"--{given[0].replace('_', '-')} only applies to --fully-async runs; add "
-                 "--fully-async or drop it"] if given else [])
-    p: list[str] = []
+        if c.eval_mode == "external":
+            given.append("eval_mode external")
+        return p + ([f"--{given[0].replace('_', '-')} only applies to --fully-async runs; add "
+                     "--fully-async or drop it"] if given else [])
     if c.colocate:
         p.append("--fully-async generates while the trainer trains, so trainer and engines need "
                  "devices of their own; it is refused with --colocate (drop one of them)")

@@ -22,6 +22,7 @@ from milepost.data.accounting import PromptLedger
 from milepost.data.buffer import BufferClosed, BufferSettings, GroupBuffer
 from milepost.driver.preflight import RunError, load_fully_async_plugins
 from milepost.driver.runtime import Runtime
+from milepost.eval.external import ExternalEvaluator, load_backend
 from milepost.rollout.client import SyncEngineClient
 from milepost.rollout.generate import RolloutResult, SamplingSettings, rollout_metrics
 from milepost.rollout.scheduler import RolloutWorker, WorkerSettings
@@ -30,12 +31,14 @@ from milepost.types import Group
 log = logging.getLogger(__name__)
 PREFIX = "rollout/fully_async/"
 ACCOUNTING_FILE = "fully_async_accounting.json"
+EVAL_DRAIN_S = 300.0  # at the end, how long outstanding external evaluations may still take
 
 
 class FullyAsyncRuntime(Runtime):
     def __init__(self, cfg: TrainConfig, engine_urls: list[str], router_url: str | None) -> None:
         super().__init__(cfg, engine_urls, router_url)
         self.worker: RolloutWorker | None = None
+        self.external: ExternalEvaluator | None = None
         if not self.lead:
             return
         buffer_cls, group_filter = load_fully_async_plugins(cfg)
@@ -53,6 +56,9 @@ class FullyAsyncRuntime(Runtime):
             WorkerSettings(cfg.n_samples_per_prompt, int(cfg.max_inflight),
                            cfg.rollout_granularity or "sample"))
         self._pausers = [SyncEngineClient(url) for url in engine_urls]
+        self.external = (ExternalEvaluator(load_backend(cfg.eval_backend), cfg.eval_prompt_data,
+                                           cfg.run_dir, cfg.max_outstanding_evals)
+                         if cfg.eval_mode == "external" else None)
 
     def start_rollout_worker(self) -> None:
         if self.worker is not None:
@@ -63,6 +69,9 @@ class FullyAsyncRuntime(Runtime):
         if self.worker is None:
             return
         self.worker.stop()
+        if self.external is not None:  # the last evaluations: recorded, not lost
+            self.external.collect(self.cfg.num_rollout - 1, wait_s=EVAL_DRAIN_S)
+            self.external.close()
         summary = self.ledger.summary()
         summary.update(in_buffer=float(len(self.buffer)),
                        generating=float(self.worker.groups_generating))
@@ -113,6 +122,42 @@ class FullyAsyncRuntime(Runtime):
             self.timer.add("perf/generation_pause_time", time.perf_counter() - t0)
 
     def evaluate(self, step: int) -> None:
+        if self.cfg.eval_mode == "external":
+            return self._evaluate_external(step)
+        self._evaluate_shared(step)
+
+    def _evaluate_external(self, step: int) -> None:
+        """Export a snapshot (every rank: a collective) and hand it to the backend; training
+        goes on. Skipped, with the reason, when too many evaluations are outstanding (no export:
+        that would pause training for nothing) or the export fails."""
+        box = [self.external.has_room() if self.lead else None]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        if not box[0]:
+            if self.lead:
+                self.external.skip(step, step, f"too many evaluations outstanding "
+                                   f"(--max-outstanding-evals {self.cfg.max_outstanding_evals})")
+            return
+        t0 = time.perf_counter()
+        snapshot = Path(self.cfg.run_dir) / "eval_snapshots" / f"step_{step:08d}"
+        error = None
+        try:
+            self.backend.export_hf(snapshot)
+        except Exception as e:  # noqa: BLE001 - recorded; training never stops for evaluation
+            error = f"export failed: {type(e).__name__}: {e}"
+        self.timer.add("perf/eval_export_time", time.perf_counter() - t0)
+        if self.lead:
+            if error is not None:
+                self.external.skip(step, step, error)
+            else:
+                self.external.submit(step, snapshot)
+
+    def log(self, step: int, step_start: float) -> None:
+        if self.external is not None:
+            self.step_metrics.update(self.external.collect(step))
+        super().log(step, step_start)
+
+    def _evaluate_shared(self, step: int) -> None:
         """Shared engines (report table 3): new generation holds while the evaluation runs;
         trajectories already generating go on (same weights: no update happens meanwhile)."""
         if self.worker is not None:

@@ -60,6 +60,10 @@ def load_fully_async_plugins(cfg: TrainConfig) -> tuple[Any, Any]:
         if buffer_cls is not None:
             check_buffer_class(buffer_cls, cfg.buffer_class)
         keep = load_callable(cfg.group_filter, "--group-filter") if cfg.group_filter else None
+        if cfg.eval_mode == "external":
+            from milepost.eval.external import load_backend
+
+            load_backend(cfg.eval_backend)
     except ValueError as e:
         raise RunError(str(e)) from None
     return buffer_cls, keep

@@ -29,6 +29,29 @@ class NewestFirst(GroupBuffer):
 class Forgetful(GroupBuffer):
     def take(self, batch_size, trainer_version):
         return []
+
+
+class WeightNorm:
+    """An external evaluation backend: reads only the snapshot directory it is given."""
+
+    def evaluate(self, checkpoint_dir, prompt_data, step):
+        import time
+        from safetensors.torch import load_file
+
+        weights = load_file(str(checkpoint_dir / "model.safetensors"))
+        if step == 0:  # a slow first evaluation: returns once training logged 3 more steps
+            metrics = checkpoint_dir.parent.parent / "metrics.jsonl"
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (
+                    not metrics.exists() or len(metrics.read_text().splitlines()) < 4):
+                time.sleep(0.05)
+        norm = sum(float(t.float().pow(2).sum()) for t in weights.values()) ** 0.5
+        return {"weight_norm": norm, "num_prompts": float(len(open(prompt_data).readlines()))}
+
+
+class Broken:
+    def evaluate(self, checkpoint_dir, prompt_data, step):
+        raise RuntimeError("the evaluation service is down")
 '''
 
 
@@ -97,6 +120,43 @@ def test_evaluation_on_shared_engines_scores_the_version_of_its_step(plugins):
     for r in evals:
         assert r["eval/skipped"] == 0 and r["eval/mixed_version_frac"] == 0, r
         assert r["eval/weight_version"] == r["step"] + 1 and math.isfinite(r["eval/reward_mean"])
+
+
+def eval_records(run: Run) -> list[dict]:
+    return [json.loads(line) for line in (run.run_dir / "eval_async.jsonl").read_text().splitlines()]
+
+
+def test_external_evaluation_runs_beside_training_and_records_late_scores(plugins):
+    run = ok(train(plugins, plugins / "ext-eval", "--fully-async", num_rollout=6, eval_interval=1,
+                   eval_mode="external", eval_backend="e2e_buffers:WeightNorm",
+                   eval_prompt_data=str(plugins / "prompts.jsonl")))
+    records = eval_records(run)
+    assert sorted(r["step"] for r in records) == list(range(6))  # every due evaluation: a record
+    done = [r for r in records if r["skipped_reason"] is None]
+    skipped = [r for r in records if r["skipped_reason"] is not None]
+    assert done and all(r["metrics"]["num_prompts"] == 8 for r in done)
+    # Training did not wait: results came in steps later, and dues past the limit were skipped.
+    assert any(r["delay_steps"] >= 1 for r in done), records
+    assert skipped and all("too many evaluations outstanding" in r["skipped_reason"]
+                           for r in skipped), records
+    first = next(r for r in done if r["step"] == 0)
+    assert first["delay_steps"] >= 3 and {1, 2} <= {r["step"] for r in skipped}
+    assert len(done) >= 2, records
+    # Each score measured its own step's weights: training changed them between snapshots.
+    norms = {r["step"]: r["metrics"]["weight_norm"] for r in done}
+    assert len(set(norms.values())) == len(norms)
+    assert (run.run_dir / "eval_snapshots" / f"step_{done[0]['step']:08d}" / "config.json").is_file()
+
+
+def test_an_external_backend_error_is_recorded_and_training_goes_on(plugins):
+    run = ok(train(plugins, plugins / "ext-broken", "--fully-async", eval_interval=2,
+                   eval_mode="external", eval_backend="e2e_buffers:Broken",
+                   eval_prompt_data=str(plugins / "prompts.jsonl")))
+    records = eval_records(run)
+    assert [r["step"] for r in records] == [1, 3]
+    assert all("backend error: RuntimeError: the evaluation service is down"
+               in r["skipped_reason"] for r in records)
+    assert len(run.metrics()) == 4
 
 
 @pytest.mark.parametrize("settings, message", [
