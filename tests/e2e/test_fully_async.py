@@ -122,6 +122,20 @@ def test_evaluation_on_shared_engines_scores_the_version_of_its_step(plugins):
         assert r["eval/weight_version"] == r["step"] + 1 and math.isfinite(r["eval/reward_mean"])
 
 
+def test_resume_generates_again_the_prompts_outstanding_at_the_checkpoint(plugins):
+    from milepost.train.checkpoint import META_FILE
+
+    run_dir = plugins / "async-resume"
+    ok(train(plugins, run_dir, "--fully-async", num_rollout=3))
+    meta = json.loads((run_dir / "checkpoints" / "step_00000002" / META_FILE).read_text())
+    retry = meta["extra"]["data"]["retry"]
+    assert retry, "prompts generating or waiting at the checkpoint must be first in line"
+    resumed = ok(train(plugins, run_dir, "--fully-async", num_rollout=5))
+    assert [r["step"] for r in resumed.metrics()] == list(range(5))
+    a = check_accounts(resumed)
+    assert a["prompts_trained"] == 2 * 2  # the resumed part: steps 3 and 4
+
+
 def eval_records(run: Run) -> list[dict]:
     return [json.loads(line) for line in (run.run_dir / "eval_async.jsonl").read_text().splitlines()]
 
