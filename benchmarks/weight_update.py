@@ -60,9 +60,9 @@ def transport(kind: str, urls: list[str], backend: str, store: Path):
 
 
 def step(named: list[tuple[str, torch.Tensor]], gen: torch.Generator) -> None:
-    """An Adam-like step on every weight, in place."""
+    """An Adam-like step on every weight, in place (noise drawn where the weights live)."""
     for _, t in named:
-        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device)
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32, device=t.device)
         t.add_((1e-4 * t.float().abs() * noise).to(t.dtype))
 
 
@@ -80,7 +80,7 @@ def bench_size(size: str, args: argparse.Namespace, work: Path) -> dict[str, tup
         engines = list(pool.map(lambda _: ServerProcess(ckpt, *flags, timeout_s=600),
                                 range(args.engines)))
     results: dict[str, tuple[float, str]] = {}
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     try:
         urls = [e.url for e in engines]
         backend = "nccl" if args.device == "cuda" else "gloo"
