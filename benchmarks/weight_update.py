@@ -2,7 +2,8 @@
 
 Starts real `milepost serve` engines on random Qwen3 checkpoints of several sizes and pushes the
 same weights through each transport with the production path (`WeightSync`, fixed-size buckets),
-timing `update()` end to end (gather-free: the trainer's tensors are already in memory). Each
+timing `update()` end to end from fp32 master weights already in memory (no gather; the cast to
+the engines' dtype is inside, as in a trainer's export). Each
 update after the first applies a small Adam-like step to every weight (w += 1e-4 * |w| * noise),
 so disk-delta publishes what an RL step would. Prints seconds per update (median of --repeats
 after one warm-up) and the ratio to broadcast measured in the same run (or to tensor when
@@ -70,8 +71,10 @@ def bench_size(size: str, args: argparse.Namespace, work: Path) -> dict[str, tup
     ckpt = make_tiny_checkpoint(work / size, "qwen3", with_tokenizer=False, **SIZES[size])
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     device = torch.device(args.device)
-    named = [(n, t.to(dtype).to(device)) for n, t in load_file(ckpt / "model.safetensors").items()]
-    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    # fp32 master weights, sent cast to the engines' dtype, as a trainer does: a small step on
+    # bf16 weights themselves would round back to the same bytes.
+    named = [(n, t.float().to(device)) for n, t in load_file(ckpt / "model.safetensors").items()]
+    nbytes = sum(t.numel() * dtype.itemsize for _, t in named)
     flags = ["--max-total-tokens", "256", "--device", args.device,
              "--dtype", "bfloat16" if args.device == "cuda" else "float32"]
     if args.device == "cuda":
@@ -103,7 +106,7 @@ def bench_size(size: str, args: argparse.Namespace, work: Path) -> dict[str, tup
                     m = stats.metrics
                     extra = (f"changed {m['perf/update_weights_delta_changed_fraction']:.2f}, "
                              f"wrote {m['perf/update_weights_delta_bytes_written'] / 2**20:.1f} MiB")
-                if args.verify:
+                if args.verify:  # verify() casts like update() does
                     assert sync.verify(named) == len(named)
             finally:
                 sync.close()
