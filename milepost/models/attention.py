@@ -1,8 +1,9 @@
 """CPU/reference attention backends: a paged KV cache for the engine, packed varlen for full sequences.
 
-Both implement `AttentionBackend` from base.py with torch SDPA. They favour clarity over speed: GPU
-kernels will replace `TorchPagedAttention` later and must reproduce its semantics (bottom-right
-aligned causal mask over each sequence's cached prefix plus its new tokens, GQA by head groups).
+Both implement `AttentionBackend` from base.py with torch SDPA. They favour clarity over speed: on
+CUDA the engine runs `TritonPagedAttention` (triton_attention.py), which reproduces the semantics of
+`TorchPagedAttention` (bottom-right aligned causal mask over each sequence's cached prefix plus its
+new tokens, GQA by head groups) and is tested against it.
 """
 
 from __future__ import annotations
