@@ -404,11 +404,15 @@ class EvalTable(_Table):
     eval_top_p: float | None = Field(
         None, gt=0, le=1, description="Evaluation nucleus threshold; default --rollout-top-p."
     )
-    eval_mode: Literal["shared", "external"] = Field(
+    eval_mode: Literal["shared", "dedicated", "external"] = Field(
         "shared",
         description="shared = on the rollout engines (under --fully-async new generation holds "
-        "meanwhile); external = --fully-async only: a snapshot (HF directory) is exported and "
-        "--eval-backend scores it in the background while training goes on (report table 3).",
+        "meanwhile); --fully-async only: dedicated = --eval-num-engines engines of their own load "
+        "an exported snapshot; external = --eval-backend scores the snapshot; both in the "
+        "background while training goes on (report table 3).",
+    )
+    eval_num_engines: int = Field(
+        1, ge=1, description="--eval-mode dedicated: evaluation engines (CPU only for now)."
     )
     eval_backend: str | None = Field(
         None,

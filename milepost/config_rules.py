@@ -205,12 +205,15 @@ def _fully_async_refusals(c: TrainConfig) -> list[str]:
         p.append("--eval-mode external needs --eval-backend module.sub:Class and --eval-interval N")
     if c.eval_backend is not None and c.eval_mode != "external":
         p.append("--eval-backend is only used with --eval-mode external; add it or drop --eval-backend")
+    if c.eval_mode == "dedicated" and c.device == "cuda":
+        p.append("--eval-mode dedicated runs its engines on CPU only for now; use --eval-mode "
+                 "shared or external on GPUs")
     if c.eval_backend is not None and not _IMPORT_PATH.match(c.eval_backend):
         p.append(f"--eval-backend {c.eval_backend!r} is not an import path module.sub:Class")
     if not c.fully_async:
         given = [name for name in _ASYNC_ONLY if getattr(c, name) is not None]
-        if c.eval_mode == "external":
-            given.append("eval_mode external")
+        if c.eval_mode != "shared":
+            given.append(f"eval_mode {c.eval_mode}")
         return p + ([f"--{given[0].replace('_', '-')} only applies to --fully-async runs; add "
                      "--fully-async or drop it"] if given else [])
     if c.colocate:

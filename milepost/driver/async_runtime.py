@@ -21,7 +21,8 @@ from milepost.config import TrainConfig
 from milepost.data.accounting import PromptLedger
 from milepost.data.buffer import BufferClosed, BufferSettings, GroupBuffer
 from milepost.driver.preflight import RunError, load_fully_async_plugins
-from milepost.driver.runtime import Runtime
+from milepost.driver.runtime import Runtime, _default
+from milepost.eval.dedicated import DedicatedFleet
 from milepost.eval.external import ExternalEvaluator, load_backend
 from milepost.rollout.client import SyncEngineClient
 from milepost.rollout.generate import RolloutResult, SamplingSettings, rollout_metrics
@@ -39,6 +40,7 @@ class FullyAsyncRuntime(Runtime):
         super().__init__(cfg, engine_urls, router_url)
         self.worker: RolloutWorker | None = None
         self.external: ExternalEvaluator | None = None
+        self.fleet: DedicatedFleet | None = None
         if not self.lead:
             return
         buffer_cls, group_filter = load_fully_async_plugins(cfg)
@@ -56,9 +58,26 @@ class FullyAsyncRuntime(Runtime):
             WorkerSettings(cfg.n_samples_per_prompt, int(cfg.max_inflight),
                            cfg.rollout_granularity or "sample"))
         self._pausers = [SyncEngineClient(url) for url in engine_urls]
-        self.external = (ExternalEvaluator(load_backend(cfg.eval_backend), cfg.eval_prompt_data,
-                                           cfg.run_dir, cfg.max_outstanding_evals)
-                         if cfg.eval_mode == "external" else None)
+        self.fleet = self._start_eval_fleet() if cfg.eval_mode == "dedicated" else None
+        backend = self.fleet if self.fleet is not None else (
+            load_backend(cfg.eval_backend) if cfg.eval_mode == "external" else None)
+        if backend is not None:
+            self.external = ExternalEvaluator(backend, cfg.eval_prompt_data, cfg.run_dir,
+                                              cfg.max_outstanding_evals)
+
+    def _start_eval_fleet(self) -> DedicatedFleet:
+        cfg = self.cfg
+        sampling = SamplingSettings(
+            temperature=_default(cfg.eval_temperature, cfg.rollout_temperature),
+            top_p=_default(cfg.eval_top_p, cfg.rollout_top_p), top_k=cfg.rollout_top_k,
+            max_new_tokens=_default(cfg.eval_max_response_len, cfg.rollout_max_response_len),
+            stop=tuple(cfg.rollout_stop or ()),
+            stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()))
+        return DedicatedFleet(cfg.hf_checkpoint, cfg.eval_num_engines,
+                              Path(cfg.run_dir) / "logs", self.eval_items,
+                              cfg.n_samples_per_eval_prompt, sampling, self.reward_fn,
+                              self.group_reward_fn, dtype=cfg.dtype,
+                              max_concurrency=int(cfg.rollout_max_concurrency or 256))
 
     def start_rollout_worker(self) -> None:
         if self.worker is not None:
@@ -122,7 +141,7 @@ class FullyAsyncRuntime(Runtime):
             self.timer.add("perf/generation_pause_time", time.perf_counter() - t0)
 
     def evaluate(self, step: int) -> None:
-        if self.cfg.eval_mode == "external":
+        if self.cfg.eval_mode != "shared":  # dedicated fleet or external backend
             return self._evaluate_external(step)
         self._evaluate_shared(step)
 
@@ -177,4 +196,6 @@ class FullyAsyncRuntime(Runtime):
         finally:
             for c in getattr(self, "_pausers", []):
                 c.close()
+            if self.fleet is not None:
+                self.fleet.close()
             super().close()

@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 RECORDS_FILE = "eval_async.jsonl"
 
 
+class EvalSkipped(RuntimeError):
+    """Raised by a backend that knows why its score must not count (e.g. a version check)."""
+
+
 class EvalBackend(Protocol):
     def evaluate(self, checkpoint_dir: Path, prompt_data: Path, step: int) -> dict[str, float]: ...
 
@@ -91,6 +95,10 @@ class ExternalEvaluator:
             try:
                 result = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
+                continue
+            except EvalSkipped as e:
+                del self._running[step]
+                self.skip(step, now_step, str(e))
                 continue
             except Exception as e:  # noqa: BLE001 - a user's backend may raise anything
                 del self._running[step]

@@ -162,6 +162,22 @@ def test_external_evaluation_runs_beside_training_and_records_late_scores(plugin
     assert (run.run_dir / "eval_snapshots" / f"step_{done[0]['step']:08d}" / "config.json").is_file()
 
 
+def test_dedicated_fleet_scores_verified_snapshots_beside_training(plugins):
+    run = ok(train(plugins, plugins / "fleet-eval", "--fully-async", eval_interval=2,
+                   eval_mode="dedicated", max_outstanding_evals=2,
+                   eval_prompt_data=str(plugins / "prompts.jsonl")))
+    records = eval_records(run)
+    assert sorted(r["step"] for r in records) == [1, 3]
+    for r in records:
+        assert r["skipped_reason"] is None, r
+        m = r["metrics"]
+        # Every engine loaded the snapshot of that step, and the score proves it.
+        assert m["weight_version"] == r["step"] + 1 and m["mixed_version_frac"] == 0, r
+        assert m["num_samples"] == 8 and math.isfinite(m["reward_mean"])
+    assert (run.run_dir / "logs" / "eval-engine-0.log").is_file()
+    assert len(run.metrics()) == 4
+
+
 def test_an_external_backend_error_is_recorded_and_training_goes_on(plugins):
     run = ok(train(plugins, plugins / "ext-broken", "--fully-async", eval_interval=2,
                    eval_mode="external", eval_backend="e2e_buffers:Broken",
