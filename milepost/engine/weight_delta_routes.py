@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from milepost.engine.engine import Engine
 from milepost.engine.weight_update import WeightLoader
 from milepost.weights.codec import WeightUpdateError
-from milepost.weights.disk_delta import DeltaError, DeltaIndex, DeltaReplica
+from milepost.weights.delta_replica import DeltaReplica
+from milepost.weights.disk_delta import DeltaError, DeltaIndex
 
 
 class DeltaPrepareReq(BaseModel):

@@ -35,7 +35,7 @@ class DiskDeltaTransport(_EngineFanout):
 
     def begin(self, version: str) -> None:
         super().begin(version)
-        if self.writer._next is not None:  # a failed update left a version open: never publish it
+        if self.writer.has_open_version:  # a failed update left a version open: never publish it
             self.writer.abort()
         self.writer.begin(version)
 

@@ -6,7 +6,11 @@ from typing import TYPE_CHECKING
 
 from milepost.weights.disk_transport import DiskDeltaTransport
 from milepost.weights.p2p import P2PTransport
-from milepost.weights.transport import BroadcastTransport, TensorTransport, WeightTransport
+from milepost.weights.transport import (
+    BroadcastTransport,
+    TensorTransport,
+    WeightTransport,
+)
 
 if TYPE_CHECKING:
     from milepost.config import TrainConfig

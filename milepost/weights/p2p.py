@@ -205,7 +205,7 @@ class P2PTransport(_EngineFanout):
                      for i in targets]
             writes = _in_daemon_thread(lambda ts=targets: self._write(ts, nbytes), "p2p-write")
             if k < len(groups) - 1:
-                self._guard(lambda: self._wait(posts, also=[writes]))
+                self._guard(lambda p=posts, w=writes: self._wait(p, also=[w]))
             else:  # overlaps the caller's preparation of the next bucket
                 self._tail = [*posts, writes]
 

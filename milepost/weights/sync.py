@@ -18,7 +18,12 @@ import torch
 
 from milepost.weights.bucket import iter_update_buckets, tensor_nbytes
 from milepost.weights.transport import WeightTransport
-from milepost.weights.verify import compare_digests, randomize_engines, tensor_digest, verify
+from milepost.weights.verify import (
+    compare_digests,
+    randomize_engines,
+    tensor_digest,
+    verify,
+)
 
 __all__ = ["UpdateStats", "WeightSync", "verify"]
 

@@ -4,8 +4,6 @@ a corrupt delta file; a version out of order; a version that was never fully pub
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 import torch

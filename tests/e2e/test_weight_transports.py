@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from milepost.testing.checkpoints import make_tiny_checkpoint

@@ -7,18 +7,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from milepost.weights.delta_replica import DeltaReplica
 from milepost.weights.disk_delta import (
     DATA_NAME,
     DeltaError,
-    DeltaReplica,
     DeltaWriter,
     published_versions,
-    read_index,
     version_dir,
 )
 

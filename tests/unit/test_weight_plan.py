@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from milepost.weights.bucket import iter_update_buckets
-from milepost.weights.p2p import ALIGN, StagingBuffer, flat_layout, transfer_plan, unpack
-from milepost.weights.bucket import bucket_meta
+from milepost.weights.bucket import bucket_meta, iter_update_buckets
+from milepost.weights.p2p import (
+    ALIGN,
+    StagingBuffer,
+    flat_layout,
+    transfer_plan,
+    unpack,
+)
 
 
 def test_plan_maps_one_to_one_then_spreads_the_rest_evenly() -> None:
