@@ -31,15 +31,15 @@ from pathlib import Path
 
 from milepost.testing.checkpoints import make_tiny_checkpoint
 
-QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                 max_position_embeddings=4096, tie_word_embeddings=True)
+QWEN3_06B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                 "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                 "max_position_embeddings": 4096, "tie_word_embeddings": True}
 
 # Wide enough that one decode step is bound by reading the weights (~125 MB fp32), as decoding is
 # on GPUs, while a trained token costs its FLOPs: the regime where a synchronous step's wait for
 # its slowest trajectory dominates. The 2-layer tiny model is the opposite (trainer-bound on CPU).
-MEDIUM = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
-              num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+MEDIUM = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
 SHAPES = {"tiny": {}, "medium": MEDIUM, "qwen3-0.6b": QWEN3_06B}
 
 
@@ -113,7 +113,7 @@ def run(work: Path, toml: Path, name: str, extra: list[str],
     shutil.rmtree(run_dir, ignore_errors=True)  # a left-over run would be resumed, not re-measured
     cmd = [sys.executable, "-m", "milepost", "train", str(toml), "--run-dir", str(run_dir), *extra]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ}, check=False)
     if proc.returncode != 0:
         sys.exit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

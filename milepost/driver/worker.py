@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
 
     from milepost.data.source import DatasetError
+    from milepost.driver import fully_async, sync
     from milepost.driver.preflight import RunError
     from milepost.driver.runtime import Runtime
-    from milepost.driver import fully_async, sync
     from milepost.rollout.client import EngineError
     from milepost.rollout.generate import RolloutError
     from milepost.weights.transport import TransportError

@@ -139,9 +139,9 @@ def load_backend(path: str) -> EvalBackend:
     cls = load_callable(path, "--eval-backend")
     try:
         backend = cls()
-    except Exception as e:  # noqa: BLE001 - user code
+    except Exception as e:
         raise ValueError(f"--eval-backend {path}: {path}() raised {type(e).__name__}: {e}") from e
     if not callable(getattr(backend, "evaluate", None)):
-        raise ValueError(f"--eval-backend {path}: the instance has no evaluate(checkpoint_dir, "
+        raise ValueError(f"--eval-backend {path}: the instance has no evaluate(checkpoint_dir, "  # noqa: TRY004
                          "prompt_data, step) method")
     return backend

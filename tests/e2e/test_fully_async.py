@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from test_train_loop import Run, ok, train, work  # noqa: F401 - `work` is a fixture used here
 
 ASYNC_METRICS = ("queue_size", "avg_staleness", "max_staleness", "buffer_avg_staleness",
@@ -190,10 +189,10 @@ def test_an_external_backend_error_is_recorded_and_training_goes_on(plugins):
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(colocate=True), "refused with --colocate"),
-    (dict(max_staleness=-1), "--max-staleness -1 is negative"),
-    (dict(buffer_capacity_factor=0.5), "smaller than one train batch"),
-    (dict(buffer_class="e2e_buffers:Forgetful"), "violates the buffer contract"),
+    ({"colocate": True}, "refused with --colocate"),
+    ({"max_staleness": -1}, "--max-staleness -1 is negative"),
+    ({"buffer_capacity_factor": 0.5}, "smaller than one train batch"),
+    ({"buffer_class": "e2e_buffers:Forgetful"}, "violates the buffer contract"),
 ])
 def test_bad_fully_async_settings_are_refused_at_start(plugins, settings, message):
     run = train(plugins, plugins / f"bad-{len(message)}", "--fully-async", timeout=60, **settings)
