@@ -126,9 +126,13 @@ class FullyAsyncRuntime(Runtime):
         return groups
 
     def update_weights(self, step: int, force: bool = False) -> None:
-        """Pause the engines (the configured mode) around the update, then let them continue."""
+        """Pause the engines (the configured mode) around the update, then let them continue.
+
+        Disk-delta pauses by itself around the reload only (report 4.3: writing and pulling
+        the version happen while the engines generate)."""
         due = force or (step + 1) % self.cfg.update_weights_interval == 0
-        if not (self.lead and due and self.engine_urls and self.backend is not None):
+        if (not (self.lead and due and self.engine_urls and self.backend is not None)
+                or self.cfg.update_weight_transfer_mode == "disk-delta"):
             return super().update_weights(step, force)
         t0 = time.perf_counter()
         for c in self._pausers:

@@ -27,9 +27,9 @@ def make_transport(cfg: TrainConfig, engine_urls: list[str]) -> WeightTransport:
     if mode == "p2p":
         return P2PTransport(engine_urls, backend)
     if mode == "disk-delta":
-        # Fully async pauses around the whole update already (driver/async_runtime.py).
-        pause = None if cfg.fully_async else cfg.pause_generation_mode
+        # Pauses the engines around the reload alone, in both loops (report 4.3).
         return DiskDeltaTransport(engine_urls, cfg.update_weight_delta_dir,
-                                  cfg.update_weight_delta_encoding, pause_mode=pause)
+                                  cfg.update_weight_delta_encoding,
+                                  pause_mode=cfg.pause_generation_mode)
     raise ValueError(f"--update-weight-transfer-mode {mode!r} is not one of tensor, broadcast, "
                      "p2p, disk-delta")

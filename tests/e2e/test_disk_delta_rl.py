@@ -133,3 +133,20 @@ def test_p2p_in_a_real_run_passes_both_checks(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert len(records) == 2 and all(r["perf/update_weights_bytes"] > 0 for r in records)
+
+
+def test_disk_delta_under_fully_async(tmp_path: Path) -> None:
+    """Under `--fully-async` disk-delta writes and prepares while the engines generate and pauses
+    them only around the reload; every step still gets a version the engines verifiably hold."""
+    _, args, env = tiny_run(tmp_path)
+    run_dir = tmp_path / "rl"
+    done = subprocess.run(
+        [sys.executable, "-m", "milepost", "train", *args, "--run-dir", str(run_dir),
+         "--num-rollout", "3", "--save-hf-at-end", "false", "--fully-async",
+         "--update-weight-transfer-mode", "disk-delta", "--check-weight-update-equal",
+         "--check-weight-update"],
+        timeout=900, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [r["perf/update_weights_delta_version"] for r in records] == [0, 1, 2]
+    assert all("perf/generation_pause_time" not in r for r in records)  # no pause around it all
