@@ -123,6 +123,10 @@ class FullyAsyncRuntime(Runtime):
         self.step_metrics.update({PREFIX + k: v for k, v in self.buffer.metrics(step).items()})
         self.step_metrics.update({PREFIX + k: v for k, v in self.worker.read_stats().items()})
         self.step_metrics.update({PREFIX + k: v for k, v in self.ledger.summary().items()})
+        # Trajectories a weight update reached mid-generation (they went on under new weights).
+        samples = [s for g in groups for s in g]
+        self.step_metrics[PREFIX + "mixed_version_frac"] = (
+            sum(len(set(s.weight_versions)) > 1 for s in samples) / max(1, len(samples)))
         return groups
 
     def update_weights(self, step: int, force: bool = False) -> None:

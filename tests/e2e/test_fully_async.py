@@ -135,6 +135,17 @@ def test_resume_generates_again_the_prompts_outstanding_at_the_checkpoint(plugin
     assert a["prompts_trained"] == 2 * 2  # the resumed part: steps 3 and 4
 
 
+def test_in_place_updates_reach_trajectories_mid_generation(plugins):
+    # Long responses with few in flight make generation the slow side, so every update lands
+    # while trajectories generate: some then hold tokens of two weight versions, and are trained.
+    run = ok(train(plugins, plugins / "in-place", "--fully-async", pause_generation_mode="in_place",
+                   rollout_max_response_len=96, num_rollout=5))
+    records = run.metrics()
+    assert len(records) == 5
+    assert max(r["rollout/fully_async/mixed_version_frac"] for r in records) > 0
+    check_accounts(run)
+
+
 def eval_records(run: Run) -> list[dict]:
     return [json.loads(line) for line in (run.run_dir / "eval_async.jsonl").read_text().splitlines()]
 
