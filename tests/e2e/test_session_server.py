@@ -20,7 +20,7 @@ from milepost.testing.server_process import ServerProcess
 
 @pytest.fixture(scope="module")
 def agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_agent_model(tmp_path_factory.mktemp("agent_model"))
+    return make_agent_model(tmp_path_factory.getbasetemp() / "agent_model_shared")
 
 
 @pytest.fixture(scope="module")
