@@ -41,8 +41,11 @@ def trainer_state_bytes(backend: FSDPBackend, device: str) -> int:
     tensors = [p for m in (backend.policy, backend.reference) if m is not None for p in m.parameters()]
     tensors += [p.grad for p in tensors if p.grad is not None]
     tensors += [v for st in backend.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local if t.device.type == device)
+    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+    # Storage bytes, not numel: an evicted tensor keeps its shape over a zero-byte storage.
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in local if t.device.type == device}
+    return sum(storages.values())
 
 
 def worker(rank: int, world: int, path: str, dtype: str, offload: bool, out: str) -> dict:
