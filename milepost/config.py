@@ -294,8 +294,11 @@ class AlgorithmTable(_Table):
         "k3", description="KL estimator (Schulman's k1/k2/k3; low_var_kl = k3 clamped to [-10, 10])."
     )
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
-    use_rollout_logprobs: bool = Field(
-        False, description="Use the engine's log-probs as the old policy instead of recomputing them."
+    use_rollout_logprobs: bool | None = Field(
+        None,
+        description="Use the engine's log-probs as the old policy instead of recomputing them; "
+        "default: on under --fully-async without a --ratio-correction (the PPO ratio is then "
+        "taken against the weights that generated the group, however stale), else off.",
     )
 
 

@@ -162,6 +162,8 @@ def resolve_defaults(c: TrainConfig) -> None:
         put("update_weight_delta_dir", Path(c.run_dir or default_run_dir()).absolute() / "weight_deltas")
     if c.run_dir is None:
         put("run_dir", default_run_dir().absolute())
+    if c.use_rollout_logprobs is None:
+        put("use_rollout_logprobs", c.fully_async and c.ratio_correction == "none")
     if c.offload_train is None:
         put("offload_train", c.colocate)  # the colocated engine needs the memory back
     if c.offload_train_dir is None and c.offload_train_destination == "disk":
