@@ -1,0 +1,26 @@
+"""Session server over HTTP without an engine: an engine that cannot be reached is a 503 with a
+message and leaves the session untouched; validation happens before any engine call."""
+
+from __future__ import annotations
+
+import httpx
+
+from milepost.launch.process import free_port
+from milepost.session.runner import SessionServerThread
+from milepost.testing.tokenizer import build_tiny_tokenizer
+
+
+def test_engine_down_is_503_and_stores_nothing() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with SessionServerThread(build_tiny_tokenizer(), dead, family="qwen3") as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        sid = c.post("/sessions").json()["session_id"]
+        before = c.get(f"/sessions/{sid}").json()
+        r = c.post(f"/sessions/{sid}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and "unavailable" in r.json()["error"]["message"]
+        assert c.get(f"/sessions/{sid}").json() == before
+        assert c.post(f"/sessions/{sid}/samples").json() == {"samples": []}
+        r = c.post(f"/sessions/{sid}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], "temperature": -1})
+        assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
