@@ -99,15 +99,7 @@ class FullyAsyncRuntime(Runtime):
 
     def take_batch(self, step: int) -> list[Group]:
         """Rank 0 waits for `rollout_batch_size` fresh groups; every rank receives them."""
-        t0 = time.perf_counter()
-        groups: list[Group] | None = None
-        if self.lead:
-            groups = self._take(step)
-        box = [groups]
-        if self.world > 1:
-            dist.broadcast_object_list(box, src=0)
-        self.timer.add("perf/trainer_wait_time", time.perf_counter() - t0)
-        return box[0]
+        return self._groups_from_lead(lambda: self._take(step), "perf/trainer_wait_time")
 
     def _take(self, step: int) -> list[Group]:
         try:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from milepost.config import TrainConfig
 from milepost.data.rollout_io import load_rollout, save_rollout
 from milepost.data.source import PromptDataset
+from milepost.driver.objective import rank_batch
 from milepost.driver.preflight import (
     RunError,
     check_resume,
@@ -41,13 +42,12 @@ from milepost.rollout.generate import (
     rollout_groups,
     rollout_metrics,
 )
-from milepost.driver.objective import rank_batch
 from milepost.train.checkpoint import checkpoint_path
 from milepost.train.fsdp import FSDPBackend
 from milepost.train.settings import TrainerSettings
 from milepost.types import Group
-from milepost.weights.sync import WeightSync
 from milepost.weights.factory import make_transport
+from milepost.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -153,14 +153,15 @@ class Runtime:
 
     def generate(self, step: int) -> list[Group]:
         """Rank 0 produces the step's groups (engines or saved rollouts); all ranks receive them."""
+        return self._groups_from_lead(lambda: self._lead_rollout(step), "perf/rollout_time")
+
+    def _groups_from_lead(self, produce: Callable[[], list[Group]], timer: str) -> list[Group]:
+        """Rank 0 calls `produce`; every rank gets its groups. The wait counts under `timer`."""
         t0 = time.perf_counter()
-        groups: list[Group] | None = None
-        if self.lead:
-            groups = self._lead_rollout(step)
-        box = [groups]
+        box = [produce() if self.lead else None]
         if self.world > 1:
             dist.broadcast_object_list(box, src=0)
-        self.timer.add("perf/rollout_time", time.perf_counter() - t0)
+        self.timer.add(timer, time.perf_counter() - t0)
         return box[0]
 
     def _lead_rollout(self, step: int) -> list[Group]:

@@ -9,7 +9,6 @@ reason) — never logged against the wrong step.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,9 +16,13 @@ from dataclasses import dataclass, field
 from milepost.data.source import PromptItem
 from milepost.eval.versions import check_versions
 from milepost.rollout.client import EngineClient
-from milepost.rollout.generate import RolloutError, SamplingSettings, rollout_groups
+from milepost.rollout.generate import (
+    RolloutError,
+    SamplingSettings,
+    rollout_groups,
+    rollout_metrics,
+)
 from milepost.rollout.rewards import GroupRewardFn, RewardFn
-from milepost.types import Status
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +74,7 @@ async def evaluate_on_engines(
     if reason is not None:
         log.warning("evaluation at weight version %s skipped: %s", expected_version, reason)
         return EvalResult(metrics=metrics, skipped_reason=reason)
-    rewards = [float(s.reward) for s in samples]
-    mean = sum(rewards) / len(rewards)
-    lengths = [s.response_length for s in samples]
-    metrics.update(
-        reward_mean=mean,
-        reward_std=math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
-        response_len_mean=sum(lengths) / len(lengths),
-        truncated_frac=sum(s.status is Status.TRUNCATED for s in samples) / len(samples),
-    )
+    scores = rollout_metrics(result)  # the rollout's own statistics, over the scored samples
+    metrics.update({k: scores[k] for k in
+                    ("reward_mean", "reward_std", "response_len_mean", "truncated_frac")})
     return EvalResult(metrics=metrics)
