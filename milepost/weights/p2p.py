@@ -232,17 +232,6 @@ class P2PTransport(_EngineFanout):
         super().finish(version)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        group, self._group = self._group, None
-        if group is not None:
-            if self._broken is None:
-                for f in self._post_all("/destroy_weights_update_group",
-                                        lambda i: {"group_name": self.group_name}):
-                    try:
-                        f.result()
-                    except TransportError:
-                        pass
-            if all(f.done() for f in self._tail):
-                group.close()
+        if not self._closed:
+            self._leave_group(all(f.done() for f in self._tail))
         super().close()

@@ -101,6 +101,25 @@ class _EngineFanout:
         if wrong:
             self._break("after the update " + "; ".join(wrong) + f", expected {version!r}")
 
+    def _leave_group(self, idle: bool) -> None:
+        """Engines leave `self._group` (a group transport's); our side closes when `idle`."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        # After a failed send an engine may still sit in a receive on this group; leaving
+        # the group under it could hang that engine: it is left to end with its peers.
+        if self._broken is None:
+            for f in self._post_all("/destroy_weights_update_group",
+                                    lambda i: {"group_name": self.group_name}):
+                try:
+                    f.result()
+                except TransportError:
+                    pass  # a dead engine: nothing to leave there
+        # Closing our side under a running collective is unsafe; one stuck on a dead peer
+        # ends at the group's timeout and the group is dropped with it.
+        if idle:
+            group.close()
+
     def close(self) -> None:
         if self._closed:
             return
@@ -306,23 +325,8 @@ class BroadcastTransport(_EngineFanout):
 
     def close(self) -> None:
         """Leave the group on every engine that answers, then close the trainer's side."""
-        if self._closed:
-            return
-        group, self._group = self._group, None
-        if group is not None:
-            # After a failed send an engine may still sit in a receive on this group; leaving
-            # the group under it could hang that engine: it is left to end with its peers.
-            if self._broken is None:
-                for f in self._post_all("/destroy_weights_update_group",
-                                        lambda i: {"group_name": self.group_name}):
-                    try:
-                        f.result()
-                    except TransportError:
-                        pass  # a dead engine: nothing to leave there
-            # Closing our side under a running collective is unsafe; one stuck on a dead peer
-            # ends at the group's timeout and the group is dropped with it.
-            if self._inflight is None or self._inflight.done():
-                group.close()
+        if not self._closed:
+            self._leave_group(self._inflight is None or self._inflight.done())
         super().close()
 
 
