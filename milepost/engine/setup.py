@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import logging
 from pathlib import Path
 
@@ -58,6 +60,11 @@ def build_engine(
     budget = None
     if device.type == "cuda":  # SGLang's meaning: weights + KV <= fraction of the total (kv_budget.py)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        # An engine closed earlier in this process (a benchmark's previous run, a test) leaves its
+        # pool to the garbage collector and then in torch's cache, where the driver counts it as
+        # used: collect and return it first, or this engine would size its pool from the remainder.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         budget = cuda_kv_budget_bytes(total, free, args.mem_fraction_static, weights)
     tokens = args.kv_pool_tokens(kv_bytes_per_token, budget)
