@@ -1,4 +1,7 @@
-"""RL steps of a Qwen3-0.6B-shaped model (random weights) through `milepost train`, colocated.
+"""RL steps of a Qwen3-0.6B-shaped model (random weights) through `milepost train`.
+
+Colocated by default; `--no-colocate -- --update-weight-transfer-mode broadcast
+--check-weight-update-equal` gives the disaggregated run (one trainer GPU, one engine GPU).
 
 64 trajectories per step (8 prompts x 8 samples) of ~128-token prompts and up to 256-token
 responses; prints the step time split from the run's metrics.jsonl. Needs CUDA.
@@ -34,6 +37,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--colocate", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", default=None, help="copy metrics.jsonl here")
+    p.add_argument("extra", nargs=argparse.REMAINDER,
+                   help="after --: more `milepost train` settings, e.g. -- --actor-num-gpus-per-node 2 "
+                   "--rollout-num-engines 2 --update-weight-transfer-mode p2p")
     a = p.parse_args()
 
     from milepost.testing.checkpoints import make_tiny_checkpoint
@@ -56,6 +62,7 @@ def main() -> None:
            "--engine-max-total-tokens", str(64 * (128 + 256 + 32)),
            "--max-tokens-per-micro-batch", "8192", "--save-hf-at-end", "false"]
     cmd += ["--colocate"] if a.colocate else []
+    cmd += [x for x in a.extra if x != "--"]
     print(" ".join(cmd), flush=True)
     done = subprocess.run(cmd)
     if done.returncode != 0:
