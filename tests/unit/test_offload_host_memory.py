@@ -1,0 +1,52 @@
+"""Disk offload's host memory (issue 9): a round trip (evict, then restore) through the disk never
+holds more host memory than the staging buffer plus a small constant. On CPU the evicted state is
+itself host memory, so this checks what can be checked here: the evictor makes no host copy of the
+state besides the staging buffer. The host destination, which does copy, is the control that shows
+the meter sees such a copy. The device-side bound is tests/gpu/test_train_cuda_host_memory.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from milepost.train.host_memory import peak_rss_growth, rss_bytes
+from milepost.train.offload import StateEvictor
+
+CPU = torch.device("cpu")
+MiB = 1 << 20
+STATE_BYTES = 96 * MiB
+STAGING = 4 * MiB
+SLACK = 16 * MiB  # Python objects, file buffers, allocator rounding
+
+
+def state() -> list[torch.Tensor]:
+    """12 tensors of 8 MiB, each with distinct contents (so a wrong refill is visible)."""
+    n = STATE_BYTES // 12 // 4
+    return [torch.arange(n, dtype=torch.float32) * (i + 1) for i in range(12)]
+
+
+def round_trip(evictor: StateEvictor, tensors: list[torch.Tensor]) -> None:
+    evictor.evict(tensors)
+    evictor.restore()
+
+
+def test_disk_round_trip_stays_within_the_staging_buffer(tmp_path: Path) -> None:
+    tensors = state()
+    expected = [t.clone() for t in tensors]
+    disk = StateEvictor("disk", CPU, directory=tmp_path, staging_bytes=STAGING)
+    growth = peak_rss_growth(lambda: round_trip(disk, tensors)).peak_growth_bytes
+    assert growth <= STAGING + SLACK, f"disk round trip raised RSS by {growth / MiB:.1f} MiB"
+    assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
+    del expected
+
+    host = StateEvictor("host", CPU)  # the control: a full host copy must show up
+    copied = peak_rss_growth(lambda: round_trip(host, tensors)).peak_growth_bytes
+    assert copied >= 0.9 * STATE_BYTES, f"host round trip raised RSS by only {copied / MiB:.1f} MiB"
+
+
+def test_rss_is_read_from_proc() -> None:
+    before = rss_bytes()
+    block = torch.ones(32 * MiB, dtype=torch.uint8)  # touched pages count
+    assert rss_bytes() - before >= 30 * MiB
+    del block
