@@ -55,7 +55,7 @@ class Engine:
         self.cache = RadixCache(self.pool, cfg.block_size) if cfg.enable_prefix_cache else None
         self.scheduler = Scheduler(
             self.pool, self.cache, cfg.block_size, cfg.chunked_prefill_size,
-            cfg.max_running_requests,
+            cfg.max_running_requests, copy_kv=runner.copy_kv if self.cache is not None else None,
         )
         self.weight_version = cfg.weight_version
         self.paused: PauseMode | None = None

@@ -1,9 +1,14 @@
-"""Prefix cache over token ids at block granularity (a radix tree whose edges are full blocks).
+"""Prefix cache over token ids: a radix tree whose edges are KV blocks.
 
-Each node owns one full KV block and is keyed by that block's tokens under its parent, so a
-request whose prompt extends an earlier sequence reuses every full block the two share. The tree
-holds one reference on each block it stores; a block is evictable when the tree's reference is
-the only one left and its node is a leaf. Eviction is least-recently-used.
+Each node owns one KV block and is keyed by that block's tokens under its parent, so a request
+whose prompt extends an earlier sequence reuses every full block the two share. A finished
+sequence also leaves its last, partly filled block as a *partial* leaf (key shorter than a block).
+Blocks are shared only whole and read-only, so a prefix that ends inside a cached block (partial
+or full) is reused by copying: `match_prefix` names the block and how many of its leading tokens
+continue the prefix, and the scheduler copies those KV entries into a fresh block of the request
+(a device-side copy instead of recomputing them). The tree holds one reference on each block it
+stores; a block is evictable when the tree's reference is the only one left and its node is a
+leaf. Eviction is least-recently-used.
 """
 
 from __future__ import annotations
@@ -11,19 +16,34 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from milepost.engine.block_pool import BlockPool
 
 
 class _Node:
-    __slots__ = ("key", "block", "parent", "children", "last_use")
+    __slots__ = ("key", "block", "parent", "children", "by_first", "last_use")
 
     def __init__(self, key: tuple[int, ...], block: int, parent: _Node | None) -> None:
         self.key = key
         self.block = block
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
+        # Children by their first token: a partial match scans only these, not every child (the
+        # root can have thousands of unrelated prompts under it).
+        self.by_first: dict[int, list[_Node]] = {}
         self.last_use = 0
+
+
+@dataclass
+class PrefixMatch:
+    """What the cache holds of a prefix: whole blocks to share, then optionally the first
+    `partial_len` tokens of `partial_block`, which must be copied (never shared: the request
+    writes the rest of its block)."""
+
+    blocks: list[int] = field(default_factory=list)
+    partial_block: int = -1
+    partial_len: int = 0
 
 
 class RadixCache:
@@ -36,34 +56,54 @@ class RadixCache:
 
     def match(self, tokens: Sequence[int]) -> list[int]:
         """Blocks of the longest cached full-block prefix of `tokens` (no references taken)."""
-        node, blocks, now = self._root, [], next(self._clock)
-        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
-            child = node.children.get(tuple(tokens[start : start + self.block_size]))
+        return self.match_prefix(tokens, len(tokens), partial=False).blocks
+
+    def match_prefix(self, tokens: Sequence[int], limit: int, partial: bool = True) -> PrefixMatch:
+        """The longest cached prefix of `tokens[:limit]` (no references taken).
+
+        Whole blocks first; with `partial`, where the whole blocks end, the child block whose
+        leading tokens continue the prefix furthest (a partial leaf, or a full block the prefix
+        leaves inside, or one cut short by `limit`).
+        """
+        bs, node, now = self.block_size, self._root, next(self._clock)
+        found = PrefixMatch()
+        pos = 0
+        while pos + bs <= limit:
+            child = node.children.get(tuple(tokens[pos : pos + bs]))
             if child is None:
                 break
             child.last_use = now
-            blocks.append(child.block)
-            node = child
-        return blocks
+            found.blocks.append(child.block)
+            node, pos = child, pos + bs
+        if partial and pos < limit:
+            want = tokens[pos : min(pos + bs, limit)]
+            best, best_len = None, 0
+            for child in node.by_first.get(want[0], ()):
+                n = _common_prefix_len(child.key, want)
+                if n > best_len:
+                    best, best_len = child, n
+            if best is not None:
+                best.last_use = now
+                found.partial_block, found.partial_len = best.block, best_len
+        return found
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> None:
-        """Record that `blocks` hold the KV of `tokens` (only the full blocks are cached).
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], keep_partial: bool = False) -> None:
+        """Record that `blocks` hold the KV of `tokens`: every full block, and with `keep_partial`
+        the last, partly filled one too. Pass `keep_partial` only for a block its owner no longer
+        writes: an owner still appending would later add its full node on the same block.
 
         Where the tree already has a block for the same tokens, it keeps its own and the caller's
         duplicate stays with the caller (it is freed when the caller lets go of it).
         """
-        node, now = self._root, next(self._clock)
-        n_full = min(len(tokens) // self.block_size, len(blocks))
+        bs, node, now = self.block_size, self._root, next(self._clock)
+        n_full = min(len(tokens) // bs, len(blocks))
         for i in range(n_full):
-            key = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            child = node.children.get(key)
-            if child is None:
-                child = _Node(key, blocks[i], node)
-                node.children[key] = child
-                self.pool.incref([blocks[i]])
-                self.num_cached_blocks += 1
-            child.last_use = now
-            node = child
+            node = self._child(node, tuple(tokens[i * bs : (i + 1) * bs]), blocks[i], now)
+        tail = tuple(tokens[n_full * bs :])
+        if keep_partial and 0 < len(tail) < bs and n_full < len(blocks):
+            # A sibling that already starts with these tokens serves every match this would.
+            if not any(c.key[: len(tail)] == tail for c in node.by_first.get(tail[0], ())):
+                self._child(node, tail, blocks[n_full], now)
 
     def evict(self, n_blocks: int) -> int:
         """Free up to n_blocks blocks that only the cache holds, oldest first; returns how many."""
@@ -116,6 +156,7 @@ class RadixCache:
             stack.extend(node.children.values())
             self.pool.decref([node.block])
         self._root.children.clear()
+        self._root.by_first.clear()
         self.num_cached_blocks = 0
 
     def _evictable(self, node: _Node) -> bool:
@@ -131,8 +172,38 @@ class RadixCache:
                 leaves.append(node)
         return leaves
 
+    def _child(self, node: _Node, key: tuple[int, ...], block: int, now: int) -> _Node:
+        """node's child for `key`, added on `block` (one tree reference) if it is new."""
+        child = node.children.get(key)
+        if child is None:
+            # Partial leaves this key starts with are superseded: drop those only the tree holds.
+            for old in list(node.by_first.get(key[0], ())):
+                if len(old.key) < len(key) and key[: len(old.key)] == old.key and self._evictable(old):
+                    self._remove(old)
+            child = _Node(key, block, node)
+            node.children[key] = child
+            node.by_first.setdefault(key[0], []).append(child)
+            self.pool.incref([block])
+            self.num_cached_blocks += 1
+        child.last_use = now
+        return child
+
     def _remove(self, node: _Node) -> None:
-        assert node.parent is not None
-        del node.parent.children[node.key]
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key]
+        siblings = parent.by_first[node.key[0]]
+        siblings.remove(node)
+        if not siblings:
+            del parent.by_first[node.key[0]]
         self.pool.decref([node.block])
         self.num_cached_blocks -= 1
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -114,6 +114,18 @@ class ModelRunner:
         rows = torch.tensor(flat.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
+    def copy_kv(self, src_block: int, dst_block: int, n: int) -> None:
+        """Copy the first n KV entries of src_block into dst_block in every layer (and the routed
+        experts recorded beside them): a cached prefix that ends inside a block is reused
+        without recomputing it. Enqueued on the current stream, so it runs before the next step."""
+        s, d = src_block * self.block_size, dst_block * self.block_size
+        pools = [*self.kv.k, *self.kv.v]
+        with torch.no_grad():
+            # One multi-tensor launch on CUDA for all layers instead of 2 copies per layer.
+            torch._foreach_copy_([t[d : d + n] for t in pools], [t[s : s + n] for t in pools])
+            if self.routed_slots is not None:
+                self.routed_slots[d : d + n] = self.routed_slots[s : s + n]
+
     def _record_routed(self, slots: torch.Tensor, routed: torch.Tensor) -> None:
         self.routed_slots[slots] = routed
 

@@ -3,7 +3,10 @@
 Every step, each running request that is fully prefilled decodes one token; the rest of the
 step's token budget (`chunked_prefill_size`) goes to prefill chunks, first of requests already
 mid-prefill, then of newly admitted ones, so a long prompt never stalls the decodes. A request
-admitted from the queue first reuses the longest cached prefix. When blocks run out the prefix
+admitted from the queue first reuses the longest cached prefix: whole cached blocks are shared,
+and where the prefix ends inside a cached block, its matching KV entries are copied into a fresh
+block of the request (`copy_kv`, a device-side copy instead of recomputing those tokens; they
+count as cached tokens). When blocks run out the prefix
 cache is evicted first, then the newest running requests are preempted: their KV is dropped and
 they wait to be recomputed later (their generated tokens are kept).
 """
@@ -11,6 +14,7 @@ they wait to be recomputed later (their generated tokens are kept).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from milepost.engine.block_pool import BlockPool
@@ -40,12 +44,16 @@ class Scheduler:
         block_size: int,
         chunked_prefill_size: int,
         max_running_requests: int,
+        copy_kv: Callable[[int, int, int], None] | None = None,
     ) -> None:
+        """copy_kv(src_block, dst_block, n) copies the first n KV entries of a block into another
+        (every layer); without it only whole cached blocks are reused."""
         self.pool = pool
         self.cache = cache
         self.block_size = block_size
         self.chunked_prefill_size = chunked_prefill_size
         self.max_running = max_running_requests
+        self.copy_kv = copy_kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -130,13 +138,23 @@ class Scheduler:
         if req.blocks or self.cache is None:
             return
         tokens = req.all_ids
-        blocks = self.cache.match(tokens)
         # At least one token must be computed to get logits for the next sample.
-        while blocks and len(blocks) * self.block_size >= len(tokens):
-            blocks.pop()
-        self.pool.incref(blocks)
-        req.blocks = blocks
-        req.num_computed = len(blocks) * self.block_size
+        found = self.cache.match_prefix(tokens, len(tokens) - 1, partial=self.copy_kv is not None)
+        self.pool.incref(found.blocks)
+        req.blocks = list(found.blocks)
+        req.num_computed = len(found.blocks) * self.block_size
+        if found.partial_len:
+            src = found.partial_block
+            self.pool.incref([src])  # not evictable while a fresh block is found for the copy
+            dst = self.pool.allocate(1)
+            if dst is None and self.cache.evict(1):
+                dst = self.pool.allocate(1)
+            if dst is not None:
+                # Issued now, before any step could reuse src: stream order makes it safe.
+                self.copy_kv(src, dst[0], found.partial_len)
+                req.blocks.append(dst[0])
+                req.num_computed += found.partial_len
+            self.pool.decref([src])
 
     def _grow(self, req: Request, n_tokens: int, may_preempt: bool) -> bool:
         """Make req's blocks cover n_tokens positions; evict cache, then preempt newer requests."""
@@ -179,7 +197,9 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if self.cache is not None and req.num_computed > 0:
-            self.cache.insert(req.all_ids[: req.num_computed], req.blocks)
+            # The request lets go of its blocks: its partly filled last one is final, and kept.
+            self.cache.insert(req.all_ids[: req.num_computed], req.blocks,
+                              keep_partial=self.copy_kv is not None)
         self.pool.decref(req.blocks)
         req.blocks = []
         req.num_computed = 0

@@ -94,10 +94,11 @@ def test_routed_experts_match_transformers_router(client, hf) -> None:
 def test_routed_experts_of_a_cached_prefix(client, hf) -> None:
     first = [23, 150, 8, 77, 400, 12, 9, 61, 333, 2, 45]
     out = generate(client, [first], 8)[0]
-    # Shares 16 tokens (4 full blocks) with `first` + its output, which the cache now holds.
-    second = first + out["output_ids"][:5] + [99, 98, 97]
+    # Shares 17 tokens with `first` + its output, which the cache now holds: 4 full blocks and
+    # one entry copied out of the partly filled fifth (its routed experts are copied with it).
+    second = first + out["output_ids"][:6] + [99, 98, 97]
     again = generate(client, [second], 6)[0]
-    assert again["meta_info"]["cached_tokens"] == 16
+    assert again["meta_info"]["cached_tokens"] == 17
     seq = second + again["output_ids"]
     assert_same_routing(routed(again["meta_info"], len(seq), hf), seq, hf)
 

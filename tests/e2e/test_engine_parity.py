@@ -139,7 +139,30 @@ def test_greedy_matches_generate_with_late_arrivals(arch, ckpts, hf_models) -> N
         want = hf_greedy(hf_models[arch], req.prompt_ids, req.params.max_new_tokens)
         assert d.tokens(rid) == want, f"{arch} {rid} (prompt {len(req.prompt_ids)} tokens)"
         assert d.final(rid).finish_reason == {"type": "length", "length": len(want)}
-    assert d.final("c0").cached_tokens == 8, "c0 should reuse a1's first two full blocks"
+    # a1's first two full blocks are shared; its 9th token's KV is copied out of its third block
+    assert d.final("c0").cached_tokens == 9, "c0 should reuse a1's first 9 tokens"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_next_turn_reuses_a_partial_block_exactly(arch, ckpts, hf_models) -> None:
+    """Turn 2 = turn 1's prompt + output + 3 user tokens. Its 17 computed tokens of KV are 4
+    whole blocks of 4 and 1 entry of a fifth, which is copied into a fresh block: cached 17.
+    Greedy tokens equal generate and an engine without the prefix cache."""
+    p = prompts([11], seed=7)[0]
+    got = {}
+    for cache in (True, False):
+        d = Driver(make_engine(ckpts[arch], disable_radix_cache=not cache))
+        d.submit("t1", p, greedy(7))
+        d.run()
+        turn2 = p + d.tokens("t1") + [5, 6, 7]
+        d.submit("t2", turn2, greedy(6))
+        d.run()
+        got[cache] = (d.tokens("t1"), d.tokens("t2"), d.final("t2").cached_tokens)
+        if cache:  # the second turn computed only what the cache could not hold
+            assert [(s, n) for rid, s, n in d.batches[-6] if rid == "t2"] == [(17, 4)]
+    assert got[True][2] == 17 and got[False][2] == 0
+    assert got[True][:2] == got[False][:2]
+    assert got[True][1] == hf_greedy(hf_models[arch], p + got[True][0] + [5, 6, 7], 6)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

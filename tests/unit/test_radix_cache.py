@@ -207,3 +207,61 @@ def test_duplicate_prefix_with_new_suffix_extends_the_trees_path() -> None:
     pool.decref(first)
     assert pool.num_used == 2
     assert cache.evict(2) == 2 and pool.num_used == 0
+
+
+def test_partial_leaf_is_kept_only_when_asked_and_matched_by_prefix() -> None:
+    pool, cache = _setup()
+    tokens = list(range(10))  # two full blocks + 2 tokens in a third
+    blocks = _compute(pool, 10)
+    cache.insert(tokens, blocks)
+    assert cache.num_cached_blocks == 2
+    cache.insert(tokens, blocks, keep_partial=True)
+    assert cache.num_cached_blocks == 3 and pool.refcount(blocks[2]) == 2
+
+    found = cache.match_prefix(tokens + [50, 51], limit=11)
+    assert (found.blocks, found.partial_block, found.partial_len) == (blocks[:2], blocks[2], 2)
+    # the limit cuts the copied part; a mismatch inside the tail cuts it too
+    assert cache.match_prefix(tokens, limit=9).partial_len == 1
+    assert cache.match_prefix(tokens[:8] + [8, 77], limit=10).partial_len == 1
+    assert cache.match_prefix(tokens[:8] + [77], limit=9).partial_len == 0
+    assert cache.match_prefix(tokens, limit=10, partial=False).partial_len == 0
+    assert cache.match(tokens + [50]) == blocks[:2], "match stays whole-block"
+
+
+def test_prefix_ending_inside_a_full_block_is_matched_partially() -> None:
+    pool, cache = _setup()
+    tokens = list(range(8))
+    blocks = _compute(pool, 8)
+    cache.insert(tokens, blocks)
+    found = cache.match_prefix(tokens, limit=7)  # a full hit must still compute one token
+    assert (found.blocks, found.partial_block, found.partial_len) == (blocks[:1], blocks[1], 3)
+    found = cache.match_prefix([0, 1, 2, 3, 4, 5, 99, 99], limit=8)
+    assert (found.partial_block, found.partial_len) == (blocks[1], 2)
+
+
+def test_full_block_supersedes_partial_leaf_only_the_tree_holds() -> None:
+    pool, cache = _setup()
+    first = _compute(pool, 6)  # [full, partial(2)]
+    cache.insert(list(range(6)), first, keep_partial=True)
+    pool.decref(first)  # the request is gone: the partial leaf is cache-only
+    longer = first[:1] + _compute(pool, 4)
+    pool.incref(first[:1])
+    cache.insert(list(range(8)), longer)  # the next turn fills a whole block with the same start
+    assert sorted(cache.held_blocks()) == sorted(longer)
+    assert pool.refcount(first[1]) == 0, "the superseded partial block returned to the pool"
+    # a shorter partial under a sibling that already covers it is not added
+    extra = _compute(pool, 6)
+    cache.insert(list(range(6)), extra, keep_partial=True)
+    assert sorted(cache.held_blocks()) == sorted(longer)
+    assert cache.match_prefix(list(range(7)), limit=6).partial_block == longer[1]
+
+
+def test_partial_leaves_are_evicted_like_any_leaf() -> None:
+    pool, cache = _setup()
+    for base in (0, 100):
+        blocks = _compute(pool, 6)
+        cache.insert([base + i for i in range(6)], blocks, keep_partial=True)
+        pool.decref(blocks)
+    assert cache.num_evictable() == 4
+    assert cache.evict(10) == 4 and pool.num_free == pool.num_blocks
+    assert cache.match_prefix(list(range(6)), limit=5).partial_len == 0

@@ -31,12 +31,15 @@ class Sim:
     """The engine's step loop without a model: schedule -> forward -> after_forward -> sample."""
 
     def __init__(
-        self, num_blocks: int, chunk: int = 16, max_running: int = 64, cache: bool = True
+        self, num_blocks: int, chunk: int = 16, max_running: int = 64, cache: bool = True,
+        partial: bool = False,
     ) -> None:
         self.pool = BlockPool(num_blocks)
         self.cache = RadixCache(self.pool, BS) if cache else None
-        self.sched = Scheduler(self.pool, self.cache, BS, chunk, max_running)
+        self.sched = Scheduler(self.pool, self.cache, BS, chunk, max_running,
+                               copy_kv=self._copy_kv if partial else None)
         self.kv: dict[int, int] = {}  # slot -> token whose KV was written there
+        self.copies: list[tuple[int, int, int]] = []
         self.clock = 0
         self.reqs: list[Request] = []
         self.history: list[list[Chunk]] = []
@@ -84,6 +87,13 @@ class Sim:
                 return n
             self.step()
         raise AssertionError(f"still busy after {max_steps} steps: possible livelock")
+
+    def _copy_kv(self, src: int, dst: int, n: int) -> None:
+        assert 0 < n < BS, f"copy of {n} entries: whole blocks are shared, never copied"
+        assert self.pool.refcount(src) >= 2 and self.pool.refcount(dst) == 1
+        for i in range(n):
+            self.kv[dst * BS + i] = self.kv[src * BS + i]
+        self.copies.append((src, dst, n))
 
     def _forward(self, chunks: list[Chunk]) -> None:
         assert len({id(c.req) for c in chunks}) == len(chunks), "a request twice in one step"
@@ -438,17 +448,72 @@ def test_cache_reset_while_running_keeps_requests_correct() -> None:
     check_drained(sim)
 
 
+# ---- partial-block reuse (copy of a cached block's leading entries) ------------------------------
+
+
+def test_next_turn_reuses_every_computed_token_through_a_copy() -> None:
+    sim = Sim(num_blocks=64, chunk=64, partial=True)
+    first = sim.add(prompt(1, 6), 10)
+    sim.run()
+    # 15 tokens went through the model (the last sample never does): 3 full blocks + 3 entries
+    second = sim.add(first.prompt_ids + first.output_ids + [1, 2, 3], 2)
+    (c,) = sim.step()
+    assert second.cached_tokens == 15 and c.start == 15, "whole blocks + the copied 3 entries"
+    assert [n for _, _, n in sim.copies] == [3]
+    sim.run()
+    check_outputs(second)
+    check_drained(sim)
+
+
+@pytest.mark.parametrize("n_prompt", [16, 17, 14])
+def test_full_prompt_hit_copies_all_but_the_last_token(n_prompt: int) -> None:
+    sim = Sim(num_blocks=64, chunk=64, partial=True)
+    first = sim.add(prompt(1, 24), 2)
+    sim.run()
+    second = sim.add(first.prompt_ids[:n_prompt], 2)
+    (c,) = sim.step()
+    assert c.start == second.cached_tokens == n_prompt - 1 and c.length == 1
+    sim.run()
+    check_outputs(second)
+    check_drained(sim)
+
+
+def test_prompt_diverging_inside_a_cached_block_copies_up_to_the_divergence() -> None:
+    sim = Sim(num_blocks=64, chunk=64, partial=True)
+    first = sim.add(prompt(1, 20), 2)
+    sim.run()
+    second = sim.add(first.prompt_ids[:10] + [7, 7, 7, 7], 2)  # differs from token 10 on
+    sim.step()
+    assert second.cached_tokens == 10 and sim.copies[-1][2] == 2
+    sim.run()
+    check_outputs(second)
+
+
+def test_superseded_partial_blocks_leave_the_cache() -> None:
+    sim = Sim(num_blocks=64, chunk=64, partial=True)
+    ids = prompt(1, 5)
+    for turn in range(4):  # a session: each turn extends the previous context
+        req = sim.add(ids, 6)
+        sim.run()
+        assert req.cached_tokens == (0 if turn == 0 else len(ids) - 4)
+        ids = ids + req.output_ids + [900 + turn, 901 + turn, 902 + turn]
+        held = sim.cache.held_blocks()
+        # every full block of the context + one partial leaf; earlier partial leaves are gone
+        assert len(held) == (len(req.all_ids) - 1) // BS + ((len(req.all_ids) - 1) % BS > 0)
+    check_drained(sim)
+
+
 # ---- randomized ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5])
 def test_random_workload_keeps_invariants_and_finishes(seed: int) -> None:
     rng = random.Random(seed)
     max_prompt, max_new = 30, 20
     num_blocks = -(-(max_prompt + max_new) // BS) + rng.randint(0, 8)  # fits the largest one
     sim = Sim(
         num_blocks=num_blocks, chunk=rng.choice([4, 8, 16, 64]),
-        max_running=rng.choice([2, 4, 64]), cache=rng.random() < 0.8,
+        max_running=rng.choice([2, 4, 64]), cache=rng.random() < 0.8, partial=seed % 2 == 1,
     )
     bases = [prompt(100 + i, max_prompt) for i in range(3)]  # shared prefixes for the cache
     aborted: set[int] = set()
@@ -481,6 +546,8 @@ def test_random_workload_keeps_invariants_and_finishes(seed: int) -> None:
             check_invariants(sim.sched)
     sim.run(max_steps=2000)
     assert len(sim.reqs) > 50
+    if sim.cache is not None and seed % 2 == 1:
+        assert sim.copies, "partial-block reuse never ran"
     for r in sim.reqs:
         assert r.is_finished
         if id(r) not in aborted and id(r) not in stopped:
