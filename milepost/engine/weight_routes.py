@@ -56,6 +56,9 @@ class UpdateWeightsFromP2PReqInput(BaseModel):
     shapes: list[list[int]]
     group_name: str
     src_rank: int = Field(0, ge=0)
+    # Same host and CUDA: a CUDA IPC handle to the source's staging buffer (p2p_ipc.py); the
+    # bucket is copied from there and the group is not used.
+    ipc_handle: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
@@ -145,15 +148,17 @@ def weight_router(engine: Engine) -> APIRouter:
 
     @router.post("/update_weights_from_p2p")
     async def from_p2p(body: UpdateWeightsFromP2PReqInput) -> JSONResponse:
-        try:
-            group = groups.get(body.group_name)
-        except (KeyError, WeightUpdateError) as e:
-            return _fail(str(e))
+        group = None
+        if body.ipc_handle is None:
+            try:
+                group = groups.get(body.group_name)
+            except (KeyError, WeightUpdateError) as e:
+                return _fail(str(e))
 
         def receive() -> list[tuple[torch.Tensor, torch.Tensor]]:
             staged = _ReceiveOnly(engine.runner.model)  # off the engine thread, as above
             staged.from_p2p(group, body.src_rank, body.names, body.dtypes, body.shapes,
-                            strict_dtype=True)
+                            strict_dtype=True, ipc_handle=body.ipc_handle)
             return staged.pending
 
         try:

@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 
 from milepost.weights.codec import WeightUpdateError, deserialize_named_tensors
-from milepost.weights.p2p import flat_layout, unpack
+from milepost.weights.p2p_ipc import receive_ipc_bucket
+from milepost.weights.p2p_layout import flat_layout, unpack
 from milepost.weights.process_group import WeightGroup
 
 __all__ = ["WeightLoader", "WeightUpdateError", "parse_dtype"]
@@ -185,18 +186,21 @@ class WeightLoader:
 
     def from_p2p(
         self,
-        group: WeightGroup,
+        group: WeightGroup | None,
         src_rank: int,
         names: Sequence[str],
         dtypes: Sequence[str],
         shapes: Sequence[Sequence[int]],
         *,
         strict_dtype: bool = False,
+        ipc_handle: str | None = None,
     ) -> int:
         """`/update_weights_from_p2p`: receive one packed bucket from `src_rank` (milepost.weights.p2p).
 
         Like `from_distributed`: well-formed metadata that the model refuses still receives the
-        bytes (so the sender's write completes) and then raises; nothing is copied.
+        bytes (so the sender's write completes) and then raises; nothing is copied. With
+        `ipc_handle` (same host, CUDA) the bucket is copied out of the source's staging buffer
+        instead (milepost.weights.p2p_ipc) and `group` is not used; a refused bucket is not read.
         """
         specs = self._parse_specs(names, dtypes, shapes)
         problems: list[str] = []
@@ -205,6 +209,15 @@ class WeightLoader:
         dts = [dt for _, dt, _ in specs]
         shps = [shp for _, _, shp in specs]
         _, total = flat_layout(shps, dts)
+        if ipc_handle is not None:
+            self._raise_if(problems, "; the CUDA IPC bucket was not read")
+            device = views[0].device if views else torch.device("cpu")
+            flat = receive_ipc_bucket(ipc_handle, total, device)
+            pairs = [(v, t) for v, t in zip(views, unpack(flat, shps, dts)) if v is not None]
+            self.commit(pairs)
+            return len(pairs)
+        if group is None:
+            raise WeightUpdateError("a p2p bucket without ipc_handle needs a weight group")
         device = group.device
         if group.backend == "nccl" and views and views[0] is not None:
             device = views[0].device

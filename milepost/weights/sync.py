@@ -1,10 +1,13 @@
 """The trainer's weight update: named HF weights -> fixed-size buckets -> a transport -> engines.
 
 Contract with the trainer: `named_hf_weights()` is a collective (each rank gathers shards), so
-EVERY trainer rank calls `WeightSync.update` with its own iterator, in step. Only rank 0 holds a
-transport and sends; the other ranks build `WeightSync(None, ...)` and just iterate. If sending
-fails, rank 0 still drains its iterator before raising, so the other ranks' gathers complete
-instead of hanging. The caller pauses generation around an update if engines must not serve a
+EVERY trainer rank calls `WeightSync.update` with its own iterator, in step. Rank 0 holds a
+transport and sends; the other ranks build `WeightSync(None, ...)` and just iterate, except under
+P2P with several sources, where every rank holds a transport for its own engines and only the
+coordinating one (rank 0; `transport.coordinates`) runs the checks. If sending fails, a rank
+still drains its iterator before raising, so the other ranks' gathers complete instead of
+hanging. The first gather also orders rank 0's engine randomization (`check_equal_once`) before
+any other source's first bucket. The caller pauses generation around an update if engines must not serve a
 mix of old and new buckets (`/pause_generation`, then `/continue_generation`).
 """
 
@@ -88,8 +91,10 @@ class WeightSync:
                 pass
             return UpdateStats(version, 0, 0, 0, time.perf_counter() - start)
         transport = self.transport
-        check_equal = self.check_equal_pending
-        digests: dict[str, str] | None = {} if self.check_weight_update or check_equal else None
+        coordinating = getattr(transport, "coordinates", True)  # False: a P2P source rank > 0
+        check_equal = self.check_equal_pending and coordinating
+        checks = coordinating and (self.check_weight_update or check_equal)
+        digests: dict[str, str] | None = {} if checks else None
         n_bytes = n_tensors = n_buckets = 0
         try:
             if check_equal:
@@ -109,6 +114,8 @@ class WeightSync:
             raise ValueError(f"weight update {version!r}: named_weights yielded no tensor on the "
                              "sending rank; pass the trainer's named_hf_weights()")
         transport.finish(version)
+        if not coordinating:
+            self.check_equal_pending = False  # rank 0's check covers this rank's engines
         verified = False
         if digests is not None:
             compare_digests(digests, transport.engine_urls, require_all=check_equal,

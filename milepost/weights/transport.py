@@ -101,8 +101,9 @@ class _EngineFanout:
         if wrong:
             self._break("after the update " + "; ".join(wrong) + f", expected {version!r}")
 
-    def _leave_group(self, idle: bool) -> None:
-        """Engines leave `self._group` (a group transport's); our side closes when `idle`."""
+    def _leave_group(self, idle: bool, indices: Sequence[int] | None = None) -> None:
+        """Engines (`indices`, default all) leave `self._group` (a group transport's); our side
+        closes when `idle`."""
         group, self._group = self._group, None
         if group is None:
             return
@@ -110,7 +111,7 @@ class _EngineFanout:
         # the group under it could hang that engine: it is left to end with its peers.
         if self._broken is None:
             for f in self._post_all("/destroy_weights_update_group",
-                                    lambda i: {"group_name": self.group_name}):
+                                    lambda i: {"group_name": self.group_name}, indices):
                 try:
                     f.result()
                 except TransportError:
@@ -180,21 +181,27 @@ class _EngineFanout:
             raise TransportError(f"{who}: {path} answered {r.status_code}: {message}")
         return answer
 
-    def _call_all(self, method: str, path: str,
-                  body_for: Callable[[int], dict] | None = None) -> list[futures.Future]:
+    def _call_all(self, method: str, path: str, body_for: Callable[[int], dict] | None = None,
+                  indices: Sequence[int] | None = None) -> list[futures.Future]:
+        """One call per engine in `indices` (default: every engine), in that order."""
+        chosen = range(len(self.engine_urls)) if indices is None else indices
         return [self._pool.submit(self._call, i, method, path, body_for(i) if body_for else None)
-                for i in range(len(self.engine_urls))]
+                for i in chosen]
 
-    def _post_all(self, path: str, body_for: Callable[[int], dict]) -> list[futures.Future]:
-        return self._call_all("POST", path, body_for)
+    def _post_all(self, path: str, body_for: Callable[[int], dict],
+                  indices: Sequence[int] | None = None) -> list[futures.Future]:
+        return self._call_all("POST", path, body_for, indices)
 
-    def _wait(self, pending: list[futures.Future], also: Sequence[futures.Future] = ()) -> list[Any]:
-        """Results of `pending` (one per engine), waiting also for `also` (local work).
+    def _wait(self, pending: list[futures.Future], also: Sequence[futures.Future] = (),
+              indices: Sequence[int] | None = None) -> list[Any]:
+        """Results of `pending` (one per engine of `indices`, default all), waiting also for
+        `also` (local work).
 
         Returns at the first failure, without waiting for the rest (a peer that failed may
         leave the others blocked until their own timeouts); raises TransportError listing
         every failure known by then, or naming what did not finish within timeout_s.
         """
+        who = list(range(len(pending))) if indices is None else list(indices)
         everything = [*pending, *also]
         done, not_done = futures.wait(everything, timeout=self.timeout_s + 5,
                                       return_when=futures.FIRST_EXCEPTION)
@@ -204,13 +211,13 @@ class _EngineFanout:
             done, not_done = futures.wait(everything, timeout=min(_GRACE_S, self.timeout_s))
         errors = [str(f.exception()) for f in everything if f in done and f.exception()]
         if errors:
-            waiting = [f"engine {i} ({self.engine_urls[i]})" for i, f in enumerate(pending)
+            waiting = [f"engine {i} ({self.engine_urls[i]})" for i, f in zip(who, pending)
                        if f in not_done]
             if waiting:
                 errors.append(f"still waiting on {', '.join(waiting)}")
             raise TransportError("; ".join(errors))
         if not_done:
-            late = [f"engine {i} ({self.engine_urls[i]})" for i, f in enumerate(pending)
+            late = [f"engine {i} ({self.engine_urls[i]})" for i, f in zip(who, pending)
                     if f in not_done]
             late += ["the trainer's side" for f in also if f in not_done]
             raise TransportError(f"no answer within {self.timeout_s:g}s from {', '.join(late)}")

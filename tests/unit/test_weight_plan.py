@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from milepost.weights.bucket import bucket_meta, iter_update_buckets
-from milepost.weights.p2p import (
+from milepost.weights.p2p_layout import (
     ALIGN,
     StagingBuffer,
     flat_layout,
