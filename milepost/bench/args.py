@@ -35,6 +35,10 @@ class BenchArgs(BaseModel):
     turns: int = Field(8, description="Multiturn: turns per session.")
     turn_user_len: int = Field(64, description="Multiturn: tokens of the user message each turn adds.")
     turn_output_len: int = Field(256, description="Multiturn: new tokens per turn.")
+    group_size: int = Field(
+        1, description="Multiturn: sessions per group sharing one first prompt, as the samples "
+        "of one GRPO prompt do (reported as scenario multiturn-gN); 1 = the issue's workload, "
+        "every session its own first prompt. Must divide --sessions.")
     prefill_requests: int = Field(256, description="Prefill: requests (one new token each).")
     prefill_len: int = Field(1024, description="Prefill: prompt tokens per request.")
     temperature: float = Field(1.0, description="Sampling temperature of every request (ignore_eos).")
@@ -49,8 +53,8 @@ class BenchArgs(BaseModel):
         None, description="Engine KV pool in tokens; default from --mem-fraction-static on CUDA, "
         "or what the largest scenario needs on CPU.")
     chunked_prefill_size: int | None = Field(None, description="Engine: prefill tokens per step.")
-    page_size: int = Field(16, description="Engine: tokens per KV block (the prefix cache reuses "
-                           "whole blocks, so it bounds the multiturn hit rate).")
+    page_size: int = Field(16, description="Engine: tokens per KV block (the prefix cache shares "
+                           "whole blocks and copies the matching part of a last, partial one).")
     peak_bandwidth: float | None = Field(
         None, description="Device peak memory bandwidth in bytes/s for the decode bound; default "
         "per known GPU (H200 4.8e12, H100 3.35e12, A100 2.0e12); none on CPU.")
@@ -62,7 +66,7 @@ class BenchArgs(BaseModel):
     @field_validator("requests", "prompt_len", "output_len", "mixed_min", "mixed_max", "sessions",
                      "turns", "turn_user_len", "turn_output_len", "prefill_requests", "prefill_len",
                      "hf_batch_size", "max_running_requests", "max_total_tokens",
-                     "chunked_prefill_size", "page_size")
+                     "chunked_prefill_size", "page_size", "group_size")
     @classmethod
     def _positive(cls, v: int | None, info: object) -> int | None:
         if v is not None and v < 1:
@@ -84,6 +88,9 @@ class BenchArgs(BaseModel):
             raise ValueError("give exactly one of --model (a Hugging Face directory) or --shape")
         if self.model is not None and not (self.model / "config.json").is_file():
             raise ValueError(f"--model {self.model} has no config.json; pass a Hugging Face directory")
+        if self.sessions % self.group_size:
+            raise ValueError(f"--group-size ({self.group_size}) must divide --sessions "
+                             f"({self.sessions})")
         if self.mixed_min > self.mixed_max:
             raise ValueError(f"--mixed-min ({self.mixed_min}) exceeds --mixed-max ({self.mixed_max})")
         if not 0.0 < self.mem_fraction_static < 1.0:

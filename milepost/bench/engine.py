@@ -126,7 +126,7 @@ def _workloads(args: BenchArgs, vocab: int, seed: int | None = None) -> list[wor
                                          seed),
         "multiturn": lambda: workloads.multiturn(args.sessions, args.turns, args.prompt_len,
                                                  args.turn_user_len, args.turn_output_len, vocab,
-                                                 seed),
+                                                 seed, args.group_size),
         "prefill": lambda: workloads.prefill(args.prefill_requests, args.prefill_len, vocab,
                                              seed),
     }

@@ -4,7 +4,9 @@ fixed: N prompts of P random tokens, G new tokens each. mixed: prompt and output
 uniformly from [min, max] (seeded). prefill: N prompts of L tokens, one new token each.
 multiturn: sessions whose turn t+1 prompt is turn t's prompt + its answer + a user message of U
 random tokens; the answers exist only once generated, so the engine side builds the prompts as
-it goes and records them (`Workload.prompts`) for transformers to replay turn by turn.
+it goes and records them (`Workload.prompts`) for transformers to replay turn by turn. With
+group_size > 1, each group of sessions starts from one shared first prompt (GRPO's samples of
+one prompt); their answers and user messages differ.
 """
 
 from __future__ import annotations
@@ -53,14 +55,16 @@ def prefill(requests: int, prompt_len: int, vocab: int, seed: int) -> Workload:
 
 
 def multiturn(sessions: int, turns: int, first_len: int, user_len: int, output_len: int,
-              vocab: int, seed: int) -> Workload:
+              vocab: int, seed: int, group_size: int = 1) -> Workload:
     g = torch.Generator().manual_seed(seed + 3)
     n = sessions * turns
     prompts: list[list[int]] = [[] for _ in range(n)]
     for s in range(sessions):
-        prompts[s * turns] = _tokens(g, vocab, first_len)
+        fresh = s % group_size == 0
+        prompts[s * turns] = _tokens(g, vocab, first_len) if fresh else list(prompts[(s - 1) * turns])
     users = [[] if i % turns == 0 else _tokens(g, vocab, user_len) for i in range(n)]
-    return Workload("multiturn", prompts, [output_len] * n, turns=turns, user_msgs=users)
+    name = "multiturn" if group_size == 1 else f"multiturn-g{group_size}"
+    return Workload(name, prompts, [output_len] * n, turns=turns, user_msgs=users)
 
 
 def longest_sequence(w: Workload) -> int:

@@ -83,6 +83,7 @@ class Scheduler:
                     chunks.append(Chunk(req, req.num_computed, 1))
 
         budget = self.chunked_prefill_size - len(chunks)
+        computing: set[tuple[int, tuple[int, ...]]] = set()  # blocks this step's prefills fill
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -91,11 +92,18 @@ class Scheduler:
                 # No preemption here: a victim may already hold a decode chunk of this step.
                 if self._grow(req, req.num_computed + n, may_preempt=False):
                     chunks.append(Chunk(req, req.num_computed, n))
+                    computing.add(self._first_block(req, n))
                     budget -= n
 
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
             self._attach_prefix(req)
+            first = self._first_block(req, req.tokens_to_compute)
+            if first is not None and first in computing:
+                # Another request computes this very block in this step (the samples of one
+                # prompt arrive together): wait one step and reuse it from the cache instead.
+                self._release(req)
+                break
             n = min(req.tokens_to_compute, budget)
             if not self._grow(req, req.num_computed + n, may_preempt=False):
                 self._release(req)
@@ -107,8 +115,18 @@ class Scheduler:
             req.state = ReqState.RUNNING
             self.running.append(req)
             chunks.append(Chunk(req, req.num_computed, n))
+            computing.add(self._first_block(req, n))
             budget -= n
         return chunks
+
+    def _first_block(self, req: Request, n: int) -> tuple[int, tuple[int, ...]] | None:
+        """(position, tokens) of the whole block that computing n tokens of req from its
+        num_computed fills first, when that is where a block starts; else None. With the cache
+        on, a filled prompt block is shared from the next step on."""
+        start, bs = req.num_computed, self.block_size
+        if self.cache is None or start % bs or n < bs or start + bs > len(req.prompt_ids):
+            return None
+        return start, tuple(req.prompt_ids[start : start + bs])
 
     def after_forward(self, chunks: list[Chunk]) -> None:
         """Account the KV written by the step; cache full prompt blocks for requests to share."""

@@ -50,6 +50,9 @@ def build_engine(
             model = load_model(args.model_path, dtype, device)
         except torch.OutOfMemoryError as e:
             raise RuntimeError(out_of_memory_message("the weights", None, args.mem_fraction_static)) from e
+    fuse = getattr(model, "fuse_projections", None)
+    if fuse is not None:  # one GEMM for q/k/v and one for gate/up; HF names still address slices
+        fuse()
     cfg = model.hf_config
     kv_dtype = getattr(torch, args.kv_cache_dtype)
     elem = torch.empty((), dtype=kv_dtype).element_size()

@@ -110,21 +110,44 @@ def check_silu(config: object) -> None:
         raise ValueError(f"hidden_act={act!r} is not supported by the native models (only 'silu')")
 
 
+def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear computing the parts' outputs side by side (their weight rows stacked): one GEMM
+    that reads the input once instead of one per part. Copies the weights; parts share in/bias."""
+    bias = parts[0].bias is not None
+    weight = torch.cat([p.weight.detach() for p in parts])
+    with torch.device("meta"):  # no throwaway allocation: the parameters are replaced below
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
+    grad = parts[0].weight.requires_grad
+    fused.weight = nn.Parameter(weight, requires_grad=grad)
+    if bias:
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=grad)
+    return fused
+
+
 class GatedMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)); gate and up stay separate HF-named modules."""
+    """down_proj(silu(gate_proj(x)) * up_proj(x)).
+
+    gate and up are separate HF-named modules; the engine fuses them into one `gate_up_proj`
+    (DecoderLM.fuse_projections) so a step runs one GEMM for both.
+    """
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # row-strided views, no copy
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if gpu_inference(x):
             from milepost.kernels.fused_ops import silu_mul
 
-            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class SelfAttention(nn.Module):
@@ -149,15 +172,23 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        # The engine replaces q/k/v_proj by one qkv_proj (DecoderLM.fuse_projections).
+        self.qkv_proj: nn.Linear | None = None
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self._qkv_sizes = [q_out, kv_out, kv_out]
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self._qkv_sizes, dim=-1)  # row-strided views
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if gpu_inference(x):  # one fused kernel each for q and k instead of ~17 small ones
             from milepost.kernels.fused_ops import norm_rope
 

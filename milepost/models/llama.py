@@ -14,7 +14,14 @@ import torch
 from torch import nn
 
 from milepost.models.base import ForwardContext
-from milepost.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding, check_silu
+from milepost.models.layers import (
+    DecoderLayer,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    check_silu,
+    fuse_linears,
+)
 
 
 class DecoderLM(nn.Module):
@@ -47,6 +54,9 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._hf_names: list[str] | None = None
         self._hf_name_set: frozenset[str] = frozenset()
+        # After fuse_projections: HF name -> (fused parameter, first row, end row), and back.
+        self._fused: dict[str, tuple[str, int, int]] = {}
+        self._fused_parts: dict[str, list[tuple[str, int, int]]] = {}
 
     def check_config(self, config: object) -> None:
         """Refuse config features this definition does not implement (override per architecture)."""
@@ -62,6 +72,38 @@ class DecoderLM(nn.Module):
         for layer in self.model.layers:
             h = layer(h, cos, sin, ctx)
         return self.model.norm(h)
+
+    def fuse_projections(self) -> None:
+        """Engine only: q/k/v_proj into one `qkv_proj` and gate/up_proj into one `gate_up_proj`
+        per layer, so a step runs 2 GEMMs where it ran 5 (decode is bound by per-GEMM cost).
+
+        The Hugging Face names keep addressing their rows of the fused weights through
+        `weight_view`, so loading, every weight-update path and checksums write and read the
+        right slices. The trainer keeps the unfused modules (its parameter names are HF names).
+        """
+        if self._fused:
+            return
+        self.hf_weight_names()  # the HF names are fixed before the modules change
+        for i, layer in enumerate(self.model.layers):
+            self._fuse(f"model.layers.{i}.self_attn", layer.self_attn,
+                       ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+            if isinstance(layer.mlp, GatedMLP):
+                self._fuse(f"model.layers.{i}.mlp", layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
+
+    def _fuse(self, prefix: str, module: nn.Module, parts: tuple[str, ...], fused_name: str) -> None:
+        linears = [getattr(module, p) for p in parts]
+        setattr(module, fused_name, fuse_linears(linears))
+        for kind in ("weight", "bias"):
+            if getattr(linears[0], kind) is None:
+                continue
+            fused_param, start = f"{prefix}.{fused_name}.{kind}", 0
+            for part, linear in zip(parts, linears):
+                end = start + getattr(linear, kind).shape[0]
+                self._fused[f"{prefix}.{part}.{kind}"] = (fused_param, start, end)
+                self._fused_parts.setdefault(fused_param, []).append((f"{prefix}.{part}.{kind}", start, end))
+                start = end
+        for part in parts:
+            delattr(module, part)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] fp32."""
@@ -87,6 +129,8 @@ class DecoderLM(nn.Module):
         the result is the (hf_name, view of `full`) pairs that a checkpoint stores for it. Over
         `named_parameters()` this yields every name of `hf_weight_names()` exactly once.
         """
+        if param_name in self._fused_parts:
+            return [(name, full[a:b]) for name, a, b in self._fused_parts[param_name]]
         return [(param_name, full)]
 
     def weight_view(self, hf_name: str) -> torch.Tensor:
@@ -96,6 +140,9 @@ class DecoderLM(nn.Module):
             self.hf_weight_names()
         if hf_name not in self._hf_name_set:
             raise self.unknown_weight(hf_name)
+        if hf_name in self._fused:
+            fused_param, start, end = self._fused[hf_name]
+            return self.get_parameter(fused_param).detach()[start:end]
         return self.get_parameter(hf_name).detach()  # detached view: copy_ works outside no_grad
 
     def unknown_weight(self, hf_name: str) -> KeyError:

@@ -76,7 +76,8 @@ class TritonPagedAttention:
         if batch is None:
             raise RuntimeError("TritonPagedAttention.attend called before prepare(batch)")
         kc, vc = self.cache.k[layer_id], self.cache.v[layer_id]
-        self.kernels.store_kv(kc, vc, k.contiguous(), v.contiguous(), batch.slot_mapping)
+        # k/v may be row-strided views of a fused qkv GEMM's output: store_kv reads rows by stride.
+        self.kernels.store_kv(kc, vc, k, v, batch.slot_mapping)
         q = q.to(kc.dtype).contiguous()
         page = self.cache.block_size
         if self._decode:

@@ -553,3 +553,21 @@ def test_random_workload_keeps_invariants_and_finishes(seed: int) -> None:
         if id(r) not in aborted and id(r) not in stopped:
             check_outputs(r)
     check_drained(sim)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_samples_of_one_prompt_arriving_together_share_its_prefill(partial: bool) -> None:
+    sim = Sim(num_blocks=64, chunk=64, partial=partial)
+    group = [sim.add(prompt(1, 18), 3, arrival=0) for _ in range(4)]
+    other = sim.add(prompt(2, 10), 3, arrival=0)
+    (c,) = sim.step()  # the first sample alone: the others would compute the same blocks
+    assert c.req is group[0] and c.length == 18
+    chunks = sim.step()  # the others reuse them (and the unrelated request is admitted too)
+    assert {c.req.rid for c in chunks} == {r.rid for r in [*group, other]}
+    # whole blocks only: the first sample still writes its partly filled last block
+    assert [r.cached_tokens for r in group[1:]] == [16] * 3
+    assert other.cached_tokens == 0
+    sim.run()
+    for r in [*group, other]:
+        check_outputs(r)
+    check_drained(sim)
