@@ -12,6 +12,8 @@ broadcast is not run).
     python benchmarks/weight_update.py                                   # CPU, 2 engines
     python benchmarks/weight_update.py --device cuda --sizes qwen3-0.6b \
         --engines 1 --transports tensor,disk-delta                       # one GPU
+    python benchmarks/weight_update.py --device cuda --sizes qwen3-0.6b \
+        --engines 1 --transports tensor,p2p           # p2p picks CUDA IPC (same host and GPU)
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def bench_size(size: str, args: argparse.Namespace, work: Path) -> dict[str, tup
                     stats = sync.update(iter(named), f"{kind}-{i}")
                     if i:  # the first is a warm-up (groups, base snapshot)
                         times.append(time.perf_counter() - t0)
+                if kind == "p2p":  # which P2PBackend the transport chose (cuda-ipc, gloo, nccl)
+                    extra = f"path {sync.transport.path}"
                 if stats.metrics:
                     m = stats.metrics
                     extra = (f"changed {m['perf/update_weights_delta_changed_fraction']:.2f}, "

@@ -66,6 +66,18 @@ def test_p2p_refuses_wrong_names_shapes_dtypes(setup, how) -> None:
     assert served(url) == before
 
 
+def test_p2p_ipc_bucket_to_a_cpu_engine_is_refused(setup) -> None:
+    """A CUDA IPC bucket needs an engine on CUDA: a CPU engine answers 400 and keeps its weights."""
+    url, named, _ = setup
+    before = served(url)
+    name, t = named[2]
+    r = httpx.post(f"{url}/update_weights_from_p2p", timeout=30, json={
+        "names": [name], "dtypes": [str(t.dtype).removeprefix("torch.")], "shapes": [list(t.shape)],
+        "group_name": "none", "ipc_handle": "AAAA", "weight_version": "ipc"})
+    assert r.status_code == 400 and "needs an engine on CUDA" in r.json()["message"], r.text
+    assert served(url) == before
+
+
 @pytest.mark.parametrize("how", ["name", "shape"])
 def test_disk_delta_refuses_a_state_the_engine_model_cannot_take(setup, how, tmp_path) -> None:
     url, named, _ = setup
