@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -238,6 +239,55 @@ class EngineClient:
                                           f"answer is not JSON: {resp.text[:200]!r}") from e
             return parse_generate(payload, f"{self.base_url}/generate", return_logprob)
         raise AssertionError("unreachable")
+
+    async def generate_stream(self, input_ids: list[int], sampling_params: dict[str, Any], *,
+                              return_logprob: bool = True, return_routed_experts: bool = False,
+                              rid: str | None = None, routing_key: str | None = None,
+                              ) -> AsyncIterator[GenerateOutput]:
+        """`/generate` with `stream: true`: one GenerateOutput per server-sent chunk, each
+        cumulative (all output ids and log-probs so far, as SGLang sends them by default; a server
+        started with `--incremental-streaming-output` is not supported). The last one carries the
+        finish reason. No retries: tokens already handed out cannot be taken back. Closing the
+        iterator early closes the connection, which makes the engine abort the request."""
+        if self.require_routing_key and not routing_key:
+            raise ValueError(f"generate_stream on {self.base_url}: this client requires a routing "
+                             f"key ({ROUTING_KEY_HEADER}) on every request (session affinity)")
+        url = f"{self.base_url}/generate"
+        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params,
+                                "return_logprob": return_logprob, "stream": True}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        if rid is not None:
+            body["rid"] = rid
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
+        last: GenerateOutput | None = None
+        try:
+            async with self._http.stream("POST", "/generate", json=body, headers=headers) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    cls = EngineUnavailableError if resp.status_code >= 500 else EngineRequestError
+                    raise cls(url, _error_message(resp), resp.status_code)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, SSE comments
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    try:
+                        payload = json.loads(data)
+                    except ValueError as e:
+                        raise EngineProtocolError(url, f"stream chunk is not JSON: {data[:200]!r}"
+                                                  ) from e
+                    if isinstance(payload, dict) and "error" in payload:
+                        raise EngineRequestError(url, str(payload["error"]))
+                    last = parse_generate(payload, url, return_logprob)
+                    yield last
+        except httpx.TimeoutException as e:
+            raise EngineUnavailableError(url, f"timed out mid-stream ({type(e).__name__})") from e
+        except httpx.TransportError as e:
+            raise EngineUnavailableError(url, f"{type(e).__name__}: {e or 'stream broken'}") from e
+        if last is None or not last.finish_reason:
+            raise EngineUnavailableError(url, "the stream ended before a finished chunk")
 
     # ---- health and state -----------------------------------------------------------------------
 

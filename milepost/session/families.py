@@ -101,6 +101,11 @@ class Family:
     parse: Callable[[str], ParsedOutput]
     checked: bool = True
     description: str = ""
+    # What a token-by-token stream must know of `parse` (session/streaming.py): the reasoning
+    # block's (open, close) markers, and the text that opens a tool call. The stream holds back
+    # text from the tool-call marker on, so streamed deltas always add up to the parsed reply.
+    think_markers: tuple[str, str] | None = None
+    tool_call_open: str | None = None
 
 
 def _parse_qwen3(text: str) -> ParsedOutput:
@@ -146,8 +151,10 @@ def get_family(name: str) -> Family:
 
 
 register_family(Family("qwen3", "<|im_end|>", _parse_qwen3,
-                       description="Qwen3-style: <think> reasoning, <tool_call> JSON"))
+                       description="Qwen3-style: <think> reasoning, <tool_call> JSON",
+                       think_markers=("<think>", "</think>"), tool_call_open="<tool_call>"))
 register_family(Family("chatml", "<|im_end|>", _parse_chatml,
-                       description="ChatML (SmolLM2): <tool_call> JSON in the text"))
+                       description="ChatML (SmolLM2): <tool_call> JSON in the text",
+                       tool_call_open="<tool_call>"))
 register_family(Family("generic", "", _parse_plain, checked=False,
                        description="any template; no parsers; turn end from the tokenizer's EOS"))

@@ -9,30 +9,26 @@
 
 Point an agent's `base_url` at `{server}/sessions/{id}/v1`. Token fields a client sends (e.g.
 `prompt_token_ids`) are ignored: the server owns tokenization. `stream: true` answers in
-server-sent-event chunks once the turn has been generated (not token by token).
+server-sent-event chunks token by token as the engine generates (openai_chat.py: what is sent
+when, and what happens to a turn whose client leaves mid-stream).
 """
 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from milepost.rollout.client import EngineRequestError, EngineUnavailableError
 from milepost.session.families import FamilyError
 from milepost.session.render import RenderError
-from milepost.session.service import (
-    GenerationAborted,
-    SessionNotFound,
-    SessionService,
-    TurnResult,
-)
+from milepost.session.openai_chat import completion, stream_turn
+from milepost.session.service import GenerationAborted, SessionNotFound, SessionService
 from milepost.session.store import SessionConflict
 
 
@@ -82,6 +78,11 @@ class ChatMessage(BaseModel):
         return d
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # token fields and unused OpenAI options
     model: str = "default"
@@ -94,6 +95,7 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
     @model_validator(mode="after")
     def _last(self) -> ChatRequest:
@@ -111,48 +113,6 @@ class ChatRequest(BaseModel):
 class SamplesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     leaves: list[int] | None = None
-
-
-def _finish(result: TurnResult) -> str:
-    if result.output.finish_type == "length":
-        return "length"
-    return "tool_calls" if result.reply.get("tool_calls") else "stop"
-
-
-def _completion(result: TurnResult, model: str, cid: str) -> dict[str, Any]:
-    out = result.output
-    return {
-        "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": result.reply, "finish_reason": _finish(result),
-                     "logprobs": None}],
-        "usage": {"prompt_tokens": out.prompt_tokens or len(result.turn.ids) - len(out.output_ids),
-                  "completion_tokens": len(out.output_ids),
-                  "total_tokens": len(result.turn.ids),
-                  "prompt_tokens_details": {"cached_tokens": out.cached_tokens}},
-        "milepost": {"turn_id": result.turn.id, "weight_version": out.weight_version,
-                     "overhead_ms": result.overhead_s * 1e3,
-                     "generate_ms": result.generate_s * 1e3},
-    }
-
-
-def _chunks(result: TurnResult, model: str, cid: str) -> list[str]:
-    """The completion as OpenAI stream chunks (role, reasoning, content, tool calls, finish)."""
-    reply = result.reply
-    base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model}
-    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
-    if reply.get("reasoning_content"):
-        deltas.append({"reasoning_content": reply["reasoning_content"]})
-    if reply.get("content"):
-        deltas.append({"content": reply["content"]})
-    for i, call in enumerate(reply.get("tool_calls") or []):
-        deltas.append({"tool_calls": [{"index": i, **call}]})
-    events = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]}
-              for d in deltas]
-    events.append({**base, "choices": [{"index": 0, "delta": {},
-                                        "finish_reason": _finish(result)}],
-                   "usage": _completion(result, model, cid)["usage"]})
-    return [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
@@ -206,7 +166,9 @@ def build_app(service: SessionService) -> FastAPI:
 
     @app.get("/sessions/{session_id}")
     async def show(session_id: str) -> dict:
-        return service.get(session_id).summary()
+        # pending_turns: prepared and neither stored nor dropped yet (e.g. streaming now)
+        return {**service.get(session_id).summary(),
+                "pending_turns": service.pending.get(session_id, 0)}
 
     @app.delete("/sessions/{session_id}")
     async def delete(session_id: str) -> dict:
@@ -220,12 +182,12 @@ def build_app(service: SessionService) -> FastAPI:
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat(session_id: str, req: ChatRequest) -> Any:
-        result = await service.turn(session_id, [m.as_dict() for m in req.messages], req.tools,
-                                    req.sampling())
+        turn = await service.prepare(session_id, [m.as_dict() for m in req.messages], req.tools,
+                                     req.sampling())
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return StreamingResponse(iter(_chunks(result, req.model, cid)),
-                                     media_type="text/event-stream")
-        return _completion(result, req.model, cid)
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return await stream_turn(service, turn, req.model, cid, usage)
+        return completion(await service.run(turn), req.model, cid)
 
     return app

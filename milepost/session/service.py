@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,26 @@ class SessionSettings:
 
 
 @dataclass
+class PreparedTurn:
+    """A request attached to its session, with its prompt built, not yet generated."""
+
+    session: Session
+    at: Turn  # the checkpoint it extends
+    history: list[Message]  # the messages of the prompt (stored ones where they matched)
+    tools: list[dict] | None
+    suffix: list[int]  # ids appended after `at` (mask 0)
+    params: dict[str, Any]  # SGLang sampling_params
+    start: float
+    lock: asyncio.Lock  # the session's
+    holds_lock: bool  # linear: held from prepare until the turn is stored or dropped
+    released: bool = False
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.at.ids + self.suffix
+
+
+@dataclass
 class TurnResult:
     turn: Turn
     reply: Message
@@ -62,6 +83,7 @@ class SessionService:
         self.settings = settings
         self.sessions: dict[str, Session] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self.pending: dict[str, int] = {}  # turns prepared and not yet stored or dropped
 
     def create(self) -> Session:
         sid = uuid.uuid4().hex
@@ -80,6 +102,7 @@ class SessionService:
         self.get(session_id)
         del self.sessions[session_id]
         self._locks.pop(session_id, None)
+        self.pending.pop(session_id, None)
 
     def samples(self, session_id: str, leaf_ids: list[int] | None = None) -> list[Sample]:
         session = self.get(session_id)
@@ -102,58 +125,100 @@ class SessionService:
             return base
         return {**base, **{k: v for k, v in request.items() if v is not None}}
 
-    async def turn(self, session_id: str, messages: list[Message], tools: list[dict] | None,
-                   request_sampling: dict[str, Any]) -> TurnResult:
+    async def prepare(self, session_id: str, messages: list[Message], tools: list[dict] | None,
+                      request_sampling: dict[str, Any]) -> PreparedTurn:
+        """Attach the request and build its prompt; every refusal (409, 422) happens here,
+        before any engine call. A linear session's lock is held from here until the turn is
+        stored or dropped (`run` / `stream` release it)."""
         start = time.perf_counter()
         session = self.get(session_id)
         lock = self._locks[session_id]
         messages = normalize_messages(messages)
-        if self.settings.mode == "linear":
-            async with lock:
-                return await self._turn(session, messages, tools, request_sampling, start, None)
-        return await self._turn(session, messages, tools, request_sampling, start, lock)
-
-    async def _turn(self, session: Session, messages: list[Message], tools: list[dict] | None,
-                    request_sampling: dict[str, Any], start: float,
-                    lock: asyncio.Lock | None) -> TurnResult:
-        r = self.renderer
-        if lock is not None:
-            await lock.acquire()
+        await lock.acquire()
         try:
             attach = session.attach(messages, tools)
+            at = attach.at
+            history = at.messages + attach.new_messages  # stored messages win where they matched
+            r = self.renderer
+            if at.parent is None:
+                suffix = r.first_prompt(history, tools)
+            else:
+                suffix = r.suffix_ids(at.rendered, at.ended_with_eot, history, tools)
+        except BaseException:
+            lock.release()
+            raise
+        holds_lock = self.settings.mode == "linear"
+        if not holds_lock:  # branching: turns of one session generate concurrently
+            lock.release()
+        self.pending[session_id] = self.pending.get(session_id, 0) + 1
+        return PreparedTurn(session, at, history, tools, suffix,
+                            self.sampling_params(request_sampling), start, lock, holds_lock)
+
+    async def turn(self, session_id: str, messages: list[Message], tools: list[dict] | None,
+                   request_sampling: dict[str, Any]) -> TurnResult:
+        """One whole turn: prepare, generate, store."""
+        return await self.run(await self.prepare(session_id, messages, tools, request_sampling))
+
+    async def run(self, turn: PreparedTurn) -> TurnResult:
+        try:
+            gen_start = time.perf_counter()
+            out = await self.client.generate(
+                turn.prompt_ids, turn.params, return_logprob=True,
+                return_routed_experts=self.settings.return_routed_experts,
+                routing_key=turn.session.id)
+            return await self._store(turn, out, time.perf_counter() - gen_start)
         finally:
-            if lock is not None:
-                lock.release()
-        at = attach.at
-        history = at.messages + attach.new_messages  # stored messages win where they matched
-        if at.parent is None:
-            suffix = r.first_prompt(history, tools)
-        else:
-            suffix = r.suffix_ids(at.rendered, at.ended_with_eot, history, tools)
-        params = self.sampling_params(request_sampling)
-        gen_start = time.perf_counter()
-        out = await self.client.generate(
-            at.ids + suffix, params, return_logprob=True,
-            return_routed_experts=self.settings.return_routed_experts, routing_key=session.id)
-        gen_s = time.perf_counter() - gen_start
+            self._release(turn)
+
+    async def stream(self, turn: PreparedTurn) -> AsyncIterator[GenerateOutput | TurnResult]:
+        """The engine's cumulative outputs as they come, then the stored TurnResult. Closing the
+        iterator before the end (the client left) aborts the engine request and stores nothing."""
+        try:
+            gen_start = time.perf_counter()
+            out: GenerateOutput | None = None
+            chunks = self.client.generate_stream(
+                turn.prompt_ids, turn.params, return_logprob=True,
+                return_routed_experts=self.settings.return_routed_experts,
+                routing_key=turn.session.id)
+            try:
+                async for out in chunks:
+                    if not out.finish_reason:
+                        yield out
+            finally:
+                await chunks.aclose()  # closes the connection: the engine aborts the request
+            assert out is not None  # generate_stream raises when no finished chunk came
+            yield await self._store(turn, out, time.perf_counter() - gen_start)
+        finally:
+            self._release(turn)
+
+    def _release(self, turn: PreparedTurn) -> None:
+        if turn.released:
+            return
+        turn.released = True
+        sid = turn.session.id
+        self.pending[sid] = self.pending.get(sid, 1) - 1
+        if turn.holds_lock:
+            turn.lock.release()
+
+    async def _store(self, turn: PreparedTurn, out: GenerateOutput, gen_s: float) -> TurnResult:
+        """Parse the finished output and write the checkpoint: the turn's only write."""
         if out.finish_type == "abort":
             raise GenerationAborted(f"the engine aborted this turn ({out.finish_reason}); nothing "
                                     f"was stored, the request can be sent again")
+        r = self.renderer
         reply = r.parse_output(out.output_ids).message()
-        stored = history + [reply]
-        rendered = r.cut_after_last_turn(r.render(stored, tools, add_generation_prompt=False))
-        if lock is not None:
-            await lock.acquire()
-        try:
-            turn = session.add_turn(
-                at, stored, tools, prompt_ids=suffix, output_ids=out.output_ids,
-                logprobs=out.logprobs, weight_versions=out.weight_versions,
-                weight_version=out.weight_version, routed_experts=out.routed_experts,
-                finish_reason=out.finish_reason, rendered=rendered,
-                ended_with_eot=bool(out.output_ids) and out.output_ids[-1] == r.eot_id,
-                cached_tokens=out.cached_tokens)
-        finally:
-            if lock is not None:
-                lock.release()
-        turn.overhead_s = time.perf_counter() - start - gen_s
-        return TurnResult(turn, reply, out, turn.overhead_s, gen_s)
+        stored = turn.history + [reply]
+        rendered = r.cut_after_last_turn(r.render(stored, turn.tools, add_generation_prompt=False))
+        fields = dict(
+            prompt_ids=turn.suffix, output_ids=out.output_ids, logprobs=out.logprobs,
+            weight_versions=out.weight_versions, weight_version=out.weight_version,
+            routed_experts=out.routed_experts, finish_reason=out.finish_reason,
+            rendered=rendered, cached_tokens=out.cached_tokens,
+            ended_with_eot=bool(out.output_ids) and out.output_ids[-1] == r.eot_id)
+        if turn.holds_lock:  # linear: held since prepare
+            stored_turn = turn.session.add_turn(turn.at, stored, turn.tools, **fields)
+        else:
+            async with turn.lock:
+                stored_turn = turn.session.add_turn(turn.at, stored, turn.tools, **fields)
+        stored_turn.overhead_s = time.perf_counter() - turn.start - gen_s
+        return TurnResult(stored_turn, reply, out, stored_turn.overhead_s, gen_s)

@@ -82,15 +82,38 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self._inner.handle_async_request(request)
-        if request.url.path.endswith("/generate"):
-            body = await response.aread()
-            self.generate_calls.append((json.loads(request.content), json.loads(body),
-                                        dict(request.headers)))
-            return httpx.Response(response.status_code, headers=response.headers, content=body)
-        return response
+        if not request.url.path.endswith("/generate"):
+            return response
+        sent = json.loads(request.content)
+        if sent.get("stream"):  # pass chunks on as they come; record the last (cumulative) one
+            return httpx.Response(response.status_code, headers=response.headers,
+                                  stream=_RecordedStream(response, sent, dict(request.headers),
+                                                         self.generate_calls))
+        body = await response.aread()
+        self.generate_calls.append((sent, json.loads(body), dict(request.headers)))
+        return httpx.Response(response.status_code, headers=response.headers, content=body)
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+class _RecordedStream(httpx.AsyncByteStream):
+    def __init__(self, response: httpx.Response, sent: dict[str, Any], headers: dict[str, str],
+                 calls: list) -> None:
+        self._response, self._sent, self._headers, self._calls = response, sent, headers, calls
+        self._buf = b""
+
+    async def __aiter__(self):  # noqa: ANN204 - an async generator of bytes
+        async for part in self._response.aiter_raw():
+            self._buf += part
+            yield part
+
+    async def aclose(self) -> None:  # the reader may stop at [DONE]: record here
+        await self._response.aclose()
+        events = [line[5:].strip() for line in self._buf.decode().splitlines()
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+        if events:
+            self._calls.append((self._sent, json.loads(events[-1]), self._headers))
 
 
 async def weather_agent_fn(ctx: Any) -> Any:

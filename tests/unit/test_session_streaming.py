@@ -1,0 +1,81 @@
+"""Token-by-token stream deltas: for every family and every cut of an output, what was streamed
+is a prefix of the final parse, text arrives before the turn ends, and the deltas plus `finish`
+add up to exactly the stored reply."""
+
+from __future__ import annotations
+
+import pytest
+
+from milepost.session.families import get_family
+from milepost.session.openai_chat import IncrementalText
+from milepost.session.streaming import DeltaStream
+from milepost.testing.tokenizer import build_tiny_tokenizer
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+OUTPUTS = [
+    ("qwen3", "<think>\nneed the weather\n</think>\n\nLet me check.\n" + CALL),
+    ("qwen3", "\n<think>\nhmm\n\n</think>\nIt is sunny in Oslo today.\n\n"),
+    ("qwen3", "<think>\ncut by the length limit, never clo"),
+    ("qwen3", "Plain answer with a < sign and <tool_c that is not a call."),
+    ("qwen3", "Before <tool_call>{not json}</tool_call> after\n" + CALL),
+    ("qwen3", "<tool_call>{bad}</tool_call>"),
+    ("chatml", 'Sure.\n<tool_call>[{"name": "a", "arguments": {"x": 1}}]</tool_call>'),
+    ("chatml", "<think>not special here</think> text \u00e9\u4e2d"),
+    ("generic", "anything <tool_call> goes\n\n"),
+]
+
+
+def _replay(family: str, text: str, step: int = 1) -> tuple[list[dict], dict, list[int]]:
+    fam = get_family(family)
+    stream = DeltaStream(fam)
+    deltas: list[dict] = []
+    sent_at: list[int] = []  # text length at each update that sent something
+    for cut in range(0, len(text) + 1, step):
+        got = stream.update(text[:cut])
+        deltas += got
+        if got:
+            sent_at.append(cut)
+    reply = fam.parse(text).message()
+    deltas += stream.finish(reply)
+    assert stream.consistent
+    return deltas, reply, sent_at
+
+
+@pytest.mark.parametrize("family,text", OUTPUTS)
+def test_deltas_add_up_to_the_parsed_reply(family: str, text: str) -> None:
+    deltas, reply, _ = _replay(family, text)
+    joined = {f: "".join(d.get(f, "") for d in deltas) for f in ("reasoning_content", "content")}
+    assert joined["content"] == reply["content"]
+    assert joined["reasoning_content"] == (reply.get("reasoning_content") or "")
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [c["id"] for c in calls] == [c["id"] for c in reply.get("tool_calls", [])]
+    assert [c["index"] for c in calls] == list(range(len(calls)))
+
+
+def test_text_streams_before_the_turn_ends() -> None:
+    text = "<think>\nlong reasoning here\n</think>\n\nThe answer is forty two, as computed."
+    deltas, _, sent_at = _replay("qwen3", text)
+    # reasoning and content both arrive in several pieces, long before the whole text is there
+    assert sum("reasoning_content" in d for d in deltas) > 3
+    assert sum("content" in d for d in deltas) > 3
+    assert sent_at[0] < len(text) // 3
+
+
+def test_markers_are_held_back_until_decided() -> None:
+    stream = DeltaStream(get_family("qwen3"))
+    assert stream.update("<thi") == []  # may still open a think block
+    stream = DeltaStream(get_family("qwen3"))
+    assert stream.update("Hi <tool_") == [{"content": "Hi "}]
+    assert stream.update("Hi <tool_call>{\"name\"") == []  # a call: never streamed as content
+    assert stream.update("Hi\ufffd") == []  # no new stable text
+
+
+def test_incremental_text_equals_a_whole_decode() -> None:
+    tok = build_tiny_tokenizer()
+    text = "Weather in Zürich? \u4e2d\u6587 <think>ok</think> done.\n\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    inc = IncrementalText(lambda x: tok.decode(x, skip_special_tokens=False))
+    seen = [inc.update(ids[:k]) for k in range(1, len(ids) + 1)]
+    assert seen[-1] == tok.decode(ids, skip_special_tokens=False)
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+    assert all("\ufffd" not in s for s in seen)
