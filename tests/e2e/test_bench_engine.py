@@ -37,9 +37,10 @@ def test_bench_engine_tiny_cpu(tmp_path: Path) -> None:
     assert turns["requests"] == 6 and turns["output_tokens"] == 6 * 8
     # turn t+1 = turn t's prompt + answer + 8 user tokens: 16, 32, 48 tokens per session
     assert turns["prompt_tokens"] == 2 * (16 + 32 + 48)
-    # later turns reuse whole cached blocks (16 tokens) of the previous turn's prompt + answer
-    assert turns["prefix_cache_hit_rate_later_turns"] >= 16 * 3 / 80 - 1e-9
-    assert 0 < turns["prefix_cache_hit_rate"] < 1
+    # later turns reuse all the KV of the previous turn: prompt + answer - 1 (the last sampled
+    # token never went through the model) = 23 and 39 tokens (whole blocks + a copied tail)
+    assert turns["prefix_cache_hit_rate_later_turns"] == (23 + 39) / 80
+    assert turns["prefix_cache_hit_rate"] == (23 + 39) / 96
     for r in rows.values():
         assert r["milepost_tok_s"] > 0 and r["hf_tok_s"] > 0
         assert abs(r["ratio"] - r["milepost_tok_s"] / r["hf_tok_s"]) < 1e-9
@@ -47,6 +48,19 @@ def test_bench_engine_tiny_cpu(tmp_path: Path) -> None:
         r = rows[name]
         assert r["decode_steps"] > 0 and r["decode_step_ms"] > 0
         assert r["bandwidth_fraction"] == r["decode_bytes_per_s"] / 1e11
+
+
+def test_bench_engine_groups_share_their_first_prompt(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _bench(*FLAGS, "--scenarios", "multiturn", "--group-size", "2", "--no-hf",
+                  "--json-out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["scenarios"]
+    assert row["scenario"] == "multiturn-g2"
+    # as above, plus the second session's first turn: 15 of the shared 16 prompt tokens
+    assert row["prefix_cache_hit_rate"] == (2 * (23 + 39) + 15) / 192
+    proc = _bench(*FLAGS, "--scenarios", "multiturn", "--group-size", "3", "--no-hf")
+    assert proc.returncode == 2 and "--group-size" in proc.stderr
 
 
 def test_bench_engine_bad_flags() -> None:
