@@ -306,6 +306,31 @@ def session_server_enabled(c: TrainConfig) -> bool:
     return bool(c.use_session_server or c.agent_function_path is not None)
 
 
+def _leaf_selection_refusals(c: TrainConfig) -> list[str]:
+    """More than one sequence per session (report 2.4.1): branching only; the padding that keeps
+    optimizer steps whole is exact under token_mean only (rollout/agentic.py)."""
+    from milepost.config import _IMPORT_PATH
+    from milepost.session.selection import BUILTIN_SELECTIONS
+
+    sel = c.session_leaf_selection
+    if sel not in BUILTIN_SELECTIONS and not _IMPORT_PATH.match(sel):
+        return [f"--session-leaf-selection {sel!r} is neither {list(BUILTIN_SELECTIONS)} nor an "
+                "import path module.sub:fn"]
+    if sel == "latest":
+        return []
+    p = []
+    if c.session_mode != "branching":
+        p.append(f"--session-leaf-selection {sel} has no effect on a linear session (one leaf); "
+                 "use --session-mode branching, or leave the selection at latest")
+    aggregation = c.loss_aggregation or ("sequence_mean" if c.advantage_estimator == "gspo"
+                                         else "token_mean")  # as resolve_defaults fills it
+    if aggregation == "sequence_mean":
+        p.append(f"--session-leaf-selection {sel} makes a step's sample count vary, and the "
+                 "zero-weight samples that fill its last optimizer step would count in a "
+                 "sequence_mean; use --loss-aggregation token_mean or selection latest")
+    return p
+
+
 def agent_refusals(c: TrainConfig) -> list[str]:
     """Rollout layers and the session server (report 2.3, 2.4)."""
     from milepost.config import _IMPORT_PATH
@@ -334,6 +359,7 @@ def agent_refusals(c: TrainConfig) -> list[str]:
     if c.session_matcher not in BUILTIN_MATCHERS and not _IMPORT_PATH.match(c.session_matcher):
         p.append(f"--session-matcher {c.session_matcher!r} is neither {list(BUILTIN_MATCHERS)} "
                  "nor an import path module.sub:fn")
+    p += _leaf_selection_refusals(c)
     if c.load_rollouts is not None:
         p.append("the session server generates live; it cannot be used with --load-rollouts")
     engines = len(c.engine_urls) if c.engine_urls else (c.rollout_num_engines or 1)

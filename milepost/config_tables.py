@@ -455,6 +455,10 @@ class AgentTable(_Table):
         "append-only tree, one sequence per leaf.")
     session_matcher: str = Field(
         "strict", description="Replay comparison: strict | json_args | loose (risky) | module.sub:fn.")
+    session_leaf_selection: str = Field(
+        "latest", description="Which leaves of a session are trained on: latest (one sequence per "
+        "session) | all (every leaf of a branching session) | module.sub:fn (a selector over one "
+        "Sample per leaf; milepost/session/selection.py).")
     session_model_family: str | None = Field(
         None, description="Chat template + parsers family of the checkpoint (qwen3 | chatml | "
         "generic); never detected, required with the session server.")

@@ -34,7 +34,7 @@ from milepost.driver.preflight import (
 from milepost.eval.shared import evaluate_on_engines
 from milepost.observe.metrics import MetricsLogger
 from milepost.observe.progress import StepProgress
-from milepost.rollout.agentic import AgenticRollout, rollout_layers_enabled
+from milepost.rollout.agentic import AgenticRollout, pad_to_optimizer_steps, rollout_layers_enabled
 from milepost.rollout.client import EngineClient
 from milepost.rollout.generate import (
     RolloutResult,
@@ -224,6 +224,10 @@ class Runtime:
             return
         t0 = time.perf_counter()
         samples = [s for g in groups for s in g]
+        if self.cfg.session_leaf_selection != "latest":  # several sequences per session (issue 6)
+            padded = pad_to_optimizer_steps(samples, int(self.cfg.global_batch_size))
+            self.step_metrics["train/padding_samples"] = len(padded) - len(samples)
+            samples = padded
         batch = rank_batch(self.cfg, self.backend, samples, self.rank, self.world)
         metrics = self.backend.train_step(batch)
         self.step_metrics.update({f"train/{k}": v for k, v in metrics.items()})

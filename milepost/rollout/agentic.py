@@ -19,6 +19,7 @@ from milepost.config_rules import session_server_enabled
 from milepost.data.source import PromptItem
 from milepost.rollout.client import EngineClient
 from milepost.rollout.generate import RolloutResult, SamplingSettings
+from milepost.types import Sample
 from milepost.rollout.layers import (
     GenerateContext,
     RolloutContext,
@@ -26,6 +27,27 @@ from milepost.rollout.layers import (
     default_rollout,
     load_layer,
 )
+
+
+def pad_to_optimizer_steps(samples: list[Sample], global_batch_size: int) -> list[Sample]:
+    """`samples` plus zero-weight copies up to a whole number of optimizer steps.
+
+    A branching session may yield several sequences (`--session-leaf-selection all`), so a step's
+    sample count varies, while the trainer cuts a step into optimizer steps of exactly
+    `global_batch_size` samples. Each filler copies a real sample with loss mask 0, reward 0 and
+    a group of its own (advantage 0): under token_mean (the only aggregation allowed with
+    several leaves) it adds nothing to the loss or its gradient."""
+    short = -len(samples) % global_batch_size
+    fillers = []
+    for k in range(short):
+        src = samples[k % len(samples)]
+        fill = Sample.from_dict(src.to_dict())
+        fill.loss_mask = [0] * fill.response_length
+        fill.reward = 0.0
+        fill.group_index = -1 - k  # alone in its group: its advantage is 0
+        fill.metadata = {"padding_for": [src.group_index, src.index]}
+        fillers.append(fill)
+    return samples + fillers
 
 
 def rollout_layers_enabled(cfg: TrainConfig) -> bool:
@@ -74,7 +96,8 @@ class AgenticRollout:
                 family=cfg.session_model_family, matcher=cfg.session_matcher,
                 settings=SessionSettings(mode=cfg.session_mode, sampling=sampling.to_params(),
                                          enforce_sampling=True,
-                                         return_routed_experts=cfg.use_rollout_routing_replay))
+                                         return_routed_experts=cfg.use_rollout_routing_replay,
+                                         leaf_selection=cfg.session_leaf_selection))
 
     async def rollout(self, items: list[PromptItem], group_index_start: int, reward_fn: Any,
                       group_reward_fn: Any) -> RolloutResult:

@@ -58,7 +58,8 @@ class GenerateContext:
     return_routed_experts: bool = False
 
 
-GenerateFn = Callable[[GenerateContext, PromptItem, int], Awaitable[Sample]]
+# One trajectory -> its training sequence, or several (a branching session's selected leaves).
+GenerateFn = Callable[[GenerateContext, PromptItem, int], Awaitable[Sample | list[Sample]]]
 
 
 @dataclass
@@ -81,7 +82,8 @@ class LayerContractError(RuntimeError):
     """A plug-in returned something outside its interface; the message names which one."""
 
 
-async def default_generate(ctx: GenerateContext, item: PromptItem, index: int) -> Sample:
+async def default_generate(ctx: GenerateContext, item: PromptItem, index: int,
+                           ) -> Sample | list[Sample]:
     """One trajectory: through the agent fn and the session server when there is an agent fn,
     else one engine completion of the item's prompt ids."""
     if ctx.agent_fn is None:
@@ -91,9 +93,11 @@ async def default_generate(ctx: GenerateContext, item: PromptItem, index: int) -
     return await agent_generate(ctx, item, index)
 
 
-async def agent_generate(ctx: GenerateContext, item: PromptItem, index: int) -> Sample:
-    """Open a session, run the agent against it, take the session's one training sequence (its
-    latest leaf under branching), close the session."""
+async def agent_generate(ctx: GenerateContext, item: PromptItem, index: int,
+                         ) -> Sample | list[Sample]:
+    """Open a session, run the agent against it, take the sequences of the leaves the session
+    server selects (`--session-leaf-selection`: one, or several for a branching session that
+    forked), close the session. Every sequence carries the agent's reward."""
     if ctx.session_url is None or ctx.http is None:
         raise LayerContractError("an agent fn needs the session server (use_session_server)")
     http = ctx.http
@@ -114,12 +118,15 @@ async def agent_generate(ctx: GenerateContext, item: PromptItem, index: int) -> 
                       response_length=0, prompt=item.prompt, label=item.label,
                       status=Status.ABORTED,
                       metadata={"abort_reason": "the agent made no model call", **outcome.metadata})
-    sample = Sample.from_dict(samples[-1])
-    sample.group_index, sample.index, sample.label = ctx.group_index, index, item.label
-    sample.metadata.update(outcome.metadata, prompt_index=item.index,
-                           agent_reward=outcome.reward)
-    sample.reward = outcome.reward
-    return sample
+    out = []
+    for d in samples:
+        sample = Sample.from_dict(d)
+        sample.group_index, sample.index, sample.label = ctx.group_index, index, item.label
+        sample.metadata.update(outcome.metadata, prompt_index=item.index, trajectory=index,
+                               leaves_selected=len(samples), agent_reward=outcome.reward)
+        sample.reward = outcome.reward
+        out.append(sample)
+    return out[0] if len(out) == 1 else out
 
 
 def agent_reward(sample: Sample) -> float:
@@ -145,16 +152,15 @@ async def default_rollout(ctx: RolloutContext) -> RolloutResult:
     start = time.perf_counter()
     result = RolloutResult()
 
-    async def one(g: int, item: PromptItem, k: int) -> Sample:
+    async def one(g: int, item: PromptItem, k: int) -> list[Sample]:
         async with slots:
-            sample = await ctx.generate_fn(ctx.generate_context(g), item, k)
-        if not isinstance(sample, Sample):
-            raise LayerContractError(f"generate fn returned {type(sample).__name__}, not Sample")
-        return sample
+            got = await ctx.generate_fn(ctx.generate_context(g), item, k)
+        return as_samples(got)
 
     async def group(g: int, item: PromptItem) -> tuple[list[Sample], str | None]:
-        samples = list(await asyncio.gather(*(one(g, item, k)
-                                              for k in range(ctx.n_samples_per_prompt))))
+        per_trajectory = await asyncio.gather(*(one(g, item, k)
+                                                for k in range(ctx.n_samples_per_prompt)))
+        samples = number_group(per_trajectory)
         if any(s.status is Status.ABORTED for s in samples):
             return samples, "aborted"
         if ctx.reward_fn is not None or ctx.group_reward_fn is not None:
@@ -177,6 +183,28 @@ async def default_rollout(ctx: RolloutContext) -> RolloutResult:
             result.groups.append(samples)
     result.elapsed_s = time.perf_counter() - start
     return result
+
+
+def as_samples(got: object) -> list[Sample]:
+    """A generate fn's answer as a list, checked against the contract."""
+    items = got if isinstance(got, list) else [got]
+    bad = next((x for x in items if not isinstance(x, Sample)), None)
+    if bad is not None or not items:
+        what = type(bad).__name__ if bad is not None else "an empty list"
+        raise LayerContractError(f"generate fn returned {what}, not Sample (or a non-empty "
+                                 f"list of Samples)")
+    return items
+
+
+def number_group(per_trajectory: list[list[Sample]]) -> list[Sample]:
+    """One group from its trajectories' sequences: `index` numbers the sequences of the group
+    (unique within it); `metadata["trajectory"]` keeps which trajectory each came from."""
+    samples = [s for seqs in per_trajectory for s in seqs]
+    if len(samples) > len(per_trajectory):
+        for i, s in enumerate(samples):
+            s.metadata.setdefault("trajectory", s.index)
+            s.index = i
+    return samples
 
 
 def load_layer(path: str | None, setting: str) -> Callable[..., Any] | None:

@@ -6,6 +6,7 @@
     GET    /sessions/{id}                          turns, leaves, stored messages
     DELETE /sessions/{id}
     POST   /sessions/{id}/samples                  {"leaves": [ids] | null} -> training samples
+                                                   (null: the server's leaf selection)
 
 Point an agent's `base_url` at `{server}/sessions/{id}/v1`. Token fields a client sends (e.g.
 `prompt_token_ids`) are ignored: the server owns tokenization. `stream: true` answers in
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from milepost.rollout.client import EngineRequestError, EngineUnavailableError
 from milepost.session.families import FamilyError
 from milepost.session.render import RenderError
+from milepost.session.selection import LeafSelectionError
 from milepost.session.openai_chat import completion, stream_turn
 from milepost.session.service import GenerationAborted, SessionNotFound, SessionService
 from milepost.session.store import SessionConflict
@@ -151,6 +153,10 @@ def build_app(service: SessionService) -> FastAPI:
     @app.exception_handler(EngineUnavailableError)
     async def _engine_gone(_: Request, exc: EngineUnavailableError) -> JSONResponse:
         return _error(503, f"the engine is unavailable: {exc}", "engine_unavailable")
+
+    @app.exception_handler(LeafSelectionError)
+    async def _selector(_: Request, exc: LeafSelectionError) -> JSONResponse:
+        return _error(500, str(exc), "leaf_selection_error")
 
     @app.exception_handler(GenerationAborted)
     async def _aborted(_: Request, exc: GenerationAborted) -> JSONResponse:

@@ -19,6 +19,7 @@ from milepost.rollout.client import EngineClient, GenerateOutput
 from milepost.session.families import Message
 from milepost.session.matchers import Matcher
 from milepost.session.render import Renderer, normalize_messages
+from milepost.session.selection import load_leaf_selector, select_leaves
 from milepost.session.sequence import build_samples
 from milepost.session.store import Session, SessionConflict, SessionMode, Turn
 from milepost.types import Sample
@@ -37,12 +38,13 @@ class SessionSettings:
     """mode / matcher: report 2.4.1 / 2.4.2. sampling: SGLang sampling_params for every turn;
     with enforce_sampling the run's values win over the harness's (RL needs the temperature the
     trainer assumes), and max_tokens may only lower max_new_tokens. return_routed_experts: ask the
-    engine for routed experts (MoE + R3)."""
+    engine for routed experts (MoE + R3). leaf_selection: latest | all | module.sub:fn."""
 
     mode: SessionMode = "linear"
     sampling: dict[str, Any] = field(default_factory=lambda: {"max_new_tokens": 256})
     enforce_sampling: bool = False
     return_routed_experts: bool = False
+    leaf_selection: str = "all"  # which leaves /samples returns when none are named (selection.py)
 
 
 @dataclass
@@ -84,6 +86,7 @@ class SessionService:
         self.sessions: dict[str, Session] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.pending: dict[str, int] = {}  # turns prepared and not yet stored or dropped
+        self._selector = load_leaf_selector(settings.leaf_selection)
 
     def create(self) -> Session:
         sid = uuid.uuid4().hex
@@ -105,16 +108,17 @@ class SessionService:
         self.pending.pop(session_id, None)
 
     def samples(self, session_id: str, leaf_ids: list[int] | None = None) -> list[Sample]:
+        """One sample per leaf: the leaves named, or the settings' leaf selection."""
         session = self.get(session_id)
         leaves = session.leaves()
-        if leaf_ids is not None:
-            by_id = {t.id: t for t in leaves}
-            missing = [i for i in leaf_ids if i not in by_id]
-            if missing:
-                raise SessionConflict(f"leaves {missing} are not leaves of session {session_id} "
-                                      f"(its leaves: {sorted(by_id)})")
-            leaves = [by_id[i] for i in leaf_ids]
-        return build_samples(session, leaves)
+        if leaf_ids is None:
+            return select_leaves(self._selector, build_samples(session, leaves))
+        by_id = {t.id: t for t in leaves}
+        missing = [i for i in leaf_ids if i not in by_id]
+        if missing:
+            raise SessionConflict(f"leaves {missing} are not leaves of session {session_id} "
+                                  f"(its leaves: {sorted(by_id)})")
+        return build_samples(session, [by_id[i] for i in leaf_ids])
 
     def sampling_params(self, request: dict[str, Any]) -> dict[str, Any]:
         base = dict(self.settings.sampling)

@@ -120,6 +120,17 @@ async def weather_agent_fn(ctx: Any) -> Any:
     """An agent fn (milepost.rollout.layers.AgentFn) of the weather task: the item's prompt asks
     for a city's weather; the agent runs the model's tool calls until it answers. Reward 1 when
     the answer names the city's true condition (the item's label), else 0."""
+    return await _weather_episode(ctx, drop_reasoning=False)
+
+
+async def forking_weather_agent_fn(ctx: Any) -> Any:
+    """The weather agent, replaying the model's messages without their reasoning (as harnesses
+    that compact their context do): under the strict matcher a branching session forks at each
+    replay, so one episode leaves several leaves."""
+    return await _weather_episode(ctx, drop_reasoning=True)
+
+
+async def _weather_episode(ctx: Any, drop_reasoning: bool) -> Any:
     from milepost.rollout.layers import AgentOutcome
 
     prompt = ctx.item.prompt
@@ -133,7 +144,7 @@ async def weather_agent_fn(ctx: Any) -> Any:
             return AgentOutcome(reward=0.0, metadata={"agent_error": resp.text[:200]})
         choice = resp.json()["choices"][0]
         msg = choice["message"]
-        messages.append(msg)
+        messages.append(replay(msg, reserialize_args=False, drop_reasoning=drop_reasoning))
         if choice["finish_reason"] != "tool_calls":
             answer = msg.get("content") or ""
             break

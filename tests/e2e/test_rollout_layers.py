@@ -148,3 +148,39 @@ def test_milepost_train_with_an_agent_fn(agent_dir, tmp_path):
     assert len(lines) == 2
     assert all("train/loss" in m and m["rollout/response_len_mean"] > 0 for m in lines)
 
+
+
+def test_milepost_train_trains_every_selected_leaf_of_a_branching_session(agent_dir, tmp_path):
+    """An agent that drops reasoning on replay forks its branching session; with
+    --session-leaf-selection all every leaf reaches the trainer as its own sequence."""
+    from milepost.data.rollout_io import load_rollout
+
+    rows = [{"prompt": [{"role": "user", "content": f"Weather in {c}?"}], "label": w}
+            for c, w in [("Oslo", "snow"), ("Rome", "hot")]]
+    data = tmp_path / "weather.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir, saved = tmp_path / "run", tmp_path / "rollouts"
+    cmd = [sys.executable, "-m", "milepost", "train", "--hf-checkpoint", str(agent_dir),
+           "--prompt-data", str(data), "--num-rollout", "1", "--rollout-batch-size", "2",
+           "--n-samples-per-prompt", "2", "--rollout-max-response-len", "64",
+           "--rollout-temperature", "0.1", "--global-batch-size", "4",
+           "--engine-max-total-tokens", "8192", "--run-dir", str(run_dir),
+           "--agent-function-path", "milepost.testing.agent_harness:forking_weather_agent_fn",
+           "--session-model-family", "qwen3", "--session-mode", "branching",
+           "--session-leaf-selection", "all", "--save-rollouts", str(saved),
+           "--reward-fn", "milepost.rollout.layers:agent_reward"]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    groups = load_rollout(saved, 0)
+    samples = [s for g in groups for s in g]
+    assert len(groups) == 2 and len(samples) > 4  # more sequences than trajectories
+    for g in groups:
+        assert [s.index for s in g] == list(range(len(g)))
+        assert {s.metadata["trajectory"] for s in g} == {0, 1}
+        for k in (0, 1):  # each trajectory's sequences are distinct leaves sharing its reward
+            mine = [s for s in g if s.metadata["trajectory"] == k]
+            assert len({s.metadata["leaf_turn"] for s in mine}) == len(mine)
+            assert mine[0].metadata["leaves_selected"] == len(mine)
+            assert len({s.reward for s in mine}) == 1
+    (m,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "train/loss" in m and m["train/padding_samples"] == -len(samples) % 4
