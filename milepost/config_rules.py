@@ -166,6 +166,8 @@ def resolve_defaults(c: TrainConfig) -> None:
         put("use_rollout_logprobs", c.fully_async and c.ratio_correction == "none")
     if c.offload_train is None:
         put("offload_train", c.colocate)  # the colocated engine needs the memory back
+    if c.offload_actor_for_critic is None:
+        put("offload_actor_for_critic", c.advantage_estimator == "ppo" and c.device == "cuda")
     if c.offload_train_dir is None and c.offload_train_destination == "disk":
         put("offload_train_dir", c.run_dir / "offload")
     if c.optimizer_state_dir is None and c.stream_optimizer_state_to_disk:
@@ -261,6 +263,9 @@ def objective_refusals(c: TrainConfig) -> list[str]:
     if est != "ppo" and (c.critic_lr is not None or c.critic_hf_checkpoint is not None):
         p.append(f"--critic-lr / --critic-hf-checkpoint train a critic only for --advantage-estimator ppo "
                  f"(got {est}); drop them or use ppo")
+    if c.offload_actor_for_critic and est != "ppo":
+        p.append(f"--offload-actor-for-critic takes the actor off the device while a critic works; "
+                 f"--advantage-estimator {est} has no critic: drop it or use ppo")
     if c.kl_coef > 0 and est in SCALAR_ESTIMATORS:
         p.append(f"--kl-coef puts a per-token KL penalty into the rewards, which {est} (one advantage per "
                  "sequence) cannot carry; use --use-kl-loss --kl-loss-coef instead")
@@ -345,9 +350,9 @@ def agent_refusals(c: TrainConfig) -> list[str]:
     layers = any(getattr(c, n) is not None for n in ("rollout_function_path",
                                                     "custom_generate_function_path",
                                                     "agent_function_path"))
-    if layers and c.fully_async:
-        p.append("--rollout-function-path / --custom-generate-function-path / "
-                 "--agent-function-path run in the synchronous loop only; drop --fully-async")
+    if c.rollout_function_path is not None and c.fully_async:
+        p.append("--rollout-function-path owns data and grouping, which the --fully-async "
+                 "rollout worker owns; drop one (agent and generate fns run under both loops)")
     if not session_server_enabled(c):
         return p
     if c.session_model_family is None:

@@ -80,6 +80,13 @@ class MemoryTable(_Table):
     offload_staging_bytes: int = Field(
         64 << 20, ge=1, description="Size of the pinned staging buffer of disk offload."
     )
+    offload_actor_for_critic: bool | None = Field(
+        None,
+        description="With a PPO critic, the actor (weights, gradients, optimizer state) leaves the "
+        "device while the critic computes or trains, and the critic while the actor trains, so a "
+        "step's peak holds one of them (to --offload-train-destination); default: on with a critic "
+        "on cuda, whatever the placement (report 3.2), off on cpu (no device memory to save).",
+    )
     stream_optimizer_state_to_disk: bool = Field(
         False,
         description="Keep the Adam moments in per-bucket files; the optimizer step loads, updates "

@@ -35,9 +35,10 @@ from milepost.train.export import write_hf_directory
 from milepost.train.logprobs import TokenScorer, plan_micro_batches
 from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss, value_loss
 from milepost.train.offload import MoveStats as OffloadStats
-from milepost.train.offload import StateEvictor, trainer_tensors
+from milepost.train.offload import StateEvictor
 from milepost.train.optim import build_optimizer, optimizer_step
 from milepost.train.replay import RoutingProbe, is_moe, samples_routing
+from milepost.train.residency import ModelGroup, Residency
 from milepost.train.settings import TrainerSettings
 from milepost.types import Sample
 
@@ -109,10 +110,12 @@ class FSDPBackend:
             value_clip=settings.value_clip,
         )
         self.correction = CorrectionSettings(settings.ratio_correction, settings.tis_clip_low, settings.tis_clip)
-        self._offloaded = False
-        self._evictor = StateEvictor(settings.offload_destination, device,
-                                     directory=settings.offload_dir,
-                                     staging_bytes=settings.offload_staging_bytes)
+        groups = {"actor": ModelGroup([policy, reference], [self.optimizer])}
+        if critic is not None:
+            groups["critic"] = ModelGroup([critic.model], [critic.optimizer])
+        evictor = StateEvictor(settings.offload_destination, device, directory=settings.offload_dir,
+                               staging_bytes=settings.offload_staging_bytes)
+        self.residency = Residency(groups, evictor, take_turns=settings.actor_critic_turns)
 
     @classmethod
     def create(cls, model_path: str | Path, settings: TrainerSettings) -> FSDPBackend:
@@ -155,9 +158,10 @@ class FSDPBackend:
         count = int(self._all_reduce([len(local)], dist.ReduceOp.MAX)[0])
         return plan_micro_batches(lengths, self.settings.max_tokens_per_micro_batch, count)
 
-    def _require_onloaded(self, what: str) -> None:
-        if self._offloaded:
+    def _require_onloaded(self, what: str, model: str = "actor") -> None:
+        if self.residency.offloaded:
             raise RuntimeError(f"FSDPBackend.{what} called while offloaded; call onload() first")
+        self.residency.use(model)
 
     # --- log-probs -------------------------------------------------------------------------------
 
@@ -196,9 +200,9 @@ class FSDPBackend:
 
     def compute_values(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """The critic's V(s_t) per response token of each sample: [response_length] fp32 on CPU."""
-        self._require_onloaded("compute_values")
         if self.critic is None:
             raise ValueError("compute_values needs a critic: set critic_lr (--critic-lr)")
+        self._require_onloaded("compute_values", "critic")
         batch = self._scoring_batch(samples)
         return self._score(self.critic.model, batch, self._aligned_plan([t.numel() for t in batch.tokens]), values=True)
 
@@ -242,9 +246,17 @@ class FSDPBackend:
         return [list(range(i, i + per_rank)) for i in range(0, len(batch), per_rank)]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        self._require_onloaded("train_step")
+        self._require_onloaded("train_step", "critic" if batch.returns is not None else "actor")
         steps = self._steps(batch)
         plans = [self._aligned_plan([batch.tokens[i].numel() for i in step]) for step in steps]
+        denoms = [self._all_reduce([float(sum(batch.loss_masks[i].sum() for i in step)),
+                                    float(sum(bool((batch.loss_masks[i] > 0).any()) for i in step))])
+                  for step in steps]
+        # The critic trains first: it is on the device already (it gave the values), so with
+        # --offload-train a step moves each model in once. Actor and critic updates are
+        # independent, so the order changes no number.
+        critic_sums = self._train_critic(batch, steps, plans, denoms) if batch.returns is not None else None
+        self.residency.use("actor")
         old = batch.old_logprobs
         if old is None and self.settings.loss_type != "sft_loss":
             # behaviour policy = the weights before this rollout's first optimizer step
@@ -264,21 +276,16 @@ class FSDPBackend:
         lr = self.optimizer.param_groups[0]["lr"]
         probe = RoutingProbe(self.policy) if self.settings.use_rollout_routing_replay else None
         with probe or contextlib.nullcontext():
-            for step, plan in zip(steps, plans):
-                denoms = self._all_reduce([float(sum(batch.loss_masks[i].sum() for i in step)),
-                                           float(sum(bool((batch.loss_masks[i] > 0).any()) for i in step))])
-                loss_tokens += denoms[0]
+            for step, plan, denom in zip(steps, plans, denoms):
+                loss_tokens += denom[0]
                 for local in plan:
                     mb = [step[j] for j in local]
-                    acc[:-2] += self._micro_step(batch, mb, old, ref, weights, denoms, probe)
+                    acc[:-2] += self._micro_step(batch, mb, old, ref, weights, denom, probe)
                 grad_norms.append(self._clip_gradients(self.policy.parameters(), self.settings.clip_grad))
                 lr = self.optimizer.param_groups[0]["lr"]
                 nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
-                if batch.returns is not None:
-                    for local in plan:
-                        acc[-2:] += self._critic_micro_step(batch, [step[j] for j in local], denoms)
-                    norm = self._clip_gradients(self.critic.model.parameters(), self.settings.clip_grad)
-                    optimizer_step(self.critic.optimizer, self.critic.scheduler, norm)
+        if critic_sums is not None:
+            acc[-2:] = critic_sums
 
         abs_diff = 0.0
         if batch.rollout_logprobs is not None and old is not None:
@@ -329,6 +336,18 @@ class FSDPBackend:
         zero = torch.zeros((), device=self.device)
         return torch.stack([*(sums.get(k, zero).detach().to(self.device) for k in METRIC_SUMS), loss.detach()]).double()
 
+    def _train_critic(self, batch: TrainBatch, steps: list[list[int]], plans: list[list[list[int]]],
+                      denoms: list[list[float]]) -> torch.Tensor:
+        """The critic's optimizer steps over the batch; returns [value_loss sum, value_clipfrac sum]."""
+        self.residency.use("critic")
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for step, plan, denom in zip(steps, plans, denoms):
+            for local in plan:
+                sums += self._critic_micro_step(batch, [step[j] for j in local], denom)
+            norm = self._clip_gradients(self.critic.model.parameters(), self.settings.clip_grad)
+            optimizer_step(self.critic.optimizer, self.critic.scheduler, norm)
+        return sums
+
     def _critic_micro_step(self, batch: TrainBatch, mb: list[int], denoms) -> torch.Tensor:
         """Critic forward + backward of one micro-batch; returns [value_loss sum, value_clipfrac sum]."""
         forced, _ = self._forced(batch, mb)
@@ -341,6 +360,7 @@ class FSDPBackend:
 
     def compute_logprobs_of(self, batch: TrainBatch, module: TokenScorer) -> list[torch.Tensor]:
         """Log-probs of a TrainBatch's responses under `module` (policy or reference), per sample on CPU."""
+        self.residency.use("actor")
         return self._score(module, batch, self._aligned_plan([t.numel() for t in batch.tokens]))
 
     def _clip_gradients(self, parameters, clip: float) -> float:
@@ -366,15 +386,17 @@ class FSDPBackend:
                 yield from lm.hf_tensors(name, full.to(dtype))
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
-        self._require_onloaded("save_checkpoint")
         if self.critic is not None:  # first: a complete actor checkpoint always has its critic
+            self._require_onloaded("save_checkpoint", "critic")
             self.critic.save(path)
+        self._require_onloaded("save_checkpoint")
         ckpt.save_checkpoint(path, self.policy, self.optimizer, self.scheduler, extra)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         self._require_onloaded("load_checkpoint")
         extra = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.scheduler)
         if self.critic is not None:
+            self._require_onloaded("load_checkpoint", "critic")
             self.critic.load(path)
         return extra
 
@@ -384,23 +406,13 @@ class FSDPBackend:
     # --- offload ---------------------------------------------------------------------------------
 
     def offload(self) -> OffloadStats | None:
-        """Evict weights, gradients and optimizer state (policy, reference, critic) together."""
-        if self._offloaded:
-            return None
-        modules = [self.policy, self.reference, self.critic.model if self.critic else None]
-        for module in modules:
-            for m in _fsdp_modules(module) if module is not None else ():
-                m.reshard()  # the unsharded parameters are freed, not moved
-        stats = self._evictor.evict(trainer_tensors(
-            modules, [self.optimizer, self.critic.optimizer if self.critic else None]))
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the freed blocks to the colocated engine
-        self._offloaded = True
-        return stats
+        """Evict weights, gradients and optimizer state (policy, reference, critic); None if already out."""
+        return self.residency.offload()
 
     def onload(self) -> OffloadStats | None:
-        if not self._offloaded:
-            return None
-        stats = self._evictor.restore()
-        self._offloaded = False
-        return stats
+        """Bring them back (with a critic and --offload-train: each model on its first use)."""
+        return self.residency.onload()
+
+    def take_turn_stats(self) -> OffloadStats | None:
+        """Moves of the actor / critic turns since the last call (None unless they take turns)."""
+        return self.residency.take_turn_stats()

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 Destination = Literal["host", "disk"]
+DEFAULT_SLOT = "trainer"
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,12 @@ def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class StateEvictor:
-    """Holds the evicted storages of one rank; `evict` then `restore`, any number of times."""
+    """Holds the evicted storages of one rank; `evict` then `restore`, any number of times.
+
+    Slots keep independent sets apart (the actor and the critic take turns on the device within
+    a PPO step): each slot is evicted and restored on its own, with its own file on disk, and all
+    share the one staging buffer.
+    """
 
     def __init__(self, destination: Destination, device: torch.device, *,
                  directory: str | Path | None = None, staging_bytes: int = 64 << 20) -> None:
@@ -53,53 +59,71 @@ class StateEvictor:
             raise ValueError(f"--offload-staging-bytes must be >= 1, got {staging_bytes}")
         self.destination = destination
         self.device = device
-        self.file = None if directory is None else Path(directory) / f"rank{_rank()}.bin"
+        self.directory = None if directory is None else Path(directory)
         self.staging_bytes = staging_bytes
         self._pin = device.type == "cuda"
         self._staging: torch.Tensor | None = None
-        self._evicted: list[tuple[torch.UntypedStorage, int]] = []
-        self._host: list[torch.Tensor] = []
+        self._evicted: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}
+        # Pinned copies stay allocated between evictions (cudaHostAlloc runs at ~1 GB/s; the
+        # sizes repeat every step). Unpinned (CPU) copies are dropped: keeping them would only
+        # double the host memory.
+        self._host: dict[str, list[torch.Tensor]] = {}
 
     @property
     def evicted(self) -> bool:
         return bool(self._evicted)
 
-    def evict(self, tensors: Iterable[torch.Tensor]) -> MoveStats:
+    def holds(self, slot: str = DEFAULT_SLOT) -> bool:
+        """Whether `slot` is evicted now."""
+        return slot in self._evicted
+
+    def file(self, slot: str = DEFAULT_SLOT) -> Path | None:
+        if self.directory is None:
+            return None
+        name = f"rank{_rank()}.bin" if slot == DEFAULT_SLOT else f"rank{_rank()}-{slot}.bin"
+        return self.directory / name
+
+    def evict(self, tensors: Iterable[torch.Tensor], slot: str = DEFAULT_SLOT) -> MoveStats:
         """Copy out, then free, every distinct storage of `tensors` that lives on the device."""
-        if self._evicted:
-            raise RuntimeError("StateEvictor.evict: already evicted; restore first")
+        if slot in self._evicted:
+            raise RuntimeError(f"StateEvictor.evict: {slot!r} already evicted; restore first")
         t0 = time.perf_counter()
         storages = _distinct_storages(tensors, self.device)
         if self.destination == "host":
-            self._host = [self._to_host(s) for s, _ in storages]
+            self._host[slot] = self._to_host(storages, self._host.get(slot, []))
         else:
-            self._write(storages)
+            self._write(storages, slot)
         for s, _ in storages:  # only now: a failed copy above has freed nothing
             s.resize_(0)
-        self._evicted = storages
+        self._evicted[slot] = storages
         return MoveStats(sum(n for _, n in storages), time.perf_counter() - t0)
 
-    def restore(self) -> MoveStats:
-        """Give every evicted storage its bytes back, exactly as they were."""
+    def restore(self, slot: str = DEFAULT_SLOT) -> MoveStats:
+        """Give every evicted storage of `slot` its bytes back, exactly as they were."""
         t0 = time.perf_counter()
-        for s, n in self._evicted:
+        storages = self._evicted.pop(slot, [])
+        for s, n in storages:
             s.resize_(n)
-        if self.destination == "host":
-            for (s, _), host in zip(self._evicted, self._host):
+        if self.destination == "host" and storages:
+            for (s, _), host in zip(storages, self._host[slot]):
                 _as_bytes(s).copy_(host, non_blocking=self._pin)
             if self._pin:
                 torch.cuda.synchronize(self.device)
-            self._host = []
-        else:
-            self._read(self._evicted)
-        moved = sum(n for _, n in self._evicted)
-        self._evicted = []
-        return MoveStats(moved, time.perf_counter() - t0)
+            else:
+                del self._host[slot]
+        elif storages:
+            self._read(storages, slot)
+        return MoveStats(sum(n for _, n in storages), time.perf_counter() - t0)
 
-    def _to_host(self, storage: torch.UntypedStorage) -> torch.Tensor:
-        src = _as_bytes(storage)
-        host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=self._pin)
-        host.copy_(src)
+    def _to_host(self, storages: list[tuple[torch.UntypedStorage, int]],
+                 kept: list[torch.Tensor]) -> list[torch.Tensor]:
+        reuse = [h.numel() for h in kept] == [n for _, n in storages]
+        host = kept if reuse else [torch.empty(n, dtype=torch.uint8, pin_memory=self._pin)
+                                   for _, n in storages]
+        for (s, _), h in zip(storages, host):
+            h.copy_(_as_bytes(s), non_blocking=self._pin)
+        if self._pin:
+            torch.cuda.synchronize(self.device)  # every copy landed before any storage is freed
         return host
 
     def _staging_buffer(self) -> torch.Tensor:
@@ -107,12 +131,13 @@ class StateEvictor:
             self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=self._pin)
         return self._staging
 
-    def _write(self, storages: list[tuple[torch.UntypedStorage, int]]) -> None:
-        assert self.file is not None
+    def _write(self, storages: list[tuple[torch.UntypedStorage, int]], slot: str) -> None:
+        path = self.file(slot)
+        assert path is not None
         staging = self._staging_buffer()
         try:
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.file, "wb") as f:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
                 for s, n in storages:
                     src = _as_bytes(s)
                     for off in range(0, n, self.staging_bytes):
@@ -122,24 +147,25 @@ class StateEvictor:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
-            raise OSError(f"--offload-train-destination disk: cannot write {self.file} ({e}); "
+            raise OSError(f"--offload-train-destination disk: cannot write {path} ({e}); "
                           "nothing was offloaded, the trainer state is intact. Free space or "
                           "point --offload-train-dir at a writable node-local disk") from e
 
-    def _read(self, storages: list[tuple[torch.UntypedStorage, int]]) -> None:
-        assert self.file is not None
+    def _read(self, storages: list[tuple[torch.UntypedStorage, int]], slot: str) -> None:
+        path = self.file(slot)
+        assert path is not None
         staging = self._staging_buffer()
         view = staging.numpy()
-        with open(self.file, "rb") as f:
+        with open(path, "rb") as f:
             for s, n in storages:
                 dst = _as_bytes(s)
                 for off in range(0, n, self.staging_bytes):
                     k = min(self.staging_bytes, n - off)
                     if f.readinto(memoryview(view[:k])) != k:
-                        raise RuntimeError(f"{self.file} ended early: the offloaded trainer state "
+                        raise RuntimeError(f"{path} ended early: the offloaded trainer state "
                                            "was truncated by something outside milepost")
                     dst[off:off + k].copy_(staging[:k])
-        self.file.unlink()
+        path.unlink()
 
 
 def trainer_tensors(modules: Iterable[torch.nn.Module | None],

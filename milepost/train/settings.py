@@ -47,6 +47,8 @@ class TrainerSettings:
     use_rollout_routing_replay: MoE forwards use TrainBatch.routed_experts (R3); refused on dense models.
     offload_destination / offload_dir / offload_staging_bytes: where `offload()` puts the trainer's
         tensors: pinned host memory, or per-rank files under offload_dir through a staging buffer.
+    actor_critic_turns: with a critic, the actor and the critic take turns on the device within a
+        step (--offload-actor-for-critic): one is evicted while the other computes or trains.
     optimizer_state_dir: set = stream the Adam moments from per-rank files there (bucketed by
         optimizer_bucket_bytes; moments in optimizer_moment_dtype, float32 = bitwise AdamW).
     seed: seeds torch / python / numpy at creation.
@@ -93,6 +95,7 @@ class TrainerSettings:
     offload_destination: Literal["host", "disk"] = "host"
     offload_dir: str | None = None
     offload_staging_bytes: int = 64 << 20
+    actor_critic_turns: bool = False
     optimizer_state_dir: str | None = None
     optimizer_bucket_bytes: int = 256 << 20
     optimizer_moment_dtype: Literal["float32", "bfloat16"] = "float32"

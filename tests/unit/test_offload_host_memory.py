@@ -6,6 +6,7 @@ the meter sees such a copy. The device-side bound is tests/gpu/test_train_cuda_h
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import torch
@@ -46,7 +47,9 @@ def test_disk_round_trip_stays_within_the_staging_buffer(tmp_path: Path) -> None
 
 
 def test_rss_is_read_from_proc() -> None:
+    block = mmap.mmap(-1, 32 * MiB)  # a fresh mapping: its pages cannot be ones already resident
     before = rss_bytes()
-    block = torch.ones(32 * MiB, dtype=torch.uint8)  # touched pages count
+    for off in range(0, 32 * MiB, 4096):
+        block[off] = 1  # a touched page is resident
     assert rss_bytes() - before >= 30 * MiB
-    del block
+    block.close()
