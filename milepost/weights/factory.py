@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from milepost.weights.disk_transport import DiskDeltaTransport
 from milepost.weights.p2p import P2PTransport
+from milepost.weights.sync import WeightSync
 from milepost.weights.transport import (
     BroadcastTransport,
     TensorTransport,
@@ -16,16 +19,23 @@ if TYPE_CHECKING:
     from milepost.config import TrainConfig
 
 
-def make_transport(cfg: TrainConfig, engine_urls: list[str]) -> WeightTransport:
-    """The rank-0 transport for `cfg` (validated: colocated runs always use tensor)."""
+def make_transport(cfg: TrainConfig, engine_urls: list[str], rank: int = 0, world: int = 1
+                   ) -> WeightTransport | None:
+    """Trainer rank `rank`'s transport for `cfg` (validated: colocated runs always use tensor).
+
+    Rank 0 always gets one. Under p2p every rank is a source for the engines the transfer plan
+    gives it (report 4.2); under the other modes only rank 0 sends and other ranks get None.
+    """
     mode = cfg.update_weight_transfer_mode
     backend = "nccl" if cfg.device == "cuda" else "gloo"
+    if mode == "p2p":
+        return P2PTransport(engine_urls, backend, source_rank=rank, num_sources=world)
+    if rank != 0:
+        return None
     if mode == "tensor":
         return TensorTransport(engine_urls)
     if mode == "broadcast":
         return BroadcastTransport(engine_urls, backend)
-    if mode == "p2p":
-        return P2PTransport(engine_urls, backend)
     if mode == "disk-delta":
         # Pauses the engines around the reload alone, in both loops (report 4.3).
         return DiskDeltaTransport(engine_urls, cfg.update_weight_delta_dir,
@@ -33,3 +43,15 @@ def make_transport(cfg: TrainConfig, engine_urls: list[str]) -> WeightTransport:
                                   pause_mode=cfg.pause_generation_mode)
     raise ValueError(f"--update-weight-transfer-mode {mode!r} is not one of tensor, broadcast, "
                      "p2p, disk-delta")
+
+
+def make_weight_sync(cfg: TrainConfig, engine_urls: list[str], rank: int, world: int
+                     ) -> WeightSync | None:
+    """Trainer rank `rank`'s WeightSync: None where this rank only takes part in the gathers."""
+    transport = make_transport(cfg, engine_urls, rank, world)
+    if transport is None:
+        return None
+    return WeightSync(transport, cfg.update_weight_buffer_size, dtype=getattr(torch, cfg.dtype),
+                      check_weight_update=cfg.check_weight_update,
+                      check_equal_once=cfg.check_weight_update_equal,
+                      check_skip=tuple(cfg.check_weight_update_equal_skip or ()))

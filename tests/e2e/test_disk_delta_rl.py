@@ -120,15 +120,16 @@ def test_disk_delta_after_real_rl_steps(tmp_path: Path, source: str) -> None:
 
 
 def test_p2p_in_a_real_run_passes_both_checks(tmp_path: Path) -> None:
-    """`--update-weight-transfer-mode p2p` in `milepost train`: the equality check at the first
-    update and the digest check after every update both pass."""
+    """`--update-weight-transfer-mode p2p` in `milepost train` with 2 trainer ranks and 2 engines:
+    each rank sends to its own engine (report 4.2); the equality check at the first update and
+    the digest check after every update both pass."""
     _, args, env = tiny_run(tmp_path)
     run_dir = tmp_path / "rl"
     done = subprocess.run(
         [sys.executable, "-m", "milepost", "train", *args, "--run-dir", str(run_dir),
          "--num-rollout", "2", "--save-hf-at-end", "false", "--update-weight-buffer-size",
          str(1 << 20), "--update-weight-transfer-mode", "p2p", "--check-weight-update-equal",
-         "--check-weight-update"],
+         "--check-weight-update", "--actor-num-gpus-per-node", "2", "--rollout-num-engines", "2"],
         timeout=900, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
