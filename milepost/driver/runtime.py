@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
-import torch
 import torch.distributed as dist
 
 from milepost.config import TrainConfig
@@ -46,7 +45,7 @@ from milepost.train.checkpoint import checkpoint_path
 from milepost.train.fsdp import FSDPBackend
 from milepost.train.settings import TrainerSettings
 from milepost.types import Group
-from milepost.weights.factory import make_transport
+from milepost.weights.factory import make_weight_sync
 from milepost.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -92,6 +91,8 @@ class Runtime:
         self.weights: WeightSync | None = None
         if self.lead:  # first: a bad dataset row stops the run before the model is sharded
             self._init_lead()
+        elif engine_urls and not cfg.rollout_only:  # p2p: every trainer rank sends (report 4.2)
+            self.weights = make_weight_sync(cfg, engine_urls, self.rank, self.world)
         # Plug-in rollout layers / session server (issue 6): replace the default rollout when set.
         self.agentic = (AgenticRollout(cfg, engine_urls, router_url, self._sampling())
                         if self.lead and rollout_layers_enabled(cfg) else None)
@@ -123,12 +124,7 @@ class Runtime:
                 metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
                 shuffle=False).items if cfg.eval_prompt_data is not None else [])
         if self.engine_urls and not cfg.rollout_only:
-            self.weights = WeightSync(make_transport(cfg, self.engine_urls),
-                                      cfg.update_weight_buffer_size,
-                                      dtype=getattr(torch, cfg.dtype),
-                                      check_weight_update=cfg.check_weight_update,
-                                      check_equal_once=cfg.check_weight_update_equal,
-                                      check_skip=tuple(cfg.check_weight_update_equal_skip or ()))
+            self.weights = make_weight_sync(cfg, self.engine_urls, 0, self.world)
         else:
             self.weights = None
 
@@ -345,8 +341,8 @@ class Runtime:
         if self.lead:
             self.metrics.close()
             self.progress.close()
-            if self.weights is not None:
-                self.weights.close()
+        if self.weights is not None:
+            self.weights.close()
 
 
 def wait_for_engines(urls: list[str], timeout_s: float = 900.0) -> None:
