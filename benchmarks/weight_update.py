@@ -10,6 +10,7 @@ after one warm-up) and the ratio to broadcast measured in the same run (or to te
 broadcast is not run).
 
     python benchmarks/weight_update.py                                   # CPU, 2 engines
+    python benchmarks/weight_update.py --transports broadcast,p2p,p2p-x2  # 2 trainer sources
     python benchmarks/weight_update.py --device cuda --sizes qwen3-0.6b \
         --engines 1 --transports tensor,disk-delta                       # one GPU
     python benchmarks/weight_update.py --device cuda --sizes qwen3-0.6b \
@@ -35,6 +36,7 @@ from milepost.weights.disk_transport import DiskDeltaTransport
 from milepost.weights.p2p import P2PTransport
 from milepost.weights.sync import WeightSync
 from milepost.weights.transport import BroadcastTransport, TensorTransport
+from weight_update_sources import bench_p2p_sources  # noqa: E402 - benchmarks/ is sys.path[0]
 
 SIZES = {  # make_tiny_checkpoint overrides; fp32 bytes on disk in the comment
     "s": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -90,6 +92,12 @@ def bench_size(size: str, args: argparse.Namespace, work: Path) -> dict[str, tup
         urls = [e.url for e in engines]
         backend = "nccl" if args.device == "cuda" else "gloo"
         for kind in args.transports:
+            if kind.startswith("p2p-x"):  # several trainer processes as sources (CPU, gloo)
+                if args.device != "cpu":
+                    raise SystemExit(f"{kind}: several sources are measured on CPU only")
+                results[kind] = bench_p2p_sources(str(ckpt), urls, int(kind[5:]), args.repeats,
+                                                  args.bucket_mb << 20, args.verify)
+                continue
             store = work / f"store-{size}-{kind}"
             sync = WeightSync(transport(kind, urls, backend, store), args.bucket_mb << 20,
                               dtype=dtype)
@@ -132,7 +140,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--sizes", default="s,m,l", help=f"comma list of {', '.join(SIZES)}")
-    ap.add_argument("--transports", default="tensor,broadcast,p2p,disk-delta")
+    ap.add_argument("--transports", default="tensor,broadcast,p2p,disk-delta",
+                    help="comma list of tensor, broadcast, p2p, disk-delta, p2p-xN (p2p from N "
+                    "trainer processes, CPU)")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=64)
