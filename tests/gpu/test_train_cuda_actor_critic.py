@@ -47,11 +47,11 @@ def worker(rank: int, world: int, path: str, turns: bool) -> dict:
         lr=1e-4, critic_lr=1e-4, global_batch_size=4, max_tokens_per_micro_batch=2048, device="cuda",
         dtype="bfloat16", actor_critic_turns=turns))
     metrics = [ppo_step(backend, 1)]  # the optimizer states exist from here on
-    backend.take_turn_stats()
     backend.residency.use("actor")
     actor = state_bytes([backend.policy], backend.optimizer)
     backend.residency.use("critic")
     critic = state_bytes([backend.critic.model], backend.critic.optimizer)
+    backend.take_turn_stats()  # count the measured step's turns only
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     metrics.append(ppo_step(backend, 2))
