@@ -58,3 +58,25 @@ def test_equality_check_with_skip_list(base) -> None:
     cfg = load_config(None, base + ["--check-weight-update-equal",
                                     "--check-weight-update-equal-skip", '["*.k_scale"]'])
     assert cfg.check_weight_update_equal and cfg.check_weight_update_equal_skip == ["*.k_scale"]
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "p2p", "disk-delta"])
+def test_every_trainer_rank_sends_under_p2p_only(base, mode) -> None:
+    """Under p2p each of 3 trainer ranks is a source for the engines the plan gives it; under
+    the other modes only rank 0 has a transport."""
+    from milepost.weights.factory import make_weight_sync
+
+    cfg = load_config(None, base + ["--update-weight-transfer-mode", mode])
+    urls = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+    syncs = [make_weight_sync(cfg, urls, rank, 3) for rank in range(3)]
+    try:
+        assert syncs[0] is not None and syncs[0].transport.engine_urls == urls
+        if mode != "p2p":
+            assert syncs[1] is None and syncs[2] is None
+            return
+        assert [s.transport.targets for s in syncs] == [[0, 3], [1], [2]]
+        assert [s.transport.coordinates for s in syncs] == [True, False, False]
+    finally:
+        for s in syncs:
+            if s is not None:
+                s.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from milepost.weights.bucket import bucket_meta, iter_update_buckets
@@ -63,3 +64,19 @@ def test_expert_weights_get_buckets_of_their_own_sized_by_the_ep_degree() -> Non
     # A dense model: the expert pass finds nothing.
     dense = _named([("a", 60), ("b", 60)])
     assert [len(b) for b, _ in iter_update_buckets(dense, 100)] == [1, 1]
+
+
+def test_p2p_transport_refuses_bad_source_settings_and_ipc_without_cuda() -> None:
+    from milepost.weights.p2p import P2PTransport
+
+    with pytest.raises(ValueError, match="source_rank 2 must be in"):
+        P2PTransport(["http://127.0.0.1:1"], source_rank=2, num_sources=2)
+    with pytest.raises(ValueError, match="ipc=True needs backend 'nccl'"):
+        P2PTransport(["http://127.0.0.1:1"], "gloo", ipc=True)
+
+
+def test_local_urls_are_recognized() -> None:
+    from milepost.weights.p2p_ipc import is_local_url
+
+    assert is_local_url("http://127.0.0.1:30000") and is_local_url("http://localhost:1")
+    assert not is_local_url("http://192.0.2.1:30000")  # TEST-NET-1: never this host
