@@ -16,6 +16,7 @@ freed: a full disk or an unwritable directory raises with nothing lost.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -147,6 +148,8 @@ class StateEvictor:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)  # a partial file holds nothing anyone will read
             raise OSError(f"--offload-train-destination disk: cannot write {path} ({e}); "
                           "nothing was offloaded, the trainer state is intact. Free space or "
                           "point --offload-train-dir at a writable node-local disk") from e

@@ -90,7 +90,11 @@ class StreamingAdamW(torch.optim.Optimizer):
         if len(self.param_groups) != 1:
             raise ValueError("StreamingAdamW takes one parameter group")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"--stream-optimizer-state-to-disk: cannot create {self.directory} ({e}); "
+                          "point --optimizer-state-dir at a writable node-local directory") from e
         self.moment_dtype = moment_dtype
         self.params: list[torch.nn.Parameter] = list(self.param_groups[0]["params"])
         numels = [_local(p).numel() for p in self.params]
@@ -151,6 +155,9 @@ class StreamingAdamW(torch.optim.Optimizer):
 
     def _read(self, b: Bucket) -> torch.Tensor:
         path = self._file(b)
+        if not path.is_file():
+            raise RuntimeError(f"--stream-optimizer-state-to-disk: {path} is missing: something outside "
+                               "milepost removed the optimizer state; resume from the last checkpoint")
         data = bytearray(path.read_bytes())
         want = 2 * b.numel * torch.empty((), dtype=self.moment_dtype).element_size()
         if len(data) != want:

@@ -44,7 +44,17 @@ class Residency:
         """Evict every group still on the device; None when already offloaded."""
         if self.offloaded:
             return None
-        moved = [self._evict(name) for name in self.groups if not self.evictor.holds(name)]
+        moved: list[MoveStats] = []
+        done: list[str] = []
+        try:
+            for name in self.groups:
+                if not self.evictor.holds(name):
+                    moved.append(self._evict(name))
+                    done.append(name)
+        except OSError:  # e.g. the disk filled up at the critic: bring the actor back, then raise
+            for name in done:
+                self.evictor.restore(name)
+            raise
         if self.evictor.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed blocks to the colocated engine
         self.offloaded = True
