@@ -226,6 +226,9 @@ class Runtime:
             samples = padded
         batch = rank_batch(self.cfg, self.backend, samples, self.rank, self.world)
         metrics = self.backend.train_step(batch)
+        turns = self.backend.take_turn_stats()  # --offload-actor-for-critic: the models took turns
+        if turns is not None:
+            self.timer.add("perf/actor_critic_swap_time", turns.seconds)
         self.step_metrics.update({f"train/{k}": v for k, v in metrics.items()})
         self.timer.add("perf/train_time", time.perf_counter() - t0)
 
@@ -380,7 +383,7 @@ def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
         entropy_coef=cfg.entropy_coef, temperature=cfg.rollout_temperature, seed=cfg.seed,
         offload_destination=cfg.offload_train_destination,
         offload_dir=None if cfg.offload_train_dir is None else str(cfg.offload_train_dir),
-        offload_staging_bytes=cfg.offload_staging_bytes,
+        offload_staging_bytes=cfg.offload_staging_bytes, actor_critic_turns=bool(cfg.offload_actor_for_critic),
         optimizer_state_dir=(str(cfg.optimizer_state_dir)
                              if cfg.stream_optimizer_state_to_disk else None),
         optimizer_bucket_bytes=cfg.optimizer_state_bucket_bytes,
