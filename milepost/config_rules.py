@@ -347,9 +347,6 @@ def agent_refusals(c: TrainConfig) -> list[str]:
         path = getattr(c, name)
         if path is not None and not _IMPORT_PATH.match(path):
             p.append(f"--{name.replace('_', '-')} {path!r} is not an import path module.sub:name")
-    layers = any(getattr(c, n) is not None for n in ("rollout_function_path",
-                                                    "custom_generate_function_path",
-                                                    "agent_function_path"))
     if c.rollout_function_path is not None and c.fully_async:
         p.append("--rollout-function-path owns data and grouping, which the --fully-async "
                  "rollout worker owns; drop one (agent and generate fns run under both loops)")

@@ -53,10 +53,13 @@ class FullyAsyncRuntime(Runtime):
             temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
             max_new_tokens=cfg.rollout_max_response_len, stop=tuple(cfg.rollout_stop or ()),
             stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()))
+        # Agentic runs (issue 6): each trajectory goes through the run's generate / agent fn.
+        trajectory_fn, reward_fn = (self.agentic.for_worker(self.reward_fn)
+                                    if self.agentic is not None else (None, self.reward_fn))
         self.worker = RolloutWorker(
-            engine_urls, self.ledger, self.buffer, sampling, self.reward_fn, self.group_reward_fn,
+            engine_urls, self.ledger, self.buffer, sampling, reward_fn, self.group_reward_fn,
             WorkerSettings(cfg.n_samples_per_prompt, int(cfg.max_inflight),
-                           cfg.rollout_granularity or "sample"))
+                           cfg.rollout_granularity or "sample"), trajectory_fn=trajectory_fn)
         self._pausers = [SyncEngineClient(url) for url in engine_urls]
         self.fleet = self._start_eval_fleet() if cfg.eval_mode == "dedicated" else None
         backend = self.fleet if self.fleet is not None else (

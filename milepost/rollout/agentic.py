@@ -4,6 +4,8 @@ server (rank 0, a loopback thread) when the run uses one. With several engines t
 server talks to the router, and every turn carries its session id as the routing key.
 
 The driver hands over the prompts it drew; a rollout fn that owns its task set may ignore them.
+Under `--fully-async` the rollout worker draws the prompts and groups the trajectories, and runs
+the generate fn (and agent fn) of `for_worker` for each trajectory.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from milepost.types import Sample
 from milepost.rollout.layers import (
     GenerateContext,
     RolloutContext,
+    as_samples,
     default_generate,
     default_rollout,
     load_layer,
 )
+from milepost.rollout.rewards import RewardFn
+from milepost.rollout.scheduler import TrajectoryFn
 
 
 def pad_to_optimizer_steps(samples: list[Sample], global_batch_size: int) -> list[Sample]:
@@ -123,6 +128,37 @@ class AgenticRollout:
             for c in clients:
                 await c.aclose()
 
+    def for_worker(self, reward_fn: RewardFn | None) -> tuple[TrajectoryFn, RewardFn]:
+        """What the fully-async rollout worker plugs in: a trajectory fn running this run's
+        generate fn (and agent fn, through the session server) on the worker's event loop, and
+        the reward fn (without one, the rewards the agent/generate fn set stand, as in the sync
+        loop). A rollout fn owns its data and grouping, so it has no place under the worker."""
+        if self.cfg.rollout_function_path is not None:
+            raise ValueError("--rollout-function-path owns data and grouping; the fully-async "
+                             "worker owns them instead (drop one of them)")
+        url = self.session_server.url if self.session_server is not None else None
+        cfg = self.cfg
+
+        async def trajectory(client: EngineClient, item: PromptItem, index: int,
+                             group_index: int) -> list[Sample]:
+            # Its own HTTP client: the worker's loop is not the one this object was made on.
+            async with httpx.AsyncClient(timeout=None) as http:
+                ctx = GenerateContext(clients=[client], sampling=self.sampling,
+                                      group_index=group_index, session_url=url,
+                                      agent_fn=self.agent_fn, http=http,
+                                      return_routed_experts=cfg.use_rollout_routing_replay)
+                return as_samples(await self.generate_fn(ctx, item, index))
+
+        return trajectory, reward_fn or _own_reward
+
     def close(self) -> None:
         if self.session_server is not None:
             self.session_server.close()
+
+
+def _own_reward(sample: Sample) -> float:
+    """The reward the agent or generate fn set (runs without a reward fn)."""
+    if sample.reward is None:
+        raise ValueError("no reward fn and the generate/agent fn set no reward (pass --reward-fn, "
+                         "or return AgentOutcome(reward=...))")
+    return float(sample.reward)

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,11 +24,14 @@ from milepost.data.buffer import Buffer, BufferClosed
 from milepost.data.source import PromptItem
 from milepost.rollout.client import EngineClient
 from milepost.rollout.generate import SamplingSettings, generate_one
+from milepost.rollout.layers import number_group
 from milepost.rollout.rewards import GroupRewardFn, RewardFn, score_group
 from milepost.types import Group, Sample, Status
 
 log = logging.getLogger(__name__)
 Granularity = Literal["group", "sample"]
+# (engine client, prompt, index in its group, group index) -> the trajectory's sequences
+TrajectoryFn = Callable[[EngineClient, PromptItem, int, int], Awaitable[list[Sample]]]
 
 
 @dataclass(frozen=True)
@@ -87,10 +90,14 @@ class RolloutWorker:
 
     def __init__(self, engine_urls: Sequence[str], ledger: PromptLedger, buffer: Buffer,
                  sampling: SamplingSettings, reward_fn: RewardFn | None,
-                 group_reward_fn: GroupRewardFn | None, settings: WorkerSettings) -> None:
+                 group_reward_fn: GroupRewardFn | None, settings: WorkerSettings,
+                 trajectory_fn: TrajectoryFn | None = None) -> None:
         if not engine_urls:
             raise ValueError("RolloutWorker: no engine URLs")
         self.engine_urls = list(engine_urls)
+        # One trajectory -> its sequences; None: one engine completion (agentic runs plug in
+        # their layers here, rollout/agentic.py).
+        self.trajectory_fn = trajectory_fn
         self.ledger = ledger
         self.buffer = buffer
         self.sampling = sampling
@@ -202,10 +209,13 @@ class RolloutWorker:
         n = self.settings.n_samples_per_prompt
         per_sample = self.settings.granularity == "sample"
 
-        async def one(k: int) -> Sample:
+        async def one(k: int) -> list[Sample]:
             self.clock.change(+1)
             try:
-                return await generate_one(client, item, self.sampling, k, group_index=group_index)
+                if self.trajectory_fn is not None:
+                    return await self.trajectory_fn(client, item, k, group_index)
+                return [await generate_one(client, item, self.sampling, k,
+                                           group_index=group_index)]
             finally:
                 self.clock.change(-1)
                 if per_sample:
@@ -213,7 +223,7 @@ class RolloutWorker:
                     changed.set()
 
         try:
-            group: Group = list(await asyncio.gather(*(one(k) for k in range(n))))
+            group: Group = number_group(list(await asyncio.gather(*(one(k) for k in range(n)))))
         finally:
             if not per_sample:
                 self._free += n

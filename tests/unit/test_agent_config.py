@@ -53,3 +53,13 @@ def test_bad_session_settings_are_refused(base, flags, needle) -> None:
 
 def test_layer_paths_must_be_import_paths(base) -> None:
     assert "not an import path" in _refusal(base + ["--rollout-function-path", "nocolon"])
+
+
+def test_agent_and_generate_fns_run_under_fully_async_but_a_rollout_fn_does_not(base) -> None:
+    cfg = load_config(None, base + ["--fully-async", "--agent-function-path", "my.agent:run",
+                                    "--session-model-family", "qwen3",
+                                    "--pause-generation-mode", "in_place"])
+    assert cfg.fully_async and cfg.agent_function_path == "my.agent:run"
+    load_config(None, base + ["--fully-async", "--custom-generate-function-path", "my.gen:run"])
+    msg = _refusal(base + ["--fully-async", "--rollout-function-path", "my.roll:run"])
+    assert "owns data and grouping" in msg
