@@ -8,6 +8,7 @@ import base64
 
 import httpx
 import numpy as np
+import pytest
 
 from milepost.session.runner import SessionServerThread
 from milepost.session.service import SessionSettings
@@ -21,7 +22,8 @@ def _rows(b64: str, n_rows: int) -> np.ndarray:
     return flat.reshape(n_rows, -1)
 
 
-def test_routed_experts_survive_the_turns(tmp_path) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_routed_experts_survive_the_turns(tmp_path, stream: bool) -> None:
     model = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe")
     sampling = {"max_new_tokens": 32, "stop_token_ids": list(range(7, 512, 4))}
     rec = RecordingTransport()
@@ -32,13 +34,18 @@ def test_routed_experts_survive_the_turns(tmp_path) -> None:
         sid = c.post("/sessions").json()["session_id"]
         messages = [{"role": "user", "content": "first question"}]
         for t in range(3):
-            r = c.post(f"/sessions/{sid}/v1/chat/completions", json={"messages": messages})
+            r = c.post(f"/sessions/{sid}/v1/chat/completions",
+                       json={"messages": messages, "stream": stream})
             assert r.status_code == 200, r.text
-            messages += [r.json()["choices"][0]["message"], {"role": "user", "content": f"q{t}"}]
+            # streamed: the reply as stored (the deltas add up to it, test_session_stream.py)
+            reply = (c.get(f"/sessions/{sid}").json()["messages"][-1] if stream
+                     else r.json()["choices"][0]["message"])
+            messages += [reply, {"role": "user", "content": f"q{t}"}]
         (sample,) = c.post(f"/sessions/{sid}/samples").json()["samples"]
     tokens = sample["tokens"]
     stitched = _rows(sample["routed_experts"], len(tokens) - 1)
     start = 0
+    assert all(bool(req.get("stream")) == stream for req, _, _ in rec.generate_calls)
     for req, out, _ in rec.generate_calls:
         seq = req["input_ids"] + out["output_ids"]
         assert tokens[:len(seq)] == seq
