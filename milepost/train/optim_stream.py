@@ -15,6 +15,7 @@ halves the files; the update math is then done in fp32 on the upcast moments (no
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,31 +113,47 @@ class StreamingAdamW(torch.optim.Optimizer):
             raise ValueError("StreamingAdamW does not take a closure")
         group = self.param_groups[0]
         beta1, beta2 = group["betas"]
-        for b in self.buckets:
-            with_grad = [k for k, i in enumerate(b.params) if self.params[i].grad is not None]
-            if not with_grad:
-                continue
-            device = _local(self.params[b.params[0]]).device
-            exp_avg, exp_avg_sq = self._load(b, device)
-            params = [_local(self.params[b.params[k]]) for k in with_grad]
-            grads = [_local(self.params[b.params[k]].grad) for k in with_grad]
-            adamw(params, grads, [exp_avg[k] for k in with_grad], [exp_avg_sq[k] for k in with_grad],
-                  [], [self.state[self.params[b.params[k]]]["step"] for k in with_grad],
-                  amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-            self._store(b, exp_avg, exp_avg_sq)
+        work = [(b, [k for k, i in enumerate(b.params) if self.params[i].grad is not None])
+                for b in self.buckets]
+        work = [(b, with_grad) for b, with_grad in work if with_grad]
+        # One reader thread fetches the next bucket's file while this one updates, and the
+        # write-back runs behind the next bucket; at most one of each is in flight, so host
+        # memory holds about three buckets. Every write has landed when step() returns.
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="adamw-stream") as io:
+            reading = io.submit(self._read, work[0][0]) if work else None
+            writing: Future | None = None
+            for j, (b, with_grad) in enumerate(work):
+                flat = reading.result()
+                reading = io.submit(self._read, work[j + 1][0]) if j + 1 < len(work) else None
+                device = _local(self.params[b.params[0]]).device
+                exp_avg, exp_avg_sq = self._unflatten(b, flat.to(device=device, dtype=torch.float32))
+                params = [_local(self.params[b.params[k]]) for k in with_grad]
+                grads = [_local(self.params[b.params[k]].grad) for k in with_grad]
+                adamw(params, grads, [exp_avg[k] for k in with_grad], [exp_avg_sq[k] for k in with_grad],
+                      [], [self.state[self.params[b.params[k]]]["step"] for k in with_grad],
+                      amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+                host = self._flatten(exp_avg, exp_avg_sq)
+                if writing is not None:
+                    writing.result()  # a failed write (full disk) raises here, the file intact
+                writing = io.submit(self._write, b, host)
+            if writing is not None:
+                writing.result()
 
     def _load(self, b: Bucket, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The bucket's moments, one fp32 tensor per parameter, shaped like its local shard."""
-        flat = self._read(b).to(device=device, dtype=torch.float32)
+        return self._unflatten(b, self._read(b).to(device=device, dtype=torch.float32))
+
+    def _unflatten(self, b: Bucket, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         shapes = [_local(self.params[i]).shape for i in b.params]
         avg, sq = flat[: b.numel], flat[b.numel:]
         return ([t.view(s) for t, s in zip(avg.split(b.numels), shapes)],
                 [t.view(s) for t, s in zip(sq.split(b.numels), shapes)])
 
-    def _store(self, b: Bucket, exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor]) -> None:
+    def _flatten(self, exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor]) -> torch.Tensor:
+        """The bucket's moments as one host tensor in the file's dtype (what `_write` takes)."""
         flat = torch.cat([t.reshape(-1) for t in (*exp_avg, *exp_avg_sq)])
-        self._write(b, flat.to(device="cpu", dtype=self.moment_dtype))
+        return flat.to(device="cpu", dtype=self.moment_dtype)
 
     # ---- files ----------------------------------------------------------------------------------
     def _file(self, b: Bucket) -> Path:
@@ -147,7 +164,7 @@ class StreamingAdamW(torch.optim.Optimizer):
         tmp = path.with_suffix(".tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(flat.contiguous().view(torch.uint8).numpy().tobytes())
+                f.write(memoryview(flat.contiguous().view(torch.uint8).numpy()))  # no copy
         except OSError as e:  # a full disk: the previous moments are still in place
             tmp.unlink(missing_ok=True)
             raise OSError(f"--stream-optimizer-state-to-disk: cannot write {path}: {e}") from e
@@ -158,12 +175,16 @@ class StreamingAdamW(torch.optim.Optimizer):
         if not path.is_file():
             raise RuntimeError(f"--stream-optimizer-state-to-disk: {path} is missing: something outside "
                                "milepost removed the optimizer state; resume from the last checkpoint")
-        data = bytearray(path.read_bytes())
         want = 2 * b.numel * torch.empty((), dtype=self.moment_dtype).element_size()
-        if len(data) != want:
-            raise RuntimeError(f"--stream-optimizer-state-to-disk: {path} holds {len(data)} bytes, "
+        size = path.stat().st_size
+        if size != want:
+            raise RuntimeError(f"--stream-optimizer-state-to-disk: {path} holds {size} bytes, "
                                f"expected {want}; the optimizer state files are damaged")
-        return torch.frombuffer(data, dtype=self.moment_dtype)
+        data = torch.empty(want, dtype=torch.uint8)
+        with open(path, "rb") as f:  # straight into the tensor: one copy
+            if f.readinto(memoryview(data.numpy())) != want:
+                raise RuntimeError(f"--stream-optimizer-state-to-disk: {path} ended early")
+        return data.view(self.moment_dtype)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def layout(self) -> dict[str, Any]:

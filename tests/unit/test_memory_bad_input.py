@@ -50,9 +50,11 @@ def step(m: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     opt.step()
 
 
-def test_streamed_moments_on_a_full_disk_keep_the_previous_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 64])  # one bucket / the failing one mid-step
+def test_streamed_moments_on_a_full_disk_keep_the_previous_files(tmp_path: Path, bucket_bytes: int) -> None:
     m = torch.nn.Linear(16, 4)
-    opt = StreamingAdamW(m.parameters(), tmp_path / "opt", **HYPER)
+    opt = StreamingAdamW(m.parameters(), tmp_path / "opt", bucket_bytes=bucket_bytes, **HYPER)
+    assert (len(opt.buckets) > 1) == (bucket_bytes == 64)
     step(m, opt, 0)
     bucket = opt._file(opt.buckets[0])
     saved = bucket.read_bytes()
