@@ -55,6 +55,9 @@ class BenchArgs(BaseModel):
     chunked_prefill_size: int | None = Field(None, description="Engine: prefill tokens per step.")
     page_size: int = Field(16, description="Engine: tokens per KV block (the prefix cache shares "
                            "whole blocks and copies the matching part of a last, partial one).")
+    overlap_schedule: Literal["auto", "on", "off"] = Field(
+        "auto", description="Engine: launch decode steps ahead of reading back the previous "
+        "one (see milepost serve --overlap-schedule); auto = on for CUDA.")
     peak_bandwidth: float | None = Field(
         None, description="Device peak memory bandwidth in bytes/s for the decode bound; default "
         "per known GPU (H200 4.8e12, H100 3.35e12, A100 2.0e12); none on CPU.")

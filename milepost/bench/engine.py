@@ -53,7 +53,7 @@ def run_bench(args: BenchArgs) -> dict:
         max_running_requests=args.max_running_requests or max(len(w.output_lens) for w in loads),
         chunked_prefill_size=args.chunked_prefill_size, max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static, random_seed=args.seed,
-        page_size=args.page_size,
+        page_size=args.page_size, overlap_schedule=args.overlap_schedule,
     ).resolved()
     weights_per_step: dict[int, float] = {}  # decode batch size -> weight bytes one step reads
     kv_token_bytes = kv_bytes_per_token(native, getattr(torch, sargs.kv_cache_dtype))

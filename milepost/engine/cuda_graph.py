@@ -26,6 +26,18 @@ from milepost.models.attention import PagedBatch
 from milepost.models.base import CausalLM, ForwardContext
 
 log = logging.getLogger(__name__)
+Feed = tuple[torch.Tensor, list[int]]  # (tokens sampled on the device, source row per chunk)
+
+
+def fed_tokens(ids: torch.Tensor, feed: Feed, device: torch.device) -> None:
+    """ids[:n] = tokens[rows], on the device (no read-back of the previous step's samples)."""
+    tokens, rows = feed
+    n = len(rows)
+    if rows == list(range(n)):  # the usual case: same requests, same order
+        ids[:n].copy_(tokens[:n])
+    else:
+        src = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+        ids[:n].copy_(tokens.index_select(0, src))
 
 
 class DecodeGraphs:
@@ -96,11 +108,13 @@ class DecodeGraphs:
         self._logits.clear()
 
     def run(self, chunks: Sequence[Chunk],
-            record: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+            record: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+            feed: Feed | None = None) -> torch.Tensor | None:
         """Logits [sampling chunks, vocab] for an all-decode step, or None when it is too large.
 
         The result is a view of the graph's output buffer: valid until the next replay.
         `record(slots [n], routed [n, layers, top_k])` stores the experts of the real rows.
+        `feed`: input tokens still on the device (see ModelRunner.forward).
         """
         n = len(chunks)
         bs = padded_size(n, self.sizes)
@@ -110,6 +124,8 @@ class DecodeGraphs:
         fill_decode(self.host, chunks, bs, self.block_size)
         self._dev.copy_(self._host_t, non_blocking=True)
         self._copied.record()
+        if feed is not None:  # after the copy, which wrote placeholders there
+            fed_tokens(self.ids, feed, self.device)
         self._graphs[bs].replay()
         if record is not None and self.routed is not None:
             record(self.slots[:n].long(), self.routed[:n])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,9 +24,9 @@ from milepost.engine.block_pool import BlockPool
 from milepost.engine.radix_cache import RadixCache
 from milepost.engine.request import ReqState, Request, RequestOutput
 from milepost.engine.runner import ModelRunner
-from milepost.engine.sampling import sample
 from milepost.engine.scheduler import Chunk, Scheduler
 from milepost.engine.stats import EngineStats
+from milepost.engine.stepping import Stepper, LaunchedStep
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,9 +43,10 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     weight_version: str = "default"
     random_seed: int = 0
+    overlap_schedule: bool = False  # leave decode steps queued; read them back behind the next
 
 
-class Engine:
+class Engine(Stepper):
     def __init__(self, runner: ModelRunner, tokenizer: object | None, cfg: EngineConfig) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -67,6 +67,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="milepost-engine", daemon=True)
         self.error: BaseException | None = None
         self._closers: list[Callable[[], None]] = []
+        self._launched: LaunchedStep | None = None  # a decode step queued ahead (overlap schedule)
 
     # ---- thread-safe API -------------------------------------------------------------------
     def start(self) -> None:
@@ -160,6 +161,7 @@ class Engine:
     def _serve_after_crash(self) -> None:
         """End every request, then keep answering the inbox (new requests are aborted, calls
         fail) until close: a dead loop that stopped reading would leave every caller hanging."""
+        self._launched = None
         for req in list(self._by_rid.values()):
             # Not `_finish`: scheduler and pool may be half-updated; only tell the owner.
             req.finish_reason = {"type": "abort", "message": f"engine error: {self.error}"}
@@ -172,77 +174,13 @@ class Engine:
     def _drain_inbox(self, block: bool) -> None:
         try:
             task = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            if self.error is None:
+                self._flush()  # tasks (aborts, updates, pauses) see every step's results applied
             while True:
                 task()
                 task = self._inbox.get_nowait()
         except queue.Empty:
             pass
-
-    def step(self) -> None:
-        """One forward pass: schedule chunks, compute, sample, finish what is done."""
-        t0 = time.perf_counter()
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return
-        logits = self.runner.forward(chunks)
-        self.scheduler.after_forward(chunks)
-        sampling = [c.req for c in chunks if c.samples]
-        if sampling:
-            result = sample(
-                logits,
-                [r.params for r in sampling],
-                [r.generator for r in sampling],
-                [self._banned(r) for r in sampling],
-                max(r.top_logprobs_num for r in sampling),
-            )
-            # One device-to-host copy per field for the whole batch (not one sync per request).
-            top = result.top_ids is not None
-            host = _HostSample(result.tokens.tolist(), result.logprobs.tolist(),
-                               result.top_ids.cpu() if top else None,
-                               result.top_logprobs.cpu() if top else None)
-            for i, req in enumerate(sampling):
-                self._append_token(req, i, host)
-        self.stats.record_step(chunks, len(sampling), time.perf_counter() - t0)
-
-    def _append_token(self, req: Request, row: int, result: _HostSample) -> None:
-        token = result.tokens[row]
-        req.output_ids.append(token)
-        req.output_versions.append(self.weight_version)
-        if req.return_logprob:
-            req.output_logprobs.append(result.logprobs[row])
-            if req.top_logprobs_num > 0:
-                k = req.top_logprobs_num
-                req.output_top_logprobs.append(
-                    list(zip(result.top_logprobs[row, :k].tolist(), result.top_ids[row, :k].tolist()))
-                )
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        reason = self._finish_reason(req, token)
-        if reason is not None:
-            self._finish(req, reason)
-        elif req.stream:
-            self._emit(req)
-
-    def _finish_reason(self, req: Request, token: int) -> dict | None:
-        p = req.params
-        if token in req.stop_ids:
-            return {"type": "stop", "matched": token}
-        if p.stop and self.tokenizer is not None:
-            longest = max(len(s) for s in p.stop)
-            tail = self.tokenizer.decode(req.output_ids[-(4 * longest + 4):])
-            for s in p.stop:
-                if s in tail:
-                    return {"type": "stop", "matched": s}
-        if len(req.output_ids) >= p.max_new_tokens:
-            return {"type": "length", "length": p.max_new_tokens}
-        if req.total_len >= self.cfg.context_length:
-            return {"type": "length", "length": len(req.output_ids)}
-        return None
-
-    def _banned(self, req: Request) -> list[int]:
-        if len(req.output_ids) < req.params.min_new_tokens:
-            return sorted(req.stop_ids)
-        return []
 
     # ---- request bookkeeping ------------------------------------------------------------------
     def _add(self, req: Request) -> None:
@@ -290,14 +228,6 @@ class Engine:
                 weight_version=self.weight_version,
             )
         )
-
-
-@dataclass
-class _HostSample:
-    tokens: list[int]
-    logprobs: list[float]
-    top_ids: torch.Tensor | None
-    top_logprobs: torch.Tensor | None
 
 
 def _abort_output(req: Request, message: str) -> RequestOutput:

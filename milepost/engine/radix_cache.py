@@ -22,7 +22,7 @@ from milepost.engine.block_pool import BlockPool
 
 
 class _Node:
-    __slots__ = ("key", "block", "parent", "children", "by_first", "last_use")
+    __slots__ = ("block", "by_first", "children", "key", "last_use", "parent")
 
     def __init__(self, key: tuple[int, ...], block: int, parent: _Node | None) -> None:
         self.key = key
@@ -100,10 +100,10 @@ class RadixCache:
         for i in range(n_full):
             node = self._child(node, tuple(tokens[i * bs : (i + 1) * bs]), blocks[i], now)
         tail = tuple(tokens[n_full * bs :])
-        if keep_partial and 0 < len(tail) < bs and n_full < len(blocks):
-            # A sibling that already starts with these tokens serves every match this would.
-            if not any(c.key[: len(tail)] == tail for c in node.by_first.get(tail[0], ())):
-                self._child(node, tail, blocks[n_full], now)
+        # A sibling that already starts with the tail's tokens serves every match it would.
+        if (keep_partial and 0 < len(tail) < bs and n_full < len(blocks)
+                and not any(c.key[: len(tail)] == tail for c in node.by_first.get(tail[0], ()))):
+            self._child(node, tail, blocks[n_full], now)
 
     def evict(self, n_blocks: int) -> int:
         """Free up to n_blocks blocks that only the cache holds, oldest first; returns how many."""

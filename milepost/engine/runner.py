@@ -13,7 +13,7 @@ import base64
 
 import torch
 
-from milepost.engine.cuda_graph import DecodeGraphs
+from milepost.engine.cuda_graph import DecodeGraphs, Feed, fed_tokens
 from milepost.engine.forward_batch import build_flat, slots_of
 from milepost.engine.request import Request
 from milepost.engine.scheduler import Chunk
@@ -69,21 +69,26 @@ class ModelRunner:
             self.graphs.reset()
             self.graphs.capture()
 
-    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Compute KV for every chunk; logits [n_sampling_chunks, vocab] fp32 in chunk order."""
+    def forward(self, chunks: list[Chunk], feed: Feed | None = None) -> torch.Tensor:
+        """Compute KV for every chunk; logits [n_sampling_chunks, vocab] fp32 in chunk order.
+
+        feed = (tokens on the device, rows): an all-decode step whose input tokens the previous
+        step sampled and nobody has read back yet; chunk i's token is tokens[rows[i]] (the
+        host-side ids of those chunks are placeholders).
+        """
         # inference_mode is also what switches the model onto its fused GPU kernels (layers.py,
         # grouped experts); the torch backend stays the reference path throughout.
         with torch.inference_mode() if self.fast_path else torch.no_grad():
-            return self._forward(chunks)
+            return self._forward(chunks, feed)
 
-    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
+    def _forward(self, chunks: list[Chunk], feed: Feed | None) -> torch.Tensor:
         if self.graphs is not None and all(c.length == 1 for c in chunks):
-            logits = self.graphs.run(chunks, self._record_routed)
+            logits = self.graphs.run(chunks, self._record_routed, feed)
             if logits is not None:
                 return logits
-        return self._forward_eager(chunks)
+        return self._forward_eager(chunks, feed)
 
-    def _forward_eager(self, chunks: list[Chunk]) -> torch.Tensor:
+    def _forward_eager(self, chunks: list[Chunk], feed: Feed | None = None) -> torch.Tensor:
         flat = build_flat(chunks, self.block_size)
         dev = self.device
 
@@ -106,7 +111,10 @@ class ModelRunner:
             routed = torch.full((len(flat.input_ids), *self.routed_slots.shape[1:]), -1,
                                 dtype=torch.int32, device=dev)
         ctx = ForwardContext(attention=self.attention, routed_experts=routed)
-        hidden = self.model.forward(put(flat.input_ids), put(flat.positions), ctx)
+        ids = put(flat.input_ids)
+        if feed is not None:
+            fed_tokens(ids, feed, self.device)
+        hidden = self.model.forward(ids, put(flat.positions), ctx)
         if routed is not None:
             self._record_routed(slot_t, routed)
         if not flat.sample_rows:

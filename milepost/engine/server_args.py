@@ -79,6 +79,12 @@ class ServerArgs(BaseModel):
         description="Largest decode batch captured in a CUDA graph (larger batches run eagerly); "
         "default --max-running-requests.",
     )
+    overlap_schedule: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Launch each decode step before reading back the previous one's tokens, so "
+        "host work overlaps GPU work (SGLang's overlap scheduler; off = its "
+        "--disable-overlap-schedule); auto = on for CUDA, off on CPU.",
+    )
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
         "default", description="Weight version reported before the first weight update."
@@ -214,6 +220,8 @@ class ServerArgs(BaseModel):
                 "tokenizer_path": self.tokenizer_path or self.model_path,
                 "context_length": context_length,
                 "chunked_prefill_size": chunk,
+                "overlap_schedule": self.overlap_schedule if self.overlap_schedule != "auto"
+                else ("on" if device == "cuda" else "off"),
             }
         )
 

@@ -106,6 +106,7 @@ def build_engine(
             max_running_requests=args.max_running_requests, context_length=context_length,
             enable_prefix_cache=not args.disable_radix_cache,
             weight_version=args.weight_version, random_seed=args.random_seed,
+            overlap_schedule=args.overlap_schedule == "on",
         ),
     )
     info = ServerInfo(

@@ -60,16 +60,19 @@ class Driver:
         self.outputs: dict[str, list[RequestOutput]] = {}
         self.requests: dict[str, Request] = {}
         self.batches: list[list[tuple[str, int, int]]] = []  # per forward: (rid, start, length)
+        self.fed = 0  # forwards whose input tokens were still on the device (overlap schedule)
         forward = engine.runner.forward
 
-        def recording_forward(chunks):  # noqa: ANN001, ANN202 - a spy on the real forward
+        def recording_forward(chunks, *feed):
             self.batches.append([(c.req.rid, c.start, c.length) for c in chunks])
-            return forward(chunks)
+            self.fed += bool(feed)
+            return forward(chunks, *feed)
 
         engine.runner.forward = recording_forward
 
-    def submit(self, rid: str, prompt: list[int], params: SamplingParams, **kw: object) -> None:
-        req = Request(rid=rid, prompt_ids=prompt, params=params, stop_ids=frozenset(),
+    def submit(self, rid: str, prompt: list[int], params: SamplingParams,
+               stop_ids: frozenset[int] = frozenset(), **kw: object) -> None:
+        req = Request(rid=rid, prompt_ids=prompt, params=params, stop_ids=stop_ids,
                       on_output=lambda o: self.outputs.setdefault(rid, []).append(o), **kw)
         self.requests[rid] = req
         self.engine.submit(req)
@@ -143,6 +146,32 @@ def test_greedy_matches_generate_with_late_arrivals(arch, ckpts, hf_models) -> N
     assert d.final("c0").cached_tokens == 9, "c0 should reuse a1's first 9 tokens"
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_overlap_schedule_matches_generate(arch, ckpts, hf_models) -> None:
+    """Decode steps launched before the previous step's tokens are read back (fed on the
+    device): late arrivals, a stop token, requests ending at different lengths. Greedy tokens
+    equal generate; a stopped request's extra token is dropped."""
+    d = Driver(make_engine(ckpts[arch], overlap_schedule="on"))
+    ps = prompts([7, 12, 5, 9, 3], seed=5)
+    n_new = [9, 14, 6, 11, 8]
+    want = [hf_greedy(hf_models[arch], p, n) for p, n in zip(ps, n_new)]
+    stop = want[1][4]  # r1 stops at its 5th token (or earlier, where that token occurs first)
+    for i in range(3):
+        d.submit(f"r{i}", ps[i], greedy(n_new[i]), stop_ids=frozenset({stop}) if i == 1 else frozenset())
+    d.step(4)
+    for i in range(3, 5):
+        d.submit(f"r{i}", ps[i], greedy(n_new[i]))
+    d.run()
+    assert d.fed > 0, "no step was launched ahead"
+    for i in range(5):
+        expect = want[i]
+        if i == 1:
+            expect = expect[: expect.index(stop) + 1]
+        assert d.tokens(f"r{i}") == expect, f"{arch} r{i}"
+    assert d.final("r1").finish_reason == {"type": "stop", "matched": stop}
+    assert d.engine.pool.num_used == d.engine.cache.num_cached_blocks, "blocks leaked"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_next_turn_reuses_a_partial_block_exactly(arch, ckpts, hf_models) -> None:
     """Turn 2 = turn 1's prompt + output + 3 user tokens. Its 17 computed tokens of KV are 4
@@ -166,14 +195,16 @@ def test_next_turn_reuses_a_partial_block_exactly(arch, ckpts, hf_models) -> Non
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_generate_under_preemption(arch, ckpts, hf_models) -> None:
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_greedy_matches_generate_under_preemption(arch, overlap, ckpts, hf_models) -> None:
     """A 12-block pool cannot hold all requests: preempted ones are recomputed, output unchanged."""
-    d = Driver(make_engine(ckpts[arch], max_total_tokens=48))
+    d = Driver(make_engine(ckpts[arch], max_total_tokens=48, overlap_schedule=overlap))
     ps = prompts([10, 7, 13, 5, 9], seed=3)
     for i, p in enumerate(ps):
         d.submit(f"r{i}", p, greedy(14))
     d.run()
     assert d.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    assert (d.fed > 0) == (overlap == "on")
     for i, p in enumerate(ps):
         assert d.tokens(f"r{i}") == hf_greedy(hf_models[arch], p, 14), f"{arch} r{i}"
     assert d.engine.pool.num_used == d.engine.cache.num_cached_blocks, "blocks leaked"
@@ -189,8 +220,9 @@ SAMPLED = {
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logprobs_equal_full_sequence_recompute(arch, ckpts, hf_models) -> None:
-    d = Driver(make_engine(ckpts[arch]))
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_logprobs_equal_full_sequence_recompute(arch, overlap, ckpts, hf_models) -> None:
+    d = Driver(make_engine(ckpts[arch], overlap_schedule=overlap))
     ps = prompts([5, 14, 2, 9, 20], seed=4)
     for i, (name, params) in enumerate(SAMPLED.items()):
         params = params.model_copy(update={"max_new_tokens": 16, "ignore_eos": True,
@@ -232,18 +264,20 @@ def test_logprobs_equal_full_sequence_recompute(arch, ckpts, hf_models) -> None:
 
 
 def test_sampling_is_reproducible_with_seed_and_differs_across_seeds(ckpts) -> None:
-    """A seeded request draws the same tokens whatever else shares its batch."""
+    """A seeded request draws the same tokens whatever else shares its batch, and whether or
+    not decode steps are launched ahead (the crowded engine runs the overlap schedule)."""
     params = SamplingParams(max_new_tokens=20, temperature=1.0, ignore_eos=True, sampling_seed=7)
     prompt = prompts([6], seed=5)[0]
     alone = Driver(make_engine(ckpts["qwen3"]))
     alone.submit("x", prompt, params)
     alone.run()
-    crowded = Driver(make_engine(ckpts["qwen3"]))
+    crowded = Driver(make_engine(ckpts["qwen3"], overlap_schedule="on"))
     for i, p in enumerate(prompts([4, 9, 13], seed=6)):
         crowded.submit(f"other{i}", p, params.model_copy(update={"sampling_seed": None}))
     crowded.step(3)
     crowded.submit("x", prompt, params)
     crowded.submit("y", prompt, params.model_copy(update={"sampling_seed": 8}))
     crowded.run()
+    assert crowded.fed > 0
     assert crowded.tokens("x") == alone.tokens("x")
     assert crowded.tokens("y") != alone.tokens("x")

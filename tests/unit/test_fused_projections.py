@@ -18,9 +18,9 @@ from milepost.models.registry import load_model
 from milepost.testing.checkpoints import make_tiny_checkpoint
 
 VARIANTS = {
-    "llama_biased": ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
+    "llama_biased": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False}),
     "qwen3": ("qwen3", {}),
-    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),  # layer 1 dense
+    "qwen3_moe": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),  # layer 1 dense
 }
 
 
@@ -31,7 +31,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             for i, (name, (arch, kw)) in enumerate(VARIANTS.items())}
 
 
-def fused_model(path: Path):  # noqa: ANN201 - a CausalLM
+def fused_model(path: Path):
     model = load_model(path, torch.float32, "cpu")
     model.fuse_projections()
     return model
@@ -39,10 +39,10 @@ def fused_model(path: Path):  # noqa: ANN201 - a CausalLM
 
 def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is no dict
 
 
-def greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:  # noqa: ANN001
+def greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     """Prefill then n-1 decode steps over a paged cache; the tokens and the first logits."""
     cache = PagedKVCache(model.num_layers, 16, 4, model.num_kv_heads, model.head_dim,
                          torch.float32, "cpu")

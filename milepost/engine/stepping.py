@@ -1,0 +1,188 @@
+"""One engine step: schedule, compute, sample, apply the tokens; and the overlap schedule.
+
+`Stepper` is the part of `Engine` (engine.py) that runs on the engine thread for each step.
+With the overlap schedule (SGLang's), an all-decode step's sampled tokens are left on the
+device: the next step schedules and launches its successor first, feeding those tokens to the
+forward on the device, and reads them back while that forward runs. It only runs ahead when the
+next step is the same requests decoding again (no admission, preemption or eviction can
+happen); anything else, and every inbox task, first applies the queued results. A request that
+samples a stop token decodes one more token in the step already launched; that token is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from milepost.engine.request import ReqState, Request
+from milepost.engine.sampling import SampleResult, sample
+
+PENDING_TOKEN = -1  # an output slot whose token is still on the device (overlap schedule)
+
+
+class Stepper:
+    """Mixed into Engine: uses its scheduler, runner, cfg, pool, stats, tokenizer, weight
+    version, and its _finish / _emit."""
+
+    _launched: LaunchedStep | None = None
+
+    def step(self) -> None:
+        """One forward pass: schedule chunks, compute, sample, finish what is done.
+
+        With the overlap schedule an all-decode step is left queued on the device: the next
+        call schedules and launches its successor first, feeding it the sampled tokens on the
+        device, and reads the queued results while that forward runs (SGLang's overlap
+        scheduler), so per-request host work hides behind GPU work.
+        """
+        t0 = time.perf_counter()
+        if self._launched is not None and self._can_overlap(self._launched):
+            self._overlapped_step(t0)
+            return
+        self._flush()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return
+        logits = self.runner.forward(chunks)
+        self.scheduler.after_forward(chunks)
+        sampling = [c.req for c in chunks if c.samples]
+        if sampling:
+            launched = LaunchedStep(sampling, self._sample(logits, sampling), self.weight_version)
+            if self.cfg.overlap_schedule and all(c.length == 1 for c in chunks):
+                self._launched = launched
+            else:
+                self._process(launched)
+        self.stats.record_step(chunks, len(sampling), time.perf_counter() - t0)
+
+    def _overlapped_step(self, t0: float) -> None:
+        prev, self._launched = self._launched, None
+        live = [r for r in prev.sampling if not r.is_finished]
+        for req in live:  # prev's token: a slot now, its value still on the device
+            req.output_ids.append(PENDING_TOKEN)
+        running = self.scheduler.running
+        # Requests prev's token ends by length are not scheduled again (stop tokens cannot be
+        # foreseen: such a request decodes one extra token, which is dropped).
+        ending = [r for r in running if self._out_of_room(r)]
+        for r in ending:
+            running.remove(r)
+        chunks = self.scheduler.schedule()
+        running.extend(ending)
+        logits = None
+        if chunks:
+            row = {id(r): i for i, r in enumerate(prev.sampling)}
+            feed = (prev.result.tokens, [row[id(c.req)] for c in chunks])
+            logits = self.runner.forward(chunks, feed)
+            self.scheduler.after_forward(chunks)
+        self._process(prev, pending=True)  # reads prev back while the GPU runs the new forward
+        if chunks:
+            sampling = [c.req for c in chunks]  # all decodes: every chunk samples
+            self._launched = LaunchedStep(sampling, self._sample(logits, sampling), self.weight_version)
+        self.stats.record_step(chunks, len(chunks), time.perf_counter() - t0)
+
+    def _can_overlap(self, prev: LaunchedStep) -> bool:
+        """The next step is exactly prev's live requests decoding again, with no admission,
+        preemption or eviction: what a launch ahead of prev's results can schedule correctly."""
+        s = self.scheduler
+        live = [r for r in prev.sampling if not r.is_finished]
+        if self.paused is not None or s.waiting or len(s.running) != len(live):
+            return False
+        if any(r.state is not ReqState.RUNNING for r in live):
+            return False
+        bs = self.cfg.block_size
+        need = sum(1 for r in live if r.total_len + 1 > len(r.blocks) * bs)
+        return need <= self.pool.num_free
+
+    def _out_of_room(self, req: Request) -> bool:
+        return (len(req.output_ids) >= req.params.max_new_tokens
+                or req.total_len >= self.cfg.context_length)
+
+    def _flush(self) -> None:
+        """Read back and apply a step left queued by the overlap schedule, if any."""
+        if self._launched is not None:
+            prev, self._launched = self._launched, None
+            self._process(prev)
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> SampleResult:
+        return sample(
+            logits,
+            [r.params for r in sampling],
+            [r.generator for r in sampling],
+            [self._banned(r) for r in sampling],
+            max(r.top_logprobs_num for r in sampling),
+        )
+
+    def _process(self, launched: LaunchedStep, pending: bool = False) -> None:
+        """Append each sampled token (pending: fill the slot reserved for it) and finish."""
+        result = launched.result
+        # One device-to-host copy per field for the whole batch (not one sync per request).
+        top = result.top_ids is not None
+        host = _HostSample(result.tokens.tolist(), result.logprobs.tolist(),
+                           result.top_ids.cpu() if top else None,
+                           result.top_logprobs.cpu() if top else None)
+        for i, req in enumerate(launched.sampling):
+            if req.is_finished:  # ended (stop token, abort) while this step was queued
+                continue
+            self._append_token(req, i, host, launched.version, pending)
+
+    def _append_token(self, req: Request, row: int, result: _HostSample, version: str,
+                      pending: bool) -> None:
+        token = result.tokens[row]
+        if pending:
+            assert req.output_ids[-1] == PENDING_TOKEN, "the overlap schedule lost a token slot"
+            req.output_ids[-1] = token
+        else:
+            req.output_ids.append(token)
+        req.output_versions.append(version)
+        if req.return_logprob:
+            req.output_logprobs.append(result.logprobs[row])
+            if req.top_logprobs_num > 0:
+                k = req.top_logprobs_num
+                req.output_top_logprobs.append(
+                    list(zip(result.top_logprobs[row, :k].tolist(), result.top_ids[row, :k].tolist()))
+                )
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        reason = self._finish_reason(req, token)
+        if reason is not None:
+            self._finish(req, reason)
+        elif req.stream:
+            self._emit(req)
+
+    def _finish_reason(self, req: Request, token: int) -> dict | None:
+        p = req.params
+        if token in req.stop_ids:
+            return {"type": "stop", "matched": token}
+        if p.stop and self.tokenizer is not None:
+            longest = max(len(s) for s in p.stop)
+            tail = self.tokenizer.decode(req.output_ids[-(4 * longest + 4):])
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if req.total_len >= self.cfg.context_length:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _banned(self, req: Request) -> list[int]:
+        if len(req.output_ids) < req.params.min_new_tokens:
+            return sorted(req.stop_ids)
+        return []
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose sampled tokens are still on the device (the overlap schedule)."""
+
+    sampling: list[Request]
+    result: SampleResult
+    version: str  # the weights that computed it
+
+
+@dataclass
+class _HostSample:
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
