@@ -34,7 +34,8 @@ def state_bytes(modules: list[torch.nn.Module], optimizer: torch.optim.Optimizer
 
 
 def ppo_step(backend: FSDPBackend, seed: int) -> dict[str, float]:
-    batch = random_train_batch(4, seed, vocab=30000, min_len=200, max_len=400)
+    # Short sequences: one attention tile, whose backward is deterministic, so runs compare bitwise.
+    batch = random_train_batch(4, seed, vocab=30000, min_len=32, max_len=64)
     samples = [Sample(0, i, tokens=t.tolist(), response_length=r)
                for i, (t, r) in enumerate(zip(batch.tokens, batch.response_lengths))]
     batch.values = backend.compute_values(samples)
@@ -44,7 +45,7 @@ def ppo_step(backend: FSDPBackend, seed: int) -> dict[str, float]:
 
 def worker(rank: int, world: int, path: str, turns: bool) -> dict:
     backend = FSDPBackend.create(path, TrainerSettings(
-        lr=1e-4, critic_lr=1e-4, global_batch_size=4, max_tokens_per_micro_batch=2048, device="cuda",
+        lr=1e-4, critic_lr=1e-4, global_batch_size=4, max_tokens_per_micro_batch=512, device="cuda",
         dtype="bfloat16", actor_critic_turns=turns))
     metrics = [ppo_step(backend, 1)]  # the optimizer states exist from here on
     backend.residency.use("actor")
