@@ -49,6 +49,12 @@ def refusals(c: TrainConfig) -> list[str]:
             f"--rollout-num-engines {c.rollout_num_engines} differs from the {len(c.engine_urls)} "
             "--engine-urls; drop --rollout-num-engines (it follows the URLs)"
         )
+    if c.engine_quantization is not None and c.engine_backend != "embedded":
+        p.append(
+            f"--engine-quantization {c.engine_quantization} is milepost's engine storage (and its "
+            f"check tolerance); --engine-backend {c.engine_backend} engines are configured where "
+            "they start: drop --engine-quantization or use embedded"
+        )
     if c.colocate and c.engine_backend == "external":
         p.append(
             "--colocate needs engines milepost starts beside the trainer, but --engine-backend external "

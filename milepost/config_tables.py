@@ -127,6 +127,13 @@ class EngineTable(_Table):
         None, ge=1, description="KV pool size of each engine in tokens; default derived by the engine."
     )
     engine_page_size: int = Field(16, ge=1, description="Tokens per KV cache block of each engine.")
+    engine_quantization: Literal["fp8"] | None = Field(
+        None,
+        description="fp8 = engines store their projection weights as float8_e4m3fn with one scale "
+        "per output row, quantized at load and on every weight update; the equality check then "
+        "admits the format's rounding error for those tensors.",
+        json_schema_extra={"flags": ["--sglang-quantization"]},
+    )
     router: bool | None = Field(
         None,
         description="Put the engines behind sglang-router (sessions stick to one engine); "

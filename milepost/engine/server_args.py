@@ -47,6 +47,11 @@ class ServerArgs(BaseModel):
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="dtype of the KV pool; auto = the model's --dtype (bfloat16 on CUDA)."
     )
+    quantization: Literal["fp8"] | None = Field(
+        None, description="fp8 = store the projection weights (q/k/v/o, gate/up/down) as "
+        "float8_e4m3fn with one scale per output row, quantized at load and on every weight "
+        "update; activations stay in --dtype (milepost/engine/weight_fp8.py)."
+    )
     max_total_tokens: int | None = Field(
         None,
         description="KV pool size in tokens; default derived from --mem-fraction-static on CUDA "

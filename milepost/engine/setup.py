@@ -53,6 +53,10 @@ def build_engine(
     fuse = getattr(model, "fuse_projections", None)
     if fuse is not None:  # one GEMM for q/k/v and one for gate/up; HF names still address slices
         fuse()
+    if args.quantization == "fp8":  # after fusing: one scale per row of the fused weights too
+        from milepost.engine.weight_fp8 import store_fp8
+
+        store_fp8(model)
     cfg = model.hf_config
     kv_dtype = getattr(torch, args.kv_cache_dtype)
     elem = torch.empty((), dtype=kv_dtype).element_size()

@@ -57,6 +57,9 @@ class WeightLoader:
 
     def __init__(self, model: WeightAddressable) -> None:
         self.model = model
+        # --quantization fp8: these views are fp8 rows; updates arrive in the model's dtype and
+        # are quantized in commit (milepost/engine/weight_fp8.py).
+        self.fp8 = getattr(model, "fp8_weights", None)
 
     # -- staging and commit: the two halves every source goes through -------------------------
 
@@ -84,9 +87,13 @@ class WeightLoader:
 
     @torch.no_grad()  # parameters may require grad (the trainer shares model code)
     def commit(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each source into its destination view (casting dtype, moving device)."""
+        """Copy each source into its destination view (casting dtype, moving device; quantizing
+        into an fp8 destination)."""
         for dst, src in pairs:
-            dst.copy_(src)
+            if self.fp8 is not None and self.fp8.owner(dst) is not None:
+                self.fp8.write(dst, src)
+            else:
+                dst.copy_(src)
 
     # -- sources -----------------------------------------------------------------------------
 
@@ -142,9 +149,8 @@ class WeightLoader:
                 missing = self._uncovered([view for view, _, _ in plan])
                 problems += [f"{name}: missing from {model_path!r}" for name in missing]
             self._raise_if(problems)
-            with torch.no_grad():
-                for view, handle, name in plan:
-                    view.copy_(handle.get_tensor(name))  # type: ignore[attr-defined]
+            for view, handle, name in plan:  # one tensor at a time: memory stays one tensor
+                self.commit([(view, handle.get_tensor(name))])  # type: ignore[attr-defined]
         return len(plan)
 
     def from_distributed(
@@ -257,15 +263,18 @@ class WeightLoader:
                 f"{name}: shape mismatch, model expects {list(view.shape)}, got {list(shape)}"
             )
             return None
-        if dtype is not None and dtype != view.dtype:
+        expected = view.dtype
+        if self.fp8 is not None and self.fp8.owner(view) is not None:
+            expected = self.fp8.source_dtype  # stored in fp8, sent in the model's dtype
+        if dtype is not None and dtype != expected:
             if strict_dtype:
                 problems.append(
-                    f"{name}: dtype mismatch, model expects {view.dtype}, got {dtype} "
+                    f"{name}: dtype mismatch, model expects {expected}, got {dtype} "
                     "(strict dtype; send the model's dtype or allow casting)"
                 )
                 return None
-            if dtype.is_floating_point != view.dtype.is_floating_point:
-                problems.append(f"{name}: cannot cast {dtype} into the model's {view.dtype}")
+            if dtype.is_floating_point != expected.is_floating_point:
+                problems.append(f"{name}: cannot cast {dtype} into the model's {expected}")
                 return None
         return view
 

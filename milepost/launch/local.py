@@ -71,6 +71,8 @@ class LocalLauncher:
                   "--page-size", str(cfg.engine_page_size), "--random-seed", str(cfg.seed)]
         if cfg.engine_max_total_tokens:
             common += ["--max-total-tokens", str(cfg.engine_max_total_tokens)]
+        if cfg.engine_quantization:  # fp8 weight storage (milepost/engine/weight_fp8.py)
+            common += ["--quantization", cfg.engine_quantization]
         if cfg.engine_backend == "sglang":  # the real SGLang server takes the same flags
             return [sys.executable, "-m", "sglang.launch_server", *common, "--weight-version", "0"]
         return [sys.executable, "-m", "milepost", "serve", *common, "--weight-version", "0",

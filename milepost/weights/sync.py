@@ -23,6 +23,7 @@ from milepost.weights.bucket import iter_update_buckets, tensor_nbytes
 from milepost.weights.transport import WeightTransport
 from milepost.weights.verify import (
     compare_digests,
+    quantized_names,
     randomize_engines,
     tensor_digest,
     verify,
@@ -54,7 +55,8 @@ class WeightSync:
         every engine holds (`GET /weights_checksum`); costs a pass over the weights on each side.
     check_equal_once: `--check-weight-update-equal` (report 4.4): before the first update fill
         every engine tensor with noise, and after it require every engine tensor (but names
-        matching a `check_skip` glob) to equal, bit for bit, what the trainer sent.
+        matching a `check_skip` glob) to equal, bit for bit, what the trainer sent (a tensor an
+        engine stores quantized: within its format's error bound, milepost/weights/fp8.py).
     expert_parallel_size: the expert pass's size multiplier (1 for FSDP).
     """
 
@@ -95,12 +97,14 @@ class WeightSync:
         check_equal = self.check_equal_pending and coordinating
         checks = coordinating and (self.check_weight_update or check_equal)
         digests: dict[str, str] | None = {} if checks else None
+        values: dict[str, torch.Tensor] = {}  # host copies of what engines store quantized
         n_bytes = n_tensors = n_buckets = 0
         try:
+            keep = quantized_names(transport.engine_urls) if checks else set()
             if check_equal:
                 randomize_engines(transport.engine_urls)
             transport.begin(version)
-            for bucket, last in iter_update_buckets(self._prepared(items, digests),
+            for bucket, last in iter_update_buckets(self._prepared(items, digests, keep, values),
                                                     self.bucket_bytes, self.expert_parallel_size):
                 transport.send(bucket, last=last)
                 n_buckets += 1
@@ -119,7 +123,7 @@ class WeightSync:
         verified = False
         if digests is not None:
             compare_digests(digests, transport.engine_urls, require_all=check_equal,
-                            skip=self.check_skip if check_equal else ())
+                            skip=self.check_skip if check_equal else (), values=values)
             verified = True
             self.check_equal_pending = False
         metrics = transport.metrics() if hasattr(transport, "metrics") else None
@@ -127,13 +131,17 @@ class WeightSync:
                            verified, metrics)
 
     def _prepared(self, items: Iterator[tuple[str, torch.Tensor]],
-                  digests: dict[str, str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+                  digests: dict[str, str] | None, keep: set[str] = frozenset(),
+                  values: dict[str, torch.Tensor] | None = None,
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in items:
             tensor = tensor.detach()
             if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
                 tensor = tensor.to(self.dtype)
             if digests is not None:
                 digests[name] = tensor_digest(tensor)
+            if name in keep:
+                values[name] = tensor.to("cpu", copy=True)
             yield name, tensor
 
     def verify(self, named_weights: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -3,7 +3,11 @@
 Both sides digest each tensor the same way (`tensor_digest`: sha256 over dtype, shape and raw
 bytes), the engine over `GET /weights_checksum` (milepost/engine/weight_check.py) under Hugging
 Face names. Exact, not approximate: the engine stores the dtype it received, so any differing
-bit is a failed update. A real SGLang server has no such endpoint; verification is ours only.
+bit is a failed update. The exception is a tensor the engine stores quantized (`--quantization
+fp8`): it is compared by value, each element within the error bound its format gives
+(milepost/weights/fp8.py), so the trainer keeps a host copy of those tensors (names from
+`GET /weights_quantized`) while a check runs. A real SGLang server has none of these endpoints;
+verification is ours only.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import torch
+
+from milepost.weights.codec import deserialize_named_tensors
+from milepost.weights.fp8 import FORMAT, fp8_error_bound
 
 _LISTED = 10  # mismatching tensors named per engine; the count says the rest
 
@@ -42,6 +49,12 @@ def digest_named(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
 
 def fetch_checksums(url: str, timeout_s: float = 120.0) -> tuple[str, dict[str, str]]:
     """(weight_version, {hf_name: digest}) that the engine at `url` reports."""
+    version, sums, _ = fetch_state(url, timeout_s)
+    return version, sums
+
+
+def fetch_state(url: str, timeout_s: float = 120.0) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(weight_version, {hf_name: digest}, {hf_name: format of a tensor stored quantized})."""
     try:
         r = httpx.get(f"{url.rstrip('/')}/weights_checksum", timeout=timeout_s)
     except httpx.HTTPError as e:
@@ -56,7 +69,51 @@ def fetch_checksums(url: str, timeout_s: float = 120.0) -> tuple[str, dict[str, 
     if r.status_code != 200:
         raise WeightMismatchError(f"engine {url}: GET /weights_checksum answered {r.status_code}: {r.text}")
     body = r.json()
-    return str(body["weight_version"]), dict(body["checksums"])
+    return str(body["weight_version"]), dict(body["checksums"]), dict(body.get("quantized", {}))
+
+
+def quantized_names(engine_urls: Sequence[str], timeout_s: float = 120.0) -> set[str]:
+    """Names any engine stores quantized (those the trainer must keep values of to check)."""
+    names: set[str] = set()
+    for url in engine_urls:
+        try:
+            r = httpx.get(f"{url.rstrip('/')}/weights_quantized", timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise WeightMismatchError(f"engine {url}: GET /weights_quantized failed ({e})") from e
+        if r.status_code == 404:
+            continue  # an engine without the endpoint stores nothing quantized we know of
+        if r.status_code != 200:
+            raise WeightMismatchError(f"engine {url}: GET /weights_quantized answered "
+                                      f"{r.status_code}: {r.text}")
+        names |= set(r.json()["names"])
+    return names
+
+
+def check_quantized(url: str, sent: Mapping[str, torch.Tensor], timeout_s: float = 120.0
+                    ) -> list[str]:
+    """Names of `sent` whose values on the engine at `url` (stored quantized) are off by more
+    than the format's error bound, each with its worst element's error over the bound."""
+    if not sent:
+        return []
+    r = httpx.post(f"{url.rstrip('/')}/weights_dequantized", json={"names": list(sent)},
+                   timeout=timeout_s)
+    if r.status_code != 200:
+        raise WeightMismatchError(f"engine {url}: POST /weights_dequantized answered "
+                                  f"{r.status_code}: {r.text}")
+    if r.json().get("format") != FORMAT:
+        raise WeightMismatchError(f"engine {url} stores format {r.json().get('format')!r}; "
+                                  f"this trainer checks {FORMAT!r} only")
+    held = dict(deserialize_named_tensors(r.json()["tensors"]))
+    off = []
+    for name, x in sent.items():
+        values, scale = held[name], held[f"{name}:scale"]
+        if values.shape != x.shape:
+            off.append(f"{name} (shape {list(values.shape)}, sent {list(x.shape)})")
+            continue
+        ratio = ((values - x.float()).abs() / fp8_error_bound(x, scale)).max().item()
+        if not ratio <= 1.0:  # NaN fails too
+            off.append(f"{name} (error {ratio:.3g}x the {FORMAT} bound)")
+    return off
 
 
 def randomize_engines(engine_urls: Sequence[str], seed: int = 0, timeout_s: float = 120.0) -> None:
@@ -80,12 +137,15 @@ def _skipped(name: str, skip: Sequence[str]) -> bool:
 def compare_digests(
     expected: Mapping[str, str], engine_urls: Sequence[str], timeout_s: float = 120.0,
     *, require_all: bool = False, skip: Sequence[str] = (),
+    values: Mapping[str, torch.Tensor] | None = None,
 ) -> int:
     """Check every engine against `expected` ({name: digest}); returns how many tensors matched
     per engine. Raises WeightMismatchError naming each engine at fault and its first tensors.
 
     require_all: every tensor the engine holds (except names matching a `skip` glob) must be in
     `expected`, so a tensor the update never wrote is a failure, not a silent omission.
+    values: what was sent for the names an engine stores quantized (`quantized_names`); those
+    are compared within their format's error bound instead of by digest.
     """
     if not expected:
         raise ValueError("compare_digests: nothing to compare (expected is empty)")
@@ -96,11 +156,18 @@ def compare_digests(
         if isinstance(answer, WeightMismatchError):
             failures.append(str(answer))
             continue
-        version, held = answer
-        missing = [n for n in expected if n not in held and not _skipped(n, skip)]
+        version, held, quantized = answer
+        missing = [n for n in expected if n not in held and n not in quantized
+                   and not _skipped(n, skip)]
         differ = [n for n in expected if n in held and held[n] != expected[n]
                   and not _skipped(n, skip)]
-        unsent = ([n for n in held if n not in expected and not _skipped(n, skip)]
+        by_value = {n: (values or {}).get(n) for n in expected
+                    if n in quantized and not _skipped(n, skip)}
+        differ += [f"{n} (stored {quantized[n]}; the trainer kept no values to compare)"
+                   for n, v in by_value.items() if v is None]
+        differ += check_quantized(url, {n: v for n, v in by_value.items() if v is not None},
+                                  timeout_s)
+        unsent = ([n for n in [*held, *quantized] if n not in expected and not _skipped(n, skip)]
                   if require_all else [])
         if missing or differ or unsent:
             parts = []
@@ -125,16 +192,24 @@ def verify(
     engine_urls: Sequence[str],
     timeout_s: float = 120.0,
 ) -> int:
-    """Check that every engine holds exactly `named_weights` (in the dtype given here).
+    """Check that every engine holds exactly `named_weights` (in the dtype given here; tensors
+    an engine stores quantized within their format's bound).
 
     Returns the number of tensors checked per engine. Engines are read on their engine thread,
     so call this with no weight update in flight.
     """
-    return compare_digests(digest_named(named_weights), engine_urls, timeout_s)
+    quantized = quantized_names(engine_urls, timeout_s)
+    digests, values = {}, {}
+    for name, t in named_weights:
+        digests[name] = tensor_digest(t)
+        if name in quantized:
+            values[name] = t.detach().to("cpu", copy=True)
+    return compare_digests(digests, engine_urls, timeout_s, values=values)
 
 
-def _try_fetch(url: str, timeout_s: float) -> tuple[str, dict[str, str]] | WeightMismatchError:
+def _try_fetch(url: str, timeout_s: float
+               ) -> tuple[str, dict[str, str], dict[str, str]] | WeightMismatchError:
     try:
-        return fetch_checksums(url, timeout_s)
+        return fetch_state(url, timeout_s)
     except WeightMismatchError as e:
         return e

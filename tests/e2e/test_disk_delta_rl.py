@@ -136,6 +136,21 @@ def test_p2p_in_a_real_run_passes_both_checks(tmp_path: Path) -> None:
     assert len(records) == 2 and all(r["perf/update_weights_bytes"] > 0 for r in records)
 
 
+def test_fp8_engines_in_a_real_run_pass_both_checks(tmp_path: Path) -> None:
+    """`--engine-quantization fp8`: engines store projections in fp8 and quantize every update;
+    the equality check (noise first) and the per-update check pass within the format's bound."""
+    _, args, env = tiny_run(tmp_path)
+    run_dir = tmp_path / "rl"
+    done = subprocess.run(
+        [sys.executable, "-m", "milepost", "train", *args, "--run-dir", str(run_dir),
+         "--num-rollout", "2", "--save-hf-at-end", "false", "--engine-quantization", "fp8",
+         "--check-weight-update-equal", "--check-weight-update"],
+        timeout=900, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert len(records) == 2 and all(r["perf/update_weights_bytes"] > 0 for r in records)
+
+
 def test_disk_delta_under_fully_async(tmp_path: Path) -> None:
     """Under `--fully-async` disk-delta writes and prepares while the engines generate and pauses
     them only around the reload; every step still gets a version the engines verifiably hold."""

@@ -80,3 +80,17 @@ def test_every_trainer_rank_sends_under_p2p_only(base, mode) -> None:
         for s in syncs:
             if s is not None:
                 s.close()
+
+
+def test_engine_quantization_reaches_embedded_engines_only(base) -> None:
+    assert load_config(None, base + ["--engine-quantization", "fp8"]).engine_quantization == "fp8"
+    assert load_config(None, base + ["--sglang-quantization", "fp8"]).engine_quantization == "fp8"
+    from milepost.launch.local import LocalLauncher
+
+    cfg = load_config(None, base + ["--engine-quantization", "fp8"])
+    cmd = LocalLauncher(cfg, cfg.run_dir)._engine_cmd(30000)
+    assert cmd[cmd.index("--quantization") + 1] == "fp8"
+    assert "--quantization" not in LocalLauncher(load_config(None, base), cfg.run_dir)._engine_cmd(1)
+    with pytest.raises(ConfigError, match="--engine-quantization fp8 is milepost's engine storage"):
+        load_config(None, base + ["--engine-quantization", "fp8", "--engine-backend", "external",
+                                  "--engine-urls", "http://127.0.0.1:1"])

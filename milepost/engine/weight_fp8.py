@@ -1,0 +1,94 @@
+"""fp8 weight storage for the engine's linear layers (`--quantization fp8`).
+
+Each projection (q/k/v/o, gate/up/down and their fused forms) keeps its weight as float8_e4m3fn
+with one float32 scale per output row (scale = row amax / 448); activations stay in the model's
+dtype and the forward dequantizes the weight. A scale per output row keeps the HF-name views
+intact: a name that addresses a row slice of a fused weight (q_proj inside qkv_proj) owns exactly
+its rows' scales. Embeddings, norms, lm_head and MoE experts stay unquantized.
+
+Weight updates quantize on arrival: every update path stages through WeightLoader, whose commit
+calls `Fp8Weights.write` for an fp8 destination (the sender sends the model's dtype, as for any
+engine). The equality check cannot be bit-exact for these tensors: the engine reports their
+dequantized values and scales instead of digests (weight_check.py), and the trainer admits the
+bound the format itself gives (milepost/weights/fp8.py: `fp8_error_bound`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from milepost.weights.fp8 import FP8, dequantize_rows, quantize_rows
+
+# Linear layers whose weights are stored in fp8 (their module names' last component).
+QUANTIZED_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
+                               "gate_proj", "up_proj", "down_proj", "gate_up_proj"})
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear whose `weight` is fp8 with a per-row `weight_scale` buffer (set by store_fp8)."""
+
+    weight_scale: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Dequantized in float32 then cast once: the scale keeps its 24-bit precision.
+        w = dequantize_rows(self.weight, self.weight_scale).to(x.dtype)
+        return F.linear(x, w, self.bias)
+
+
+class Fp8Weights:
+    """The model's fp8 linears, found from a weight view: where to write values and scales."""
+
+    def __init__(self, modules: list[Fp8Linear], source_dtype: torch.dtype) -> None:
+        self.source_dtype = source_dtype  # what senders send for these tensors (the model dtype)
+        self._by_storage = {m.weight.untyped_storage().data_ptr(): m for m in modules}
+
+    def owner(self, view: torch.Tensor) -> Fp8Linear | None:
+        if view.dtype != FP8:
+            return None
+        return self._by_storage.get(view.untyped_storage().data_ptr())
+
+    def scale_of(self, view: torch.Tensor) -> torch.Tensor:
+        """The scales of the rows `view` (a row slice of an fp8 weight) covers."""
+        module = self.owner(view)
+        if module is None:
+            raise KeyError("not a view of an fp8 linear weight")
+        row_bytes = module.weight.stride(0) * module.weight.element_size()
+        first = (view.data_ptr() - module.weight.data_ptr()) // row_bytes
+        return module.weight_scale[first:first + view.shape[0]]
+
+    @torch.no_grad()
+    def write(self, view: torch.Tensor, src: torch.Tensor) -> None:
+        """Quantize `src` into the fp8 rows `view` and their scales."""
+        values, scale = quantize_rows(src.to(view.device))
+        view.copy_(values)
+        self.scale_of(view).copy_(scale)
+
+    def dequantized(self, view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 weights, float32 row scales) that `view` holds."""
+        scale = self.scale_of(view)
+        return dequantize_rows(view, scale), scale.float()
+
+
+@torch.no_grad()
+def store_fp8(model: nn.Module) -> Fp8Weights:
+    """Convert the model's projection linears to fp8 storage, in place; returns their registry,
+    which is also attached to the model as `fp8_weights` (WeightLoader looks for it there)."""
+    dtype = None
+    modules: list[Fp8Linear] = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or name.rsplit(".", 1)[-1] not in QUANTIZED_LINEARS:
+            continue
+        dtype = dtype or module.weight.dtype
+        values, scale = quantize_rows(module.weight)
+        module.weight = nn.Parameter(values, requires_grad=False)
+        module.register_buffer("weight_scale", scale)
+        module.__class__ = Fp8Linear  # same state, a forward that dequantizes
+        modules.append(module)
+    if not modules:
+        raise ValueError(f"--quantization fp8: {type(model).__name__} has no projection linears "
+                         f"({', '.join(sorted(QUANTIZED_LINEARS))}) to store in fp8")
+    store = Fp8Weights(modules, dtype)
+    model.fp8_weights = store
+    return store
