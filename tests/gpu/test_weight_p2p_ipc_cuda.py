@@ -85,3 +85,18 @@ def test_ipc_required_but_the_engine_is_on_cpu_is_refused(ckpts) -> None:
                 transport.begin("never")
         finally:
             transport.close()
+
+
+def test_fp8_engine_on_cuda_takes_ipc_updates_within_the_format_bound(ckpts) -> None:
+    """`--quantization fp8` on CUDA (CUDA graphs on): updates over CUDA IPC are quantized on
+    arrival and pass the equality check within the e4m3 bound; the engine still generates."""
+    with ServerProcess(ckpts["a"], "--device", "cuda", "--dtype", "bfloat16", "--max-total-tokens",
+                       "1024", "--mem-fraction-static", "0.1", "--quantization", "fp8") as srv:
+        sync = WeightSync(P2PTransport([srv.url], "nccl", timeout_s=60), BUCKET_BYTES,
+                          dtype=torch.bfloat16, check_equal_once=True, check_weight_update=True)
+        try:
+            assert sync.update(trainer_weights(ckpts["b"]), "fp8-1").verified
+            assert sync.transport.path == "cuda-ipc"
+        finally:
+            sync.close()
+        assert len(generate(srv.url)) == 8
