@@ -36,7 +36,9 @@ def fed_tokens(ids: torch.Tensor, feed: Feed, device: torch.device) -> None:
     if rows == list(range(n)):  # the usual case: same requests, same order
         ids[:n].copy_(tokens[:n])
     else:
-        src = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+        src = torch.tensor(rows, dtype=torch.long)
+        if device.type == "cuda":  # pinned: a pageable copy would wait for all queued work
+            src = src.pin_memory().to(device, non_blocking=True)
         ids[:n].copy_(tokens.index_select(0, src))
 
 

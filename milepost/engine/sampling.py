@@ -105,7 +105,7 @@ def sample(
     temps = [1.0 if p.greedy else p.temperature for p in params]
     scaled = logits
     if any(t != 1.0 for t in temps):  # x / 1.0 == x exactly: skip the pass when all are 1
-        scaled = logits / torch.tensor(temps, device=logits.device)[:, None]
+        scaled = logits / _on_device(temps, logits.device)[:, None]
     logprobs_all = torch.log_softmax(scaled, dim=-1)  # [B, V]
 
     greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -143,18 +143,28 @@ def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> None:
     if rows:
         ks = [params[j].top_k for j in rows]  # the widest k from the host: no device sync
         sub = probs[rows]
-        kth = sub.topk(max(ks)).values.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)  # [r, 1]
+        kth = sub.topk(max(ks)).values.gather(1, _on_device(ks, dev)[:, None] - 1)  # [r, 1]
         probs[rows] = sub.masked_fill_(sub < kth, 0.0)
     rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
     if rows:
-        min_p = torch.tensor([params[j].min_p for j in rows], device=dev)
+        min_p = _on_device([params[j].min_p for j in rows], dev)
         sub = probs[rows]
         floor = min_p[:, None] * sub.amax(dim=1, keepdim=True)
         probs[rows] = sub.masked_fill_(sub < floor, 0.0)
     rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
     if rows:
-        top_p = torch.tensor([params[j].top_p for j in rows], device=dev)
+        top_p = _on_device([params[j].top_p for j in rows], dev)
         probs[rows] = _nucleus(probs[rows], top_p)
+
+
+def _on_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small per-row settings tensor on `device`. On CUDA it goes through pinned memory: a
+    copy from pageable memory waits for all queued GPU work (e.g. the next step's forward under
+    the overlap schedule); this one is queued like a kernel."""
+    t = torch.tensor(values)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ class Stepper:
         self.scheduler.after_forward(chunks)
         sampling = [c.req for c in chunks if c.samples]
         if sampling:
-            launched = LaunchedStep(sampling, self._sample(logits, sampling), self.weight_version)
+            launched = LaunchedStep.of(sampling, self._sample(logits, sampling), self.weight_version)
             if self.cfg.overlap_schedule and all(c.length == 1 for c in chunks):
                 self._launched = launched
             else:
@@ -77,7 +77,8 @@ class Stepper:
         self._process(prev, pending=True)  # reads prev back while the GPU runs the new forward
         if chunks:
             sampling = [c.req for c in chunks]  # all decodes: every chunk samples
-            self._launched = LaunchedStep(sampling, self._sample(logits, sampling), self.weight_version)
+            self._launched = LaunchedStep.of(sampling, self._sample(logits, sampling),
+                                             self.weight_version)
         self.stats.record_step(chunks, len(chunks), time.perf_counter() - t0)
 
     def _can_overlap(self, prev: LaunchedStep) -> bool:
@@ -114,12 +115,7 @@ class Stepper:
 
     def _process(self, launched: LaunchedStep, pending: bool = False) -> None:
         """Append each sampled token (pending: fill the slot reserved for it) and finish."""
-        result = launched.result
-        # One device-to-host copy per field for the whole batch (not one sync per request).
-        top = result.top_ids is not None
-        host = _HostSample(result.tokens.tolist(), result.logprobs.tolist(),
-                           result.top_ids.cpu() if top else None,
-                           result.top_logprobs.cpu() if top else None)
+        host = launched.read_back()
         for i, req in enumerate(launched.sampling):
             if req.is_finished:  # ended (stop token, abort) while this step was queued
                 continue
@@ -173,11 +169,37 @@ class Stepper:
 
 @dataclass
 class LaunchedStep:
-    """A step whose sampled tokens are still on the device (the overlap schedule)."""
+    """A step whose sampled tokens may still be on the device (the overlap schedule).
+
+    On CUDA the results are copied to pinned host memory as soon as they are sampled, with an
+    event behind the copy: reading them back waits for that event only. A plain `.tolist()`
+    would be a copy queued behind whatever was launched since, i.e. behind the next forward,
+    which would serialize the two steps again.
+    """
 
     sampling: list[Request]
-    result: SampleResult
+    result: SampleResult  # on the device: the next step's forward reads its tokens there
     version: str  # the weights that computed it
+    host: list[torch.Tensor | None]  # tokens, logprobs, top_ids, top_logprobs on the host
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def of(cls, sampling: list[Request], result: SampleResult, version: str) -> LaunchedStep:
+        fields = [result.tokens, result.logprobs, result.top_ids, result.top_logprobs]
+        if result.tokens.device.type != "cuda":
+            return cls(sampling, result, version, fields, None)
+        host = [None if t is None else
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in fields]
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(sampling, result, version, host, copied)
+
+    def read_back(self) -> _HostSample:
+        if self.copied is not None:
+            self.copied.synchronize()
+        tokens, logprobs, top_ids, top_logprobs = self.host
+        return _HostSample(tokens.tolist(), logprobs.tolist(), top_ids, top_logprobs)
 
 
 @dataclass
