@@ -82,6 +82,7 @@ def bench(rank: int, world: int, path: str, device: str, dtype: str, work: str, 
                      # torch's pinned pool, in case the driver's pinned pages are not in VmRSS
                      "offload_pinned_growth_bytes": off.pinned_peak_growth_bytes,
                      "reload_pinned_growth_bytes": on.pinned_peak_growth_bytes})
+        print(f"measured: {json.dumps(rows[-1])}", flush=True)  # survives a run cut short
         del backend
         gc.collect()
         if cuda:
@@ -128,6 +129,8 @@ def main() -> None:
               f"{r['reload_rss_growth_bytes'] / 2**20:15.1f}  "
               f"{ratio('peak_bytes'):.2f}x {ratio('offload_s'):.2f}x {ratio('reload_s'):.2f}x")
     disk = [r for r in rows if r["variant"].endswith("disk")]
+    if disk and a.device == "cpu":
+        print("on cpu the state itself is host memory: the reload's RSS rise is the state coming back")
     if disk:  # the bound: disk offload holds no more host memory than the staging buffer
         rise = max(max(r["offload_rss_growth_bytes"], r["reload_rss_growth_bytes"]) for r in disk)
         print(f"disk offload/reload: highest RSS rise {rise / 2**20:.1f} MiB = staging buffer "
