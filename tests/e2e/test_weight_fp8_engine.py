@@ -1,5 +1,5 @@
 """An engine with `--quantization fp8` (projection weights stored as e4m3 rows with scales) takes
-weight updates over every process transport and passes `--check-weight-update-equal` with the
+weight updates over every transport and passes `--check-weight-update-equal` with the
 tolerance the format gives for those tensors (bit-exact for the rest); a tensor the update
 skipped, or values off by more than the bound, fail it."""
 
@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.server_process import ServerProcess
+from milepost.weights.disk_transport import DiskDeltaTransport
 from milepost.weights.p2p import P2PTransport
 from milepost.weights.sync import WeightSync
 from milepost.weights.transport import BroadcastTransport, TensorTransport
@@ -32,19 +33,21 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
         yield srv.url, list(load_file(b / "model.safetensors").items())
 
 
-def make(kind: str, url: str):
+def make(kind: str, url: str, store: Path):
     return {"tensor": lambda: TensorTransport([url], timeout_s=30),
             "broadcast": lambda: BroadcastTransport([url], "gloo", timeout_s=30),
-            "p2p": lambda: P2PTransport([url], "gloo", timeout_s=30)}[kind]()
+            "p2p": lambda: P2PTransport([url], "gloo", timeout_s=30),
+            "disk-delta": lambda: DiskDeltaTransport([url], store, timeout_s=30)}[kind]()
 
 
-@pytest.mark.parametrize("kind", ["tensor", "broadcast", "p2p"])
-def test_fp8_engine_passes_the_equality_check_within_the_format_bound(setup, kind) -> None:
+@pytest.mark.parametrize("kind", ["tensor", "broadcast", "p2p", "disk-delta"])
+def test_fp8_engine_passes_the_equality_check_within_the_format_bound(setup, kind,
+                                                                      tmp_path) -> None:
     url, named = setup
     quantized = httpx.get(f"{url}/weights_quantized").json()
     assert quantized["format"] == "fp8_e4m3_row" and QKV in quantized["names"]
     assert "model.embed_tokens.weight" not in quantized["names"]
-    sync = WeightSync(make(kind, url), BUCKET_BYTES, check_equal_once=True,
+    sync = WeightSync(make(kind, url, tmp_path / "store"), BUCKET_BYTES, check_equal_once=True,
                       check_weight_update=True)
     try:
         assert sync.update(iter(named), f"{kind}-1").verified
