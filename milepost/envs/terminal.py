@@ -24,7 +24,16 @@ from milepost.rollout.layers import AgentContext, AgentOutcome
 MAX_TURNS = 8
 EPISODE_TIMEOUT_S = 300.0
 SYSTEM = ("You work in a Linux shell in the directory /workspace. Run commands with the shell "
-          "tool, one command per call. When the task is done, answer without a tool call.")
+          "tool, one command per call. When the task is done, answer without a tool call. To "
+          'run a command, reply with only: <tool_call>{"name": "shell", "arguments": '
+          '{"command": "ls"}}</tool_call> (with your command instead of ls).')
+# A demonstration before the task (prompt context, never trained on). Templates without a tool
+# section (SmolLM2's) never show the model the call format otherwise: with the instruction alone,
+# SmolLM2-135M wrote 0 parseable calls in 48 first turns; with this exchange, 21 (T=0.7).
+DEMO = [{"role": "user", "content": "List the files."},
+        {"role": "assistant",
+         "content": '<tool_call>{"name": "shell", "arguments": {"command": "ls"}}</tool_call>'},
+        {"role": "user", "content": "Good."}]
 SHELL_TOOL = {"type": "function", "function": {
     "name": "shell", "description": "Run a /bin/sh command in /workspace; returns its output.",
     "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
@@ -41,7 +50,7 @@ async def run_episode(ctx: AgentContext, *, allow_unsafe_no_sandbox: bool = Fals
     task = TASKS_BY_NAME[task_name]
     box = await asyncio.to_thread(Sandbox, task.files,
                                   allow_unsafe_no_sandbox=allow_unsafe_no_sandbox)
-    messages = [{"role": "system", "content": SYSTEM},
+    messages = [{"role": "system", "content": SYSTEM}, *DEMO,
                 {"role": "user", "content": task.instruction}]
     deadline = time.monotonic() + timeout_s
     turns = commands = 0

@@ -111,12 +111,24 @@ class Session:
                 f"turn {node.id} stopped at the length limit ({node.finish_reason}); a truncated "
                 f"turn cannot be extended (start a new session, or raise max_tokens)")
         new = messages[len(node.messages):]
-        if any(m.get("role") == "assistant" for m in new) and self.mode == "linear":
+        if (any(m.get("role") == "assistant" for m in new) and self.mode == "linear"
+                and not self._few_shot(node, new)):
             raise SessionConflict(
                 f"the request adds an assistant message the model did not generate after turn "
                 f"{node.id}; a linear session extends only with user/tool/system messages "
                 f"(use session_mode='branching' for harnesses that rewrite history)")
         return Attach(node, new)
+
+    def _few_shot(self, node: Turn, new: list[Message]) -> bool:
+        """Assistant messages in the first prompt are prompt context (a demonstration, mask 0):
+        allowed in the first request, and in a retry of the first turn that repeats its prompt."""
+        if node is not self.root:
+            return False
+        if self.tail is self.root:
+            return True
+        first_prompt = self.tail.path()[0].messages[:-1]
+        return len(new) >= len(first_prompt) and all(
+            self.matcher(a, b) for a, b in zip(first_prompt, new))
 
     def _attach_linear(self, messages: list[Message]) -> Turn:
         tail = self.tail

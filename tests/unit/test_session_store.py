@@ -87,6 +87,19 @@ def test_linear_extends_tail_retries_once_and_refuses_divergence() -> None:
     assert s.leaves() == [t2b]  # the retry replaced the tail
 
 
+def test_linear_first_prompt_may_carry_a_demonstration() -> None:
+    s = Session("s", "linear", strict)
+    demo = [U2, A2, U1]  # a few-shot exchange before the real question
+    assert s.attach(demo, None).new_messages == demo
+    t1 = _turn(s, s.root, demo + [A1], prompt=[1, 2], out=[3])
+    assert s.attach(demo, None).at is s.root  # a retry of the first turn repeats its prompt
+    with pytest.raises(SessionConflict, match="assistant message the model did not generate"):
+        s.attach([U2, {"role": "assistant", "content": "other"}, U1], None)
+    with pytest.raises(SessionConflict, match="assistant message the model did not generate"):
+        s.attach(demo + [A1, U3, A2, U3], None)
+    assert s.tail is t1
+
+
 def test_branching_forks_and_yields_one_sequence_per_leaf() -> None:
     s = Session("s", "branching", strict)
     t1 = _turn(s, s.root, [U1, A1], prompt=[1, 2], out=[3])
