@@ -74,6 +74,16 @@ def worker(rank: int, world: int, path: str, tmp: str) -> dict[str, dict]:
     ]:
         backend = FSDPBackend.create(path, TrainerSettings(**BASE, **extra))
         out[name] = ppo_steps(backend, rank, world, offload)
+        if name == "turns to disk":  # a checkpoint needs both models: each comes in for its part
+            backend.offload()
+            backend.onload()
+            backend.save_checkpoint(f"{tmp}/ckpt", extra={"step": 2})
+            fresh = FSDPBackend.create(path, TrainerSettings(**BASE, **extra))
+            fresh.load_checkpoint(f"{tmp}/ckpt")
+            fresh.residency.use("critic")
+            critic = local(fresh.critic.model)
+            fresh.residency.use("actor")
+            out["reloaded"] = {"policy": local(fresh.policy), "critic": critic}
     return out
 
 
@@ -94,3 +104,6 @@ def test_actor_and_critic_take_turns_and_train_bitwise_the_same(tmp_path: Path) 
             # per step: critic in (values, training), critic out + actor in, actor out at offload
             assert all(t.bytes > 0 and t.seconds > 0 for t in r["turns"]), (name, r["turns"])
         assert "value_loss" in plain["metrics"][0]
+        for model in ("policy", "critic"):
+            saved, back = ranks["turns to disk"][model], ranks["reloaded"][model]
+            assert all(torch.equal(saved[k], back[k]) for k in saved), model
