@@ -42,12 +42,19 @@ class Fp8Weights:
 
     def __init__(self, modules: list[Fp8Linear], source_dtype: torch.dtype) -> None:
         self.source_dtype = source_dtype  # what senders send for these tensors (the model dtype)
-        self._by_storage = {m.weight.untyped_storage().data_ptr(): m for m in modules}
+        self._modules = modules
+        self._by_storage: dict[int, Fp8Linear] = {}
 
     def owner(self, view: torch.Tensor) -> Fp8Linear | None:
         if view.dtype != FP8:
             return None
-        return self._by_storage.get(view.untyped_storage().data_ptr())
+        ptr = view.untyped_storage().data_ptr()
+        module = self._by_storage.get(ptr)
+        if module is None or module.weight.untyped_storage().data_ptr() != ptr:
+            # Weights move (released to host and resumed: new storages): map them again.
+            self._by_storage = {m.weight.untyped_storage().data_ptr(): m for m in self._modules}
+            module = self._by_storage.get(ptr)
+        return module
 
     def scale_of(self, view: torch.Tensor) -> torch.Tensor:
         """The scales of the rows `view` (a row slice of an fp8 weight) covers."""

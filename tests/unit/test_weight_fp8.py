@@ -65,3 +65,25 @@ def test_updates_quantize_on_arrival_into_fused_rows(ckpt: Path) -> None:
         loader.from_named([("model.layers.0.self_attn.q_proj.weight",
                             sent["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16))],
                           strict_dtype=True)
+
+
+def test_fp8_weights_are_found_again_after_their_memory_moves(ckpt: Path) -> None:
+    """Released and resumed weights (engine/memory.py resizes storages) get new addresses."""
+    model = load_model(ckpt, torch.float32, "cpu")
+    store_fp8(model)
+    name = "model.layers.0.mlp.down_proj.weight"
+    original = load_file(ckpt / "model.safetensors")[name]
+    assert WeightLoader(model).from_named([(name, original)], strict_dtype=True) == 1
+    storage = model.weight_view(name).untyped_storage()
+    before = storage.data_ptr()
+    spare = torch.empty(1 << 20)  # noqa: F841 - keeps the old block from being handed back
+    host = torch.empty(storage.nbytes(), dtype=torch.uint8).untyped_storage()
+    host.copy_(storage)
+    storage.resize_(0)
+    storage.resize_(host.nbytes())
+    storage.copy_(host)
+    sent = original * 2.0
+    assert WeightLoader(model).from_named([(name, sent)], strict_dtype=True) == 1
+    values, scale = model.fp8_weights.dequantized(model.weight_view(name))
+    assert ((values - sent).abs() <= fp8_error_bound(sent, scale)).all()
+    assert before != storage.data_ptr()  # it did move
