@@ -253,7 +253,7 @@ class FSDPBackend:
                                     float(sum(bool((batch.loss_masks[i] > 0).any()) for i in step))])
                   for step in steps]
         # The critic trains first: it is on the device already (it gave the values), so with
-        # --offload-train a step moves each model in once. Actor and critic updates are
+        # --offload-actor-for-critic a step moves each model in once. Actor and critic updates are
         # independent, so the order changes no number.
         critic_sums = self._train_critic(batch, steps, plans, denoms) if batch.returns is not None else None
         self.residency.use("actor")
