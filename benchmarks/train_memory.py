@@ -24,9 +24,9 @@ import torch
 
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.dist import run_ranks
-from milepost.train.host_memory import peak_rss_growth
 from milepost.train.batch import TrainBatch
 from milepost.train.fsdp import FSDPBackend, TrainerSettings
+from milepost.train.host_memory import peak_rss_growth
 from milepost.types import Sample
 
 SHAPES = {
