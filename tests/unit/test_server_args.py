@@ -146,6 +146,9 @@ def test_resolved_on_cpu(model_dir: Path) -> None:
     explicit = ServerArgs(model_path=model_dir, device="cpu", dtype="bfloat16", context_length=100,
                           chunked_prefill_size=64).resolved()
     assert (explicit.dtype, explicit.context_length, explicit.chunked_prefill_size) == ("bfloat16", 100, 64)
+    assert args.overlap_schedule == "off", "auto: the overlap schedule is for CUDA"
+    on = ServerArgs(model_path=model_dir, device="cpu", overlap_schedule="on").resolved()
+    assert on.overlap_schedule == "on"
 
 
 def test_resolved_refuses_cuda_without_cuda(model_dir: Path) -> None:
