@@ -172,6 +172,15 @@ def weight_router(engine: Engine) -> APIRouter:
 
         return await update(commit, body.weight_version, body.flush_cache, body.abort_all_requests)
 
+    @router.get("/weights_p2p_info")
+    async def p2p_info() -> dict:
+        # What a P2P source needs to choose CUDA IPC: the model's device and the GPUs this
+        # process sees, in index order (an IPC handle opens on the sender's device index).
+        device = next(engine.runner.model.parameters()).device
+        uuids = ([str(torch.cuda.get_device_properties(i).uuid)
+                  for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [])
+        return {"device": str(device), "cuda_uuids": uuids}
+
     @router.post("/destroy_weights_update_group")
     async def destroy_group(body: DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
         try:

@@ -17,8 +17,9 @@ How bytes move is a `P2PBackend` (the seam an RDMA library fills later):
 - `TorchP2PBackend`: torch.distributed send/recv over a group of the source and its targets
   (gloo on CPU, NCCL on GPU);
 - `CudaIpcBackend` (milepost/weights/p2p_ipc.py): when the source is on CUDA and every target
-  engine runs on CUDA on this host, the engine copies out of the source's staging buffer through
-  a CUDA IPC handle; no process group is formed. Chosen automatically (`ipc=None`).
+  engine runs on CUDA on this host and sees the source's GPU under the same device index, the
+  engine copies out of the source's staging buffer through a CUDA IPC handle; no process group
+  is formed. Chosen automatically (`ipc=None`); otherwise the group path.
 
 Deviations, honestly: engines have one tensor-parallel rank, so every target needs every shard
 and nothing is re-sharded (no CPU model replica); there is no RDMA, so over torch.distributed on
@@ -122,9 +123,7 @@ class P2PTransport(_EngineFanout):
             self._staging = StagingBuffer(self._device)
 
     def _connect(self) -> P2PBackend:
-        infos = self._wait(self._call_all("GET", "/get_server_info", indices=self.targets),
-                           indices=self.targets)
-        why_not = self._why_not_ipc(infos)
+        why_not = "forbidden (ipc=False)" if self.ipc is False else self._why_not_ipc()
         if self.ipc and why_not:
             raise TransportError(f"P2PTransport(ipc=True): CUDA IPC is not possible: {why_not}")
         if self.ipc is not False and not why_not:
@@ -134,15 +133,30 @@ class P2PTransport(_EngineFanout):
         self.path = self.backend
         return TorchP2PBackend(self._group)
 
-    def _why_not_ipc(self, infos: list[dict]) -> str:
+    def _why_not_ipc(self) -> str:
+        """Why CUDA IPC cannot reach every target ("" when it can)."""
         if self.backend != "nccl":
             return "the trainer's side is not CUDA (backend gloo)"
         remote = [self.engine_urls[t] for t in self.targets if not is_local_url(self.engine_urls[t])]
         if remote:
             return f"engines on another host: {', '.join(remote)}"
+        try:
+            infos = self._wait(self._call_all("GET", "/weights_p2p_info", indices=self.targets),
+                               indices=self.targets)
+        except TransportError as e:  # an engine without the endpoint (SGLang) or not answering
+            return f"the engines' GPUs are unknown ({e})"
         cpu = [self.engine_urls[t] for t, info in zip(self.targets, infos)
                if not str(info.get("device", "")).startswith("cuda")]
-        return f"engines not on CUDA: {', '.join(cpu)}" if cpu else ""
+        if cpu:
+            return f"engines not on CUDA: {', '.join(cpu)}"
+        # A handle opens on the sender's device index: the engine must see this very GPU there
+        # (engines given their own GPUs by CUDA_VISIBLE_DEVICES do not: they get NCCL).
+        index = self._device.index
+        mine = str(torch.cuda.get_device_properties(index).uuid)
+        blind = [self.engine_urls[t] for t, info in zip(self.targets, infos)
+                 if index >= len(info.get("cuda_uuids", [])) or info["cuda_uuids"][index] != mine]
+        return (f"engines that do not see this trainer's GPU (cuda:{index}) under the same index: "
+                f"{', '.join(blind)}") if blind else ""
 
     def _init_group(self) -> WeightGroup:
         port = free_port(self.master_address)

@@ -69,6 +69,8 @@ def test_p2p_refuses_wrong_names_shapes_dtypes(setup, how) -> None:
 def test_p2p_ipc_bucket_to_a_cpu_engine_is_refused(setup) -> None:
     """A CUDA IPC bucket needs an engine on CUDA: a CPU engine answers 400 and keeps its weights."""
     url, named, _ = setup
+    info = httpx.get(f"{url}/weights_p2p_info").json()  # what a source reads to choose IPC
+    assert info == {"device": "cpu", "cuda_uuids": []}
     before = served(url)
     name, t = named[2]
     r = httpx.post(f"{url}/update_weights_from_p2p", timeout=30, json={
