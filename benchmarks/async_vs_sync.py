@@ -7,12 +7,20 @@ per second of each and their ratio. Workload (seeded): every prompt row carries 
 short, a few are `--long-factor` times longer (report 2.2: a synchronous step waits for its
 slowest trajectory; the asynchronous worker keeps the engine's places full meanwhile).
 
-    python benchmarks/async_vs_sync.py                 # tiny random Qwen3, CPU
+    python benchmarks/async_vs_sync.py                 # tiny random Qwen3, CPU, 5 pairs
     python benchmarks/async_vs_sync.py --model qwen3-0.6b --device cuda --shared-gpu-engine  # 1 GPU
 
-Trained tokens/s = response tokens of every trained sample / the training loop's wall time
-(sum of perf/step_time: from the first step's start to the last step's end, engine start-up
-excluded in both modes).
+Same hardware for both modes: each run gets a fresh engine (`milepost serve`, external backend)
+started here. On CPU the engine is pinned to core 0 and the trainer (with the rollout worker) to
+core 1, one thread each, in both modes; unpinned, the async trainer and engine shared cores and
+its training took 2-3x longer in bursts (the earlier spread of 0.95-2.33x). On one GPU the
+engine shares the trainer's GPU (weights by CUDA-IPC handoff). Pairs alternate their order so a
+drift in the machine's load hits both modes; each run reports the CPU the machine's other
+processes used meanwhile.
+
+Trained tokens/s = response tokens of the trained samples of steps `--warmup-steps`.. / the sum of
+their perf/step_time (engine start-up and the first steps' one-time costs left out in both
+modes; "all steps" also prints the ratio over every step).
 """
 
 from __future__ import annotations
