@@ -22,6 +22,11 @@ from milepost.engine.radix_cache import RadixCache
 from milepost.engine.request import ReqState, Request
 
 
+# Waiting requests deferred in one step at most (each costs a prefix match): past this the
+# queue waits, as it would without deferral.
+_MAX_DEFERRED = 64
+
+
 @dataclass
 class Chunk:
     """`length` tokens of `req` starting at position `start` are computed in this step."""
@@ -95,14 +100,19 @@ class Scheduler:
                     computing.add(self._first_block(req, n))
                     budget -= n
 
+        deferred: list[Request] = []
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
             self._attach_prefix(req)
             first = self._first_block(req, req.tokens_to_compute)
             if first is not None and first in computing:
                 # Another request computes this very block in this step (the samples of one
-                # prompt arrive together): wait one step and reuse it from the cache instead.
+                # prompt arrive together): wait one step and reuse it from the cache instead,
+                # and let the requests behind it in.
                 self._release(req)
+                deferred.append(self.waiting.popleft())
+                if len(deferred) < _MAX_DEFERRED:
+                    continue
                 break
             n = min(req.tokens_to_compute, budget)
             if not self._grow(req, req.num_computed + n, may_preempt=False):
@@ -117,6 +127,7 @@ class Scheduler:
             chunks.append(Chunk(req, req.num_computed, n))
             computing.add(self._first_block(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # back in front, in their order
         return chunks
 
     def _first_block(self, req: Request, n: int) -> tuple[int, tuple[int, ...]] | None:

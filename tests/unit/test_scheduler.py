@@ -560,9 +560,10 @@ def test_samples_of_one_prompt_arriving_together_share_its_prefill(partial: bool
     sim = Sim(num_blocks=64, chunk=64, partial=partial)
     group = [sim.add(prompt(1, 18), 3, arrival=0) for _ in range(4)]
     other = sim.add(prompt(2, 10), 3, arrival=0)
-    (c,) = sim.step()  # the first sample alone: the others would compute the same blocks
-    assert c.req is group[0] and c.length == 18
-    chunks = sim.step()  # the others reuse them (and the unrelated request is admitted too)
+    chunks = sim.step()  # one sample computes the prompt; the unrelated request gets in too
+    assert [(c.req, c.length) for c in chunks] == [(group[0], 18), (other, 10)]
+    assert [r.rid for r in sim.sched.waiting] == [r.rid for r in group[1:]], "order kept"
+    chunks = sim.step()  # the others reuse its blocks
     assert {c.req.rid for c in chunks} == {r.rid for r in [*group, other]}
     # whole blocks only: the first sample still writes its partly filled last block
     assert [r.cached_tokens for r in group[1:]] == [16] * 3
