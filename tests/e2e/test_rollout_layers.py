@@ -186,22 +186,28 @@ def test_milepost_train_trains_every_selected_leaf_of_a_branching_session(agent_
     assert "train/loss" in m and m["train/padding_samples"] == -len(samples) % 4
 
 
-def test_agent_fn_under_fully_async(agent_dir, tmp_path):
+@pytest.mark.parametrize("forking", [False, True], ids=["linear", "branching-all-leaves"])
+def test_agent_fn_under_fully_async(agent_dir, tmp_path, forking):
     """The agent layer and the session server under --fully-async: the rollout worker runs each
-    trajectory through the agent fn while the trainer trains; weights update mid-session (in
-    place), and every step trains groups of session sequences, scored by the agent's grade."""
+    trajectory through the agent fn while the trainer trains, and every step trains groups of
+    session sequences scored by the agent's grade. Linear: weights update mid-session (in place)
+    and tool results stay untrained. Branching with every leaf selected: a trajectory yields
+    several sequences and the step is filled to whole optimizer steps."""
     rows = [{"prompt": [{"role": "user", "content": f"Weather in {c}?"}], "label": w}
             for c, w in [("Oslo", "snow"), ("Rome", "hot"), ("Lima", "mild"), ("Bern", "snow")]]
     data = tmp_path / "weather.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = tmp_path / "run"
+    agent = "forking_weather_agent_fn" if forking else "weather_agent_fn"
     cmd = [sys.executable, "-m", "milepost", "train", "--hf-checkpoint", str(agent_dir),
            "--prompt-data", str(data), "--num-rollout", "3", "--rollout-batch-size", "2",
            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "64",
            "--engine-max-total-tokens", "8192", "--run-dir", str(run_dir), "--fully-async",
-           "--pause-generation-mode", "in_place",
-           "--agent-function-path", "milepost.testing.agent_harness:weather_agent_fn",
+           "--pause-generation-mode", "in_place", "--global-batch-size", "4",
+           "--agent-function-path", f"milepost.testing.agent_harness:{agent}",
            "--session-model-family", "qwen3"]  # no reward fn: the agent's grade stands
+    if forking:
+        cmd += ["--session-mode", "branching", "--session-leaf-selection", "all"]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -210,7 +216,13 @@ def test_agent_fn_under_fully_async(agent_dir, tmp_path):
     accounts = json.loads((run_dir / "fully_async_accounting.json").read_text())
     assert accounts["prompts_trained"] == 3 * 2
     for m in lines:
-        assert m["rollout/num_samples"] == 4 and m["rollout/reward_errors"] == 0
+        assert m["rollout/num_groups"] == 2 and m["rollout/reward_errors"] == 0
+    if forking:  # several leaves per trajectory reach the trainer; the step is filled
+        assert all(m["train/padding_samples"] == -m["rollout/num_samples"] % 4 for m in lines)
+        assert max(m["rollout/num_samples"] for m in lines) > 4
+        return
+    for m in lines:
+        assert m["rollout/num_samples"] == 4
         # Session sequences: tool results and template glue in the response are not trained on
         # (a plain completion trains every response token).
         assert m["train/loss_tokens"] < m["rollout/num_samples"] * m["rollout/response_len_mean"]
