@@ -172,6 +172,25 @@ def test_overlap_schedule_matches_generate(arch, ckpts, hf_models) -> None:
     assert d.engine.pool.num_used == d.engine.cache.num_cached_blocks, "blocks leaked"
 
 
+def test_overlap_schedule_applies_the_queued_step_before_an_abort(ckpts, hf_models) -> None:
+    d = Driver(make_engine(ckpts["qwen3"], overlap_schedule="on"))
+    ps = prompts([6, 9], seed=8)
+    d.submit("r0", ps[0], greedy(12))
+    d.submit("r1", ps[1], greedy(12))
+    d.step(5)
+    assert d.engine._launched is not None, "a decode step should be queued"
+    d.engine.abort("r0")
+    d.engine._drain_inbox(block=False)
+    assert d.engine._launched is None
+    got = d.tokens("r0")
+    assert d.final("r0").finish_reason["type"] == "abort"
+    assert -1 not in got and got == hf_greedy(hf_models["qwen3"], ps[0], 12)[: len(got)]
+    assert len(got) == 5, "the queued step's token was applied before the abort"
+    d.run()
+    assert d.tokens("r1") == hf_greedy(hf_models["qwen3"], ps[1], 12)
+    assert d.engine.pool.num_used == d.engine.cache.num_cached_blocks, "blocks leaked"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_next_turn_reuses_a_partial_block_exactly(arch, ckpts, hf_models) -> None:
     """Turn 2 = turn 1's prompt + output + 3 user tokens. Its 17 computed tokens of KV are 4
