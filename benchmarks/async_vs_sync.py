@@ -263,14 +263,15 @@ def main() -> None:
     ratios, all_ratios = [], []
     for i in range(args.repeats):
         order = ["sync", "async"] if i % 2 == 0 else ["async", "sync"]
-        res = {name: run(work, toml, name, modes[name], args) for name in order}
-        for name in order:
-            r = res[name]
+        res = {}
+        for name in order:  # printed as each run ends: a run cut short still shows the other
+            r = res[name] = run(work, toml, name, modes[name], args)
             print(f"[{i}] {name:5s} groups {r['groups']:.0f}  timed tokens {r['tokens']:.0f}  loop "
                   f"{r['loop_s']:.1f} s (rollout {total(r, 'perf/rollout_time'):.1f}, train "
                   f"{total(r, 'perf/train_time'):.1f}, trainer wait "
                   f"{total(r, 'perf/trainer_wait_time'):.1f}) -> {r['tok_per_s']:.0f} tok/s; "
-                  f"others' load {r['others_cores']:.2f} cores (loadavg {r['loadavg']})")
+                  f"others' load {r['others_cores']:.2f} cores (loadavg {r['loadavg']})",
+                  flush=True)
         recs = res["async"]["records"]
         print(f"[{i}] async: mean in-flight "
               f"{total(res['async'], 'rollout/fully_async/inflight_mean') / len(recs):.1f}, max "
