@@ -1,8 +1,10 @@
 """Session affinity through the real sglang-router (policy manual, assignment min_load): every
-turn of a session reuses the prefix its engine cached on the previous turn, with 2 engines."""
+turn of a session reuses the prefix its engine cached on the previous turn, with 2 engines, for
+plain and token-by-token streamed turns alike."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -40,17 +42,25 @@ def test_turns_of_a_session_stay_on_the_engine_holding_its_prefix(model, tmp_pat
                 sid = c.post("/sessions").json()["session_id"]
                 messages = [{"role": "user", "content": f"session {s} starts here"}]
                 previous_total = None
+                stream = s % 2 == 1  # streamed turns go through the router as SSE, same key
                 for t in range(4):
-                    r = c.post(f"/sessions/{sid}/v1/chat/completions", json={"messages": messages})
+                    r = c.post(f"/sessions/{sid}/v1/chat/completions", json={
+                        "messages": messages, "stream": stream,
+                        "stream_options": {"include_usage": True}})
                     assert r.status_code == 200, r.text
-                    usage = r.json()["usage"]
+                    if stream:
+                        events = [json.loads(x[6:]) for x in r.text.splitlines()
+                                  if x.startswith("data: {")]
+                        usage = events[-1]["usage"]
+                        reply = c.get(f"/sessions/{sid}").json()["messages"][-1]
+                    else:
+                        usage, reply = r.json()["usage"], r.json()["choices"][0]["message"]
                     if previous_total is not None:
                         # Everything the engine saw last turn, except the last output id (never
                         # fed back), is served from its cache: the turn came back to it.
                         assert usage["prompt_tokens_details"]["cached_tokens"] >= previous_total - 1
                     previous_total = usage["total_tokens"]
-                    messages += [r.json()["choices"][0]["message"],
-                                 {"role": "user", "content": f"turn {t} of session {s}"}]
+                    messages += [reply, {"role": "user", "content": f"turn {t} of session {s}"}]
         # min_load placed new sessions on both engines (affinity is not "everything on one").
         finished = [_counter(httpx.get(f"{e.url}/metrics").text, "milepost:requests_finished")
                     for e in (e1, e2)]
