@@ -164,3 +164,50 @@ def test_engine_refusal_is_a_4xx_before_any_chunk(agent_dir, engine):
         assert r.status_code == 400 and "engine refused" in r.json()["error"]["message"]
         summary = httpx.get(f"{srv.url}/sessions/{sid}").json()
         assert summary["turns"] == [] and summary["pending_turns"] == 0
+
+
+def _rebuild(chunks: list) -> dict:
+    """The assistant message a streaming harness rebuilds from its chunks."""
+    msg: dict = {"role": "assistant", "content": "", "reasoning_content": ""}
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        if not c.choices:
+            continue
+        d = c.choices[0].delta
+        msg["content"] += d.content or ""
+        msg["reasoning_content"] += getattr(d, "reasoning_content", None) or ""
+        for tc in d.tool_calls or []:
+            call = calls.setdefault(tc.index, {"id": tc.id, "type": "function",
+                                               "function": {"name": "", "arguments": ""}})
+            call["function"]["name"] += tc.function.name or ""
+            call["function"]["arguments"] += tc.function.arguments or ""
+    if calls:
+        msg["tool_calls"] = [calls[i] for i in sorted(calls)]
+    if not msg["reasoning_content"]:
+        del msg["reasoning_content"]
+    return msg
+
+
+def test_a_streaming_tool_loop_extends_one_linear_lineage(agent_dir, engine):
+    """Every turn streamed; the harness replays what it rebuilt from the deltas, and the linear
+    session (strict matcher) extends turn after turn: the stream told it exactly what was stored."""
+    with SessionServerThread(agent_dir, engine.url, family="qwen3") as srv:
+        sid = httpx.post(f"{srv.url}/sessions").json()["session_id"]
+        client = openai.OpenAI(base_url=f"{srv.url}/sessions/{sid}/v1", api_key="unused")
+        messages: list[dict] = [{"role": "user", "content": "Weather in Tokyo?"}]
+        for _ in range(3):
+            chunks = list(client.chat.completions.create(
+                model="m", messages=messages, temperature=0, max_tokens=96, stream=True))
+            msg = _rebuild(chunks)
+            messages.append(msg)
+            for call in msg.get("tool_calls", []):
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": "rain"})
+            if not msg.get("tool_calls"):
+                messages.append({"role": "user", "content": "Thanks!"})
+        summary = httpx.get(f"{srv.url}/sessions/{sid}").json()
+        assert [t["id"] for t in summary["turns"]] == [1, 2, 3] and summary["leaves"] == [3]
+        keys = ("content", "reasoning_content", "tool_calls")
+        stored = [{k: m.get(k) for k in keys} for m in summary["messages"]
+                  if m["role"] == "assistant"]
+        rebuilt = [{k: m.get(k) for k in keys} for m in messages if m["role"] == "assistant"]
+        assert stored == rebuilt  # what the client rebuilt from the deltas is what was stored
