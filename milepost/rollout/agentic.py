@@ -21,7 +21,6 @@ from milepost.config_rules import session_server_enabled
 from milepost.data.source import PromptItem
 from milepost.rollout.client import EngineClient
 from milepost.rollout.generate import RolloutResult, SamplingSettings
-from milepost.types import Sample
 from milepost.rollout.layers import (
     GenerateContext,
     RolloutContext,
@@ -32,6 +31,7 @@ from milepost.rollout.layers import (
 )
 from milepost.rollout.rewards import RewardFn
 from milepost.rollout.scheduler import TrajectoryFn
+from milepost.types import Sample
 
 
 def pad_to_optimizer_steps(samples: list[Sample], global_batch_size: int) -> list[Sample]:

@@ -27,9 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from milepost.rollout.client import EngineRequestError, EngineUnavailableError
 from milepost.session.families import FamilyError
+from milepost.session.openai_chat import completion, stream_turn
 from milepost.session.render import RenderError
 from milepost.session.selection import LeafSelectionError
-from milepost.session.openai_chat import completion, stream_turn
 from milepost.session.service import GenerationAborted, SessionNotFound, SessionService
 from milepost.session.store import SessionConflict
 

@@ -213,12 +213,12 @@ class SessionService:
         reply = r.parse_output(out.output_ids).message()
         stored = turn.history + [reply]
         rendered = r.cut_after_last_turn(r.render(stored, turn.tools, add_generation_prompt=False))
-        fields = dict(
-            prompt_ids=turn.suffix, output_ids=out.output_ids, logprobs=out.logprobs,
-            weight_versions=out.weight_versions, weight_version=out.weight_version,
-            routed_experts=out.routed_experts, finish_reason=out.finish_reason,
-            rendered=rendered, cached_tokens=out.cached_tokens,
-            ended_with_eot=bool(out.output_ids) and out.output_ids[-1] == r.eot_id)
+        fields = {
+            "prompt_ids": turn.suffix, "output_ids": out.output_ids, "logprobs": out.logprobs,
+            "weight_versions": out.weight_versions, "weight_version": out.weight_version,
+            "routed_experts": out.routed_experts, "finish_reason": out.finish_reason,
+            "rendered": rendered, "cached_tokens": out.cached_tokens,
+            "ended_with_eot": bool(out.output_ids) and out.output_ids[-1] == r.eot_id}
         if turn.holds_lock:  # linear: held since prepare
             stored_turn = turn.session.add_turn(turn.at, stored, turn.tools, **fields)
         else:

@@ -103,7 +103,7 @@ class _RecordedStream(httpx.AsyncByteStream):
         self._response, self._sent, self._headers, self._calls = response, sent, headers, calls
         self._buf = b""
 
-    async def __aiter__(self):  # noqa: ANN204 - an async generator of bytes
+    async def __aiter__(self):
         async for part in self._response.aiter_raw():
             self._buf += part
             yield part

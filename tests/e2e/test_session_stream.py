@@ -49,7 +49,7 @@ class SlowEngineTransport(httpx.AsyncBaseTransport):
         outer = self
 
         class Slow(httpx.AsyncByteStream):
-            async def __aiter__(self):  # noqa: ANN204
+            async def __aiter__(self):
                 async for part in response.aiter_raw():
                     await asyncio.sleep(outer.delay_s)
                     outer.chunks += 1

@@ -4,6 +4,8 @@ add up to exactly the stored reply."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from milepost.session.families import get_family
@@ -77,5 +79,5 @@ def test_incremental_text_equals_a_whole_decode() -> None:
     inc = IncrementalText(lambda x: tok.decode(x, skip_special_tokens=False))
     seen = [inc.update(ids[:k]) for k in range(1, len(ids) + 1)]
     assert seen[-1] == tok.decode(ids, skip_special_tokens=False)
-    assert all(b.startswith(a) for a, b in zip(seen, seen[1:]))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(seen))
     assert all("\ufffd" not in s for s in seen)
