@@ -200,7 +200,8 @@ class SessionService:
             return
         turn.released = True
         sid = turn.session.id
-        self.pending[sid] = self.pending.get(sid, 1) - 1
+        if sid in self.pending:  # gone if the session was deleted meanwhile
+            self.pending[sid] -= 1
         if turn.holds_lock:
             turn.lock.release()
 
