@@ -1,5 +1,5 @@
-"""The synchronous RL loop: generate -> train -> update weights -> evaluate when due -> log ->
-save when due -> offload.
+"""The synchronous RL loop: generate -> onload -> train -> update weights -> evaluate when due ->
+log -> save when due -> offload.
 
 `run` is what `milepost train` calls: it starts the run's components and the trainer ranks.
 `train_loop` is what every trainer rank runs. Deviations from the issue's order: weights are sent
@@ -48,10 +48,11 @@ def run(cfg: TrainConfig) -> int:
 
 def train_loop(rt: Runtime) -> None:
     rt.push_resumed_weights()
+    rt.offload_trainer()  # colocated: the engines get the device for the first rollout too
     for step in rt.steps():
         start = time.perf_counter()
+        groups = rt.generate(step)  # the trainer is off the device while the engines generate
         rt.onload_trainer()
-        groups = rt.generate(step)
         rt.train(groups)
         rt.update_weights(step)
         if rt.eval_due(step):

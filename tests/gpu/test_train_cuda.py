@@ -96,6 +96,8 @@ def test_offload_is_exact_and_frees_memory(tmp_path: Path, dtype: str) -> None:
             assert freed >= held, (freed, held)  # ... and its GPU memory went with it
         assert a["hf_dtypes"] == {getattr(torch, dtype)} and a["hf_devices"] == {"cuda"}
         assert a["resume_bitwise"] and b["resume_bitwise"]
-        assert a["metrics"][-1]["kl"] > 0
+        # the reference model took part: the policy moved away from it (k1, the default, is a
+        # signed estimate, so only its being non-zero says so)
+        assert a["metrics"][-1]["kl"] != 0
     exported = load_model(tmp_path / f"export-{dtype}-True", getattr(torch, dtype), "cpu")
     assert exported.weight_view("model.embed_tokens.weight").dtype == getattr(torch, dtype)
