@@ -34,10 +34,10 @@ def test_fully_async_grpo_raises_the_demo_reward(tmp_path: Path) -> None:
          str(work / "rl_prompts.jsonl"), "--eval-prompt-data", str(work / "eval_prompts.jsonl"),
          "--eval-interval", "10", "--run-dir", str(run_dir), "--num-rollout", "20",
          "--save-hf-at-end", "false", "--fully-async"],
-        timeout=600,
+        check=False, timeout=600,
     )
     assert done.returncode == 0
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["rollout/reward_mean"] for r in records]
     assert len(rewards) == 20
     assert rewards[0] <= 0.5, rewards

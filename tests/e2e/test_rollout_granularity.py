@@ -18,10 +18,10 @@ import time
 
 import pytest
 
-import milepost.rollout.scheduler as scheduler
 from milepost.data.accounting import PromptLedger
 from milepost.data.buffer import BufferSettings, GroupBuffer
 from milepost.data.source import PromptDataset, PromptItem
+from milepost.rollout import scheduler
 from milepost.rollout.generate import SamplingSettings
 from milepost.rollout.scheduler import RolloutWorker, WorkerSettings
 from milepost.testing.rewards import token_parity_reward
