@@ -7,7 +7,8 @@ reward rises as in the synchronous demo: the first rollout's mean reward at most
 five at least 0.8 on average, with groups actually trained off-policy (staleness >= 1), the
 held-out greedy evaluation at the end at least 0.8, and every drawn prompt accounted for.
 Measured 2026-12-02 (loaded 2-core VM): rewards 0.29 -> 0.86 at rollout 8, last five 0.89,
-max staleness 7, evaluation 0.99 / 0.97; 73 s of training after a prepare of 0.5-7 minutes.
+max staleness 7, evaluation 0.99 / 0.97. The whole test: 79 s on an idle machine, 5.7 minutes
+at load average 5 (the demo's `prepare` is most of it).
 """
 
 from __future__ import annotations
