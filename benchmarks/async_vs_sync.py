@@ -180,21 +180,24 @@ def run(work: Path, toml: Path, name: str, extra: list[str], args: argparse.Name
     """One `milepost train` with its own engine. Timed: steps from `--warmup-steps` on (the
     first steps pay one-time costs in both modes; engine start-up is excluded in both)."""
     load = CpuLoad()
-    engine = OwnEngine(work, args.device, args.kv_tokens, args.engine_cores,
-                       args.engine_flags.split(), args.weight_transfer_mode)
+    engine = None if args.launched_engines else OwnEngine(
+        work, args.device, args.kv_tokens, args.engine_cores, args.engine_flags.split(),
+        args.weight_transfer_mode)
     try:
         run_dir = work / name
         shutil.rmtree(run_dir, ignore_errors=True)  # a left-over run would be resumed, not re-measured
         cmd = [sys.executable, "-m", "milepost", "train", str(toml), "--run-dir", str(run_dir),
-               *engine.flags, *extra]
+               *(engine.flags if engine else launched_placement(args)), *extra]
         if args.trainer_cores is not None:
             cmd = ["taskset", "-c", args.trainer_cores, *cmd]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     finally:
-        engine.close()
+        if engine:
+            engine.close()
     if proc.returncode != 0:
+        tail = engine.proc.log_tail() if engine else f"see {work / name / 'logs'}"
         sys.exit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-                 f"\nengine log tail:\n{engine.proc.log_tail()}")
+                 f"\nengine log tail:\n{tail}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = records[args.warmup_steps:]
     tokens = sum(r["rollout/response_len_mean"] * r["rollout/num_samples"] for r in timed)
@@ -243,8 +246,19 @@ def main() -> None:
                     help="more `milepost serve` flags, e.g. '--cuda-graph-max-bs 64'")
     ap.add_argument("--weight-transfer-mode", default=None,
                     help="default: tensor (CUDA-IPC handoff) on cuda, broadcast on cpu")
+    ap.add_argument("--launched-engines", type=int, default=0,
+                    help="instead of the benchmark's own engine: this many engines started by "
+                    "`milepost train` (one GPU each on cuda, after the trainer's), e.g. 2 engines "
+                    "and --trainer-ranks 2 on a 4-GPU host")
+    ap.add_argument("--trainer-ranks", type=int, default=1,
+                    help="trainer ranks (with --launched-engines; one GPU each on cuda)")
     ap.add_argument("--work", type=Path, default=None)
     args = ap.parse_args()
+    if args.trainer_ranks > 1 and not args.launched_engines:
+        ap.error("--trainer-ranks > 1 needs --launched-engines (the own engine shares GPU 0)")
+    if (args.batch * args.n) % args.trainer_ranks:
+        ap.error(f"--batch x --n ({args.batch * args.n} samples per step) must split evenly over "
+                 f"--trainer-ranks {args.trainer_ranks}")
     pin_cores(args)
 
     work = args.work or Path(tempfile.mkdtemp(prefix="async_vs_sync-"))
@@ -288,6 +302,14 @@ def main() -> None:
     print(f"ratios {', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x, "
           f"range {min(ratios):.2f}-{max(ratios):.2f}x (all steps: median "
           f"{statistics.median(all_ratios):.2f}x)")
+
+
+def launched_placement(args: argparse.Namespace) -> list[str]:
+    """Disaggregated placement by `milepost train` itself: its engines and trainer ranks, one GPU
+    each on cuda (engines after the trainer's GPUs), weights by `--weight-transfer-mode`."""
+    return ["--rollout-num-engines", str(args.launched_engines),
+            "--actor-num-gpus-per-node", str(args.trainer_ranks),
+            "--update-weight-transfer-mode", args.weight_transfer_mode or "broadcast"]
 
 
 def pin_cores(args: argparse.Namespace) -> None:
