@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 
 from milepost.launch.process import ManagedProcess, free_port
 from milepost.session.runner import SessionServerThread
@@ -108,14 +109,22 @@ def main() -> int:
                     help="length of each user message (~60 tokens per repeat)")
     ap.add_argument("--stop-every", type=int, default=8,
                     help="stop on one vocabulary id in N: replies of ~N tokens")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: engine i on GPU i (one GPU: both share it)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="session_affinity_"))
     # A context of 8192 tokens (agent sessions are long); the tiny shape is otherwise unchanged.
     model = make_tiny_checkpoint(work / "model", "qwen3", max_position_embeddings=8192)
     sampling = {"max_new_tokens": 16 * args.stop_every, "temperature": 1.0,  # ~never "length"
                 "stop_token_ids": list(range(7, 512, args.stop_every))}
-    flags = ("--max-total-tokens", "200000", "--page-size", "1")
-    with ServerProcess(model, *flags) as e1, ServerProcess(model, *flags) as e2:
+    flags = ("--max-total-tokens", "200000", "--page-size", "1", "--device", args.device)
+    envs: list[dict[str, str]] = [{}, {}]
+    if args.device == "cuda":
+        gpus = torch.cuda.device_count()
+        envs = [{"CUDA_VISIBLE_DEVICES": str(i % gpus)} for i in range(2)]
+        flags += ("--mem-fraction-static", "0.4" if gpus == 1 else "0.8")
+    with ServerProcess(model, *flags, env=envs[0]) as e1, \
+            ServerProcess(model, *flags, env=envs[1]) as e2:
         results = {}
         for policy in ("manual", "round_robin"):
             for e in (e1, e2):
