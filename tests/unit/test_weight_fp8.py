@@ -76,11 +76,16 @@ def test_fp8_weights_are_found_again_after_their_memory_moves(ckpt: Path) -> Non
     assert WeightLoader(model).from_named([(name, original)], strict_dtype=True) == 1
     storage = model.weight_view(name).untyped_storage()
     before = storage.data_ptr()
-    spare = torch.empty(1 << 20)  # noqa: F841 - keeps the old block from being handed back
     host = torch.empty(storage.nbytes(), dtype=torch.uint8).untyped_storage()
     host.copy_(storage)
     storage.resize_(0)
-    storage.resize_(host.nbytes())
+    blockers = []  # each takes the block just freed, so the allocator must hand out another
+    for _ in range(8):
+        blockers.append(torch.empty(host.nbytes(), dtype=torch.uint8))
+        storage.resize_(host.nbytes())
+        if storage.data_ptr() != before:
+            break
+        storage.resize_(0)
     storage.copy_(host)
     sent = original * 2.0
     assert WeightLoader(model).from_named([(name, sent)], strict_dtype=True) == 1
