@@ -43,7 +43,9 @@ def tiny_run(tmp: Path) -> tuple[Path, list[str], dict]:
     recipe = tmp / "tiny.toml"
     recipe.write_text(f'[model]\nhf_checkpoint = "{model}"\n[data]\nprompt_data = "{prompts}"\n')
     args = [str(recipe), "--reward-fn", "delta_rewards:parity", "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8", "--lr", "1e-3",
+            # 8 samples: a group whose parities all agree (no gradient) has odds 2 / 2**8, and a
+            # step trains nothing only if both groups agree (4 samples made that 1 in 64 per step)
+            "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8", "--lr", "1e-3",
             "--engine-max-total-tokens", "2048"]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(tmp / "rewards"), os.environ.get("PYTHONPATH", "")])}
