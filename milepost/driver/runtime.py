@@ -383,7 +383,8 @@ def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
         entropy_coef=cfg.entropy_coef, temperature=cfg.rollout_temperature, seed=cfg.seed,
         offload_destination=cfg.offload_train_destination,
         offload_dir=None if cfg.offload_train_dir is None else str(cfg.offload_train_dir),
-        offload_staging_bytes=cfg.offload_staging_bytes, actor_critic_turns=bool(cfg.offload_actor_for_critic),
+        offload_staging_bytes=cfg.offload_staging_bytes,
+        actor_critic_turns=bool(cfg.offload_actor_for_critic),
         optimizer_state_dir=(str(cfg.optimizer_state_dir)
                              if cfg.stream_optimizer_state_to_disk else None),
         optimizer_bucket_bytes=cfg.optimizer_state_bucket_bytes,
