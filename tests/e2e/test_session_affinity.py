@@ -61,10 +61,12 @@ def test_turns_of_a_session_stay_on_the_engine_holding_its_prefix(model, tmp_pat
                         assert usage["prompt_tokens_details"]["cached_tokens"] >= previous_total - 1
                     previous_total = usage["total_tokens"]
                     messages += [reply, {"role": "user", "content": f"turn {t} of session {s}"}]
-        # min_load placed new sessions on both engines (affinity is not "everything on one").
+        # Every turn was served once. Which engine a NEW session lands on is min_load's choice;
+        # these sessions run one after another, so both loads are 0 and it is the router's
+        # tie-break (all four on one engine happened): not asserted here.
         finished = [_counter(httpx.get(f"{e.url}/metrics").text, "milepost:requests_finished")
                     for e in (e1, e2)]
-        assert sum(finished) == 16 and min(finished) >= 4, finished
+        assert sum(finished) == 16, finished
 
 
 def _counter(text: str, name: str) -> float:
