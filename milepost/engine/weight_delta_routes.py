@@ -2,7 +2,8 @@
 
 `/weights_delta/prepare` pulls a version from the shared store, patches this engine's host copy
 (a candidate, the copy itself is untouched), checks every tensor's digest and stages the result
-against the model (names, shapes, dtypes) - all off the engine thread, so generation goes on.
+against the model (names, shapes, dtypes, finite values, every weight present) - all off the
+engine thread, so generation goes on.
 `/weights_delta/commit` then loads the staged state between steps and adopts the candidate;
 `/weights_delta/discard` drops it. A refused prepare leaves weights, copy and version as they were.
 """
@@ -67,6 +68,13 @@ def weight_delta_router(engine: Engine) -> APIRouter:
                 box["pending"] = None
                 index, state = replica.prepare(root, body.version)
                 pairs = loader.stage(state.items(), strict_dtype=True)
+                # A full version (or a chain built on one) must hold every weight: loading part
+                # of a model would serve a mix of two versions.
+                missing = loader.missing_weights(pairs)
+                if missing:
+                    raise WeightUpdateError(
+                        f"delta version {body.version} lacks {len(missing)} of this model's "
+                        f"weights (first: {missing[:3]}); a full version must hold every weight")
                 prepared = _Prepared(index, state, pairs)
                 box["pending"] = prepared
                 return prepared

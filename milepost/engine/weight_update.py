@@ -30,6 +30,13 @@ _MAX_LISTED_PROBLEMS = 40  # a wrong model can produce thousands; the first few 
 # Checkpoint entries that are derived state, not weights (old Llama exports saved RoPE tables);
 # the model loader (milepost/models/registry.py) skips the same ones.
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
+# safetensors header dtype names -> torch dtypes (the ones torch can hold).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
 
 
 class WeightAddressable(Protocol):
@@ -70,9 +77,10 @@ class WeightLoader:
 
         Copies nothing. With strict_dtype a dtype difference is an error, else the commit casts
         (floating <-> non-floating casts are always refused). Raises one WeightUpdateError that
-        lists every problem.
+        lists every problem; then one for NaN or infinite values.
         """
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        names: list[str] = []
         problems: list[str] = []
         seen: set[str] = set()
         for name, src in named:
@@ -82,18 +90,38 @@ class WeightLoader:
             view = self._check(name, tuple(src.shape), src.dtype, strict_dtype, seen, problems)
             if view is not None:
                 pairs.append((view, src))
+                names.append(name)
         self._raise_if(problems)
+        self.refuse_non_finite(list(zip(names, (src for _, src in pairs))))
         return pairs
 
     @torch.no_grad()  # parameters may require grad (the trainer shares model code)
     def commit(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each source into its destination view (casting dtype, moving device; quantizing
-        into an fp8 destination)."""
+        into an fp8 destination). Sources were checked (`stage`, `refuse_non_finite`) before."""
         for dst, src in pairs:
             if self.fp8 is not None and self.fp8.owner(dst) is not None:
                 self.fp8.write(dst, src)
             else:
                 dst.copy_(src)
+
+    @staticmethod
+    def refuse_non_finite(named: Sequence[tuple[str, torch.Tensor]], note: str = "") -> None:
+        """Raise WeightUpdateError naming every floating tensor that holds a NaN or an infinity.
+
+        Every update path calls this before its first copy: NaN weights make every log-prob
+        NaN and the engine would go on serving them. One reduction per tensor and a single
+        device sync in all, so it stays cheap on GPU.
+        """
+        floats = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+        if not floats:
+            return
+        # float8 has no isfinite kernel: widen it (1-byte tensors, so the copy is small).
+        ok = torch.stack([torch.isfinite(t if t.element_size() > 1 else t.half()).all()
+                          for _, t in floats]).tolist()
+        WeightLoader._raise_if(
+            [f"{n}: holds NaN or infinite values" for (n, _), fine in zip(floats, ok) if not fine],
+            note or "; the sender's weights are not finite (check its loss and learning rate)")
 
     # -- sources -----------------------------------------------------------------------------
 
@@ -115,8 +143,9 @@ class WeightLoader:
     def from_disk(self, model_path: str, *, require_complete: bool = True) -> int:
         """`/update_weights_from_disk`: every *.safetensors file of a Hugging Face directory.
 
-        Shapes are checked from the file headers before any tensor is read; tensors are cast to
-        the model dtype. With require_complete, a checkpoint that lacks any of the model's weights
+        Shapes and dtypes are checked from the file headers before any tensor is read (an integer
+        or bool tensor never lands in a floating weight), then every value is checked finite;
+        floating tensors are cast to the model dtype. With require_complete, a checkpoint that lacks any of the model's weights
         is refused (a partial load would silently mix two checkpoints).
         """
         root = Path(model_path)
@@ -141,15 +170,25 @@ class WeightLoader:
                 for name in handle.keys():
                     if name.endswith(_DERIVED_SUFFIXES):
                         continue
-                    shape = tuple(handle.get_slice(name).get_shape())
-                    view = self._check(name, shape, None, False, seen, problems)
+                    header = handle.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(header.get_dtype())
+                    if dtype is None:
+                        problems.append(f"{name}: safetensors dtype {header.get_dtype()} is not "
+                                        "a weight dtype this engine loads")
+                        continue
+                    view = self._check(name, tuple(header.get_shape()), dtype, False, seen,
+                                       problems)
                     if view is not None:
                         plan.append((view, handle, name))
             if require_complete:
                 missing = self._uncovered([view for view, _, _ in plan])
                 problems += [f"{name}: missing from {model_path!r}" for name in missing]
             self._raise_if(problems)
-            for view, handle, name in plan:  # one tensor at a time: memory stays one tensor
+            # Two passes, one tensor in memory at a time: check every value, then copy.
+            for _, handle, name in plan:
+                self.refuse_non_finite([(name, handle.get_tensor(name))],  # type: ignore[attr-defined]
+                                       f"; {model_path!r} holds non-finite weights")
+            for view, handle, name in plan:
                 self.commit([(view, handle.get_tensor(name))])  # type: ignore[attr-defined]
         return len(plan)
 
@@ -186,6 +225,9 @@ class WeightLoader:
             for (_, dtype, shape), view in zip(specs, views)
         ]
         group.broadcast_many(buffers, src=0)
+        self.refuse_non_finite([(n, buf) for (n, _, _), buf in zip(specs, buffers)],
+                               "; the broadcast was received and dropped (the trainer's weights "
+                               "are not finite)")
         pairs = [(view, buf) for view, buf in zip(views, buffers) if view is not None]
         self.commit(pairs)  # every view was checked above against exactly these shapes/dtypes
         return len(pairs)
@@ -219,7 +261,9 @@ class WeightLoader:
             self._raise_if(problems, "; the CUDA IPC bucket was not read")
             device = views[0].device if views else torch.device("cpu")
             flat = receive_ipc_bucket(ipc_handle, total, device)
-            pairs = [(v, t) for v, t in zip(views, unpack(flat, shps, dts)) if v is not None]
+            tensors = unpack(flat, shps, dts)
+            self.refuse_non_finite([(n, t) for (n, _, _), t in zip(specs, tensors)])
+            pairs = [(v, t) for v, t in zip(views, tensors) if v is not None]
             self.commit(pairs)
             return len(pairs)
         if group is None:
@@ -231,7 +275,11 @@ class WeightLoader:
         if total:
             group.recv(flat, src_rank).wait()
         self._raise_if(problems, "; the bytes were received and dropped")
-        pairs = [(v, t) for v, t in zip(views, unpack(flat, shps, dts)) if v is not None]
+        tensors = unpack(flat, shps, dts)
+        self.refuse_non_finite([(n, t) for (n, _, _), t in zip(specs, tensors)],
+                               "; the bytes were received and dropped (the sender's weights are "
+                               "not finite)")
+        pairs = [(v, t) for v, t in zip(views, tensors) if v is not None]
         self.commit(pairs)
         return len(pairs)
 
@@ -283,6 +331,10 @@ class WeightLoader:
         close = difflib.get_close_matches(name, self.model.hf_weight_names(), n=1, cutoff=0.8)
         guess = f"; did you mean {close[0]!r}?" if close else ""
         return f"{detail}; names must be Hugging Face names (see model.hf_weight_names()){guess}"
+
+    def missing_weights(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
+        """Names of the model's weights that the staged `pairs` leave unwritten."""
+        return self._uncovered([view for view, _ in pairs])
 
     def _uncovered(self, written: list[torch.Tensor]) -> list[str]:
         """Model weights whose memory no written view covers.

@@ -3,18 +3,22 @@
 CPU tensors travel by value (plain pickle) so any process can read them; CUDA tensors travel as
 CUDA IPC handles (torch's multiprocessing reduction, as SGLang's ForkingPickler does), so the
 receiver must sit on the same host and the sender must keep them alive until the update returns.
-Decoding unpickles, which can run arbitrary code: that is why engines bind loopback by default
-(the same trust model as SGLang — whoever can reach the port can run code in the engine).
+Decoding does not trust the payload: it unpickles with an allow-list (`_TensorOnlyUnpickler`)
+that knows only what `serialize_named_tensors` writes (tensor rebuilds, dtypes, sizes), and reads
+tensor bytes with torch's weights-only loader, so a crafted payload cannot run code in the engine
+(SGLang itself unpickles whatever arrives; its sender format is unchanged here).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import io
 import pickle
 
 import torch
+from torch.multiprocessing import reductions as _mp_reductions
 from torch.multiprocessing.reductions import reduce_tensor
 
 
@@ -71,7 +75,7 @@ def deserialize_named_tensors(data: str) -> list[tuple[str, torch.Tensor]]:
     """Decode one `serialized_named_tensors` entry into [(hf_name, tensor)].
 
     Raises WeightUpdateError for anything that is not base64 of a pickled list of
-    (str, Tensor) pairs. Trusts the sender (see module docstring): unpickling runs code.
+    (str, Tensor) pairs, including any pickle that names a global outside the allow-list.
     """
     if not isinstance(data, str):
         raise WeightUpdateError(
@@ -85,13 +89,74 @@ def deserialize_named_tensors(data: str) -> list[tuple[str, torch.Tensor]]:
             "encode with milepost.weights.codec.serialize_named_tensors"
         ) from e
     try:
-        obj = pickle.loads(raw)
+        obj = _TensorOnlyUnpickler(io.BytesIO(raw)).load()
+    except _Forbidden as e:
+        raise WeightUpdateError(
+            f"serialized_named_tensors entry refused: {e}; only (name, tensor) lists written by "
+            "milepost.weights.codec.serialize_named_tensors are accepted"
+        ) from e
     except Exception as e:  # unpickling can fail in any way a payload chooses
         raise WeightUpdateError(
             f"serialized_named_tensors entry is base64 but not a readable pickle "
             f"({type(e).__name__}: {e}); payloads with CUDA tensors decode only on the sender's host"
         ) from e
     return _check_structure(obj)
+
+
+class _Forbidden(pickle.UnpicklingError):
+    """The payload names a global the allow-list does not hold (a code-execution attempt or a
+    format this engine does not read)."""
+
+
+def _storage_from_bytes(data: bytes) -> object:
+    """Stands in for `torch.storage._load_from_bytes` (which calls torch.load with
+    weights_only=False): the same bytes, read by torch's weights-only unpickler."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise _Forbidden(f"tensor storage must be bytes, got {type(data).__name__}")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise _Forbidden("tensor bytes hold more than a storage (torch's weights-only loader "
+                         "refused them)") from e
+
+
+def _rebuild_cuda_tensor(tensor_cls: object, *args: object) -> torch.Tensor:
+    """`rebuild_cuda_tensor` with its class arguments pinned to the ones a tensor reduces to."""
+    storage_cls = args[3] if len(args) > 3 else None
+    if tensor_cls not in (torch.Tensor, torch.nn.Parameter) or storage_cls not in (
+        torch.storage.TypedStorage, torch.storage.UntypedStorage
+    ):
+        raise _Forbidden("a CUDA tensor entry names classes other than Tensor and its storage")
+    return _mp_reductions.rebuild_cuda_tensor(tensor_cls, *args)
+
+
+# Exactly what pickling [(str, Tensor)] writes: CPU tensors by value, CUDA tensors by IPC handle.
+_ALLOWED: dict[tuple[str, str], object] = {
+    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch", "Size"): torch.Size,
+    ("torch", "Tensor"): torch.Tensor,
+    ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+    ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,
+    ("torch.storage", "UntypedStorage"): torch.storage.UntypedStorage,
+}
+
+
+class _TensorOnlyUnpickler(pickle.Unpickler):
+    """Resolves only the allow-listed globals and torch dtypes; anything else is refused."""
+
+    def find_class(self, module: str, name: str) -> object:
+        found = _ALLOWED.get((module, name))
+        if found is not None:
+            return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _Forbidden(f"the pickle names {module}.{name}, which is not a tensor part")
+
+    def persistent_load(self, pid: object) -> object:
+        raise _Forbidden("the pickle uses persistent ids (a torch.save file, not this format)")
 
 
 def _check_structure(obj: object) -> list[tuple[str, torch.Tensor]]:

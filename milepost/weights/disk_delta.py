@@ -24,9 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Literal
 
+import pydantic
 import torch
 import xxhash
 import zstandard
+from pydantic import NonNegativeInt
 
 Encoding = Literal["xor", "overwrite"]
 ENCODINGS = ("xor", "overwrite")
@@ -84,16 +86,16 @@ def _fsync_dir(path: Path) -> None:
 @dataclass
 class TensorEntry:
     dtype: str
-    shape: list[int]
-    offset: int  # of its compressed frame in the data file
-    length: int
-    changed: int = 0  # overwrite: changed elements; xor/full: unused
+    shape: list[NonNegativeInt]
+    offset: NonNegativeInt  # of its compressed frame in the data file
+    length: NonNegativeInt
+    changed: NonNegativeInt = 0  # overwrite: changed elements; xor/full: unused
 
 
 @dataclass
 class DeltaIndex:
-    version: int
-    base_version: int | None  # None: a full version, applies on any state
+    version: NonNegativeInt
+    base_version: NonNegativeInt | None  # None: a full version, applies on any state
     encoding: str  # "full" | "xor" | "overwrite"
     weight_version: str  # what engines report once it is loaded
     digest_algorithm: str = DIGEST_ALGORITHM
@@ -110,18 +112,23 @@ class DeltaIndex:
 
     @classmethod
     def from_json(cls, raw: bytes, where: Path) -> DeltaIndex:
+        # Strict schema: a field of the wrong type ("offset": "0", "tensors": []) is refused
+        # here with its path, never met later as a TypeError mid-apply.
         try:
-            d = json.loads(raw)
-            d["tensors"] = {k: TensorEntry(**v) for k, v in d["tensors"].items()}
-            index = cls(**d)
-        except (ValueError, TypeError, KeyError) as e:
-            raise DeltaError(f"{where} is not a readable delta index ({type(e).__name__}: {e})") from e
+            index = _INDEX_SCHEMA.validate_json(raw, strict=True)
+        except pydantic.ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'index'}: {err['msg']}"
+                                 for err in e.errors()[:5])
+            raise DeltaError(f"{where} is not a valid delta index ({problems})") from e
         if index.format != FORMAT or index.digest_algorithm != DIGEST_ALGORITHM:
             raise DeltaError(f"{where}: format {index.format} / digest {index.digest_algorithm} is "
                              f"not this reader's ({FORMAT} / {DIGEST_ALGORITHM})")
         if index.encoding not in ("full", *ENCODINGS):
             raise DeltaError(f"{where}: unknown encoding {index.encoding!r}")
         return index
+
+
+_INDEX_SCHEMA = pydantic.TypeAdapter(DeltaIndex)
 
 
 def published_versions(root: Path) -> list[int]:
