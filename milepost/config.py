@@ -41,7 +41,7 @@ from milepost.config_tables import (
     WeightsTable,
 )
 from milepost.flags import flag_name
-from milepost.recipe import ConfigError, dump_toml, parse_overrides, read_recipe
+from milepost.recipe import ConfigError, dump_toml, parse_overrides, read_recipe, validate_strict
 
 __all__ = ["TABLES", "TABLE_OF", "ConfigError", "TrainConfig", "default_run_dir", "load_config"]
 
@@ -78,7 +78,7 @@ class TrainConfig(
     router, global_batch_size, rollout_max_concurrency, transfer mode, run_dir...): after it,
     no field is "auto" or None except the optional ones that stay unset."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("hf_checkpoint")
     @classmethod
@@ -251,6 +251,6 @@ def load_config(recipe: Path | str | None, overrides: list[str] | None = None) -
     if values.get("run_dir") is None:
         values["run_dir"] = default_run_dir(Path(recipe).stem if recipe is not None else "run")
     try:
-        return TrainConfig.model_validate(values)
+        return validate_strict(TrainConfig, values)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None

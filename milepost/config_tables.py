@@ -19,7 +19,8 @@ RESOLVED_NAME = "config.resolved.toml"
 
 
 class _Table(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No NaN or infinity in any float setting (`--lr inf` would train the weights into NaN).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelTable(_Table):

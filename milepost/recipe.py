@@ -1,8 +1,10 @@
 """TOML recipes and `--key value` overrides for a flat pydantic config, and back to TOML.
 
 A recipe's tables only organize: every key is unique across tables, so `[rollout] n_samples_per_prompt`
-and the override `--n-samples-per-prompt` address the same field. This module only turns text into
-Python values (lists, booleans, none); the model's field types coerce and validate them.
+and the override `--n-samples-per-prompt` address the same field. This module turns text into
+Python values of each field's type (so `--rollout-batch-size 8` is the int 8), and the model then
+validates in strict mode: a recipe's `rollout_batch_size = "8"` or `colocate = "yes"` is refused,
+never coerced (`validate_strict`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -27,6 +29,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+M = TypeVar("M", bound=BaseModel)
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 
@@ -132,8 +135,41 @@ def _value(model: type[BaseModel], name: str, raw: str) -> Any:
             if not isinstance(items, list):
                 raise ConfigError(f"{flag_name(name)}: {raw!r} is not a JSON list")
             return items
-        return [item.strip() for item in raw.split(",") if item.strip()]
-    return raw  # the field type coerces it (int, float, Path, Literal ...)
+        items = [item.strip() for item in raw.split(",") if item.strip()]
+        if typing.get_args(_args(model.model_fields[name].annotation)[0]) == (int,):
+            return [_number(name, item, int) for item in items]
+        return items
+    kind = _args(model.model_fields[name].annotation)[0]
+    if kind in (int, float):
+        return _number(name, raw, kind)
+    return raw  # str, Path, Literal: the field validates it
+
+
+def _number(name: str, raw: str, kind: type) -> int | float:
+    """Command-line text as the field's number type; a clear error naming the flag otherwise."""
+    try:
+        return kind(raw.strip())
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"{flag_name(name)} takes {what}; got {raw!r}") from None
+
+
+def validate_strict(model: type[M], values: Mapping[str, Any]) -> M:
+    """`model` from recipe/override values, with no type coercion: "8" is not 8, "yes" not True.
+
+    Paths are the one conversion (TOML has no path type): strings become Path first. Raises
+    pydantic's ValidationError, which the caller words per setting.
+    """
+    typed = dict(values)
+    for name, value in typed.items():
+        info = model.model_fields.get(name)
+        if info is not None and isinstance(value, str) and _args(info.annotation)[0] is Path:
+            if not value.strip():  # Path("") is ".", which would be reported as a missing "."
+                raise ConfigError(f"{flag_name(name)} is empty; pass a path, or leave the "
+                                  "setting out" + (" (or pass none)" if _args(info.annotation)[1]
+                                                   else ""))
+            typed[name] = Path(value)
+    return model.model_validate(typed, strict=True)
 
 
 def parse_overrides(model: type[BaseModel], argv: list[str]) -> dict[str, Any]:

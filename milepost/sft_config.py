@@ -21,13 +21,13 @@ from pydantic import (
 
 from milepost.config import ModelTable, OptimizerTable, _format_errors
 from milepost.config_rules import default_run_dir
-from milepost.recipe import ConfigError, dump_toml, parse_overrides, read_recipe
+from milepost.recipe import ConfigError, dump_toml, parse_overrides, read_recipe, validate_strict
 
 RESOLVED_NAME = "config.resolved.toml"
 
 
 class _Table(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class SFTDataTable(_Table):
@@ -70,7 +70,7 @@ TABLE_OF: dict[str, str] = {name: t for t, cls in TABLES.items() for name in cls
 class SFTConfig(SFTCheckpointTable, _SFTOptimizer, SFTTrainingTable, SFTDataTable, ModelTable):
     """Validated at construction; device / dtype / run_dir resolved (nothing stays "auto")."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("hf_checkpoint")
     @classmethod
@@ -124,6 +124,6 @@ def load_sft_config(recipe: Path | str | None, overrides: list[str] | None = Non
     if values.get("run_dir") is None and recipe is not None:
         values["run_dir"] = default_run_dir(Path(recipe).stem)
     try:
-        return SFTConfig.model_validate(values)
+        return validate_strict(SFTConfig, values)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
