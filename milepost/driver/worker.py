@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from milepost.driver.runtime import Runtime
     from milepost.rollout.client import EngineError
     from milepost.rollout.generate import RolloutError
+    from milepost.train.finite import TrainingDivergedError
     from milepost.weights.transport import TransportError
 
     dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rt = Runtime(cfg, args.engine_urls, args.router_url)
             sync.train_loop(rt)
-    except (RunError, DatasetError, RolloutError, TransportError, EngineError) as e:
+    except (RunError, DatasetError, RolloutError, TransportError, EngineError,
+            TrainingDivergedError) as e:
         # No destroy_process_group: the other ranks may be blocked in a collective; exiting
         # ends this rank's part, and the launcher stops the others.
         log.error("rank %d: %s", dist.get_rank(), e)

@@ -32,6 +32,7 @@ from milepost.train.corrections import (
 )
 from milepost.train.critic import Critic
 from milepost.train.export import write_hf_directory
+from milepost.train.finite import check_after_steps
 from milepost.train.logprobs import TokenScorer, plan_micro_batches
 from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss, value_loss
 from milepost.train.offload import MoveStats as OffloadStats
@@ -284,6 +285,7 @@ class FSDPBackend:
                 grad_norms.append(self._clip_gradients(self.policy.parameters(), self.settings.clip_grad))
                 lr = self.optimizer.param_groups[0]["lr"]
                 nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
+        check_after_steps(self.policy.parameters(), nonfinite, lr, self._all_reduce)  # no NaN to engines
         if critic_sums is not None:
             acc[-2:] = critic_sums
 
