@@ -205,13 +205,22 @@ class TorchPagedAttention:
 
 
 class VarlenCausalAttention:
-    """Packed sequences without a cache: causal attention within each [cu[i], cu[i+1]) span."""
+    """Packed sequences without a cache: causal attention within each [cu[i], cu[i+1]) span.
+
+    On CUDA in bf16/fp16 one FlashAttention-2 varlen call covers every sequence, forward and
+    backward (milepost/kernels/varlen_flash.py); elsewhere (CPU, fp32) the reference path runs one
+    SDPA call per sequence over views from a single `split` (one gradient node, not one full-size
+    slice gradient per sequence).
+    """
 
     def __init__(self, cu_seqlens: torch.Tensor) -> None:
         bounds = [int(x) for x in cu_seqlens.tolist()]  # one host sync per forward, not per layer
         if len(bounds) < 2 or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seqlens must start at 0 and strictly increase, got {bounds}")
         self.bounds = bounds
+        self.lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        self.max_len = max(self.lengths)
+        self._cu32: torch.Tensor | None = None
 
     def attend(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -219,8 +228,18 @@ class VarlenCausalAttention:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]; T must equal cu_seqlens[-1]."""
         if q.shape[0] != self.bounds[-1]:
             raise ValueError(f"got {q.shape[0]} tokens but cu_seqlens covers {self.bounds[-1]}")
-        pieces = []
-        for s, e in zip(self.bounds, self.bounds[1:]):
-            qs, ks, vs = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))
-            pieces.append(_sdpa(qs, ks, vs, scale, is_causal=True)[0].transpose(0, 1))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        from milepost.kernels.varlen_flash import flash_varlen_causal, flash_varlen_supported
+
+        if flash_varlen_supported(q, k):
+            if self._cu32 is None or self._cu32.device != q.device:  # built once, shared by all layers
+                self._cu32 = torch.tensor(self.bounds, dtype=torch.int32, device=q.device)
+            return flash_varlen_causal(q, k, v, self._cu32, self.max_len, scale)
+        if len(self.lengths) == 1:
+            return _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                         scale, is_causal=True)[0].transpose(0, 1)
+        pieces = [
+            _sdpa(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                  scale, is_causal=True)[0].transpose(0, 1)
+            for qs, ks, vs in zip(q.split(self.lengths), k.split(self.lengths), v.split(self.lengths))
+        ]
+        return torch.cat(pieces)

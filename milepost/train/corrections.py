@@ -43,6 +43,15 @@ def ratio_weights(
     Computed in float64 (the exp of a log-prob difference), returned as float32. Masked tokens get
     weight 0 and count in no metric.
     """
+    weights, sums = ratio_weights_on_device(old_logp, rollout_logp, loss_mask, settings)
+    return weights, dict(zip(CORRECTION_SUMS, sums.tolist()))
+
+
+def ratio_weights_on_device(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask: torch.Tensor, settings: CorrectionSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ratio_weights` with the sums as a float64 tensor [len(CORRECTION_SUMS)] on the inputs'
+    device (no host sync: the trainer calls it once per micro-batch)."""
     keep = loss_mask > 0
     ratio = torch.exp(old_logp.double() - rollout_logp.double())
     outside = (ratio < settings.low) | (ratio > settings.high)
@@ -53,11 +62,12 @@ def ratio_weights(
     else:
         weights = torch.ones_like(ratio)
     weights = torch.where(keep, weights, torch.zeros_like(weights))
-    sums = {
-        "rollout_ratio": float(ratio[keep].sum()),
-        "rollout_ratio_clipfrac": float(outside[keep].sum()),
-        "rollout_ratio_abs_dev": float((ratio[keep] - 1.0).abs().sum()),
-    }
+    zero = torch.zeros_like(ratio)
+    sums = torch.stack([
+        torch.where(keep, ratio, zero).sum(),
+        (outside & keep).double().sum(),
+        torch.where(keep, (ratio - 1.0).abs(), zero).sum(),
+    ])
     return weights.float(), sums
 
 

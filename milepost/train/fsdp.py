@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable import checkpoint as checkpoint_layer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -28,6 +29,7 @@ from milepost.train.batch import TrainBatch, split_for_rank
 from milepost.train.corrections import (
     CORRECTION_SUMS,
     CorrectionSettings,
+    ratio_weights_on_device,
     sample_weights,
 )
 from milepost.train.critic import Critic
@@ -66,6 +68,9 @@ def _shard(model_path: Path, s: TrainerSettings, device: torch.device, trainable
     mp = MixedPrecisionPolicy(param_dtype=s.torch_dtype, reduce_dtype=torch.float32)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in lm.model.layers:
+        if s.activation_checkpointing == "layer" and trainable:
+            # composable checkpoint keeps parameter names (HF names) unlike a wrapper module
+            checkpoint_layer(layer)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(scorer, mesh=mesh, mp_policy=mp)
     for m in _fsdp_modules(scorer):
@@ -234,6 +239,13 @@ class FSDPBackend:
                 f"train_step needs the same non-zero multiple of global_batch_size / world_size = {per_rank} "
                 f"samples on every rank, got {sizes} per rank; split the rollout with split_for_rank"
             )
+        limit = getattr(self.policy.lm.hf_config, "max_position_embeddings", None)
+        longest = max(t.numel() for t in batch.tokens)
+        if limit and longest > limit:
+            raise ValueError(
+                f"a sample has {longest} tokens, more than the model's max_position_embeddings ({limit}); "
+                "shorten the prompts or lower rollout_max_response_len so prompt + response fit"
+            )
         for j, field in enumerate(optional, start=1):
             if len({r[j] for r in rows}) > 1:
                 raise ValueError(
@@ -259,7 +271,11 @@ class FSDPBackend:
         critic_sums = self._train_critic(batch, steps, plans, denoms) if batch.returns is not None else None
         self.residency.use("actor")
         old = batch.old_logprobs
-        if old is None and self.settings.loss_type != "sft_loss":
+        # One optimizer step: the policy before it is the policy of the training forward itself,
+        # so its detached log-probs are the old ones (no separate scoring pass).
+        in_forward = (old is None and self.settings.loss_type != "sft_loss" and len(steps) == 1
+                      and not self.settings.separate_old_logprob_pass)
+        if old is None and self.settings.loss_type != "sft_loss" and not in_forward:
             # behaviour policy = the weights before this rollout's first optimizer step
             old = [torch.empty(0)] * len(batch)
             for step, plan in zip(steps, plans):
@@ -269,7 +285,14 @@ class FSDPBackend:
         ref = batch.ref_logprobs
         if ref is None and self.reference is not None:
             ref = self.compute_logprobs_of(batch, self.reference)
-        weights, correction_sums = sample_weights(old, batch.rollout_logprobs, batch.loss_masks, self.correction)
+        if in_forward:
+            weights, correction_sums = None, [0.0] * len(CORRECTION_SUMS)
+            if self.correction.kind != "none" and batch.rollout_logprobs is None:
+                sample_weights(None, None, batch.loss_masks, self.correction)  # raises, naming the setting
+        else:
+            weights, correction_sums = sample_weights(old, batch.rollout_logprobs, batch.loss_masks, self.correction)
+        # In-forward old log-probs: correction sums and |old - rollout| accumulate per micro-batch.
+        fused_acc = torch.zeros(len(CORRECTION_SUMS) + 1, dtype=torch.float64, device=self.device) if in_forward else None
 
         # Per-rank sums on the device (one host sync per optimizer step, for the grad norm).
         acc = torch.zeros(len(METRIC_SUMS) + 3, dtype=torch.float64, device=self.device)  # sums, loss, value sums
@@ -281,7 +304,7 @@ class FSDPBackend:
                 loss_tokens += denom[0]
                 for local in plan:
                     mb = [step[j] for j in local]
-                    acc[:-2] += self._micro_step(batch, mb, old, ref, weights, denom, probe)
+                    acc[:-2] += self._micro_step(batch, mb, old, ref, weights, denom, probe, fused_acc)
                 grad_norms.append(self._clip_gradients(self.policy.parameters(), self.settings.clip_grad))
                 lr = self.optimizer.param_groups[0]["lr"]
                 nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
@@ -290,7 +313,12 @@ class FSDPBackend:
             acc[-2:] = critic_sums
 
         abs_diff = 0.0
-        if batch.rollout_logprobs is not None and old is not None:
+        if fused_acc is not None:
+            fused = fused_acc.tolist()
+            if self.correction.kind != "none":
+                correction_sums = fused[:-1]
+            abs_diff = fused[-1]
+        elif batch.rollout_logprobs is not None and old is not None:
             for o, r, m in zip(old, batch.rollout_logprobs, batch.loss_masks):
                 abs_diff += float((o - r).abs()[m > 0].sum())
         n_tokens = float(sum(t.numel() for t in batch.tokens))
@@ -317,26 +345,60 @@ class FSDPBackend:
         if probe is not None:
             tokens, differing = reduced[-4], reduced[-3]
             metrics["r3_routing_mismatch_frac"] = differing / max(tokens, 1.0)
-        if batch.rollout_logprobs is not None and old is not None:
+        if batch.rollout_logprobs is not None and (old is not None or in_forward):
             metrics["train_rollout_logprob_abs_diff"] = reduced[-2] / per_token
         return metrics
 
-    def _micro_step(self, batch: TrainBatch, mb: list[int], old, ref, weights, denoms, probe) -> torch.Tensor:
-        """Forward + backward of one micro-batch; returns [metric sums..., loss] (float64, detached)."""
+    def _micro_step(self, batch: TrainBatch, mb: list[int], old, ref, weights, denoms, probe,
+                    fused_acc: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward + backward of one micro-batch; returns [metric sums..., loss] (float64, detached).
+
+        fused_acc set: the old log-probs are this forward's (detached); [correction sums...,
+        sum |old - rollout|] over loss tokens are added to it.
+        """
         forced, valid = self._forced(batch, mb)
         if probe is not None:
             probe.set_valid(valid)
-        logp, entropy = self.policy.score(micro.packed(batch, mb, self.device), forced)
-        lb = micro.loss_batch(batch, mb, logp, entropy, denoms, self.device, old=old, ref=ref, weights=weights)
-        loss, sums = self.loss_fn(lb, self.loss_settings)
-        unknown = set(sums) - set(METRIC_SUMS)
-        if unknown:
-            raise ValueError(f"the loss returned metric sums {sorted(unknown)}; allowed: {METRIC_SUMS}")
-        loss.backward()
+        packed = micro.packed(batch, mb, self.device)
+        try:
+            logp, entropy = self.policy.score(packed, forced)
+            old_flat = weights_flat = None
+            if fused_acc is not None:
+                old_flat = logp.detach()
+                weights_flat = self._fused_old_metrics(batch, mb, old_flat, fused_acc)
+            lb = micro.loss_batch(batch, mb, logp, entropy, denoms, self.device, old=old, ref=ref, weights=weights,
+                                  old_flat=old_flat, weights_flat=weights_flat)
+            loss, sums = self.loss_fn(lb, self.loss_settings)
+            unknown = set(sums) - set(METRIC_SUMS)
+            if unknown:
+                raise ValueError(f"the loss returned metric sums {sorted(unknown)}; allowed: {METRIC_SUMS}")
+            loss.backward()
+        except torch.OutOfMemoryError as err:
+            raise torch.OutOfMemoryError(
+                f"a micro-batch of {packed.num_tokens} tokens ({len(mb)} samples) ran out of device memory: "
+                f"lower max_tokens_per_micro_batch (now {self.settings.max_tokens_per_micro_batch}) or set "
+                f"activation_checkpointing='layer' (now {self.settings.activation_checkpointing!r}). {err}"
+            ) from err
         if probe is not None:
             probe.flush()
         zero = torch.zeros((), device=self.device)
         return torch.stack([*(sums.get(k, zero).detach().to(self.device) for k in METRIC_SUMS), loss.detach()]).double()
+
+    def _fused_old_metrics(self, batch: TrainBatch, mb: list[int], old_flat: torch.Tensor,
+                           fused_acc: torch.Tensor) -> torch.Tensor | None:
+        """Ratio-correction weights of a micro-batch whose old log-probs are `old_flat` (None when
+        off), adding its correction sums and sum |old - rollout| over loss tokens to `fused_acc`."""
+        if batch.rollout_logprobs is None:
+            return None
+        rollout = micro.cat(batch.rollout_logprobs, mb, self.device)
+        mask = micro.cat(batch.loss_masks, mb, self.device)
+        keep = mask > 0
+        fused_acc[-1] += torch.where(keep, (old_flat - rollout).abs(), torch.zeros_like(rollout)).sum().double()
+        if self.correction.kind == "none":
+            return None
+        w, sums = ratio_weights_on_device(old_flat, rollout, mask, self.correction)
+        fused_acc[:-1] += sums
+        return w
 
     def _train_critic(self, batch: TrainBatch, steps: list[list[int]], plans: list[list[list[int]]],
                       denoms: list[list[float]]) -> torch.Tensor:

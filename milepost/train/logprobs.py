@@ -72,8 +72,8 @@ def dummy_batch(device: torch.device | str) -> PackedBatch:
     return pack([torch.zeros(2, dtype=torch.int64)], [1], device)
 
 
-def _chunk(lm: CausalLM, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logits = lm.compute_logits(hidden.index_select(0, rows))  # [c, V] fp32
+def _chunk(lm: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = lm.compute_logits(hidden)  # [c, V] fp32
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -95,19 +95,22 @@ def token_logprobs(
     """log p(targets) and the entropy of the next-token distribution at hidden[rows]: both [N] fp32.
 
     use_checkpoint: recompute each chunk's logits in backward (default: when grad is enabled).
+    The rows are gathered once and cut with `split` (one gradient node for all chunks; slicing per
+    chunk would give each chunk a full-size gradient buffer to fill and sum).
     """
     if use_checkpoint is None:
         use_checkpoint = torch.is_grad_enabled()
+    if rows.numel() == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
     logps, ents = [], []
-    for s in range(0, rows.numel(), chunk_size):
-        args = (lm, hidden, rows[s : s + chunk_size], targets[s : s + chunk_size], temperature)
+    selected = hidden.index_select(0, rows)  # [N, hidden]
+    for h, t in zip(selected.split(chunk_size), targets.split(chunk_size)):
+        args = (lm, h, t, temperature)
         lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if use_checkpoint else _chunk(*args)
         logps.append(lp)
         ents.append(ent)
-    if not logps:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
-    return torch.cat(logps), torch.cat(ents)
+    return torch.cat(logps), torch.cat(ents)  # a fresh tensor, not a view (FSDP hooks the output)
 
 
 class TokenScorer(nn.Module):
@@ -145,21 +148,27 @@ class TokenScorer(nn.Module):
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int, count: int | None = None) -> list[list[int]]:
-    """Group sample indices (in order) into micro-batches of at most `max_tokens` tokens.
+    """Group sample indices into micro-batches of at most `max_tokens` tokens, balanced by tokens.
 
-    A sample longer than the budget forms a micro-batch alone. With `count` (>= the natural number),
-    the largest splittable micro-batches are halved, then empty ones appended, until there are
-    exactly `count` — so ranks with less data issue as many forward/backward passes as their peers.
+    Longest first, each sample goes into the first micro-batch it fits (first-fit decreasing), so
+    short samples fill the gaps long ones leave and there are as few forward/backward passes as
+    the budget allows; indices inside a micro-batch are in ascending order. A sample longer than
+    the budget forms a micro-batch alone. With `count` (>= the natural number), the largest
+    splittable micro-batches are halved, then empty ones appended, until there are exactly
+    `count` -- so ranks with less data issue as many forward/backward passes as their peers.
     """
     bins: list[list[int]] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if bins and used + n <= max_tokens:
-            bins[-1].append(i)
-            used += n
-        else:
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        n = lengths[i]
+        at = next((b for b, u in enumerate(used) if u + n <= max_tokens), None)
+        if at is None:
             bins.append([i])
-            used = n
+            used.append(n)
+        else:
+            bins[at].append(i)
+            used[at] += n
+    bins = [sorted(b) for b in bins]
     if count is None:
         return bins
     if count < len(bins):

@@ -55,8 +55,14 @@ def loss_batch(
     old: Sequence[torch.Tensor] | None,
     ref: Sequence[torch.Tensor] | None,
     weights: Sequence[torch.Tensor] | None,
+    old_flat: torch.Tensor | None = None,
+    weights_flat: torch.Tensor | None = None,
 ) -> LossBatch:
-    """The `LossBatch` of micro-batch `mb` (local sample indices) given the policy's logp/entropy."""
+    """The `LossBatch` of micro-batch `mb` (local sample indices) given the policy's logp/entropy.
+
+    old_flat / weights_flat: this micro-batch's old log-probs / ratio weights already flat on the
+    device (computed inside the training forward); they take the place of `old` / `weights`.
+    """
     lengths = [batch.response_lengths[i] for i in mb] or [1]
     seq_index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
     return LossBatch(
@@ -68,7 +74,7 @@ def loss_batch(
         token_denom=max(denoms[0], 1.0),
         seq_denom=max(denoms[1], 1.0),
         advantages=cat(batch.advantages, mb, device),
-        old_logp=cat(old, mb, device),
+        old_logp=old_flat if old_flat is not None else cat(old, mb, device),
         ref_logp=cat(ref, mb, device),
-        weights=cat(weights, mb, device),
+        weights=weights_flat if weights_flat is not None else cat(weights, mb, device),
     )

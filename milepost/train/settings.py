@@ -28,7 +28,14 @@ class TrainerSettings:
     weight_decay, adam_beta1, adam_beta2, adam_eps: AdamW.
     clip_grad: max global gradient norm; <= 0 disables clipping (the norm is still reported).
     global_batch_size: samples per optimizer step, over all ranks; a multiple of the world size.
-    max_tokens_per_micro_batch: token budget of one packed forward/backward (a longer sample runs alone).
+    max_tokens_per_micro_batch: token budget of one packed forward/backward; an optimizer step's
+        samples are packed longest-first into as few micro-batches as fit (a longer sample runs alone).
+    activation_checkpointing: "none" keeps every layer's activations for backward; "layer"
+        recomputes each decoder layer in backward (less memory, about one more forward of compute).
+    separate_old_logprob_pass: always score the old policy in its own no-grad pass before training.
+        Off (default): with one optimizer step per rollout the old log-probs are the training
+        forward's own, detached (the same numbers, one forward fewer); several optimizer steps
+        per rollout always take the separate pass.
     eps_clip / eps_clip_high: PPO ratio clip range [1 - eps_clip, 1 + eps_clip_high] (high defaults to low).
     use_kl_loss / kl_loss_coef / kl_loss_type: KL to a frozen reference model (k1 | k2 | k3). The
         reference model exists only when use_kl_loss; coef 0 then logs the KL without penalizing it.
@@ -69,6 +76,8 @@ class TrainerSettings:
     clip_grad: float = 1.0
     global_batch_size: int = 32
     max_tokens_per_micro_batch: int = 8192
+    activation_checkpointing: Literal["none", "layer"] = "none"
+    separate_old_logprob_pass: bool = False
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     use_kl_loss: bool = False
@@ -117,6 +126,8 @@ class TrainerSettings:
         need(self.adam_eps > 0 and self.weight_decay >= 0, "need adam_eps > 0 and weight_decay >= 0")
         need(self.global_batch_size > 0, f"global_batch_size must be > 0, got {self.global_batch_size}")
         need(self.max_tokens_per_micro_batch > 0, "max_tokens_per_micro_batch must be > 0")
+        need(self.activation_checkpointing in ("none", "layer"),
+             f"activation_checkpointing must be 'none' or 'layer', got {self.activation_checkpointing!r}")
         need(self.eps_clip > 0 and (self.eps_clip_high is None or self.eps_clip_high > 0), "eps_clip(_high) must be > 0")
         need(self.kl_loss_type in KL_TYPES, f"kl_loss_type must be one of {KL_TYPES}, got {self.kl_loss_type!r}")
         need(self.kl_loss_coef >= 0, f"kl_loss_coef must be >= 0, got {self.kl_loss_coef}")

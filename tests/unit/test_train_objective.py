@@ -150,7 +150,9 @@ def test_split_for_rank_keeps_steps_and_balances_tokens() -> None:
 
 
 def test_plan_micro_batches_budget_and_alignment() -> None:
-    assert plan_micro_batches([5, 5, 5, 20, 3], 10) == [[0, 1], [2], [3], [4]]
+    # longest first, first fit: the 3 fills the gap beside a 5 (three passes, not four)
+    assert plan_micro_batches([5, 5, 5, 20, 3], 10) == [[3], [0, 1], [2, 4]]
+    assert plan_micro_batches([2, 7, 3, 6], 10) == [[1, 2], [0, 3]]
     assert plan_micro_batches([4, 4, 4], 100, count=3) == [[0], [1], [2]]
     assert plan_micro_batches([4], 100, count=3) == [[0], [], []]
     assert plan_micro_batches([], 100, count=2) == [[], []]

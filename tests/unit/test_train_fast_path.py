@@ -1,0 +1,109 @@
+"""The trainer's fast path equals its reference path exactly on CPU fp32 (issue 15).
+
+In-forward old log-probs vs the separate scoring pass, per-layer activation checkpointing vs
+none, and the packed attention's gradients vs one autograd graph per sequence; plus the refusals
+(a sample longer than the model's context).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from milepost.models.attention import VarlenCausalAttention
+from milepost.testing.batches import random_train_batch
+from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.dist import run_ranks
+from milepost.train.fsdp import FSDPBackend, TrainerSettings
+
+BASE = dict(lr=1e-3, global_batch_size=6, max_tokens_per_micro_batch=48, entropy_coef=0.01,
+            eps_clip=0.2, ratio_correction="tis", tis_clip_low=0.05, tis_clip=1.5)
+
+
+SUMMED_PER_MICRO_BATCH = ("train_rollout_logprob_abs_diff", "rollout_ratio", "rollout_ratio_clipfrac",
+                          "rollout_ratio_abs_dev")
+
+
+def _params(backend: FSDPBackend) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in backend.policy.lm.named_parameters()}
+
+
+def _train(rank: int, world: int, path: str, overrides: dict, rollouts: int) -> dict:
+    torch.set_num_threads(1)
+    backend = FSDPBackend.create(path, TrainerSettings(**{**BASE, **overrides}))
+    metrics = [backend.train_step(random_train_batch(6, seed)) for seed in range(rollouts)]
+    return {"metrics": metrics, "params": _params(backend)}
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("m") / "qwen3", "qwen3", with_tokenizer=False))
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    for ma, mb in zip(a["metrics"], b["metrics"]):
+        assert ma.keys() == mb.keys()
+        for k in ma:
+            if k in SUMMED_PER_MICRO_BATCH:  # the same terms, added in another order
+                assert ma[k] == pytest.approx(mb[k], rel=1e-6), k
+            else:
+                assert ma[k] == mb[k], (k, ma[k], mb[k])
+    for name, p in a["params"].items():
+        assert torch.equal(p, b["params"][name]), name
+
+
+def test_in_forward_old_logprobs_equal_the_separate_pass(qwen3: str) -> None:
+    # Two rollouts: the second starts from trained weights, so old != initial policy there too.
+    [fast] = run_ranks(_train, 1, qwen3, {}, 2)
+    [ref] = run_ranks(_train, 1, qwen3, {"separate_old_logprob_pass": True}, 2)
+    _assert_same(fast, ref)
+    m = fast["metrics"][1]
+    assert m["ppo_kl"] == 0.0 and m["train_rollout_logprob_abs_diff"] > 0 and m["rollout_ratio_clipfrac"] > 0
+
+
+def test_layer_checkpointing_changes_no_number(qwen3: str) -> None:
+    [ckpt] = run_ranks(_train, 1, qwen3, {"activation_checkpointing": "layer"}, 1)
+    [plain] = run_ranks(_train, 1, qwen3, {}, 1)
+    _assert_same(ckpt, plain)
+
+
+def test_packed_attention_gradients_match_per_sequence_graphs() -> None:
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 1, 9]
+    q, k, v = (torch.randn(sum(lens), h, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    cu = torch.tensor([0, 5, 6, 15])
+    out = VarlenCausalAttention(cu).attend(0, q, k, v, 0.3)
+    weight = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (t.detach()[s:e].clone().requires_grad_() for t in (q, k, v))
+        o = VarlenCausalAttention(torch.tensor([0, e - s])).attend(0, qs, ks, vs, 0.3)
+        torch.testing.assert_close(o, out[s:e], rtol=0, atol=0)
+        ref = torch.autograd.grad((o * weight[s:e]).sum(), (qs, ks, vs))
+        for got, want in zip(grads, ref):
+            torch.testing.assert_close(got[s:e], want, rtol=1e-6, atol=1e-7)
+
+
+def _too_long(rank: int, world: int, path: str) -> str:
+    backend = FSDPBackend.create(path, TrainerSettings(global_batch_size=1))
+    batch = random_train_batch(1, 0, min_len=40, max_len=40)
+    try:
+        backend.train_step(batch)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_sample_longer_than_the_context_is_refused(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "short", "qwen3", with_tokenizer=False, max_position_embeddings=32)
+    [msg] = run_ranks(_too_long, 1, str(path))
+    assert "max_position_embeddings (32)" in msg and "40 tokens" in msg
+
+
+def test_activation_checkpointing_setting_is_validated() -> None:
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        TrainerSettings(activation_checkpointing="selective")  # type: ignore[arg-type]
