@@ -19,6 +19,7 @@ from milepost.engine.request import Request
 from milepost.engine.scheduler import Chunk
 from milepost.models.attention import PagedBatch, PagedKVCache
 from milepost.models.base import CausalLM, ForwardContext
+from milepost.models.masked_attention import VariantPagedAttention, needs_variant_backend
 from milepost.models.triton_attention import (
     AttentionBackendName,
     TritonPagedAttention,
@@ -43,6 +44,8 @@ class ModelRunner:
         self.device = device
         self.attention = make_paged_attention(kv, attention_backend)
         self.fast_path = isinstance(self.attention, TritonPagedAttention)
+        if needs_variant_backend(model):  # windowed / soft-capped / sink layers (or the fallback)
+            self.attention = VariantPagedAttention(self.attention, kv)
         self.block_size = kv.block_size
         self.routed_slots: torch.Tensor | None = None  # [slots, layers, top_k] int32
         if model.moe_top_k > 0 and record_routed_experts:

@@ -90,6 +90,16 @@ class ServerArgs(BaseModel):
         "host work overlaps GPU work (SGLang's overlap scheduler; off = its "
         "--disable-overlap-schedule); auto = on for CUDA, off on CPU.",
     )
+    model_impl: Literal["auto", "native", "transformers"] = Field(
+        "auto",
+        description="Model code: native (milepost's own definitions, fastest), transformers (any "
+        "causal LM through transformers' modules, exact but slower; docs/models.md); auto = "
+        "native when the architecture and its config have a native path, else transformers.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow a checkpoint with custom modeling code (auto_map in config.json) "
+        "to run its own Python code; refused without it."
+    )
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
         "default", description="Weight version reported before the first weight update."

@@ -15,6 +15,7 @@ from milepost.engine.server import ServerInfo
 from milepost.engine.server_args import ServerArgs
 from milepost.models.attention import PagedKVCache
 from milepost.models.base import CausalLM
+from milepost.models.masked_attention import needs_variant_backend
 from milepost.models.registry import load_model
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,17 @@ def build_engine(
         torch.cuda.set_device(device)
     if model is None:
         try:
-            model = load_model(args.model_path, dtype, device)
+            model = load_model(args.model_path, dtype, device, backend=args.model_impl,
+                               trust_remote_code=args.trust_remote_code)
         except torch.OutOfMemoryError as e:
             raise RuntimeError(out_of_memory_message("the weights", None, args.mem_fraction_static)) from e
     fuse = getattr(model, "fuse_projections", None)
     if fuse is not None:  # one GEMM for q/k/v and one for gate/up; HF names still address slices
         fuse()
+    native = getattr(model, "native", True)
+    if args.quantization == "fp8" and not native:
+        raise ValueError("--quantization fp8 needs a native model; this one runs on the transformers "
+                         "fallback (docs/models.md): drop --quantization")
     if args.quantization == "fp8":  # after fusing: one scale per row of the fused weights too
         from milepost.engine.weight_fp8 import store_fp8
 
@@ -92,6 +98,10 @@ def build_engine(
     context_length = args.context_length or cfg.max_position_embeddings
     graph_bs = 0 if args.disable_cuda_graph or device.type != "cuda" else (
         args.cuda_graph_max_bs or args.max_running_requests)
+    if graph_bs and needs_variant_backend(model):  # per-sequence torch attention (host syncs)
+        log.warning("decode CUDA graphs are off: %s", "the model runs on the transformers fallback"
+                    if not native else "sliding-window layers run on torch attention")
+        graph_bs = 0
     if graph_bs and model.moe_top_k > 0 and dtype != torch.bfloat16:
         # Only the bf16 grouped-GEMM experts avoid host syncs; the per-expert loop cannot be captured.
         log.warning("decode CUDA graphs are off: MoE experts are graph-safe only in bfloat16 (dtype %s)",

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from milepost.models.base import ForwardContext
+from milepost.models.masked_attention import Variant, attend_variant
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -153,9 +154,15 @@ class GatedMLP(nn.Module):
 class SelfAttention(nn.Module):
     """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, then the context's attention backend."""
 
-    def __init__(self, config: object, layer_id: int, qk_norm: bool) -> None:
+    def __init__(
+        self, config: object, layer_id: int, qk_norm: bool, qkv_bias: bool | None = None,
+        window: int | None = None,
+    ) -> None:
+        """qkv_bias: bias on q/k/v only (Qwen2); None = config.attention_bias on all four.
+        window: sliding window of this layer in tokens (None: full attention)."""
         super().__init__()
         self.layer_id = layer_id
+        self.window = window
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -166,9 +173,10 @@ class SelfAttention(nn.Module):
             )
         self.scale = self.head_dim**-0.5
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        in_bias = bias if qkv_bias is None else qkv_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=in_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=in_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=in_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -199,16 +207,22 @@ class SelfAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = ctx.attention.attend(self.layer_id, q, k, v, self.scale)  # [T, H, D]
+        if self.window is None:
+            out = ctx.attention.attend(self.layer_id, q, k, v, self.scale)  # [T, H, D]
+        else:  # windowed layers: torch reference path over the same backend (masked_attention.py)
+            out = attend_variant(ctx.attention, self.layer_id, q, k, v, self.scale, Variant(window=self.window))
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
-    def __init__(self, config: object, layer_id: int, qk_norm: bool, mlp: nn.Module) -> None:
+    def __init__(
+        self, config: object, layer_id: int, qk_norm: bool, mlp: nn.Module, qkv_bias: bool | None = None,
+        window: int | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(config, layer_id, qk_norm)
+        self.self_attn = SelfAttention(config, layer_id, qk_norm, qkv_bias, window)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

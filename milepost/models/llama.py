@@ -28,6 +28,8 @@ class DecoderLM(nn.Module):
     """Embedding, pre-norm decoder layers, final norm, LM head. Subclasses pick q/k norm and MLPs."""
 
     qk_norm: ClassVar[bool] = False
+    qkv_bias: ClassVar[bool | None] = None  # None: config.attention_bias decides (q/k/v and o)
+    native: ClassVar[bool] = True
 
     def __init__(self, config: object) -> None:
         super().__init__()
@@ -45,8 +47,11 @@ class DecoderLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.qk_norm, self.make_mlp(config, i)) for i in range(self.num_layers)
+            DecoderLayer(config, i, self.qk_norm, self.make_mlp(config, i), self.qkv_bias, self.layer_window(config, i))
+            for i in range(self.num_layers)
         )
+        # Windowed layers attend through masked_attention.py: the engine wraps its backend for them.
+        self.uses_variant_attention = any(layer.self_attn.window is not None for layer in self.model.layers)
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, self.head_dim)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -60,6 +65,10 @@ class DecoderLM(nn.Module):
 
     def check_config(self, config: object) -> None:
         """Refuse config features this definition does not implement (override per architecture)."""
+
+    def layer_window(self, config: object, layer_id: int) -> int | None:
+        """Sliding window of layer `layer_id` in tokens, None for full attention (override)."""
+        return None
 
     def make_mlp(self, config: object, layer_id: int) -> nn.Module:
         bias = bool(getattr(config, "mlp_bias", False))

@@ -1,7 +1,8 @@
 """Qwen3 dense decoder: Llama's skeleton plus per-head RMSNorm on q and k before RoPE.
 
 head_dim is explicit in the config (Qwen3-0.6B: 128 with hidden 1024, 16 heads), so it is never
-derived from hidden_size. Sliding-window layers are refused rather than silently run as full attention.
+derived from hidden_size. Sliding-window layers (config.layer_types, as transformers reads them)
+attend through masked_attention.py: exact, but on torch ops rather than the Triton kernels.
 """
 
 from __future__ import annotations
@@ -10,14 +11,19 @@ from typing import ClassVar
 
 from milepost.models.llama import DecoderLM
 
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
-def check_no_sliding_window(config: object) -> None:
-    layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
-        raise ValueError(
-            f"{type(config).__name__} with use_sliding_window=True is not supported by the native "
-            "models; set use_sliding_window=false in config.json or use the transformers backend"
-        )
+
+def window_from_layer_types(config: object, layer_id: int) -> int | None:
+    """transformers' Qwen2/Qwen3 rule: config.sliding_window on layers typed "sliding_attention"."""
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return None
+    kind = layer_types[layer_id]
+    if kind not in _LAYER_TYPES:
+        raise ValueError(f"config.layer_types[{layer_id}] = {kind!r} is not implemented natively "
+                         f"(only {list(_LAYER_TYPES)})")
+    return config.sliding_window if kind == "sliding_attention" else None
 
 
 class Qwen3ForCausalLM(DecoderLM):
@@ -25,5 +31,5 @@ class Qwen3ForCausalLM(DecoderLM):
 
     qk_norm: ClassVar[bool] = True
 
-    def check_config(self, config: object) -> None:
-        check_no_sliding_window(config)
+    def layer_window(self, config: object, layer_id: int) -> int | None:
+        return window_from_layer_types(config, layer_id)

@@ -109,6 +109,11 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         self.moe_top_k = config.num_experts_per_tok
         self.num_experts: int = config.num_experts
 
+    def layer_window(self, config: object, layer_id: int) -> int | None:
+        # transformers' Qwen3-MoE slides every layer when use_sliding_window (its config then
+        # keeps sliding_window, else sets it to None); there are no per-layer types.
+        return getattr(config, "sliding_window", None)
+
     def make_mlp(self, config: object, layer_id: int) -> nn.Module:
         if is_moe_layer(config, layer_id):
             return SparseMoeBlock(config, layer_id)

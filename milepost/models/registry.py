@@ -1,13 +1,18 @@
-"""Native model construction: architecture name -> class, and loading a Hugging Face directory.
+"""Model construction: architecture name -> native class, else the transformers fallback.
 
-`load_model` reads config.json through transformers' AutoConfig and every *.safetensors shard,
-copying each tensor through `weight_view` (so loading exercises the same name mapping that live
-weight updates use). Missing or unexpected weights fail loudly instead of leaving random values.
+The one switch: `load_model` builds the native definition when the architecture has one and its
+config uses only what that definition implements; otherwise (naming the reason in a warning) it
+loads transformers' own model behind the same contract (hf_fallback.py: exact, slower). Native
+loading reads every *.safetensors shard through `weight_view` (the name mapping live weight
+updates use); missing or unexpected weights fail loudly instead of leaving random values.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
@@ -15,11 +20,18 @@ from transformers import AutoConfig
 
 from milepost.models.base import CausalLM
 from milepost.models.llama import DecoderLM, LlamaForCausalLM
+from milepost.models.mistral import MistralForCausalLM
+from milepost.models.qwen2 import Qwen2ForCausalLM
 from milepost.models.qwen3 import Qwen3ForCausalLM
 from milepost.models.qwen3_moe import Qwen3MoeForCausalLM
 
+log = logging.getLogger(__name__)
+Backend = Literal["auto", "native", "transformers"]
+
 MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
@@ -33,9 +45,60 @@ def model_class(hf_config: object) -> type[DecoderLM]:
     if not archs or archs[0] not in MODEL_REGISTRY:
         raise ValueError(
             f"architecture {archs[0] if archs else None!r} has no native definition; supported: "
-            f"{sorted(MODEL_REGISTRY)} (use the transformers backend for others)"
+            f"{sorted(MODEL_REGISTRY)} (others load through the transformers fallback)"
         )
     return MODEL_REGISTRY[archs[0]]
+
+
+def native_reason(hf_config: object) -> str | None:
+    """Why `hf_config` cannot run on a native definition (naming the field), or None if it can."""
+    try:
+        cls = model_class(hf_config)
+        with torch.device("meta"):  # construction runs every config check, allocating nothing
+            cls(hf_config)
+    except (ValueError, KeyError, AttributeError) as e:
+        return str(e)
+    return None
+
+
+def checkpoint_config(path: str | Path, trust_remote_code: bool = False) -> object:
+    """config.json through AutoConfig; custom code (auto_map) is refused unless trusted."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    if raw.get("auto_map") and not trust_remote_code:
+        raise ValueError(
+            f"{path}/config.json has auto_map: the model needs its own modeling code, which runs only "
+            "with --trust-remote-code (milepost serve); review that code before trusting it"
+        )
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device | str, *,
+    backend: Backend = "auto", trust_remote_code: bool = False,
+) -> CausalLM:
+    """The model for the Hugging Face directory `path`: native when possible, else the fallback.
+
+    backend "native" refuses with the reason instead of falling back; "transformers" always
+    loads the fallback (e.g. to compare against it).
+    """
+    config = checkpoint_config(path, trust_remote_code)
+    reason = "custom modeling code (auto_map)" if getattr(config, "auto_map", None) else native_reason(config)
+    if backend == "transformers" or (backend == "auto" and reason is not None):
+        from milepost.models.hf_fallback import load_fallback
+
+        if backend == "auto":
+            log.warning(
+                "%s runs on the transformers fallback (exact log-probs, but slower: no fused projections, "
+                "fused kernels or CUDA graphs): %s", _arch(config), reason)
+        return load_fallback(path, dtype, device, trust_remote_code=trust_remote_code)
+    if reason is not None:
+        raise ValueError(f"{path}: no native path: {reason}")
+    return load_native(path, dtype, device)
+
+
+def _arch(config: object) -> str:
+    archs = getattr(config, "architectures", None) or [type(config).__name__]
+    return str(archs[0])
 
 
 def build_model(hf_config: object, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
@@ -50,8 +113,8 @@ def build_model(hf_config: object, dtype: torch.dtype, device: torch.device | st
     return model.eval()
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """Build the model for the Hugging Face directory `path` and load all its safetensors shards."""
+def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """Build the native model for the Hugging Face directory `path` and load all its safetensors shards."""
     path = Path(path)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:

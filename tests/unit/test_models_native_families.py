@@ -1,0 +1,87 @@
+"""Native Qwen2/2.5, Mistral and sliding-window Qwen3 against transformers (packed and paged).
+
+Every sliding window here is shorter than the test sequences, so a layer that ignored its
+window (or applied it to the wrong layers) would change the log-probs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from milepost.models.attention import VarlenCausalAttention
+from milepost.models.base import ForwardContext
+from milepost.models.llama import DecoderLM
+from milepost.models.registry import load_model
+from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.hf_archs import make_tiny_hf_checkpoint
+from milepost.testing.paged_run import paged_logits
+
+torch.set_num_threads(1)
+ATOL = 1e-4
+LENS = [9, 14, 3]
+# name -> (builder, arch, config overrides, windowed layers expected)
+FAMILIES = {
+    "qwen2": (make_tiny_hf_checkpoint, "qwen2", {}, [1, 2]),  # max_window_layers=1: layers 1-2 slide
+    "qwen2_full": (make_tiny_hf_checkpoint, "qwen2_full", {}, []),
+    "mistral": (make_tiny_hf_checkpoint, "mistral", {}, [0, 1, 2]),
+    "mistral_no_window": (make_tiny_hf_checkpoint, "mistral", dict(sliding_window=None), []),
+    "qwen3_sliding": (make_tiny_checkpoint, "qwen3",
+                      dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+                      [1, 2]),
+    "qwen3_moe_sliding": (make_tiny_checkpoint, "qwen3_moe",
+                          dict(use_sliding_window=True, sliding_window=5), [0, 1]),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("native")
+    return {name: build(root / name, arch, seed=i, with_tokenizer=False, **kw)
+            for i, (name, (build, arch, kw, _)) in enumerate(FAMILIES.items())}
+
+
+def sequences(vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (n,), generator=g) for n in LENS]
+
+
+@pytest.fixture(scope="module")
+def references(ckpts) -> dict[str, list[torch.Tensor]]:
+    out = {}
+    for name, path in ckpts.items():
+        ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        with torch.no_grad():
+            out[name] = [ref(s[None]).logits[0].float() for s in sequences(ref.config.vocab_size)]
+    return out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_native_packed_and_paged_equal_transformers(ckpts, references, name: str) -> None:
+    model = load_model(ckpts[name], torch.float32, "cpu")
+    assert isinstance(model, DecoderLM), "this family must load natively"
+    windowed = [i for i, layer in enumerate(model.model.layers) if layer.self_attn.window is not None]
+    assert windowed == FAMILIES[name][3]
+    seqs, want = sequences(model.vocab_size), references[name]
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
+    positions = torch.cat([torch.arange(n) for n in LENS])
+    with torch.no_grad():
+        packed = model.compute_logits(model(torch.cat(seqs), positions, ForwardContext(VarlenCausalAttention(cu))))
+    torch.testing.assert_close(packed, torch.cat(want), atol=ATOL, rtol=0)
+    model.fuse_projections()  # the engine's layout: q/k/v (and their biases) in one GEMM
+    for got, ref in zip(paged_logits(model, seqs, first_chunks=[6, 2, 3]), want):
+        torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+
+def test_qwen2_weights_are_hf_names_with_qkv_bias(ckpts) -> None:
+    model = load_model(ckpts["qwen2_full"], torch.float32, "cpu")
+    names = set(model.hf_weight_names())
+    assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.v_proj.bias"} <= names
+    assert "model.layers.0.self_attn.o_proj.bias" not in names
+    model.fuse_projections()
+    bias = model.weight_view("model.layers.0.self_attn.k_proj.bias")
+    fused = model.model.layers[0].self_attn.qkv_proj.bias
+    assert bias.data_ptr() == fused[model.model.layers[0].self_attn._qkv_sizes[0]:].data_ptr()
