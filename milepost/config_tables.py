@@ -469,14 +469,20 @@ class AgentTable(_Table):
         "linear", description="linear: extend the tail only, one sequence per session; branching: "
         "append-only tree, one sequence per leaf.")
     session_matcher: str = Field(
-        "strict", description="Replay comparison: strict | json_args | loose (risky) | module.sub:fn.")
+        "strict", description="Replay comparison: strict | json_args | omit_reasoning | loose "
+        "(risky) | module.sub:fn (docs/sessions.md).")
+    session_divergence: Literal["reject", "rollback"] = Field(
+        "reject", description="A linear session's answer to a request that replays its history "
+        "differently: reject (409 naming the message and field) | rollback (to the longest stored "
+        "prefix; recorded, rollout/session_rollbacks).")
     session_leaf_selection: str = Field(
         "latest", description="Which leaves of a session are trained on: latest (one sequence per "
         "session) | all (every leaf of a branching session) | module.sub:fn (a selector over one "
         "Sample per leaf; milepost/session/selection.py).")
     session_model_family: str | None = Field(
-        None, description="Chat template + parsers family of the checkpoint (qwen3 | chatml | "
-        "generic); never detected, required with the session server.")
+        None, description="Chat template + parsers family of the checkpoint (`milepost.session."
+        "families.family_names()`, docs/sessions.md); never detected, required with the session "
+        "server.")
 
 
 TABLES: dict[str, type[_Table]] = {

@@ -99,7 +99,8 @@ class AgenticRollout:
             self.session_server = SessionServerThread(
                 cfg.hf_checkpoint, router_url or engine_urls[0],
                 family=cfg.session_model_family, matcher=cfg.session_matcher,
-                settings=SessionSettings(mode=cfg.session_mode, sampling=sampling.to_params(),
+                settings=SessionSettings(mode=cfg.session_mode, divergence=cfg.session_divergence,
+                                         sampling=sampling.to_params(),
                                          enforce_sampling=True,
                                          return_routed_experts=cfg.use_rollout_routing_replay,
                                          leaf_selection=cfg.session_leaf_selection))

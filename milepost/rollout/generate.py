@@ -274,6 +274,8 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
     reward_* / response_len_* / truncated_frac: over the trainable groups (absent when none).
     prefix_cache_hit_rate: cached / prompt tokens over every answered request.
     tokens_per_s: response tokens of every answered request / the rollout's wall time.
+    session_*: divergences of the session server's sessions (rollbacks, forks, rejections, and
+    sampled tokens re-tokenized as context), when the samples came from it.
     """
     trained = [s for g in result.groups for s in g]
     answered = [s for g in (*result.groups, *result.aborted_groups, *result.failed_groups)
@@ -304,4 +306,11 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
         out["prefix_cache_hit_rate"] = cached / prompt_tokens
     if result.elapsed_s > 0:
         out["tokens_per_s"] = sum(s.response_length for s in answered) / result.elapsed_s
+    # Session server divergences (session/divergence.py): counted once per session.
+    sessions = {s.metadata["session_id"]: s.metadata for s in answered
+                if "session_rollbacks" in s.metadata}
+    for key in ("session_rollbacks", "session_forks", "session_rejections",
+                "session_retokenized_tokens"):
+        if sessions:
+            out[key] = float(sum(m[key] for m in sessions.values()))
     return out

@@ -106,6 +106,13 @@ class Family:
     # text from the tool-call marker on, so streamed deltas always add up to the parsed reply.
     think_markers: tuple[str, str] | None = None
     tool_call_open: str | None = None
+    # The template drops earlier turns' reasoning (Qwen3: before the last user message) and writes
+    # an empty think block only on the last turn: the server keeps what the model saw and takes
+    # each suffix from the template's text after the stored turns (render.py).
+    rewrites_reasoning: bool = False
+    # The template renders tool-call arguments with `tojson` and so expects objects, where OpenAI
+    # messages carry JSON strings (Qwen2.5, Llama 3.1): the renderer hands it objects.
+    tool_args_as_objects: bool = False
 
 
 def _parse_qwen3(text: str) -> ParsedOutput:
@@ -151,8 +158,15 @@ def get_family(name: str) -> Family:
 
 
 register_family(Family("qwen3", "<|im_end|>", _parse_qwen3,
-                       description="Qwen3-style: <think> reasoning, <tool_call> JSON",
-                       think_markers=("<think>", "</think>"), tool_call_open="<tool_call>"))
+                       description="Qwen3 (thinking, hybrid and instruct-2507 checkpoints): "
+                       "<think> reasoning, dropped from earlier turns by the template; "
+                       "<tool_call> JSON",
+                       think_markers=("<think>", "</think>"), tool_call_open="<tool_call>",
+                       rewrites_reasoning=True))
+register_family(Family("qwen2.5", "<|im_end|>", _parse_chatml,
+                       description="Qwen2.5 Instruct: ChatML, <tool_call> JSON, arguments "
+                       "rendered as objects", tool_call_open="<tool_call>",
+                       tool_args_as_objects=True))
 register_family(Family("chatml", "<|im_end|>", _parse_chatml,
                        description="ChatML (SmolLM2): <tool_call> JSON in the text",
                        tool_call_open="<tool_call>"))

@@ -20,6 +20,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from milepost.session.divergence import HEADER
 from milepost.session.render import Renderer
 from milepost.session.service import PreparedTurn, SessionService, TurnResult
 from milepost.session.streaming import DeltaStream
@@ -41,8 +42,10 @@ def usage(result: TurnResult) -> dict[str, Any]:
 
 
 def milepost_info(result: TurnResult) -> dict[str, Any]:
+    d = result.divergence
     return {"turn_id": result.turn.id, "weight_version": result.output.weight_version,
-            "overhead_ms": result.overhead_s * 1e3, "generate_ms": result.generate_s * 1e3}
+            "overhead_ms": result.overhead_s * 1e3, "generate_ms": result.generate_s * 1e3,
+            "divergence": d.to_dict() if d is not None else None}
 
 
 def completion(result: TurnResult, model: str, cid: str) -> dict[str, Any]:
@@ -78,8 +81,9 @@ class TurnStreamResponse(StreamingResponse):
     """A StreamingResponse that runs `on_close` however the response ends (finished, client
     gone, or never started), so an abandoned turn is always cancelled."""
 
-    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(body, media_type="text/event-stream")
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -166,7 +170,12 @@ async def stream_turn(service: SessionService, turn: PreparedTurn, model: str, c
             item = await queue.get()
         yield "data: [DONE]\n\n"
 
-    return TurnStreamResponse(body(), close)
+    return TurnStreamResponse(body(), close, divergence_headers(turn))
+
+
+def divergence_headers(turn: PreparedTurn) -> dict[str, str]:
+    """The divergence header of a turn that rolled back or forked (divergence.py)."""
+    return {HEADER: turn.divergence.header()} if turn.divergence is not None else {}
 
 
 def _describe(e: Exception) -> tuple[int, str]:

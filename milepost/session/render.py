@@ -6,10 +6,17 @@ The stored rendering is cut right after the end-of-turn token of the last assist
 model stops on that token; what the template writes after it, e.g. ChatML's newline, belongs to the
 suffix). An output that stopped elsewhere (a stop string, another stop id) gets the end-of-turn
 token appended as a prompt token (loss mask 0): the model did not sample it.
+
+A family whose template rewrites earlier turns' reasoning (Qwen3 drops it before the last user
+message and writes an empty think block only on the last turn) keeps what the model saw: the
+suffix is the template's own text after the stored turns' end-of-turn markers, once the two
+renderings are shown to differ in reasoning blocks only.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +49,9 @@ class Renderer:
             raise FamilyError(f"model family {family.name!r}: end-of-turn {self.eot!r} is not one "
                               f"token of this tokenizer ({ids}); pick the family of this checkpoint")
         self.eot_id = ids[0]
+        markers = family.think_markers
+        self._think_block = (re.compile(re.escape(markers[0]) + ".*?" + re.escape(markers[1])
+                                        + "\n*", re.DOTALL) if markers else None)
         # The fast path: the Rust tokenizer without transformers' per-call Python overhead.
         self._fast = getattr(tokenizer, "_tokenizer", None)
 
@@ -60,6 +70,8 @@ class Renderer:
     # ---- messages -------------------------------------------------------------------------------
     def render(self, messages: list[Message], tools: list[dict] | None,
                add_generation_prompt: bool) -> str:
+        if self.family.tool_args_as_objects:
+            messages = [_args_as_objects(m) for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=False,
@@ -82,17 +94,46 @@ class Renderer:
     def suffix_ids(self, stored: Rendered, ended_with_eot: bool, messages: list[Message],
                    tools: list[dict] | None) -> list[int]:
         """Ids to append after a stored turn so that the prompt is `messages` + generation prompt."""
+        return self.encode(self.suffix_text(stored, ended_with_eot, messages, tools))
+
+    def suffix_text(self, stored: Rendered, ended_with_eot: bool, messages: list[Message],
+                    tools: list[dict] | None) -> str:
         full = self.render(messages, tools, add_generation_prompt=True)
-        if not full.startswith(stored.text):
-            at = next((i for i, (a, b) in enumerate(zip(full, stored.text)) if a != b),
-                      min(len(full), len(stored.text)))
-            raise RenderError(
-                f"the chat template's rendering of this history does not extend the stored "
-                f"turns (differs at character {at}: stored {stored.text[at:at + 40]!r}, now "
-                f"{full[at:at + 40]!r}); the template is not append-only for these messages "
-                f"(does it drop earlier reasoning, or did the tools or system prompt change?)")
         closing = "" if ended_with_eot else self.eot
-        return self.encode(closing + full[len(stored.text):])
+        if full.startswith(stored.text):
+            return closing + full[len(stored.text):]
+        if self.family.rewrites_reasoning:
+            return closing + self._after_stored_turns(stored.text, full)
+        at = _first_char_difference(full, stored.text)
+        raise RenderError(
+            f"the chat template's rendering of this history does not extend the stored "
+            f"turns (differs at character {at}: stored {stored.text[at:at + 40]!r}, now "
+            f"{full[at:at + 40]!r}); the template is not append-only for these messages "
+            f"(does it drop earlier reasoning, or did the tools or system prompt change?)")
+
+    def without_reasoning(self, text: str) -> str:
+        """`text` without the family's reasoning blocks (and the newlines that follow them)."""
+        return self._think_block.sub("", text) if self._think_block is not None else text
+
+    def _after_stored_turns(self, stored: str, full: str) -> str:
+        """The text of `full` after the end-of-turn marker that closes the stored turns, which
+        `full` may render with earlier reasoning dropped or an empty think block left out."""
+        cut = 0
+        for _ in range(stored.count(self.eot)):
+            at = full.find(self.eot, cut)
+            if at < 0:
+                cut = -1
+                break
+            cut = at + len(self.eot)
+        if cut < 0 or self.without_reasoning(full[:cut]) != self.without_reasoning(stored):
+            a, b = self.without_reasoning(stored), self.without_reasoning(full[:max(cut, 0)])
+            at = _first_char_difference(a, b)
+            raise RenderError(
+                f"the chat template's rendering of this history differs from the stored turns "
+                f"by more than the reasoning the template drops (at character {at} without "
+                f"reasoning: stored {a[at:at + 40]!r}, now {b[at:at + 40]!r}); did the tools or "
+                f"system prompt change?")
+        return full[cut:]
 
     def parse_output(self, output_ids: list[int]) -> ParsedOutput:
         ids = output_ids[:-1] if output_ids and output_ids[-1] == self.eot_id else output_ids
@@ -112,3 +153,23 @@ def normalize_messages(messages: list[Message]) -> list[Message]:
             m["content"] = "".join(p.get("text", "") for p in content)
         out.append(m)
     return out
+
+
+def _first_char_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _args_as_objects(m: Message) -> Message:
+    if not m.get("tool_calls"):
+        return m
+    calls = []
+    for c in m["tool_calls"]:
+        fn = dict(c.get("function") or {})
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                fn["arguments"] = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass  # the template shows what the model wrote
+        calls.append({**c, "function": fn})
+    return {**m, "tool_calls": calls}

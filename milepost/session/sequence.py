@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from milepost.session.divergence import counts as divergence_counts
 from milepost.session.store import Session, Turn
 from milepost.types import Sample, Status
 
@@ -63,7 +64,9 @@ def build_sample(session: Session, leaf: Turn, *, group_index: int = 0, index: i
         metadata={"session_id": session.id, "leaf_turn": leaf.id, "turns": len(path),
                   "messages": leaf.messages,
                   "cached_tokens": sum(t.cached_tokens for t in path),
-                  "prompt_tokens": sum(len(t.ids) - len(t.output_ids) for t in path)},
+                  "prompt_tokens": sum(len(t.ids) - len(t.output_ids) for t in path),
+                  # session-wide (the same on every leaf; rollout metrics count each session once)
+                  **divergence_counts(session.divergences)},
     )
     return sample
 

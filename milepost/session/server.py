@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from milepost.rollout.client import EngineRequestError, EngineUnavailableError
 from milepost.session.families import FamilyError
-from milepost.session.openai_chat import completion, stream_turn
+from milepost.session.openai_chat import completion, divergence_headers, stream_turn
 from milepost.session.render import RenderError
 from milepost.session.selection import LeafSelectionError
 from milepost.session.service import GenerationAborted, SessionNotFound, SessionService
@@ -194,6 +194,7 @@ def build_app(service: SessionService) -> FastAPI:
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return await stream_turn(service, turn, req.model, cid, usage)
-        return completion(await service.run(turn), req.model, cid)
+        headers = divergence_headers(turn)
+        return JSONResponse(completion(await service.run(turn), req.model, cid), headers=headers)
 
     return app

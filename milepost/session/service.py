@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from milepost.rollout.client import EngineClient, GenerateOutput
+from milepost.session.divergence import Divergence, DivergencePolicy, warn
 from milepost.session.families import Message
 from milepost.session.matchers import Matcher
 from milepost.session.render import Renderer, normalize_messages
@@ -38,9 +39,12 @@ class SessionSettings:
     """mode / matcher: report 2.4.1 / 2.4.2. sampling: SGLang sampling_params for every turn;
     with enforce_sampling the run's values win over the harness's (RL needs the temperature the
     trainer assumes), and max_tokens may only lower max_new_tokens. return_routed_experts: ask the
-    engine for routed experts (MoE + R3). leaf_selection: latest | all | module.sub:fn."""
+    engine for routed experts (MoE + R3). leaf_selection: latest | all | module.sub:fn.
+    divergence: what a linear session does with a request that replays its history differently
+    (divergence.py): reject (409) | rollback (to the longest stored prefix, recorded)."""
 
     mode: SessionMode = "linear"
+    divergence: DivergencePolicy = "reject"
     sampling: dict[str, Any] = field(default_factory=lambda: {"max_new_tokens": 256})
     enforce_sampling: bool = False
     return_routed_experts: bool = False
@@ -60,6 +64,7 @@ class PreparedTurn:
     start: float
     lock: asyncio.Lock  # the session's
     holds_lock: bool  # linear: held from prepare until the turn is stored or dropped
+    divergence: Divergence | None = None  # rollback / fork, recorded when the turn is stored
     released: bool = False
 
     @property
@@ -74,6 +79,7 @@ class TurnResult:
     output: GenerateOutput
     overhead_s: float
     generate_s: float = 0.0
+    divergence: Divergence | None = None
 
 
 class SessionService:
@@ -90,7 +96,8 @@ class SessionService:
 
     def create(self) -> Session:
         sid = uuid.uuid4().hex
-        self.sessions[sid] = Session(sid, self.settings.mode, self.matcher)
+        self.sessions[sid] = Session(sid, self.settings.mode, self.matcher,
+                                     self.settings.divergence)
         self._locks[sid] = asyncio.Lock()
         return self.sessions[sid]
 
@@ -140,8 +147,15 @@ class SessionService:
         messages = normalize_messages(messages)
         await lock.acquire()
         try:
-            attach = session.attach(messages, tools)
+            try:
+                attach = session.attach(messages, tools, self._reasoning_probe(tools))
+            except SessionConflict as e:
+                if e.divergence is not None:
+                    warn(session.id, e.divergence)
+                raise
             at = attach.at
+            if attach.divergence is not None:
+                warn(session.id, attach.divergence)
             history = at.messages + attach.new_messages  # stored messages win where they matched
             r = self.renderer
             if at.parent is None:
@@ -156,7 +170,24 @@ class SessionService:
             lock.release()
         self.pending[session_id] = self.pending.get(session_id, 0) + 1
         return PreparedTurn(session, at, history, tools, suffix,
-                            self.sampling_params(request_sampling), start, lock, holds_lock)
+                            self.sampling_params(request_sampling), start, lock, holds_lock,
+                            attach.divergence)
+
+    def _reasoning_probe(self, tools: list[dict] | None) -> Callable[[list[Message], int, str],
+                                                                      bool]:
+        """Does the template read the reasoning of message i, in the request's context? Renders
+        only when a replay omits a stored reasoning (the base rendering once per request)."""
+        r = self.renderer
+        base: list[str] = []
+
+        def reads(messages: list[Message], i: int, reasoning: str) -> bool:
+            if not base:
+                base.append(r.render(messages, tools, add_generation_prompt=True))
+            probe = list(messages)
+            probe[i] = {**probe[i], "reasoning_content": reasoning}
+            return r.render(probe, tools, add_generation_prompt=True) != base[0]
+
+        return reads
 
     async def turn(self, session_id: str, messages: list[Message], tools: list[dict] | None,
                    request_sampling: dict[str, Any]) -> TurnResult:
@@ -221,9 +252,11 @@ class SessionService:
             "rendered": rendered, "cached_tokens": out.cached_tokens,
             "ended_with_eot": bool(out.output_ids) and out.output_ids[-1] == r.eot_id}
         if turn.holds_lock:  # linear: held since prepare
-            stored_turn = turn.session.add_turn(turn.at, stored, turn.tools, **fields)
+            stored_turn = turn.session.add_turn(turn.at, stored, turn.tools, turn.divergence,
+                                                **fields)
         else:
             async with turn.lock:
-                stored_turn = turn.session.add_turn(turn.at, stored, turn.tools, **fields)
+                stored_turn = turn.session.add_turn(turn.at, stored, turn.tools,
+                                                    turn.divergence, **fields)
         stored_turn.overhead_s = time.perf_counter() - turn.start - gen_s
-        return TurnResult(stored_turn, reply, out, stored_turn.overhead_s, gen_s)
+        return TurnResult(stored_turn, reply, out, stored_turn.overhead_s, gen_s, turn.divergence)

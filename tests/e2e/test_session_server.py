@@ -99,7 +99,11 @@ def test_linear_accepts_equivalent_replays_and_refuses_divergent_ones(agent_dir,
         r = c.post(f"/sessions/{sid}/v1/chat/completions", json={"messages": bad + [
             {"role": "user", "content": "again"}]})
         assert r.status_code == 409 and "diverges" in r.json()["error"]["message"]
-        assert c.get(f"/sessions/{sid}").json() == before
+        after = c.get(f"/sessions/{sid}").json()
+        (rejected,) = after.pop("divergences")  # recorded, and nothing else changed
+        assert (rejected["kind"], rejected["message"], rejected["field"]) == (
+            "rejected", 0, "content")
+        assert before.pop("divergences") == [] and after == before
         (sample,) = c.post(f"/sessions/{sid}/samples").json()["samples"]
         assert sample["metadata"]["turns"] == 3
 

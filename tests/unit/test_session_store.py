@@ -93,7 +93,7 @@ def test_linear_first_prompt_may_carry_a_demonstration() -> None:
     assert s.attach(demo, None).new_messages == demo
     t1 = _turn(s, s.root, demo + [A1], prompt=[1, 2], out=[3])
     assert s.attach(demo, None).at is s.root  # a retry of the first turn repeats its prompt
-    with pytest.raises(SessionConflict, match="assistant message the model did not generate"):
+    with pytest.raises(SessionConflict, match=r"at message 1 \(assistant\), in content"):
         s.attach([U2, {"role": "assistant", "content": "other"}, U1], None)
     with pytest.raises(SessionConflict, match="assistant message the model did not generate"):
         s.attach(demo + [A1, U3, A2, U3], None)

