@@ -191,16 +191,25 @@ class Engine(Stepper):
             req.on_output(_abort_output(req, f"duplicate rid {req.rid!r}: already running"))
             return
         self._by_rid[req.rid] = req
-        if req.params.max_new_tokens == 0:
+        if req.params.max_new_tokens == 0 and req.logprob_start_len < 0:
             self._finish(req, {"type": "length", "length": 0})
             return
         self.scheduler.add(req)
 
+    def abort_many(self, rids: list[str], message: str) -> None:
+        """Abort these requests (unknown or finished ones are skipped) in one engine task."""
+        self._inbox.put(lambda: self._abort_rids(rids, message))
+
     def _abort(self, rid: str | None, message: str) -> None:
-        targets = list(self._by_rid.values()) if rid is None else [self._by_rid.get(rid)]
+        self._abort_rids(list(self._by_rid) if rid is None else [rid], message)
+
+    def _abort_rids(self, rids: list[str], message: str) -> None:
+        targets = [r for r in (self._by_rid.get(rid) for rid in rids)
+                   if r is not None and not r.is_finished]
+        if len(targets) > 1:
+            self.scheduler.finish_many(targets)  # one pass over the queue; _finish then skips it
         for req in targets:
-            if req is not None and not req.is_finished:
-                self._finish(req, {"type": "abort", "message": message})
+            self._finish(req, {"type": "abort", "message": message})
 
     def _finish(self, req: Request, reason: dict) -> None:
         req.finish_reason = reason
@@ -220,6 +229,11 @@ class Engine(Stepper):
                 new_logprobs=req.output_logprobs[a:],
                 new_top_logprobs=req.output_top_logprobs[a:],
                 new_weight_versions=req.output_versions[a:],
+                new_ids_logprobs=req.output_ids_logprobs[a:] if req.token_ids_logprob else None,
+                input_logprobs=req.input_logprobs if req.logprob_start_len >= 0 else None,
+                prompt_ids=req.prompt_ids if req.logprob_start_len >= 0 else None,
+                input_top_logprobs=req.input_top_logprobs,
+                input_ids_logprobs=req.input_ids_logprobs,
                 prompt_tokens=len(req.prompt_ids),
                 cached_tokens=req.cached_tokens,
                 finished=req.is_finished,

@@ -27,7 +27,9 @@ class FlatBatch:
     seq_lens: np.ndarray
     block_tables: np.ndarray
     query_lens: list[int]
-    sample_rows: list[int]  # rows of the last token of each chunk that samples
+    # Rows whose logits the forward returns, chunk by chunk: the positions that score prompt
+    # tokens (Chunk.prompt_rows, prompt log-probs), then the last token of a chunk that samples.
+    sample_rows: list[int]
 
 
 def token_slice(req: Request, start: int, end: int) -> list[int]:
@@ -67,8 +69,20 @@ def build_flat(chunks: Sequence[Chunk], block_size: int) -> FlatBatch:
         seq_lens=np.asarray([c.start + c.length for c in chunks], dtype=np.int64),
         block_tables=tables,
         query_lens=q_lens,
-        sample_rows=[int(cu[i + 1]) - 1 for i, c in enumerate(chunks) if c.samples],
+        sample_rows=_logit_rows(chunks, cu),
     )
+
+
+def _logit_rows(chunks: Sequence[Chunk], cu: np.ndarray) -> list[int]:
+    rows: list[int] = []
+    for i, c in enumerate(chunks):
+        prompt = c.prompt_rows
+        if prompt:
+            base = int(cu[i]) - c.start
+            rows.extend(base + p for p in prompt)
+        if c.samples:
+            rows.append(int(cu[i + 1]) - 1)
+    return rows
 
 
 def padded_size(n: int, sizes: Sequence[int]) -> int | None:

@@ -3,7 +3,8 @@
 They run on the same GenerateService as `/generate`; chat prompts are rendered with the
 checkpoint's own chat template. Tools and streaming for agents live in the session server.
 Unknown OpenAI fields are ignored (clients send many), but the ones that would change the
-answer (log-probs, echo, penalties) are refused rather than silently dropped.
+answer (log-probs, echo) are refused rather than silently dropped; penalties and logit_bias are
+the sampler's own (SGLang semantics). Non-finite numbers and type coercions are refused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from milepost.engine.sampling import SamplingParams
 
 
 class _OpenAIBase(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send many optional fields we do not use
+    # Clients send many optional fields we do not use; the ones read are strictly typed.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str = "default"
     max_tokens: int | None = Field(None, ge=0)
@@ -32,21 +34,16 @@ class _OpenAIBase(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-
-    @model_validator(mode="after")
-    def _unsupported(self) -> _OpenAIBase:
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ValueError(f"{name}: penalties are not supported by this engine; send 0")
-        return self
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=self.max_tokens if self.max_tokens is not None else 128,
             temperature=self.temperature, top_p=self.top_p, n=self.n, stop=self.stop,
-            sampling_seed=self.seed,
+            sampling_seed=self.seed, frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty, logit_bias=self.logit_bias,
         )
 
 
@@ -124,8 +121,8 @@ def openai_router(service: object) -> APIRouter:
         batch = len(prompts) > 1
         body = GenerateReqInput(input_ids=prompts if batch else prompts[0],
                                 sampling_params=req.sampling())
-        seqs = service.expand(body, names=replace(OPENAI_NAMES, prompt=field))
-        outs = await asyncio.gather(*(service.run(*s, body, http.is_disconnected) for s in seqs))
+        seqs = await service.expand(body, names=replace(OPENAI_NAMES, prompt=field))
+        outs = await service.run_all(seqs, body, http.is_disconnected)
         usage = {
             "prompt_tokens": sum(len(p) for p in prompts),
             "completion_tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
@@ -136,8 +133,8 @@ def openai_router(service: object) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, http: HttpRequest) -> dict:
         prompts = req.prompts
-        ids = [service.tokenize(p, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
-               for i, p in enumerate(prompts)]
+        ids = await service.tokenize_all(
+            [(p, f"prompt[{i}]" if len(prompts) > 1 else "prompt") for i, p in enumerate(prompts)])
         outs, usage = await run(ids, req, "prompt", http)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",

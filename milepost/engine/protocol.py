@@ -1,22 +1,28 @@
 """SGLang's HTTP request bodies (field names and defaults as SGLang defines them).
 
-Unknown fields are refused (400 naming the field) so a misspelled option never silently does
-nothing. Fields that take one value or a batch are tagged unions chosen by the JSON shape, so a
-wrong entry is reported once, under its own field, not once per union member.
+Every field of SGLang's `GenerateReqInput` is accepted: honoured where it means something here,
+recorded where it only labels the request (routing_key, session_id, priority, custom_labels), and
+refused with a 400 naming it where it cannot apply at a non-default value (images on a text model,
+LoRA, disaggregation). Unknown fields outside SGLang's schema are refused, as are non-finite numbers
+and type coercions. Fields that take one value or a batch are tagged unions chosen by the JSON
+shape, so a wrong entry is reported once, under its own field.
 """
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from milepost.engine.sampling import SamplingParams
+from milepost.engine.validation_errors import describe_validation_errors
+
+__all__ = ["GenerateReqInput", "Item", "describe_validation_errors"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 def _one_or_batch(one: Any, batch: Any, one_tag: str, batch_tag: str, is_batch: Any) -> Any:
@@ -40,6 +46,57 @@ InputIds = _one_or_batch(list[int], list[list[int]], "list[int]", "list[list[int
 Params = _one_or_batch(SamplingParams, list[SamplingParams], "SamplingParams",
                        "list[SamplingParams]", _is_list)
 Rid = _one_or_batch(str, list[str], "str", "list[str]", _is_list)
+Flag = _one_or_batch(bool, list[bool], "bool", "list[bool]", _is_list)
+Int = _one_or_batch(int, list[int], "int", "list[int]", _is_list)
+Strs = _one_or_batch(str, list[str], "str", "list[str]", _is_list)
+
+# Fields that only have their off value here: (name, off value, why another value cannot apply).
+_OFF_ONLY: list[tuple[str, Any, str]] = [
+    ("input_embeds", None, "this engine takes text or input_ids"),
+    ("image_data", None, "this engine serves text models"),
+    ("video_data", None, "this engine serves text models"),
+    ("audio_data", None, "this engine serves text models"),
+    ("use_audio_in_video", False, "this engine serves text models"),
+    ("modalities", None, "this engine serves text models"),
+    ("return_hidden_states", False, "hidden states are not returned by this engine"),
+    ("return_entropy", False, "not computed by this engine"),
+    ("return_bytes", False, "only for image generation"),
+    ("return_indexer_topk", False, "no sparse-attention indexer in these models"),
+    ("return_cached_tokens_details", False, "this engine has one cache tier; see cached_tokens"),
+    ("background", False, "background responses are not supported; send the request and wait"),
+    ("lora_path", None, "this engine serves no LoRA adapters"),
+    ("lora_id", None, "this engine serves no LoRA adapters"),
+    ("custom_logit_processor", None, "serialized logit processors (code) are not run by this engine"),
+    ("positional_embed_overrides", None, "this engine takes text or input_ids"),
+    ("session_params", None, "SGLang's session API is not served; use milepost's session server"),
+    ("bootstrap_host", None, "prefill/decode disaggregation is not supported"),
+    ("bootstrap_port", None, "prefill/decode disaggregation is not supported"),
+    ("bootstrap_room", None, "prefill/decode disaggregation is not supported"),
+    ("bootstrap_pair_key", None, "prefill/decode disaggregation is not supported"),
+    ("decode_tp_size", None, "prefill/decode disaggregation is not supported"),
+    ("disagg_prefill_dp_rank", None, "prefill/decode disaggregation is not supported"),
+    ("require_reasoning", False, "no hybrid-reasoning switch in this engine"),
+    ("multi_item_delimiter_indices", None, "multi-item scoring is not supported"),
+    ("max_dynamic_patch", None, "this engine serves text models"),
+    ("min_dynamic_patch", None, "this engine serves text models"),
+    ("image_max_dynamic_patch", None, "this engine serves text models"),
+    ("video_max_dynamic_patch", None, "this engine serves text models"),
+    ("need_wait_for_mm_inputs", None, "this engine serves text models"),
+    ("num_items_assigned", None, "this engine serves text models"),
+]
+
+
+@dataclass
+class Item:
+    """One prompt of a /generate body with its own settings (a batch may give them per prompt)."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    rid: str | None
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    token_ids_logprob: list[int] | None
 
 
 class GenerateReqInput(_Strict):
@@ -47,36 +104,87 @@ class GenerateReqInput(_Strict):
     input_ids: InputIds | None = None
     sampling_params: Params = Field(default_factory=SamplingParams)
     rid: Rid | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = Field(0, ge=0, le=100)
+    return_logprob: Flag = False
+    logprob_start_len: Int = -1
+    top_logprobs_num: Int = 0
+    token_ids_logprob: InputIds | None = None
     return_text_in_logprobs: bool = False
     return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(0, ge=0)
+    return_prompt_token_ids: bool = False
     stream: bool = False
-    # Fields sglang-router (0.3.x) adds to every /generate it forwards, with SGLang's defaults.
-    # Logging switches are accepted as they come; the others only at their off value (below).
+    # Labels: recorded (the router reads routing_key from its header; here it is only logged).
     model: str | None = None
+    session_id: str | None = None
+    routing_key: str | None = None
+    conversation_id: str | None = None
+    priority: int | None = None
+    custom_labels: dict[str, str] | None = None
+    external_trace_header: dict[str, str] | None = None
+    received_time: float | None = None
     log_metrics: bool = True
     no_logs: bool = False
-    return_hidden_states: bool = False
-    return_entropy: bool = False
-    return_bytes: bool = False
-    background: bool = False
+    # A cache salt: requests with a key neither read nor fill the shared prefix cache.
+    extra_key: Strs | None = None
+    # One data-parallel rank here: 0 (or null) is the only rank there is.
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+    # Fields kept at their off value (see _OFF_ONLY); typed loosely so the 400 names the field.
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    use_audio_in_video: Any = False
+    modalities: Any = None
+    return_hidden_states: Any = False
+    return_entropy: Any = False
+    return_bytes: Any = False
+    return_indexer_topk: Any = False
+    return_cached_tokens_details: Any = False
+    background: Any = False
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    positional_embed_overrides: Any = None
+    session_params: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
+    disagg_prefill_dp_rank: Any = None
+    require_reasoning: Any = False
+    multi_item_delimiter_indices: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    image_max_dynamic_patch: Any = None
+    video_max_dynamic_patch: Any = None
+    need_wait_for_mm_inputs: Any = None
+    num_items_assigned: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """SGLang reads `null` as the field's default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> GenerateReqInput:
-        on = [f for f in ("return_hidden_states", "return_entropy", "return_bytes", "background")
-              if getattr(self, f)]
-        if on:
-            raise ValueError(f"{', '.join(on)}: not supported by this engine; send false")
+        for name, off, why in _OFF_ONLY:
+            value = getattr(self, name)
+            if value != off and not (off is False and value in (None, [], [False])) \
+                    and not (off is None and value in ([], [None])):
+                raise ValueError(f"{name}: {why}; send {'null' if off is None else 'false'}")
+        for name in ("routed_dp_rank", "data_parallel_rank"):
+            if getattr(self, name) not in (None, 0):
+                raise ValueError(f"{name}: this engine has one data-parallel rank; send 0 or null")
+        if self.routed_experts_start_len:
+            raise ValueError("routed_experts_start_len: only 0 (the whole sequence) is supported")
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("text, input_ids: give exactly one of them (a prompt as text, "
                              "or as token ids)")
-        if self.logprob_start_len != -1:
-            raise ValueError(
-                "logprob_start_len: only -1 (log-probs of output tokens) is supported; "
-                "prompt log-probs are not returned by this engine"
-            )
         return self
 
     @property
@@ -85,8 +193,8 @@ class GenerateReqInput(_Strict):
             return isinstance(self.text, list)
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)
 
-    def items(self) -> list[tuple[str | list[int], SamplingParams, str | None]]:
-        """One (prompt, sampling params, rid) per prompt of a single or batch request."""
+    def items(self) -> list[Item]:
+        """One Item per prompt of a single or batch request (SGLang's normalization)."""
         prompts: list[Any] = (
             (self.text if isinstance(self.text, list) else [self.text])
             if self.text is not None
@@ -95,19 +203,38 @@ class GenerateReqInput(_Strict):
         n = len(prompts)
         if n == 0:
             raise ValueError(f"{'text' if self.text is not None else 'input_ids'}: the batch is empty")
-        params = self.sampling_params
-        if isinstance(params, list):
-            if len(params) != n:
-                raise ValueError(f"sampling_params: {len(params)} entries for {n} prompts; "
-                                 "give one per prompt, or a single object for all")
+        params = _per_item("sampling_params", self.sampling_params, n, "prompts")
+        if isinstance(self.rid, str) and self.is_batch:
+            rids: list[str | None] = [f"{self.rid}_{i}" for i in range(n)]  # as SGLang derives them
         else:
-            params = [params] * n
-        rids = self.rid if isinstance(self.rid, list) else [self.rid] * n
-        if len(rids) != n:
-            raise ValueError(f"rid: {len(rids)} entries for {n} prompts; give one per prompt")
-        if n > 1 and isinstance(self.rid, str):
-            raise ValueError("rid: a batch request needs a list of rids (or none)")
-        return list(zip(prompts, params, rids))
+            rids = _per_item("rid", self.rid, n, "prompts")
+        flags = _per_item("return_logprob", self.return_logprob, n, "prompts")
+        starts = _per_item("logprob_start_len", self.logprob_start_len, n, "prompts")
+        tops = _per_item("top_logprobs_num", self.top_logprobs_num, n, "prompts")
+        ids = self.token_ids_logprob
+        if ids is None or (ids and not isinstance(ids[0], list)):
+            per_ids: list[Any] = [ids or None] * n
+        else:
+            per_ids = _per_item("token_ids_logprob", ids, n, "prompts")
+        for name, values in (("logprob_start_len", starts), ("top_logprobs_num", tops)):
+            low = -1 if name == "logprob_start_len" else 0
+            bad = [v for v in values if v < low or (name == "top_logprobs_num" and v > 100)]
+            if bad:
+                raise ValueError(f"{name}: {bad[0]} is out of range "
+                                 f"({'>= -1' if low else '0 to 100'})")
+        return [Item(prompts[i], params[i], rids[i], flags[i], starts[i], tops[i], per_ids[i] or None)
+                for i in range(n)]
+
+
+def _per_item(name: str, value: Any, n: int, what: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            hint = "give one per prompt, or a single value for all"
+            if name == "rid":
+                hint = "give one per prompt"
+            raise ValueError(f"{name}: {len(value)} entries for {n} {what}; {hint}")
+        return list(value)
+    return [value] * n
 
 
 class AbortReqInput(_Strict):
@@ -120,6 +247,8 @@ class PauseGenerationReqInput(_Strict):
 
 
 class UpdateWeightVersionReqInput(_Strict):
+    # SGLang's default for abort_all_requests is True; milepost's trainer pauses engines itself
+    # and its transports send only the version, so the default stays False here (docs/engine.md).
     new_version: str
     abort_all_requests: bool = False
 
@@ -173,99 +302,3 @@ class DestroyWeightsUpdateGroupReqInput(_Strict):
     group_name: str = "weight_update_group"
 
 
-# ---- readable validation errors --------------------------------------------------------------
-# Pydantic reports an error inside a union once per member, with the member's type name in `loc`
-# ("function-after[...]", "list[str]", "str"). Clients should read one message per field at fault.
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "bytes", "none"}
-_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
-_NAMES_FIELD = re.compile(r"[a-z_][a-z0-9_.\[\], ]*: ")  # "logprob_start_len: only -1 ..."
-
-
-def _is_field(part: object) -> bool:
-    return isinstance(part, int) or (
-        isinstance(part, str) and _FIELD.fullmatch(part) is not None and part not in _TYPE_NAMES
-    )
-
-
-def _path(parts: list[object]) -> str:
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
-
-
-def _message(err: dict) -> str:
-    kind, msg = err.get("type", ""), str(err.get("msg", ""))
-    if kind == "extra_forbidden":
-        return "unknown field (not a parameter this endpoint accepts; check the spelling)"
-    if kind in ("model_attributes_type", "model_type", "dict_type"):
-        return f"expected a JSON object, got {_kind(err)}"
-    for prefix in ("Value error, ", "Assertion failed, "):
-        if msg.startswith(prefix):
-            return msg[len(prefix):]
-    return msg
-
-
-def describe_validation_errors(errors: list[dict]) -> str:
-    """One `field.path: message` per field at fault, from pydantic/FastAPI error dicts.
-
-    Of a union's members, only those whose type matched the input (the error is inside the member,
-    not "should be a valid list" at its root) are reported; members that all mismatch are joined
-    with "or". A body that is not JSON, or not a JSON object, gets a message saying so.
-    """
-    rows = []  # (union prefix, member tag, field path, depth inside member, root type mismatch, err)
-    for err in errors:
-        loc = list(err.get("loc", ()))
-        if loc and loc[0] == "body":
-            loc = loc[1:]
-        if err.get("type") == "json_invalid":
-            where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
-            detail = (err.get("ctx") or {}).get("error", "")
-            return f"body: malformed JSON{where}" + (f" ({detail})" if detail else "") + \
-                "; send one JSON object"
-        if not loc and err.get("type") in ("model_attributes_type", "model_type", "dict_type", "missing"):
-            return f"body: expected a JSON object of the request's fields, got {_kind(err)}"
-        tag_at = next((i for i, p in enumerate(loc) if not _is_field(p)), None)
-        fields = [p for p in loc if _is_field(p)]
-        if tag_at is None:
-            rows.append(((), None, fields, 0, False, err))
-            continue
-        inner = [p for p in loc[tag_at + 1:] if _is_field(p)]
-        root_mismatch = not inner and str(err.get("type", "")).endswith("_type")
-        rows.append((tuple(loc[:tag_at]), loc[tag_at], fields, len(inner), root_mismatch, err))
-
-    keep = []
-    for row in rows:
-        prefix, tag = row[0], row[1]
-        if tag is None:
-            keep.append(row)
-            continue
-        members = [r for r in rows if r[1] is not None and r[0] == prefix]
-        matched = {r[1] for r in members if not r[4]}
-        if matched and tag not in matched:
-            continue  # this member's type did not match the input; another one did
-        deepest = max((r[3] for r in members if r[1] in matched or not matched), default=0)
-        if max(r[3] for r in members if r[1] == tag) < deepest:
-            continue  # another member got further into the input
-        keep.append(row)
-
-    by_path: dict[str, list[str]] = {}
-    for _, _, fields, _, _, err in keep:
-        m = _message(err)
-        path = _path(fields) or ("" if _NAMES_FIELD.match(m) else "body")
-        msgs = by_path.setdefault(path, [])
-        if m not in msgs:
-            msgs.append(m)
-    return "; ".join(f"{path}: {' or '.join(msgs)}" if path else " ".join(msgs)
-                     for path, msgs in by_path.items())
-
-
-def _kind(err: dict) -> str:
-    got = err.get("input")
-    if err.get("type") == "missing":
-        return "an empty body"
-    if isinstance(got, bytes):  # FastAPI parses JSON only when the content type says JSON
-        return "a body that is not JSON (send it with Content-Type: application/json)"
-    names = {type(None): "null", list: "an array", str: "a string", bool: "a boolean",
-             int: "a number", float: "a number"}
-    return names.get(type(got), type(got).__name__)

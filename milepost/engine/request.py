@@ -37,9 +37,15 @@ class RequestOutput:
     finish_reason: dict | None = None
     routed_experts: str | None = None  # base64 of int32 [prompt+completion-1, layers, top_k], C order
     weight_version: str = ""
+    # Prompt log-probs (complete once the prompt is prefilled; the lists are the request's own).
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_ids_logprobs: list[list[float] | None] | None = None
+    new_ids_logprobs: list[list[float]] | None = None  # token_ids_logprob at each new token
+    prompt_ids: list[int] | None = None  # set with input_logprobs (the tokens they score)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues find and remove a request without comparing fields
 class Request:
     rid: str
     prompt_ids: list[int]
@@ -50,6 +56,10 @@ class Request:
     top_logprobs_num: int = 0
     return_routed_experts: bool = False
     stream: bool = False
+    # Prompt log-probs from this prompt position on (SGLang's logprob_start_len); -1: none.
+    logprob_start_len: int = -1
+    token_ids_logprob: list[int] | None = None  # log-probs of these ids at every position
+    cacheable: bool = True  # False (a cache salt was given): no shared prefix read or written
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.monotonic)
 
@@ -65,6 +75,16 @@ class Request:
     emitted: int = 0  # output tokens already sent to the owner
     finish_reason: dict | None = None
     first_token_time: float | None = None
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    input_ids_logprobs: list[list[float] | None] = field(default_factory=list)
+    output_ids_logprobs: list[list[float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.logprob_start_len == 0:  # the first prompt token has no log-prob (SGLang: None)
+            self.input_logprobs.append(None)
+            self.input_top_logprobs.append(None)
+            self.input_ids_logprobs.append(None)
 
     @property
     def all_ids(self) -> list[int]:
@@ -78,6 +98,13 @@ class Request:
     def tokens_to_compute(self) -> int:
         """Tokens whose KV must be computed before the next token can be sampled."""
         return self.total_len - self.num_computed
+
+    @property
+    def prompt_lp_next(self) -> int:
+        """The next prompt position whose log-prob is still to compute (len(prompt): none)."""
+        if self.logprob_start_len < 0:
+            return len(self.prompt_ids)
+        return self.logprob_start_len + len(self.input_logprobs)
 
     @property
     def is_finished(self) -> bool:

@@ -1,4 +1,4 @@
-"""Sampling parameters (SGLang's names) and the batched sampler.
+"""The batched sampler (the parameters, SGLang's names, live in sampling_params.py).
 
 Rollout log-probs are `log_softmax(logits / temperature)` at the sampled token, in fp32, taken
 BEFORE top-p / top-k / min-p truncation: that is the distribution the trainer recomputes, so the
@@ -11,60 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-GREEDY_EPS = 1e-5
+from milepost.engine.penalties import adjust_logits
+from milepost.engine.sampling_params import GREEDY_EPS, SamplingParams
 
-
-class SamplingParams(BaseModel):
-    """SGLang's `sampling_params`; unknown keys are refused so a typo never silently does nothing."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int = Field(128, ge=0, description="Most tokens to generate.")
-    min_new_tokens: int = Field(0, ge=0, description="Stop tokens are banned until this many.")
-    temperature: float = Field(1.0, ge=0.0, description="0 (or < 1e-5) means greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept.")
-    top_k: int = Field(-1, description="Keep the k most likely tokens; -1 or 0 keeps all.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p * max prob.")
-    stop: str | list[str] | None = Field(None, description="Stop strings (not in the output text).")
-    stop_token_ids: list[int] | None = Field(None, description="Extra token ids that stop.")
-    ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
-    n: int = Field(1, ge=1, le=1024, description="Independent samples of this prompt.")
-    sampling_seed: int | None = Field(None, description="Seed for reproducible sampling.")
-    skip_special_tokens: bool = Field(True, description="Drop special tokens from output text.")
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = Field(False, description="Keep the matched stop string in the text.")
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v < -1:
-            raise ValueError("top_k must be -1 (off) or a positive number of tokens")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
-        if v is None:
-            return None
-        stops = [v] if isinstance(v, str) else v
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        return stops
-
-    @model_validator(mode="after")
-    def _min_le_max(self) -> SamplingParams:
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
-                f"({self.max_new_tokens})"
-            )
-        return self
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
+__all__ = ["GREEDY_EPS", "SampleResult", "SamplingParams", "sample"]
 
 
 @dataclass
@@ -73,6 +24,7 @@ class SampleResult:
     logprobs: torch.Tensor  # [B] fp32, log_softmax(logits / T) at the token
     top_ids: torch.Tensor | None  # [B, k] int64
     top_logprobs: torch.Tensor | None  # [B, k] fp32
+    ids_logprobs: torch.Tensor | None = None  # [B, K] fp32: token_ids[i] of row i, padded
 
 
 def sample(
@@ -81,10 +33,16 @@ def sample(
     generators: list[torch.Generator | None],
     banned: list[list[int]],
     top_logprobs_num: int = 0,
+    outputs: list[list[int]] | None = None,
+    token_ids: list[list[int] | None] | None = None,
 ) -> SampleResult:
     """logits: [B, V] fp32 -> one token per row, the whole batch in a few batched ops.
 
     banned[i]: token ids row i may not produce this step (stop tokens before min_new_tokens).
+    token_ids[i]: ids whose log-probs row i reports (None: none).
+    outputs[i]: row i's output ids so far, needed when a row has penalties or a logit bias
+    (penalties.py); those adjust the logits first, so the reported log-probs are those of the
+    distribution actually sampled (as in SGLang).
     One log_softmax serves both the reported log-probs and the sampling probabilities (no second
     pass over the logits). Greedy rows take the argmax; sampled rows draw by the exponential race
     argmax(p / q), q ~ Exp(1), which is what torch.multinomial does for one sample, so a seeded
@@ -96,9 +54,13 @@ def sample(
     ask for them, with per-row settings in tensors (top-k and top-p via torch.topk, no full sort).
     """
     logits = logits.float()
-    if any(banned):
-        # .float() is a no-op on fp32 input: copy before banning so the caller's logits stay intact.
+    adjust = outputs is not None and any(p.adjusts_logits for p in params)
+    if adjust or any(banned):
+        # .float() is a no-op on fp32 input: copy so the caller's logits stay intact.
         logits = logits.clone()
+    if adjust:
+        adjust_logits(logits, params, outputs)
+    if any(banned):
         rows = [i for i, ids in enumerate(banned) for _ in ids]
         cols = [t for ids in banned for t in ids]
         logits[rows, cols] = float("-inf")
@@ -128,7 +90,13 @@ def sample(
     top_ids = top_lp = None
     if top_logprobs_num > 0:
         top_lp, top_ids = logprobs_all.topk(min(top_logprobs_num, logits.shape[-1]), dim=-1)
-    return SampleResult(tokens, chosen, top_ids, top_lp)
+    ids_lp = None
+    if token_ids is not None:  # SGLang's token_ids_logprob: these ids' log-probs at each step
+        width = max(len(t or []) for t in token_ids)
+        cols = _on_device([(t or []) + [0] * (width - len(t or [])) for t in token_ids],
+                          logits.device)
+        ids_lp = logprobs_all.gather(1, cols)
+    return SampleResult(tokens, chosen, top_ids, top_lp, ids_lp)
 
 
 # Nucleus candidates looked at first; a row whose nucleus is wider falls back to a full sort.
@@ -170,6 +138,9 @@ def _on_device(values: list, device: torch.device) -> torch.Tensor:
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep, per row, the most likely tokens until the mass BEFORE a token reaches top_p * total.
 
+    The most likely token is always kept: a top_p that underflows (1e-300 is 0 in fp32) must not
+    empty the row, which would make the race return token 0.
+
     probs: [r, V] (unnormalized after other truncations), top_p: [r]. Sorting only the top
     TOP_P_CANDIDATES is exact whenever the nucleus ends inside them (the cumulative sums over
     the head of a full sort are the same numbers); other rows are sorted whole.
@@ -178,14 +149,17 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     k = min(TOP_P_CANDIDATES, probs.shape[1])
     vals, ids = probs.topk(k, dim=1)  # sorted descending
     before = vals.cumsum(dim=1) - vals
-    out = torch.zeros_like(probs).scatter_(1, ids, vals.masked_fill_(before >= limit[:, None], 0.0))
+    drop = before >= limit[:, None]
+    drop[:, 0] = False
+    out = torch.zeros_like(probs).scatter_(1, ids, vals.masked_fill_(drop, 0.0))
     if k < probs.shape[1]:
         wide = (before[:, -1] + vals[:, -1] < limit).nonzero().flatten().tolist()
         if wide:  # the nucleus spills past the candidates: sort those rows whole
             vals, ids = probs[wide].sort(dim=1, descending=True)
             before = vals.cumsum(dim=1) - vals
-            out[wide] = torch.zeros_like(vals).scatter_(
-                1, ids, vals.masked_fill_(before >= limit[wide, None], 0.0))
+            drop = before >= limit[wide, None]
+            drop[:, 0] = False
+            out[wide] = torch.zeros_like(vals).scatter_(1, ids, vals.masked_fill_(drop, 0.0))
     return out
 
 

@@ -37,8 +37,19 @@ class Chunk:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the end of the request's tokens, so the next token is sampled."""
-        return self.start + self.length == self.req.total_len
+        """The chunk reaches the end of the request's tokens, so the next token is sampled
+        (a request asking for 0 new tokens only scores its prompt)."""
+        return self.start + self.length == self.req.total_len and self.req.params.max_new_tokens > 0
+
+    @property
+    def prompt_rows(self) -> range:
+        """Positions of this chunk whose logits give a prompt log-prob still to compute (the
+        logits at position p score prompt token p + 1)."""
+        req = self.req
+        if req.logprob_start_len < 0:
+            return range(0)
+        return range(max(self.start, req.prompt_lp_next - 1),
+                     min(self.start + self.length, len(req.prompt_ids) - 1))
 
 
 class Scheduler:
@@ -93,9 +104,9 @@ class Scheduler:
             if budget <= 0:
                 break
             if req.state is ReqState.RUNNING and req.tokens_to_compute > 1:
-                n = min(req.tokens_to_compute, budget)
+                n = _prefill_len(req, budget, self.chunked_prefill_size)
                 # No preemption here: a victim may already hold a decode chunk of this step.
-                if self._grow(req, req.num_computed + n, may_preempt=False):
+                if n and self._grow(req, req.num_computed + n, may_preempt=False):
                     chunks.append(Chunk(req, req.num_computed, n))
                     computing.add(self._first_block(req, n))
                     budget -= n
@@ -114,8 +125,8 @@ class Scheduler:
                 if len(deferred) < _MAX_DEFERRED:
                     continue
                 break
-            n = min(req.tokens_to_compute, budget)
-            if not self._grow(req, req.num_computed + n, may_preempt=False):
+            n = _prefill_len(req, budget, self.chunked_prefill_size)
+            if n == 0 or not self._grow(req, req.num_computed + n, may_preempt=False):
                 self._release(req)
                 break
             self.waiting.popleft()
@@ -143,17 +154,32 @@ class Scheduler:
         """Account the KV written by the step; cache full prompt blocks for requests to share."""
         for c in chunks:
             c.req.num_computed = c.start + c.length
-            if self.cache is not None and c.length > 1:
+            if self.cache is not None and c.length > 1 and c.req.cacheable:
                 self.cache.insert(c.req.prompt_ids[: c.req.num_computed], c.req.blocks)
 
     def finish(self, req: Request) -> None:
         """Remove a request (finished or aborted) from the queues and release its KV."""
-        if req in self.running:
+        if req.state is ReqState.FINISHED:
+            return  # already removed (finish_many)
+        if req.state is ReqState.RUNNING and req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
         req.state = ReqState.FINISHED
+
+    def finish_many(self, reqs: list[Request]) -> None:
+        """`finish` for many requests at once: the queue is filtered in one pass (aborting a
+        20,000-prompt batch must not cost 20,000 scans of the queue)."""
+        gone = {id(r) for r in reqs}
+        if any(r.state is ReqState.WAITING for r in reqs):
+            self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        for req in reqs:
+            if req.state is ReqState.WAITING:
+                self._release(req)
+                req.state = ReqState.FINISHED
+            else:
+                self.finish(req)
 
     def retract_all(self) -> None:
         """Move every running request back to the front of the queue, KV dropped (recomputed later)."""
@@ -164,11 +190,13 @@ class Scheduler:
         self.running.clear()
 
     def _attach_prefix(self, req: Request) -> None:
-        if req.blocks or self.cache is None:
+        if req.blocks or self.cache is None or not req.cacheable:
             return
         tokens = req.all_ids
-        # At least one token must be computed to get logits for the next sample.
-        found = self.cache.match_prefix(tokens, len(tokens) - 1, partial=self.copy_kv is not None)
+        # At least one token must be computed to get logits for the next sample; prompt
+        # log-probs still missing need the logits of every position from the one before them.
+        limit = min(len(tokens) - 1, max(req.prompt_lp_next - 1, 0))
+        found = self.cache.match_prefix(tokens, limit, partial=self.copy_kv is not None)
         self.pool.incref(found.blocks)
         req.blocks = list(found.blocks)
         req.num_computed = len(found.blocks) * self.block_size
@@ -225,13 +253,25 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, req: Request) -> None:
-        if self.cache is not None and req.num_computed > 0:
+        if self.cache is not None and req.num_computed > 0 and req.cacheable:
             # The request lets go of its blocks: its partly filled last one is final, and kept.
             self.cache.insert(req.all_ids[: req.num_computed], req.blocks,
                               keep_partial=self.copy_kv is not None)
         self.pool.decref(req.blocks)
         req.blocks = []
         req.num_computed = 0
+
+
+def _prefill_len(req: Request, budget: int, full_budget: int) -> int:
+    """Tokens of req to prefill in this step's budget; 0 (wait for a step with more room) for a
+    1-token chunk that would stop at a prompt position whose logits are needed: a step of
+    1-token chunks may replay a CUDA graph, which returns only the logits of chunks that sample."""
+    n = min(req.tokens_to_compute, budget)
+    start = req.num_computed
+    if (n == 1 < req.tokens_to_compute and budget < full_budget and req.logprob_start_len >= 0
+            and req.prompt_lp_next - 1 <= start < len(req.prompt_ids) - 1):
+        return 0
+    return n
 
 
 def _age(req: Request) -> tuple[float, str]:

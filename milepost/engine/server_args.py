@@ -100,6 +100,15 @@ class ServerArgs(BaseModel):
         False, description="Allow a checkpoint with custom modeling code (auto_map in config.json) "
         "to run its own Python code; refused without it."
     )
+    max_request_batch: int = Field(
+        4096, description="Most sequences (prompts x n) one /generate or /v1 request may ask for; "
+        "more is answered 413.")
+    max_request_body_mb: float = Field(
+        128.0, description="Largest body, in MiB, of a generation request (/generate, /v1/*, "
+        "/tokenize); larger is answered 413 unread. Weight updates are not limited.")
+    incremental_streaming_output: bool = Field(
+        False, description="Streamed chunks carry only the text, ids and log-probs new since the "
+        "previous chunk (SGLang's flag); default: everything so far.")
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
         "default", description="Weight version reported before the first weight update."
@@ -157,13 +166,20 @@ class ServerArgs(BaseModel):
 
     @field_validator(
         "max_total_tokens", "page_size", "context_length", "chunked_prefill_size", "max_running_requests",
-        "cuda_graph_max_bs",
+        "cuda_graph_max_bs", "max_request_batch",
     )
     @classmethod
     def _positive(cls, v: int | None, info: ValidationInfo) -> int | None:
         if v is not None and v < 1:
             flag = "--" + str(info.field_name).replace("_", "-")
             raise ValueError(f"{flag} must be >= 1; got {v}")
+        return v
+
+    @field_validator("max_request_body_mb")
+    @classmethod
+    def _body_mb(cls, v: float) -> float:
+        if not v > 0 or v != v or v == float("inf"):
+            raise ValueError(f"--max-request-body-mb must be a positive number; got {v}")
         return v
 
     @field_validator("random_seed")

@@ -11,11 +11,13 @@ samples a stop token decodes one more token in the step already launched; that t
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
 import torch
 
+from milepost.engine.prompt_logprobs import take_prompt_logprobs
 from milepost.engine.request import ReqState, Request
 from milepost.engine.sampling import SampleResult, sample
 
@@ -44,8 +46,11 @@ class Stepper:
         chunks = self.scheduler.schedule()
         if not chunks:
             return
-        logits = self.runner.forward(chunks)
+        logits = take_prompt_logprobs(chunks, self.runner.forward(chunks))
         self.scheduler.after_forward(chunks)
+        for c in chunks:  # requests for 0 new tokens end once their prompt is scored
+            if c.req.params.max_new_tokens == 0 and c.req.tokens_to_compute == 0:
+                self._finish(c.req, {"type": "length", "length": 0})
         sampling = [c.req for c in chunks if c.samples]
         if sampling:
             launched = LaunchedStep.of(sampling, self._sample(logits, sampling), self.weight_version)
@@ -90,6 +95,8 @@ class Stepper:
             return False
         if any(r.state is not ReqState.RUNNING for r in live):
             return False
+        if any(r.params.penalized for r in live):
+            return False  # penalties count the output tokens: the last one must be on the host
         bs = self.cfg.block_size
         need = sum(1 for r in live if r.total_len + 1 > len(r.blocks) * bs)
         return need <= self.pool.num_free
@@ -105,12 +112,17 @@ class Stepper:
             self._process(prev)
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> SampleResult:
+        params = [r.params for r in sampling]
         return sample(
             logits,
-            [r.params for r in sampling],
+            params,
             [r.generator for r in sampling],
             [self._banned(r) for r in sampling],
             max(r.top_logprobs_num for r in sampling),
+            [r.token_ids_logprob for r in sampling]
+            if any(r.token_ids_logprob for r in sampling) else None,
+            # penalties read the output so far; without them no per-row lists are passed
+            [r.output_ids for r in sampling] if any(p.adjusts_logits for p in params) else None,
         )
 
     def _process(self, launched: LaunchedStep, pending: bool = False) -> None:
@@ -137,12 +149,15 @@ class Stepper:
                 req.output_top_logprobs.append(
                     list(zip(result.top_logprobs[row, :k].tolist(), result.top_ids[row, :k].tolist()))
                 )
+            if req.token_ids_logprob:
+                req.output_ids_logprobs.append(
+                    result.ids_logprobs[row, : len(req.token_ids_logprob)].tolist())
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         reason = self._finish_reason(req, token)
         if reason is not None:
             self._finish(req, reason)
-        elif req.stream:
+        elif req.stream and len(req.output_ids) - req.emitted >= (req.params.stream_interval or 1):
             self._emit(req)
 
     def _finish_reason(self, req: Request, token: int) -> dict | None:
@@ -155,6 +170,13 @@ class Stepper:
             for s in p.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}
+        if p.stop_regex and self.tokenizer is not None:
+            # The whole output: a pattern's match has no length bound (costs only who asks).
+            text = self.tokenizer.decode(req.output_ids)
+            for pattern in p.stop_regex:
+                m = re.search(pattern, text)
+                if m is not None:
+                    return {"type": "stop", "matched": m.group(0)}
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
         if req.total_len >= self.cfg.context_length:
@@ -180,12 +202,13 @@ class LaunchedStep:
     sampling: list[Request]
     result: SampleResult  # on the device: the next step's forward reads its tokens there
     version: str  # the weights that computed it
-    host: list[torch.Tensor | None]  # tokens, logprobs, top_ids, top_logprobs on the host
+    host: list[torch.Tensor | None]  # tokens, logprobs, top_ids, top_logprobs, ids_logprobs
     copied: torch.cuda.Event | None
 
     @classmethod
     def of(cls, sampling: list[Request], result: SampleResult, version: str) -> LaunchedStep:
-        fields = [result.tokens, result.logprobs, result.top_ids, result.top_logprobs]
+        fields = [result.tokens, result.logprobs, result.top_ids, result.top_logprobs,
+                  result.ids_logprobs]
         if result.tokens.device.type != "cuda":
             return cls(sampling, result, version, fields, None)
         host = [None if t is None else
@@ -198,8 +221,8 @@ class LaunchedStep:
     def read_back(self) -> _HostSample:
         if self.copied is not None:
             self.copied.synchronize()
-        tokens, logprobs, top_ids, top_logprobs = self.host
-        return _HostSample(tokens.tolist(), logprobs.tolist(), top_ids, top_logprobs)
+        tokens, logprobs, top_ids, top_logprobs, ids_logprobs = self.host
+        return _HostSample(tokens.tolist(), logprobs.tolist(), top_ids, top_logprobs, ids_logprobs)
 
 
 @dataclass
@@ -208,3 +231,4 @@ class _HostSample:
     logprobs: list[float]
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    ids_logprobs: torch.Tensor | None  # [B, K]: token_ids_logprob, padded per row

@@ -1,0 +1,60 @@
+"""Logit adjustments applied before sampling: SGLang's penalties and `logit_bias`.
+
+As in SGLang, penalties count the request's *output* tokens only (not the prompt):
+frequency subtracts `f * count`, presence subtracts `p` once a token appeared, repetition divides
+a positive logit (multiplies a negative one) by `r` for every token that appeared. The bias is
+added last. Only rows that ask are touched, so a batch without them pays one Python check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from milepost.engine.sampling_params import SamplingParams
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """logits: [B, V] fp32 (modified in place and returned); outputs[i]: row i's output ids."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if rows:
+        _penalize(logits, rows, [params[i] for i in rows], [outputs[i] for i in rows])
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if rows:
+        r_idx, c_idx, vals = [], [], []
+        for i in rows:
+            for key, value in params[i].logit_bias.items():
+                r_idx.append(i)
+                c_idx.append(int(key))
+                vals.append(value)
+        dev = logits.device
+        logits.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(c_idx, device=dev)),
+                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
+
+
+def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+              outputs: list[Sequence[int]]) -> None:
+    vocab, dev = logits.shape[1], logits.device
+    width = max(1, max(len(o) for o in outputs))
+    # Padding points at an extra column that is dropped: one scatter counts every row.
+    ids = torch.full((len(rows), width), vocab, dtype=torch.long)
+    for j, out in enumerate(outputs):
+        if out:
+            ids[j, : len(out)] = torch.tensor(list(out), dtype=torch.long)
+    ids = ids.to(dev)
+    counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype, device=dev)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    seen = counts > 0
+    index = torch.tensor(rows, device=dev)
+    sub = logits.index_select(0, index)  # [r, V]
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+    sub = sub - freq * counts - pres * seen.to(logits.dtype)
+    logits.index_copy_(0, index, sub)
