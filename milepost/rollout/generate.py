@@ -275,7 +275,8 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
     prefix_cache_hit_rate: cached / prompt tokens over every answered request.
     tokens_per_s: response tokens of every answered request / the rollout's wall time.
     session_*: divergences of the session server's sessions (rollbacks, forks, rejections, and
-    sampled tokens re-tokenized as context), when the samples came from it.
+    sampled tokens re-tokenized as context) and tool-call blocks of the model that did not parse,
+    when the samples came from it.
     """
     trained = [s for g in result.groups for s in g]
     answered = [s for g in (*result.groups, *result.aborted_groups, *result.failed_groups)
@@ -313,4 +314,7 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
                 "session_retokenized_tokens"):
         if sessions:
             out[key] = float(sum(m[key] for m in sessions.values()))
+    if sessions:  # per sequence: the model's tool-call blocks that did not parse (kept as text)
+        out["session_unparsed_tool_calls"] = float(sum(
+            s.metadata.get("session_unparsed_tool_calls", 0) for s in answered))
     return out

@@ -34,6 +34,7 @@ class ParsedOutput:
     content: str
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    unparsed_tool_calls: int = 0  # tool-call blocks left in the content as text (bad JSON)
 
     def message(self) -> Message:
         msg: Message = {"role": "assistant", "content": self.content}
@@ -61,19 +62,23 @@ def parse_think(text: str, start: str = "<think>", end: str = "</think>",
 _TOOL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def parse_tool_call_blocks(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """(content before the first call, OpenAI tool_calls) from `<tool_call>{json}</tool_call>`
-    blocks; a block may hold one object or a list of them (SmolLM2 writes lists). A block that is
-    not valid JSON stays in the content: the model's text is never dropped."""
+def parse_tool_call_blocks(text: str) -> tuple[str, list[dict[str, Any]], int]:
+    """(content before the first call, OpenAI tool_calls, blocks left unparsed) from
+    `<tool_call>{json}</tool_call>` blocks; a block may hold one object or a list of them (SmolLM2
+    writes lists). A block that is not valid JSON stays in the content: the model's text is never
+    dropped, and the count reaches the metrics (`rollout/session_unparsed_tool_calls`)."""
     calls: list[dict[str, Any]] = []
     first = None
+    bad = 0
     for m in _TOOL_BLOCK.finditer(text):
         try:
             payload = json.loads(m.group(1))
         except json.JSONDecodeError:
+            bad += 1
             continue
         objs = payload if isinstance(payload, list) else [payload]
         if not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in objs):
+            bad += 1
             continue
         first = m.start() if first is None else first
         for o in objs:
@@ -85,8 +90,8 @@ def parse_tool_call_blocks(text: str) -> tuple[str, list[dict[str, Any]]]:
                              "arguments": args if isinstance(args, str)
                              else json.dumps(args, ensure_ascii=False)}})
     if not calls:
-        return text, []
-    return text[:first].rstrip("\n"), calls
+        return text, [], bad
+    return text[:first].rstrip("\n"), calls, bad
 
 
 @dataclass(frozen=True)
@@ -117,13 +122,14 @@ class Family:
 
 def _parse_qwen3(text: str) -> ParsedOutput:
     reasoning, rest = parse_think(text)
-    content, calls = parse_tool_call_blocks(rest)
-    return ParsedOutput(content=content, reasoning_content=reasoning, tool_calls=calls)
+    content, calls, bad = parse_tool_call_blocks(rest)
+    return ParsedOutput(content=content, reasoning_content=reasoning, tool_calls=calls,
+                        unparsed_tool_calls=bad)
 
 
 def _parse_chatml(text: str) -> ParsedOutput:
-    content, calls = parse_tool_call_blocks(text)
-    return ParsedOutput(content=content, tool_calls=calls)
+    content, calls, bad = parse_tool_call_blocks(text)
+    return ParsedOutput(content=content, tool_calls=calls, unparsed_tool_calls=bad)
 
 
 def _parse_plain(text: str) -> ParsedOutput:

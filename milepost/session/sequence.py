@@ -65,6 +65,7 @@ def build_sample(session: Session, leaf: Turn, *, group_index: int = 0, index: i
                   "messages": leaf.messages,
                   "cached_tokens": sum(t.cached_tokens for t in path),
                   "prompt_tokens": sum(len(t.ids) - len(t.output_ids) for t in path),
+                  "session_unparsed_tool_calls": sum(t.unparsed_tool_calls for t in path),
                   # session-wide (the same on every leaf; rollout metrics count each session once)
                   **divergence_counts(session.divergences)},
     )

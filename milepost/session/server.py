@@ -92,12 +92,21 @@ class ChatRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, data: Any) -> Any:
+        bad = _non_utf8(data, "")
+        if bad is not None:
+            raise ValueError(f"{bad or 'body'}: a string is not valid UTF-8 (a lone surrogate); "
+                             f"send text as UTF-8")
+        return data
 
     @model_validator(mode="after")
     def _last(self) -> ChatRequest:
@@ -110,6 +119,24 @@ class ChatRequest(BaseModel):
         return {"max_new_tokens": self.max_completion_tokens or self.max_tokens,
                 "temperature": self.temperature, "top_p": self.top_p,
                 "stop": [self.stop] if isinstance(self.stop, str) else self.stop}
+
+
+def _non_utf8(value: Any, where: str) -> str | None:
+    """The path of the first string in `value` that cannot be encoded as UTF-8, if any."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    items = (value.items() if isinstance(value, dict)
+             else enumerate(value) if isinstance(value, list) else ())
+    for k, v in items:
+        found = _non_utf8(k, where) if isinstance(k, str) else None
+        found = found if found is not None else _non_utf8(v, f"{where}.{k}" if where else str(k))
+        if found is not None:
+            return found
+    return None
 
 
 class SamplesRequest(BaseModel):

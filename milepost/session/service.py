@@ -242,7 +242,8 @@ class SessionService:
             raise GenerationAborted(f"the engine aborted this turn ({out.finish_reason}); nothing "
                                     f"was stored, the request can be sent again")
         r = self.renderer
-        reply = r.parse_output(out.output_ids).message()
+        parsed = r.parse_output(out.output_ids)
+        reply = parsed.message()
         stored = turn.history + [reply]
         rendered = r.cut_after_last_turn(r.render(stored, turn.tools, add_generation_prompt=False))
         fields = {
@@ -250,6 +251,7 @@ class SessionService:
             "weight_versions": out.weight_versions, "weight_version": out.weight_version,
             "routed_experts": out.routed_experts, "finish_reason": out.finish_reason,
             "rendered": rendered, "cached_tokens": out.cached_tokens,
+            "unparsed_tool_calls": parsed.unparsed_tool_calls,
             "ended_with_eot": bool(out.output_ids) and out.output_ids[-1] == r.eot_id}
         if turn.holds_lock:  # linear: held since prepare
             stored_turn = turn.session.add_turn(turn.at, stored, turn.tools, turn.divergence,

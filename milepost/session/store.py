@@ -59,6 +59,7 @@ class Turn:
     rendered: Rendered | None = None  # template text up to this turn's end-of-turn marker
     ended_with_eot: bool = True
     cached_tokens: int = 0
+    unparsed_tool_calls: int = 0  # tool-call blocks of the output kept as text (bad JSON)
     overhead_s: float = 0.0  # the server's own time for this turn (generation excluded)
     children: list[Turn] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)

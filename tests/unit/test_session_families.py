@@ -54,6 +54,10 @@ def test_malformed_tool_call_stays_in_content() -> None:
     text = "<tool_call>{not json}</tool_call>"
     out = get_family("qwen3").parse(text)
     assert out.tool_calls == [] and out.content == text
+    assert out.unparsed_tool_calls == 1  # counted: rollout/session_unparsed_tool_calls
+    good = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert get_family("qwen3").parse(good + text).unparsed_tool_calls == 1
+    assert get_family("qwen3").parse(good).unparsed_tool_calls == 0
 
 
 def test_chatml_reads_smollm2_list_calls() -> None:

@@ -24,3 +24,23 @@ def test_engine_down_is_503_and_stores_nothing() -> None:
         r = c.post(f"/sessions/{sid}/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "hi"}], "temperature": -1})
         assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+
+
+def test_non_finite_numbers_and_lone_surrogates_are_400() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    url = "/sessions/{}/v1/chat/completions"
+    with SessionServerThread(build_tiny_tokenizer(), dead, family="qwen3") as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        sid = c.post("/sessions").json()["session_id"]
+        for raw, needle in [
+            ('{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
+             "temperature"),
+            ('{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', "top_p"),
+            ('{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
+            ('{"model": "\\udfff", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+        ]:
+            r = c.post(url.format(sid), content=raw.encode(),
+                       headers={"content-type": "application/json"})
+            assert r.status_code == 400, (raw, r.text)
+            assert needle in r.json()["error"]["message"], r.json()
+        assert c.get("/health").status_code == 200
