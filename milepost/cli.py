@@ -209,6 +209,19 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
 
     engine.set_defaults(run=run)
 
+    train = kinds.add_parser(
+        "train", add_help=False, help="the trainer's step vs a plain Hugging Face training loop "
+        "(tokens/s, MFU, peak memory, ratio)",
+        description="See `milepost bench train --help` (python -m milepost.bench.train).")
+    train.set_defaults(run=lambda ns: _bench_train([]))
+
+
+def _bench_train(argv: list[str]) -> int:
+    # Its own argparse parser (no pydantic: it also runs where only torch is installed).
+    from milepost.bench.train import main as bench_train
+
+    return bench_train(argv)
+
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_train, _add_sft, _add_report, _add_serve, _add_tiny_model, _add_smollm2, _add_bench,
@@ -234,5 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         ns = parser.parse_args(argv[:1])
         ns.overrides = argv[1:]
         return ns.run(ns)
+    if argv[:2] == ["bench", "train"]:
+        return _bench_train(argv[2:])
     ns = parser.parse_args(argv)
     return ns.run(ns)

@@ -1,0 +1,144 @@
+"""`milepost bench train`: the trainer's step beside a plain Hugging Face training loop, one run.
+
+Both train the same checkpoint on the same random batch (samples x (prompt + response) tokens,
+N(0, 1) advantages, one optimizer step per batch): milepost's `FSDPBackend.train_step` on one
+rank, then the transformers loop of train_hf.py. Prints tokens/s (all tokens of the batch over
+the median step time), MFU (model FLOPs / step time / device peak), peak memory and the ratio.
+Also runnable as `python -m milepost.bench.train` (needs no pydantic, unlike the CLI).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from milepost.bench.train_setup import (
+    TrainBenchArgs,
+    device_peak,
+    parse_args,
+    shape_config,
+    train_flops,
+    write_shape_checkpoint,
+)
+
+
+def _batch(args: TrainBenchArgs, vocab: int):
+    from milepost.train.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(10, vocab, (args.samples, args.seq_len), generator=g)
+    adv = torch.randn(args.samples, args.response, generator=g)
+    masks = [torch.ones(args.response) for _ in range(args.samples)]
+    batch = TrainBatch(list(tokens), [args.response] * args.samples, masks, list(adv))
+    return tokens, adv, batch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rank(rank: int, world: int, path: str, args: TrainBenchArgs, vocab: int) -> dict:
+    """One process: milepost's steps, then (its memory released) the Hugging Face loop's."""
+    from milepost.bench.train_hf import hf_train_steps
+    from milepost.train.fsdp import FSDPBackend, TrainerSettings
+
+    torch.manual_seed(args.seed)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    tokens, adv, batch = _batch(args, vocab)
+    settings = TrainerSettings(
+        lr=1e-6, global_batch_size=args.samples, max_tokens_per_micro_batch=args.micro_batch_tokens,
+        device=args.device, dtype="bfloat16" if cuda else "float32",
+        activation_checkpointing=args.activation_checkpointing)
+    backend = FSDPBackend.create(path, settings)
+    times = []
+    for i in range(args.steps + 1):
+        _sync(device)
+        if i == 1 and cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        t = time.perf_counter()
+        metrics = backend.train_step(batch)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t)
+    out = {"milepost": {"step_times": times, "grad_norm": metrics["grad_norm"],
+                        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")}}
+    del backend
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    if args.hf:
+        micro = args.hf_micro_batch or max(1, args.micro_batch_tokens // args.seq_len)
+        out["hf"] = hf_train_steps(path, tokens, adv, args.response, micro, args.steps, device)
+        out["hf"]["micro_batch"] = micro
+    return out
+
+
+def run(args: TrainBenchArgs) -> dict:
+    """Runs both sides and returns the results (also printed, and written to --json-out)."""
+    from milepost.testing.dist import run_ranks
+    from milepost.models.registry import checkpoint_config
+
+    config = checkpoint_config(args.model) if args.model is not None else shape_config(args.shape, args.layers)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and args.seq_len > limit:
+        raise ValueError(f"--prompt + --response = {args.seq_len} exceeds the model's max_position_embeddings ({limit})")
+    path = args.model or write_shape_checkpoint(args.shape, args.layers, args.device, args.seed)
+    timeout = 600.0 + 60.0 * args.steps
+    [res] = run_ranks(_rank, 1, str(path), args, config.vocab_size,
+                      backend="nccl" if args.device == "cuda" else "gloo", timeout_s=timeout)
+    flops = train_flops(config, args.samples, args.prompt, args.response)
+    peak = device_peak(args)
+    tokens = args.samples * args.seq_len
+    report = {"model": str(args.model or args.shape), "layers": config.num_hidden_layers,
+              "samples": args.samples, "prompt": args.prompt, "response": args.response,
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "activation_checkpointing": args.activation_checkpointing,
+              "micro_batch_tokens": args.micro_batch_tokens, "flops_per_step": flops}
+    for side, r in res.items():
+        step = statistics.median(r["step_times"])
+        report[side] = {**r, "step_s": step, "tokens_per_s": tokens / step,
+                        "mfu": flops / step / peak if peak else None}
+    if "hf" in report:
+        report["ratio"] = report["milepost"]["tokens_per_s"] / report["hf"]["tokens_per_s"]
+    return report
+
+
+def _print(report: dict) -> None:
+    print(f"{report['model']} ({report['layers']} layers) on {report['device']}: {report['samples']} x "
+          f"({report['prompt']} + {report['response']}) tokens, micro-batch {report['micro_batch_tokens']} "
+          f"tokens, activation checkpointing {report['activation_checkpointing']}")
+    for side in ("milepost", "hf"):
+        if side not in report:
+            continue
+        r = report[side]
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        print(f"  {side:9s} {r['tokens_per_s']:10.0f} tok/s  step {r['step_s']:.3f} s  MFU {mfu}  "
+              f"peak {r['peak_gib']:.1f} GiB")
+    if "ratio" in report:
+        print(f"  ratio     {report['ratio']:.2f}x (milepost / Hugging Face loop, same run)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        report = run(args)
+    except ValueError as err:
+        print(f"milepost bench train: error: {err}", file=sys.stderr)
+        return 2
+    _print(report)
+    if args.json_out is not None:
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
