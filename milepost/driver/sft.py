@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     from milepost.data.chat import ChatDataError
     from milepost.train.sft import SFTRuntime
 
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+    from milepost.launch.rendezvous import init_default_group
+
+    init_default_group("nccl" if cfg.device == "cuda" else "gloo")  # rank 0 listens on MASTER_ADDR only
     rt = None
     try:
         rt = SFTRuntime(cfg)

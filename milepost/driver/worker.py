@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     from milepost.train.finite import TrainingDivergedError
     from milepost.weights.transport import TransportError
 
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo")
+    from milepost.launch.rendezvous import init_default_group
+
+    init_default_group("nccl" if cfg.device == "cuda" else "gloo")  # rank 0 listens on MASTER_ADDR only
     rt = None
     try:
         if cfg.fully_async:

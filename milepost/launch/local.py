@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from milepost.launch.process import ManagedProcess, die_with_parent, free_port
+from milepost.launch.rendezvous import LOOPBACK_SOCKET_ENV
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class LocalLauncher:
 
     def _engine_env(self, i: int) -> dict[str, str]:
         cfg = self.cfg
-        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **_loopback_sockets()}
         if self.on_gpu:
             n = cfg.rollout_num_gpus_per_engine
             if cfg.colocate:
@@ -93,9 +94,12 @@ class LocalLauncher:
     def start_router(self, worker_urls: list[str]) -> str:
         """The real sglang-router in front of the engines: manual policy, min_load assignment."""
         port = free_port()
+        # Its Prometheus endpoint defaults to 0.0.0.0:29000: all interfaces, and a fixed port that
+        # two runs on one host would both want.
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                "--port", str(port), "--worker-urls", *worker_urls, "--policy", "manual",
-               "--assignment-mode", "min_load", "--log-level", "warn"]
+               "--assignment-mode", "min_load", "--log-level", "warn",
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         proc = ManagedProcess("router", cmd, self.logs / "router.log",
                               f"http://127.0.0.1:{port}/health", timeout_s=120, tied_to_parent=True)
         self.components.append(proc)
@@ -111,7 +115,8 @@ class LocalLauncher:
         procs = []
         for rank in range(n):
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank)}
+                   "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank),
+                   **_loopback_sockets()}
             if self.on_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = str(rank)
             else:  # split this host's cores among the ranks and the engines
@@ -158,9 +163,8 @@ class LocalLauncher:
                 failed = [c for c in codes if c not in (None, 0)]
                 if failed:
                     dead = self._dead_components()  # often the cause: say so
-                    log.error("trainer rank %d exited with code %d (its error is above); stopping the "
-                              "others%s",
-                              codes.index(failed[0]), failed[0], f" ({dead})" if dead else "")
+                    log.error("trainer rank %d %s; stopping the others%s", codes.index(failed[0]),
+                              _how_it_ended(failed[0]), f" ({dead})" if dead else "")
                     _terminate(procs)
                     return failed[0] if failed[0] > 0 else 128 - failed[0]  # killed by a signal
                 time.sleep(0.5)
@@ -222,6 +226,23 @@ def _terminate(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=20)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def _how_it_ended(code: int) -> str:
+    """A rank's end in words. Killed by a signal it printed nothing, so never point 'above'."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (out of memory? see the kernel log: dmesg)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name} and printed no error of its own{hint}"
+    return f"exited with code {code} (any error it printed is above)"
+
+
+def _loopback_sockets() -> dict[str, str]:
+    """gloo / NCCL socket interfaces for processes of one host: loopback, unless the user chose."""
+    return {k: v for k, v in LOOPBACK_SOCKET_ENV.items() if k not in os.environ}
 
 
 def _check_health(url: str) -> None:

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from milepost.launch.rendezvous import bound_store
 from milepost.weights.codec import WeightUpdateError
 
 BackendName = Literal["gloo", "nccl"]
@@ -179,7 +180,8 @@ def init_weight_group(
         )
     timeout = timedelta(seconds=timeout_s)
     try:
-        tcp = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout)
+        # The trainer's store listens on master_address only (loopback on one host).
+        tcp = bound_store(master_address, master_port, world_size, rank == 0, timeout)
     except Exception as e:  # rendezvous failures surface as several torch error types
         role = "host the store on" if rank == 0 else "reach the store at"
         raise RuntimeError(
