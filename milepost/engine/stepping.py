@@ -119,10 +119,11 @@ class Stepper:
             [r.generator for r in sampling],
             [self._banned(r) for r in sampling],
             max(r.top_logprobs_num for r in sampling),
-            [r.token_ids_logprob for r in sampling]
-            if any(r.token_ids_logprob for r in sampling) else None,
             # penalties read the output so far; without them no per-row lists are passed
-            [r.output_ids for r in sampling] if any(p.adjusts_logits for p in params) else None,
+            outputs=[r.output_ids for r in sampling]
+            if any(p.adjusts_logits for p in params) else None,
+            token_ids=[r.token_ids_logprob for r in sampling]
+            if any(r.token_ids_logprob for r in sampling) else None,
         )
 
     def _process(self, launched: LaunchedStep, pending: bool = False) -> None:
