@@ -115,6 +115,12 @@ class EngineTable(_Table):
     engine_urls: list[str] | None = Field(
         None, description="Base URLs (http://host:port) of the servers of --engine-backend external."
     )
+    api_key: str | None = Field(
+        None, min_length=8, description="Key the engines, sglang-router and the session server "
+        "require ('Authorization: Bearer KEY', SGLang's --api-key; docs/security.md); milepost's "
+        "clients send it. With --engine-backend external: those servers' key. Default: none "
+        "(everything binds 127.0.0.1).",
+    )
     engine_mem_fraction_static: float = Field(
         0.8,
         gt=0,

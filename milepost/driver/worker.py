@@ -14,6 +14,7 @@ import sys
 
 import torch.distributed as dist
 
+from milepost.auth import use_api_key
 from milepost.config import load_config
 
 log = logging.getLogger("milepost.driver.worker")
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-url", default=None)
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
+    use_api_key(cfg.api_key)  # every client this rank makes sends it (milepost/auth.py)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress
 

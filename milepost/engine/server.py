@@ -152,6 +152,7 @@ def run_server(args: object) -> None:
     """`milepost serve`: load the model, start the engine thread, serve HTTP until interrupted."""
     import uvicorn
 
+    from milepost.auth import protect, warn_if_exposed
     from milepost.engine.setup import build_engine
 
     args = args.resolved()
@@ -161,6 +162,8 @@ def run_server(args: object) -> None:
         limits = Limits(max_request_batch=args.max_request_batch)
         app = create_app(engine, info, tokenizer, limits, args.incremental_streaming_output,
                          max_body_bytes=int(args.max_request_body_mb * (1 << 20)))
+        protect(app, args.api_key)  # milepost/auth.py: 401 without the key (but /health)
+        warn_if_exposed(args.host, args.api_key, "milepost serve", log)
         log.info("serving %s on http://%s:%d", info.model_path, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

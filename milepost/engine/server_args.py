@@ -34,6 +34,9 @@ class ServerArgs(BaseModel):
     )
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(30000, description="Port the HTTP server listens on.")
+    api_key: str | None = Field(
+        None, description="Require 'Authorization: Bearer KEY' on every endpoint but /health "
+        "(SGLang's flag; milepost/auth.py). Without it, bind only 127.0.0.1.")
     dtype: Dtype = Field(
         "auto", description="Weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA."
     )

@@ -74,6 +74,8 @@ class LocalLauncher:
             common += ["--max-total-tokens", str(cfg.engine_max_total_tokens)]
         if cfg.engine_quantization:  # fp8 weight storage (milepost/engine/weight_fp8.py)
             common += ["--quantization", cfg.engine_quantization]
+        if cfg.api_key:  # the same flag on SGLang's server and ours (milepost/auth.py)
+            common += ["--api-key", cfg.api_key]
         if cfg.engine_backend == "sglang":  # the real SGLang server takes the same flags
             return [sys.executable, "-m", "sglang.launch_server", *common, "--weight-version", "0"]
         return [sys.executable, "-m", "milepost", "serve", *common, "--weight-version", "0",
@@ -100,6 +102,8 @@ class LocalLauncher:
                "--port", str(port), "--worker-urls", *worker_urls, "--policy", "manual",
                "--assignment-mode", "min_load", "--log-level", "warn",
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        if self.cfg.api_key:  # the router sends it to the engines
+            cmd += ["--api-key", self.cfg.api_key]
         proc = ManagedProcess("router", cmd, self.logs / "router.log",
                               f"http://127.0.0.1:{port}/health", timeout_s=120, tied_to_parent=True)
         self.components.append(proc)

@@ -8,7 +8,6 @@ also pins gloo and NCCL's own sockets to loopback (`LOOPBACK_SOCKET_ENV`).
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from datetime import timedelta
@@ -17,16 +16,6 @@ import torch.distributed as dist
 
 # gloo and NCCL pick their listening interface from these; "lo" is Linux's loopback interface.
 LOOPBACK_SOCKET_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and `localhost`; False for anything else (names included)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def bound_store(host: str, port: int, world_size: int, is_server: bool,

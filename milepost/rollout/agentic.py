@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from milepost.auth import client_headers
 from milepost.config import TrainConfig
 from milepost.config_rules import session_server_enabled
 from milepost.data.source import PromptItem
@@ -98,7 +99,7 @@ class AgenticRollout:
 
             self.session_server = SessionServerThread(
                 cfg.hf_checkpoint, router_url or engine_urls[0],
-                family=cfg.session_model_family, matcher=cfg.session_matcher,
+                family=cfg.session_model_family, matcher=cfg.session_matcher, api_key=cfg.api_key,
                 settings=SessionSettings(mode=cfg.session_mode, divergence=cfg.session_divergence,
                                          sampling=sampling.to_params(),
                                          enforce_sampling=True,
@@ -109,7 +110,7 @@ class AgenticRollout:
                       group_reward_fn: Any) -> RolloutResult:
         cfg = self.cfg
         clients = [EngineClient(url) for url in self.engine_urls]
-        http = httpx.AsyncClient(timeout=None)
+        http = httpx.AsyncClient(timeout=None, headers=client_headers())  # to the session server
         url = self.session_server.url if self.session_server is not None else None
 
         def context(g: int) -> GenerateContext:
@@ -143,7 +144,7 @@ class AgenticRollout:
         async def trajectory(client: EngineClient, item: PromptItem, index: int,
                              group_index: int) -> list[Sample]:
             # Its own HTTP client: the worker's loop is not the one this object was made on.
-            async with httpx.AsyncClient(timeout=None) as http:
+            async with httpx.AsyncClient(timeout=None, headers=client_headers()) as http:
                 ctx = GenerateContext(clients=[client], sampling=self.sampling,
                                       group_index=group_index, session_url=url,
                                       agent_fn=self.agent_fn, http=http,

@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar
 
 import httpx
 
+from milepost.auth import client_headers
 from milepost.rollout.engine_output import (  # re-exported: callers import them from here
     EngineError,
     EngineProtocolError,
@@ -59,7 +60,7 @@ class EngineClient:
         # No connection limit: callers bound their own concurrency (rollout's max_concurrency),
         # and a pool limit would only turn waiting into spurious PoolTimeouts.
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, timeout=timeout_s, transport=transport,
+            base_url=self.base_url, timeout=timeout_s, transport=transport, headers=client_headers(),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
 
     async def __aenter__(self) -> EngineClient:

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from milepost.auth import protect, warn_if_exposed
 from milepost.launch.process import free_port
 from milepost.rollout.client import EngineClient
 from milepost.session.checks import require_append_only
@@ -48,7 +49,10 @@ class SessionServerThread:
                  matcher: str = "strict", settings: SessionSettings | None = None,
                  host: str = "127.0.0.1", port: int | None = None,
                  engine_timeout_s: float = 600.0,
-                 engine_transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 engine_transport: httpx.AsyncBaseTransport | None = None,
+                 api_key: str | None = None) -> None:
+        self.api_key = api_key
+        warn_if_exposed(host, api_key, "the session server", log)
         self.renderer = make_renderer(tokenizer, family)
         self.matcher = load_matcher(matcher)
         self.settings = settings or SessionSettings()
@@ -73,7 +77,9 @@ class SessionServerThread:
         client = EngineClient(self.engine_url, self.engine_timeout_s, generate_retries=0,
                               transport=self.engine_transport, require_routing_key=True)
         self.service = SessionService(self.renderer, client, self.matcher, self.settings)
-        return build_app(self.service)
+        app = build_app(self.service)
+        protect(app, self.api_key)  # milepost/auth.py: agents send it as their api_key
+        return app
 
     def _run(self) -> None:
         try:

@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import httpx
 import torch
 
+from milepost.auth import client_headers
 from milepost.launch.process import free_port
 from milepost.weights.bucket import Named, bucket_meta
 from milepost.weights.codec import serialize_named_tensors
@@ -74,7 +75,7 @@ class _EngineFanout:
         self._version_sent = False
         self._broken: str | None = None
         self._closed = False
-        self._http = httpx.Client(timeout=self.timeout_s,
+        self._http = httpx.Client(timeout=self.timeout_s, headers=client_headers(),
                                   limits=httpx.Limits(max_connections=2 * len(urls) + 4))
         self._pool = futures.ThreadPoolExecutor(len(urls), thread_name_prefix="weight-http")
 

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
+from milepost.auth import client_headers
 from milepost.weights.codec import deserialize_named_tensors
 from milepost.weights.fp8 import FORMAT, fp8_error_bound
 
@@ -56,7 +57,8 @@ def fetch_checksums(url: str, timeout_s: float = 120.0) -> tuple[str, dict[str, 
 def fetch_state(url: str, timeout_s: float = 120.0) -> tuple[str, dict[str, str], dict[str, str]]:
     """(weight_version, {hf_name: digest}, {hf_name: format of a tensor stored quantized})."""
     try:
-        r = httpx.get(f"{url.rstrip('/')}/weights_checksum", timeout=timeout_s)
+        r = httpx.get(f"{url.rstrip('/')}/weights_checksum", timeout=timeout_s,
+                      headers=client_headers())
     except httpx.HTTPError as e:
         raise WeightMismatchError(
             f"engine {url}: GET /weights_checksum failed ({type(e).__name__}: {e}); is it running?"
@@ -77,7 +79,8 @@ def quantized_names(engine_urls: Sequence[str], timeout_s: float = 120.0) -> set
     names: set[str] = set()
     for url in engine_urls:
         try:
-            r = httpx.get(f"{url.rstrip('/')}/weights_quantized", timeout=timeout_s)
+            r = httpx.get(f"{url.rstrip('/')}/weights_quantized", timeout=timeout_s,
+                          headers=client_headers())
         except httpx.HTTPError as e:
             raise WeightMismatchError(f"engine {url}: GET /weights_quantized failed ({e})") from e
         if r.status_code == 404:
@@ -96,7 +99,7 @@ def check_quantized(url: str, sent: Mapping[str, torch.Tensor], timeout_s: float
     if not sent:
         return []
     r = httpx.post(f"{url.rstrip('/')}/weights_dequantized", json={"names": list(sent)},
-                   timeout=timeout_s)
+                   timeout=timeout_s, headers=client_headers())
     if r.status_code != 200:
         raise WeightMismatchError(f"engine {url}: POST /weights_dequantized answered "
                                   f"{r.status_code}: {r.text}")
@@ -121,7 +124,7 @@ def randomize_engines(engine_urls: Sequence[str], seed: int = 0, timeout_s: floa
     for url in engine_urls:
         try:
             r = httpx.post(f"{url.rstrip('/')}/weights_randomize", json={"seed": seed},
-                           timeout=timeout_s)
+                           timeout=timeout_s, headers=client_headers())
         except httpx.HTTPError as e:
             raise WeightMismatchError(f"engine {url}: POST /weights_randomize failed ({e})") from e
         if r.status_code != 200:
