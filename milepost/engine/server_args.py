@@ -143,7 +143,8 @@ class ServerArgs(BaseModel):
     @classmethod
     def _host(cls, v: str) -> str:
         if not v.strip():
-            raise ValueError("--host must not be empty; use 127.0.0.1 (default) or 0.0.0.0")
+            raise ValueError("--host must not be empty; use 127.0.0.1 (default), or an address "
+                             "other hosts reach together with --api-key")
         return v
 
     @field_validator("port")
