@@ -1,9 +1,11 @@
 """Checks made before a run starts anything, and `RunError`, the error a run reports without traceback.
 
-`preflight` runs in the launcher before any engine starts: the reward functions import, and the
-checkpoint a resume would load was trained from this model. (Dataset rows are checked by rank 0
-as it loads them: tokenizing needs the tokenizer, and is done once.) A checkpoint records the
-model it was trained from (`model_fingerprint`, in the checkpoint's extra) so a resume can tell.
+`preflight` runs in the launcher before any engine starts: the reward functions import, every
+row of the prompt files parses and tokenizes, the longest prompt plus the response length fits
+the model's context, and the checkpoint a resume would load was trained from this model. (Rank 0
+reads the prompt files again as it starts: a second tokenization, for a refusal in seconds
+instead of after the engines' start.) A checkpoint records the model it was trained from
+(`model_fingerprint`, in the checkpoint's extra) so a resume can tell.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def preflight(cfg: TrainConfig) -> None:
     """Refuse, before any process starts, what would only fail once engines and ranks are up."""
     if cfg.load_rollouts is None:
         load_reward_fns(cfg)
+        check_prompt_files(cfg)
     if cfg.fully_async:
         load_fully_async_plugins(cfg)
     path = resume_checkpoint(cfg)
@@ -47,6 +50,52 @@ def load_reward_fns(cfg: TrainConfig) -> tuple[Any, Any]:
     except ValueError as e:  # the loaders name the setting and what failed to import
         raise RunError(f"{e}; check the import path (is its module on PYTHONPATH?)") from None
     return reward_fn, group_fn
+
+
+def check_prompt_files(cfg: TrainConfig) -> None:
+    """Every row of --prompt-data / --eval-prompt-data reads and tokenizes as rank 0 will read
+    it, and prompt + response fit the context the engines serve; RunError naming the file,
+    row and setting otherwise."""
+    from transformers import AutoTokenizer
+
+    from milepost.data.source import DatasetError, PromptDataset
+
+    context = _context_length(cfg.hf_checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
+    for flag, path, response_len, response_flag in (
+        ("--prompt-data", cfg.prompt_data, cfg.rollout_max_response_len,
+         "--rollout-max-response-len"),
+        ("--eval-prompt-data", cfg.eval_prompt_data,
+         cfg.eval_max_response_len or cfg.rollout_max_response_len,
+         "--eval-max-response-len" if cfg.eval_max_response_len else "--rollout-max-response-len"),
+    ):
+        if path is None:
+            continue
+        try:
+            items = PromptDataset.from_file(
+                path, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
+                metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
+                shuffle=False).items
+        except DatasetError as e:
+            raise RunError(f"{flag}: {e}") from None
+        longest = max(items, key=lambda it: len(it.prompt_ids))
+        if context is not None and len(longest.prompt_ids) + response_len > context:
+            room = context - len(longest.prompt_ids)
+            raise RunError(
+                f"{flag} {path}: its longest prompt (row {longest.index + 1}, "
+                f"{len(longest.prompt_ids)} tokens) plus {response_flag} {response_len} is "
+                f"more than the {context} tokens the model serves (max_position_embeddings in "
+                f"{cfg.hf_checkpoint}/config.json); "
+                + (f"lower {response_flag} to {room} or shorten the prompts" if room > 0 else
+                   "shorten the prompts"))
+
+
+def _context_length(hf_checkpoint: Path) -> int | None:
+    """The longest sequence the engines serve: the model config's max_position_embeddings."""
+    config = json.loads((Path(hf_checkpoint) / "config.json").read_text())
+    config = config.get("text_config", config)  # multimodal configs nest the language model's
+    value = config.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def load_fully_async_plugins(cfg: TrainConfig) -> tuple[Any, Any]:
