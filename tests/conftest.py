@@ -1,6 +1,6 @@
 """Settings every test process needs before any module imports them.
 
-Without CUDA, Triton kernels run under Triton's interpreter, which reads TRITON_INTERPRET once,
+OpenMP threads wait passively (below). Without CUDA, Triton kernels run under Triton's interpreter, which reads TRITON_INTERPRET once,
 when triton is first imported; whichever test module imports milepost's kernels first (an engine
 test, a kernel test) must already see it.
 """
@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import os
 
-import torch
+# Before torch loads libgomp: OpenMP threads sleep instead of spinning at barriers, here and in every
+# process a test starts (they inherit it); on shared cores spinning made steps 30x slower
+# (milepost/launch/process.py, OPENMP_DEFAULTS).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -20,6 +20,18 @@ import httpx
 
 _PR_SET_PDEATHSIG = 1
 
+# libgomp (torch's CPU OpenMP runtime) lets idle threads spin after every parallel region. On a
+# machine whose cores are shared, the spinners starve the thread everyone waits for: a demo-sized
+# train step (2 threads) took 5.7-6.4 s instead of 0.13-0.19 s at load average 7-8 on 2 cores
+# (benchmarks/RESULTS.md, "Tiny demo"). Children sleep instead, unless the caller chose otherwise.
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def openmp_defaults(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The entries of OPENMP_DEFAULTS that `env` (default: this process's environment) lacks."""
+    env = os.environ if env is None else env
+    return {k: v for k, v in OPENMP_DEFAULTS.items() if k not in env}
+
 
 def die_with_parent() -> Callable[[], None] | None:
     """A `preexec_fn` that makes a child die when the process that started it dies, even by
@@ -56,6 +68,7 @@ class ComponentStartError(RuntimeError):
 class ManagedProcess:
     """Start `cmd`, log to `log_path`, wait until `health_url` answers 200, stop on close().
 
+    env: added to this process's environment (and to OPENMP_DEFAULTS, which both override).
     tied_to_parent: the child is killed if this process dies without closing it (see
     `die_with_parent`); the launcher sets it so no engine outlives a killed `milepost train`.
     wait: block until healthy (default). With wait=False the caller polls `poll_ready()` (so it
@@ -85,7 +98,7 @@ class ManagedProcess:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**OPENMP_DEFAULTS, **os.environ, **(env or {})},
             preexec_fn=die_with_parent() if tied_to_parent else None,  # noqa: PLW1509 (prctl only)
         )
         if wait:
