@@ -12,8 +12,10 @@ import logging
 import sys
 from collections.abc import Callable
 
+from milepost.cli_models import add_models_command
 from milepost.engine.server_args import ServerArgs
 from milepost.flags import add_model_flags, model_from_namespace
+from milepost.session.check_family import add_check_family_command
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -225,6 +227,7 @@ def _bench_train(argv: list[str]) -> int:
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_train, _add_sft, _add_report, _add_serve, _add_tiny_model, _add_smollm2, _add_bench,
+    add_models_command, add_check_family_command,
 )
 
 

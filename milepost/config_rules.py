@@ -289,6 +289,10 @@ def objective_refusals(c: TrainConfig) -> list[str]:
     if c.use_rollout_routing_replay and not _is_moe_checkpoint(c.hf_checkpoint):
         p.append(f"--use-rollout-routing-replay: {c.hf_checkpoint} is a dense model (no expert routing to "
                  "replay); turn it off or train a mixture-of-experts model")
+    elif c.use_rollout_routing_replay and not _has_native_routing(c.hf_checkpoint):
+        p.append(f"--use-rollout-routing-replay: {c.hf_checkpoint} runs on the transformers fallback, "
+                 "which records and replays no expert routing (docs/models.md); turn it off or train a "
+                 "natively supported MoE (see `milepost models`)")
     if c.use_rollout_routing_replay and c.critic_hf_checkpoint not in (None, c.hf_checkpoint):
         p.append("--use-rollout-routing-replay replays the policy's expert ids, which a critic from another "
                  "--critic-hf-checkpoint cannot take; drop --critic-hf-checkpoint (the critic then starts "
@@ -303,6 +307,15 @@ def _plugin_refusal(module: str, getter: str, *args: str) -> list[str]:
     except ValueError as e:
         return [str(e)]
     return []
+
+
+def _has_native_routing(path: Path) -> bool:
+    import json
+
+    from milepost.models.support import has_native_routing
+
+    archs = json.loads((Path(path) / "config.json").read_text()).get("architectures")
+    return not archs or has_native_routing(archs[0])  # unnamed: the trainer decides at load
 
 
 def _is_moe_checkpoint(path: Path) -> bool:

@@ -143,7 +143,7 @@ class HFCausalLM(nn.Module):
             def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        scale: float) -> torch.Tensor:
                 shapes.add((*k.shape[1:], *v.shape[1:]))
-                return torch.zeros_like(q)
+                return q.new_zeros(*q.shape[:2], v.shape[-1])  # attention output has v's head size
 
             def attend_variant(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                scale: float, var: object) -> torch.Tensor:

@@ -139,3 +139,26 @@ def test_backend_switch_and_refusals(ckpts, tmp_path: Path) -> None:
     (hybrid / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="layer_types.*linear_attention"):
         load_model(hybrid, torch.float32, "cpu")
+
+
+def test_mla_and_linear_attention_models_are_refused_naming_why(tmp_path: Path) -> None:
+    """DeepSeek-V3's MLA (K and V of different head sizes) and Qwen3-Next's linear-attention layers
+    have no place in the paged KV cache: refused at load, not run wrong."""
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=300,
+                  max_position_embeddings=256, pad_token_id=0)
+    mla = transformers.DeepseekV3Config(
+        **common, num_hidden_layers=2, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1)
+    hybrid = transformers.Qwen3NextConfig(
+        **common, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+    for config, cls, match in ((mla, "DeepseekV3ForCausalLM", r"K/V shapes.*\(4, 24, 4, 16\)"),
+                               (hybrid, "Qwen3NextForCausalLM", "layer_types.*linear_attention")):
+        config.architectures = [cls]
+        getattr(transformers, cls)(config).save_pretrained(tmp_path / cls)
+        with pytest.raises(ValueError, match=match):
+            load_model(tmp_path / cls, torch.float32, "cpu")

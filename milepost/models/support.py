@@ -1,0 +1,88 @@
+"""What runs how: each architecture's path (native or transformers fallback), features and tests.
+
+Plain data, no torch import, so config checks and `milepost models` stay fast. The registry
+(registry.py) is what actually decides at load time (a native architecture whose config uses
+something its definition lacks still falls back); tests/unit/test_models_support.py keeps the two
+in agreement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NATIVE = "native"
+FALLBACK = "transformers"
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str  # config.json "architectures"[0]
+    path: str  # NATIVE or FALLBACK
+    moe: bool
+    notes: str
+    tests: tuple[str, ...]
+
+    @property
+    def r3(self) -> str:
+        if not self.moe:
+            return "n/a (dense)"
+        return "yes" if self.path == NATIVE else "no (refused)"
+
+    @property
+    def fp8(self) -> str:
+        if self.path != NATIVE:
+            return "no (refused)"
+        return "yes" if self.name in _FP8_TESTED else "yes (untested)"
+
+
+_U, _E = "tests/unit/", "tests/e2e/"
+_FP8_TESTED = ("Qwen3ForCausalLM",)  # tests/unit/test_weight_fp8.py, tests/e2e/test_weight_fp8_engine.py
+_FB = (_U + "test_models_fallback.py",)
+ARCHS: tuple[Arch, ...] = (
+    Arch("LlamaForCausalLM", NATIVE, False, "RoPE default or llama3; attention/MLP bias; tied head",
+         (_U + "test_models.py", _E + "test_engine_parity.py", _E + "test_smollm2.py")),
+    Arch("MistralForCausalLM", NATIVE, False, "sliding window on every layer (torch attention for it)",
+         (_U + "test_models_native_families.py",)),
+    Arch("Qwen2ForCausalLM", NATIVE, False, "Qwen2 / Qwen2.5: q/k/v bias; sliding layers per layer_types",
+         (_U + "test_models_native_families.py", *_FB)),
+    Arch("Qwen3ForCausalLM", NATIVE, False, "q/k norm; sliding layers per layer_types",
+         (_U + "test_models.py", _U + "test_models_native_families.py", _E + "test_engine_parity.py")),
+    Arch("Qwen3MoeForCausalLM", NATIVE, True, "routed experts recorded (R3); sliding window",
+         (_U + "test_models.py", _U + "test_models_native_families.py", _E + "test_engine_moe.py")),
+    Arch("Gemma2ForCausalLM", FALLBACK, False, "sliding/global layers, attention + final soft-capping",
+         (*_FB, _E + "test_fallback_engine.py", _E + "test_fallback_train.py")),
+    Arch("Gemma3ForCausalLM", FALLBACK, False, "sliding/global layers with two RoPE bases",
+         (*_FB, _E + "test_fallback_engine.py")),
+    Arch("GptOssForCausalLM", FALLBACK, True, "MoE with attention sinks, sliding layers",
+         (*_FB, _E + "test_fallback_engine.py")),
+    Arch("Phi3ForCausalLM", FALLBACK, False, "fused qkv / gate_up projections",
+         (*_FB, _E + "test_fallback_engine.py")),
+    Arch("GPTNeoXForCausalLM", FALLBACK, False, "partial rotary, parallel residual",
+         (*_FB, _E + "test_fallback_engine.py")),
+    Arch("Olmo2ForCausalLM", FALLBACK, False, "post-norms, q/k norm", _FB),
+    Arch("CohereForCausalLM", FALLBACK, False, "scaled logits", _FB),
+)
+BY_NAME = {a.name: a for a in ARCHS}
+NOT_YET = "not in milepost yet"  # true on-policy and LoRA: no architecture has them today
+
+
+def lookup(architecture: str) -> Arch:
+    """The row of `architecture`; an untested causal LM is a fallback row without tests."""
+    return BY_NAME.get(architecture) or Arch(
+        architecture, FALLBACK, False, "untested: any transformers causal LM whose attention goes "
+        "through its attention interface, full or sliding layers only", ())
+
+
+def has_native_routing(architecture: str) -> bool:
+    """True when the native path records and replays expert routing (R3) for this architecture."""
+    a = BY_NAME.get(architecture)
+    return a is not None and a.path == NATIVE and a.moe
+
+
+def markdown_table() -> str:
+    """The README / docs table (what `milepost models --markdown` prints)."""
+    head = ("| architecture | path | R3 | fp8 (engine) | true on-policy | LoRA | notes | tests |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    rows = [f"| {a.name} | {a.path} | {a.r3} | {a.fp8} | {NOT_YET} | {NOT_YET} | {a.notes} | "
+            f"{', '.join(f'`{t}`' for t in a.tests)} |" for a in ARCHS]
+    return head + "\n".join(rows) + "\n"

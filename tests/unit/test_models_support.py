@@ -1,0 +1,65 @@
+"""`milepost models` tells the truth: its table agrees with the registry, the tests it cites exist,
+the README carries the generated table, and `--check` names the path a checkpoint takes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from milepost.models.registry import MODEL_REGISTRY
+from milepost.models.support import ARCHS, FALLBACK, NATIVE, has_native_routing, markdown_table
+from milepost.testing.hf_archs import TINY_ARCHS, make_tiny_hf_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_table_agrees_with_the_registry_and_cites_real_tests() -> None:
+    tiny = {model for _, model, _ in TINY_ARCHS.values()}
+    for a in ARCHS:
+        assert (a.name in MODEL_REGISTRY) == (a.path == NATIVE), a.name
+        if a.path == FALLBACK:
+            assert a.name in tiny, f"{a.name}: a fallback row needs a tiny checkpoint in its tests"
+        assert a.tests and all((ROOT / t).is_file() for t in a.tests), a.name
+    assert set(MODEL_REGISTRY) <= {a.name for a in ARCHS}
+    assert has_native_routing("Qwen3MoeForCausalLM") and not has_native_routing("GptOssForCausalLM")
+
+
+def test_readme_and_docs_carry_the_generated_table() -> None:
+    table = markdown_table()
+    assert table in (ROOT / "docs" / "models.md").read_text()
+    assert table in (ROOT / "README.md").read_text()
+
+
+def test_models_check_names_the_path(tmp_path: Path) -> None:
+    gemma = make_tiny_hf_checkpoint(tmp_path / "g", "gemma2", num_hidden_layers=2)
+    qwen2 = make_tiny_hf_checkpoint(tmp_path / "q", "qwen2_full", num_hidden_layers=1)
+    out = {}
+    for name, path in (("gemma", gemma), ("qwen2", qwen2)):
+        r = subprocess.run([sys.executable, "-m", "milepost", "models", "--check", str(path)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        out[name] = r.stdout
+    assert "Gemma2ForCausalLM: transformers (exact, slower), because: architecture 'Gemma2ForCausalLM' " \
+           "has no native definition" in out["gemma"]
+    assert out["qwen2"].strip().endswith("Qwen2ForCausalLM: native")
+
+
+def test_routing_replay_is_refused_on_a_fallback_moe(tmp_path: Path) -> None:
+    import json
+
+    import pytest
+
+    from milepost.config import ConfigError, load_config
+
+    model = tmp_path / "gpt_oss"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "num_local_experts": 4,
+                                                   "architectures": ["GptOssForCausalLM"]}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    flags = ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--num-rollout", "2",
+             "--rollout-batch-size", "4", "--device", "cpu", "--run-dir", str(tmp_path / "run")]
+    load_config(None, flags)
+    with pytest.raises(ConfigError, match="--use-rollout-routing-replay.*transformers fallback"):
+        load_config(None, [*flags, "--use-rollout-routing-replay"])
