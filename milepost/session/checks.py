@@ -85,16 +85,17 @@ def incremental_text(r: Renderer, messages: list[Message], tools: list[dict] | N
             continue
         history = messages[:k]
         if stored is None:
-            pieces.append(r.render(history, tools, add_generation_prompt=True))
+            prompt_text = r.prompt_text(history, tools)
+            pieces.append(prompt_text)
         else:
-            pieces.append(r.suffix_text(stored, True, history, tools))
-        prompt_text = r.render(history, tools, add_generation_prompt=True)
+            prompt_text, suffix = r.prompt_and_suffix(stored, True, history, tools)
+            pieces.append(suffix)
         turn_text = r.cut_after_last_turn(r.render(messages[:k + 1], tools, False))
-        if not turn_text.text.startswith(prompt_text):
+        if not turn_text.startswith(prompt_text):
             raise RenderError(f"message {k}: the assistant turn does not render right after the "
                               f"generation prompt")
-        pieces.append(turn_text.text[len(prompt_text):])
-        stored = turn_text
+        pieces.append(turn_text[len(prompt_text):])
+        stored = r.stored_after(prompt_text)
     return pieces
 
 
@@ -113,7 +114,7 @@ def check_append_only(r: Renderer, battery: list[tuple[str, list[Message], list[
     for name, messages, tools in battery:
         messages = copy.deepcopy(messages)
         try:
-            canonical = r.cut_after_last_turn(r.render(messages, tools, False)).text
+            canonical = r.cut_after_last_turn(r.render(messages, tools, False))
             pieces = incremental_text(r, messages, tools)
         except RenderError as e:
             results.append(CheckResult(name, False, str(e)))
@@ -128,17 +129,30 @@ def check_append_only(r: Renderer, battery: list[tuple[str, list[Message], list[
             same, a, b = text == canonical, text, canonical
         if not same:
             at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            ta, tb = r.encode(a), r.encode(b)
+            k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
             results.append(CheckResult(name, False, f"the turn-by-turn text differs from the "
-                                                    f"template's rendering at character {at} "
-                                                    f"({a[at:at + 30]!r} vs {b[at:at + 30]!r})"))
+                                                    f"template's rendering at character {at}, "
+                                                    f"token {k}: turn by turn "
+                                                    f"{token_context(r, ta, k)}, template "
+                                                    f"{token_context(r, tb, k)}"))
         elif got != want:
             at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y),
                       min(len(got), len(want)))
             results.append(CheckResult(name, False, f"incremental ids differ from the whole "
-                                                    f"text's tokenization at id {at}"))
+                                                    f"text's tokenization at id {at}: turn by "
+                                                    f"turn {token_context(r, got, at)}, whole "
+                                                    f"{token_context(r, want, at)}"))
         else:
             results.append(CheckResult(name, True))
     return results
+
+
+def token_context(r: Renderer, ids: list[int], at: int, width: int = 4) -> str:
+    """Tokens around position `at`, each decoded, the one at `at` in brackets."""
+    parts = [f"[{r.decode([t])!r}]" if i == at else repr(r.decode([t]))
+             for i, t in enumerate(ids[max(0, at - width):at + width], start=max(0, at - width))]
+    return " ".join(parts) + (" [end]" if at >= len(ids) else "")
 
 
 def require_append_only(r: Renderer) -> None:

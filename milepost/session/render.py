@@ -29,9 +29,13 @@ class RenderError(ValueError):
 
 @dataclass
 class Rendered:
-    """A stored turn's rendering: `text` up to and including its last end-of-turn marker."""
+    """Where a stored turn sits in the template's text: `prompt`, the rendering of the turn's
+    prompt (generation prompt included), and `eots`, the end-of-turn markers the text holds up to
+    the end of the turn's reply. The next turn's suffix is the template's text after that many
+    markers, once its rendering is shown to begin with `prompt` (one render per turn)."""
 
-    text: str
+    prompt: str
+    eots: int
 
 
 class Renderer:
@@ -79,61 +83,58 @@ class Renderer:
         except Exception as e:  # jinja's own errors (raise_exception, undefined fields)
             raise RenderError(f"the chat template refused these messages: {e}") from e
 
-    def cut_after_last_turn(self, rendered: str) -> Rendered:
+    def cut_after_last_turn(self, rendered: str) -> str:
         """The rendering of a history that ends with an assistant turn, up to that turn's end."""
         at = rendered.rfind(self.eot)
         if at < 0:
             raise RenderError(f"the template rendered an assistant turn without its end-of-turn "
                               f"marker {self.eot!r}; model family {self.family.name!r} does not "
                               f"fit this template")
-        return Rendered(rendered[: at + len(self.eot)])
+        return rendered[: at + len(self.eot)]
 
-    def first_prompt(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
-        return self.encode(self.render(messages, tools, add_generation_prompt=True))
+    def prompt_text(self, messages: list[Message], tools: list[dict] | None) -> str:
+        return self.render(messages, tools, add_generation_prompt=True)
 
-    def suffix_ids(self, stored: Rendered, ended_with_eot: bool, messages: list[Message],
-                   tools: list[dict] | None) -> list[int]:
-        """Ids to append after a stored turn so that the prompt is `messages` + generation prompt."""
-        return self.encode(self.suffix_text(stored, ended_with_eot, messages, tools))
+    def stored_after(self, prompt: str) -> Rendered:
+        """The place of a turn generated after `prompt` (its reply closes with one marker)."""
+        return Rendered(prompt, prompt.count(self.eot) + 1)
 
-    def suffix_text(self, stored: Rendered, ended_with_eot: bool, messages: list[Message],
-                    tools: list[dict] | None) -> str:
+    def prompt_and_suffix(self, stored: Rendered, ended_with_eot: bool, messages: list[Message],
+                          tools: list[dict] | None) -> tuple[str, str]:
+        """(the template's prompt text for `messages`, the text to append after the stored turn so
+        that the model sees that prompt). The stored ids stay as they are: only the suffix is new."""
         full = self.render(messages, tools, add_generation_prompt=True)
-        closing = "" if ended_with_eot else self.eot
-        if full.startswith(stored.text):
-            return closing + full[len(stored.text):]
-        if self.family.rewrites_reasoning:
-            return closing + self._after_stored_turns(stored.text, full)
-        at = _first_char_difference(full, stored.text)
-        raise RenderError(
-            f"the chat template's rendering of this history does not extend the stored "
-            f"turns (differs at character {at}: stored {stored.text[at:at + 40]!r}, now "
-            f"{full[at:at + 40]!r}); the template is not append-only for these messages "
-            f"(does it drop earlier reasoning, or did the tools or system prompt change?)")
-
-    def without_reasoning(self, text: str) -> str:
-        """`text` without the family's reasoning blocks (and the newlines that follow them)."""
-        return self._think_block.sub("", text) if self._think_block is not None else text
-
-    def _after_stored_turns(self, stored: str, full: str) -> str:
-        """The text of `full` after the end-of-turn marker that closes the stored turns, which
-        `full` may render with earlier reasoning dropped or an empty think block left out."""
         cut = 0
-        for _ in range(stored.count(self.eot)):
+        for _ in range(stored.eots):
             at = full.find(self.eot, cut)
             if at < 0:
                 cut = -1
                 break
             cut = at + len(self.eot)
-        if cut < 0 or self.without_reasoning(full[:cut]) != self.without_reasoning(stored):
-            a, b = self.without_reasoning(stored), self.without_reasoning(full[:max(cut, 0)])
+        if cut >= 0 and full.startswith(stored.prompt):
+            pass
+        elif cut >= 0 and self.family.rewrites_reasoning and self.without_reasoning(
+                full[:cut]).startswith(self.without_reasoning(stored.prompt)):
+            pass  # earlier reasoning dropped, or an empty think block left out: what it may do
+        else:
+            a, b = stored.prompt, full
+            if self.family.rewrites_reasoning:
+                a, b = self.without_reasoning(a), self.without_reasoning(b)
+                what = "by more than the reasoning the template drops"
+            else:
+                what = "(the template is not append-only for these messages: does it drop " \
+                       "earlier reasoning?)"
             at = _first_char_difference(a, b)
             raise RenderError(
                 f"the chat template's rendering of this history differs from the stored turns "
-                f"by more than the reasoning the template drops (at character {at} without "
-                f"reasoning: stored {a[at:at + 40]!r}, now {b[at:at + 40]!r}); did the tools or "
-                f"system prompt change?")
-        return full[cut:]
+                f"{what} at character {at}: stored {a[at:at + 40]!r}, now {b[at:at + 40]!r}; did "
+                f"the tools or the system prompt change?")
+        closing = "" if ended_with_eot else self.eot
+        return full, closing + full[cut:]
+
+    def without_reasoning(self, text: str) -> str:
+        """`text` without the family's reasoning blocks (and the newlines that follow them)."""
+        return self._think_block.sub("", text) if self._think_block is not None else text
 
     def parse_output(self, output_ids: list[int]) -> ParsedOutput:
         ids = output_ids[:-1] if output_ids and output_ids[-1] == self.eot_id else output_ids

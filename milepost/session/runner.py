@@ -29,15 +29,20 @@ from milepost.session.service import SessionService, SessionSettings
 log = logging.getLogger(__name__)
 
 
-def make_renderer(tokenizer_path: str | Path | Any, family: str) -> Renderer:
-    """Renderer for the tokenizer at `tokenizer_path` (or a tokenizer object), checked."""
+def make_renderer_unchecked(tokenizer_path: str | Path | Any, family: str) -> Renderer:
+    """Renderer for the tokenizer at `tokenizer_path` (or a tokenizer object)."""
     if isinstance(tokenizer_path, (str, Path)):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     else:
         tokenizer = tokenizer_path
-    renderer = Renderer(tokenizer, get_family(family))
+    return Renderer(tokenizer, get_family(family))
+
+
+def make_renderer(tokenizer_path: str | Path | Any, family: str) -> Renderer:
+    """Renderer for the tokenizer at `tokenizer_path` (or a tokenizer object), checked."""
+    renderer = make_renderer_unchecked(tokenizer_path, family)
     require_append_only(renderer)
     return renderer
 

@@ -64,6 +64,7 @@ class PreparedTurn:
     start: float
     lock: asyncio.Lock  # the session's
     holds_lock: bool  # linear: held from prepare until the turn is stored or dropped
+    prompt_text: str  # the template's rendering of `history` + generation prompt
     divergence: Divergence | None = None  # rollback / fork, recorded when the turn is stored
     released: bool = False
 
@@ -159,9 +160,12 @@ class SessionService:
             history = at.messages + attach.new_messages  # stored messages win where they matched
             r = self.renderer
             if at.parent is None:
-                suffix = r.first_prompt(history, tools)
+                prompt_text = r.prompt_text(history, tools)
+                suffix = r.encode(prompt_text)
             else:
-                suffix = r.suffix_ids(at.rendered, at.ended_with_eot, history, tools)
+                prompt_text, suffix_text = r.prompt_and_suffix(at.rendered, at.ended_with_eot,
+                                                               history, tools)
+                suffix = r.encode(suffix_text)
         except BaseException:
             lock.release()
             raise
@@ -171,7 +175,7 @@ class SessionService:
         self.pending[session_id] = self.pending.get(session_id, 0) + 1
         return PreparedTurn(session, at, history, tools, suffix,
                             self.sampling_params(request_sampling), start, lock, holds_lock,
-                            attach.divergence)
+                            prompt_text, attach.divergence)
 
     def _reasoning_probe(self, tools: list[dict] | None) -> Callable[[list[Message], int, str],
                                                                       bool]:
@@ -245,7 +249,7 @@ class SessionService:
         parsed = r.parse_output(out.output_ids)
         reply = parsed.message()
         stored = turn.history + [reply]
-        rendered = r.cut_after_last_turn(r.render(stored, turn.tools, add_generation_prompt=False))
+        rendered = r.stored_after(turn.prompt_text)
         fields = {
             "prompt_ids": turn.suffix, "output_ids": out.output_ids, "logprobs": out.logprobs,
             "weight_versions": out.weight_versions, "weight_version": out.weight_version,

@@ -56,7 +56,7 @@ class Turn:
     weight_version: str = ""
     routed_experts: str | None = None  # base64 int32 rows for ids[:-1] as of this turn's call
     finish_reason: dict[str, Any] = field(default_factory=dict)
-    rendered: Rendered | None = None  # template text up to this turn's end-of-turn marker
+    rendered: Rendered | None = None  # where the turn sits in the template's text
     ended_with_eot: bool = True
     cached_tokens: int = 0
     unparsed_tool_calls: int = 0  # tool-call blocks of the output kept as text (bad JSON)

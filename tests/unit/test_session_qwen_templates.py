@@ -63,8 +63,17 @@ def test_qwen3_refuses_a_template_that_changes_more_than_reasoning(qwen) -> None
     r = _renderer(qwen, "qwen3", broken)
     failed = {c.name for c in check_append_only(r) if not c.ok}
     assert "multi-turn chat" in failed
+
+
+def test_qwen3_refuses_a_history_whose_earlier_text_changed(qwen) -> None:
+    r = _renderer(qwen, "qwen3", QWEN3)
+    messages = next(b for b in BATTERY if b[0] == "multi-turn chat")[1]
+    stored = r.stored_after(r.prompt_text(messages[:2], None))  # turn 1 at message 2
+    _, suffix = r.prompt_and_suffix(stored, True, messages[:4], None)
+    assert suffix == "\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    other_system = [{"role": "system", "content": "You are verbose."}] + messages[1:4]
     with pytest.raises(RenderError, match="more than the reasoning"):
-        incremental_text(r, next(b for b in BATTERY if b[0] == "multi-turn chat")[1], None)
+        r.prompt_and_suffix(stored, True, other_system, None)
 
 
 def test_chatml_family_refuses_the_qwen3_template(qwen) -> None:
