@@ -171,11 +171,10 @@ class HFCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
         h = self._holder
+        # ctx stays set after the forward: per-layer activation checkpointing re-runs the layers
+        # (and so this attention) during the backward of this same forward.
         h.ctx, h.layers_seen = ctx, []
-        try:
-            out = self._base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
-        finally:
-            h.ctx = None
+        out = self._base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         if sorted(h.layers_seen) != list(range(self.num_layers)):
             raise RuntimeError(
                 f"{type(self._hf).__name__}: attention ran for layers {sorted(h.layers_seen)}, expected each of "
