@@ -1,21 +1,48 @@
-"""A fresh, isolated terminal per episode, built with bubblewrap (Debian's `bubblewrap`).
+"""A fresh, isolated terminal per command, built with bubblewrap (Debian's `bubblewrap`).
 
-Inside: the host's /usr (read-only), a private writable /workspace (a temp directory deleted at
-close), a private /tmp, no network (all namespaces unshared), no host environment, resource
-limits (address space, processes, file size, CPU seconds) and a wall-clock limit per command.
-If bubblewrap is missing or the machine forbids user namespaces, `Sandbox` refuses to start,
-unless `allow_unsafe_no_sandbox=True` (then commands run as plain subprocesses in the temp
-directory: NO isolation; for machines where you trust the model and the tasks).
+Inside: the host's /usr (read-only), /workspace and /tmp on size-capped tmpfs mounts, no network
+(all namespaces unshared), no host environment, an unprivileged user (uid 1000 inside; when
+milepost runs as root, bubblewrap itself runs as `SandboxLimits.sandbox_uid`, so the process
+limit applies and nothing inside is host root), no capabilities, no further user namespaces, a
+seccomp filter (milepost/envs/seccomp.py), /proc/sys read-only, resource limits (address space,
+processes, file size, CPU seconds) and a wall-clock limit per command. The workspace persists
+between commands as a host copy that goes in and comes back as a tar stream, so it never holds
+more than the tmpfs did. If bubblewrap is missing or the machine forbids user namespaces,
+`Sandbox` refuses to start, unless `allow_unsafe_no_sandbox=True` (then commands run as plain
+subprocesses in the temp directory: NO isolation; for machines where you trust the model).
 """
 
 from __future__ import annotations
 
+import io
+import os
 import resource
 import shutil
 import subprocess
+import tarfile
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from milepost.envs import seccomp
+
+_INSIDE_UID = 1000
+# Runs inside, as the sandbox user: restore the workspace from stdin, run the command with its
+# output in a file, then print "<exit code> <output bytes>\n", the output's tail and the
+# workspace as a tar stream. Only this stream comes back, so nothing inside can write to the host.
+_WRAPPER = """
+tar -xf - -C /workspace --no-same-owner 2>/io/out || { echo '125 0'; exit 0; }
+timeout -k 1 "$2" /bin/sh -c "$1" </dev/null >/io/out 2>&1
+rc=$?
+kill -s KILL -- -1 2>/dev/null
+n=$(tail -c "$3" /io/out | wc -c)
+echo "$rc $n"
+tail -c "$3" /io/out
+tar -cf - -C /workspace .
+"""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -30,6 +57,10 @@ class SandboxLimits:
     max_file_bytes: int = 16 << 20
     cpu_seconds: int = 10
     output_chars: int = 4000  # what a command's output may return to the model
+    workspace_bytes: int = 64 << 20  # tmpfs size of /workspace: the workspace's disk quota
+    tmp_bytes: int = 64 << 20  # tmpfs size of /tmp (RAM: counts beside memory_bytes)
+    output_bytes: int = 1 << 20  # tmpfs holding a command's output (its tail is returned)
+    sandbox_uid: int = 65534  # host uid bubblewrap runs as when milepost runs as root
 
 
 @dataclass
@@ -39,10 +70,14 @@ class CommandResult:
     timed_out: bool = False
 
 
-def _bwrap_base(workdir: Path) -> list[str]:
-    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-           "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-           "--bind", str(workdir), "/workspace", "--chdir", "/workspace",
+def _bwrap_base(limits: SandboxLimits) -> list[str]:
+    cmd = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+           "--new-session", "--clearenv", "--uid", str(_INSIDE_UID), "--gid", str(_INSIDE_UID),
+           "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr", "--proc", "/proc",
+           "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev",
+           "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
+           "--size", str(limits.workspace_bytes), "--tmpfs", "/workspace",
+           "--size", str(limits.output_bytes), "--tmpfs", "/io", "--chdir", "/workspace",
            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/workspace",
            "--setenv", "LANG", "C.UTF-8"]
     for link in ("bin", "lib", "lib64", "sbin"):  # merged-/usr layouts: symlinks into /usr
@@ -54,20 +89,92 @@ def _bwrap_base(workdir: Path) -> list[str]:
     return cmd
 
 
+def _limiter(limits: SandboxLimits) -> Callable[[], None]:
+    """The child's preexec: resource limits, then (as root) the unprivileged host uid."""
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds))
+        if os.geteuid() == 0:  # root's process limit is not enforced, and root is root
+            os.setgroups([])
+            os.setgid(limits.sandbox_uid)
+            os.setuid(limits.sandbox_uid)
+    return apply
+
+
+def _seccomp_fd() -> int | None:
+    """A pipe's read end holding the filter program, or None where there is no filter."""
+    if not seccomp.supported():
+        return None
+    r, w = os.pipe()
+    os.write(w, seccomp.deny_list_program())  # a few hundred bytes: below any pipe buffer
+    os.close(w)
+    return r
+
+
+def _launch(script_args: list[str], limits: SandboxLimits, stdin_data: bytes,
+            timeout_s: float) -> tuple[int | None, bytes, bytes]:
+    """Run bwrap + the wrapper; (bwrap's exit code or None on timeout, stdout, stderr)."""
+    fd = _seccomp_fd()
+    argv = _bwrap_base(limits) + (["--seccomp", str(fd)] if fd is not None else [])
+    try:
+        proc = subprocess.Popen([*argv, *script_args], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
+                                pass_fds=(fd,) if fd is not None else (),
+                                preexec_fn=_limiter(limits))  # noqa: PLW1509 (no locks taken)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    # Far more than a workspace tar can be: anything bigger is a flood, not a workspace.
+    cap = 4 * limits.workspace_bytes + 2 * limits.output_bytes + (1 << 20)
+    out, err = bytearray(), bytearray()
+
+    def read(stream: object, buf: bytearray) -> None:
+        while chunk := stream.read(1 << 16):
+            if len(buf) < cap:
+                buf += chunk
+
+    readers = [threading.Thread(target=read, args=(proc.stdout, out), daemon=True),
+               threading.Thread(target=read, args=(proc.stderr, err), daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        proc.stdin.write(stdin_data)
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    for t in readers:
+        t.join(timeout=10)
+    return code, bytes(out), bytes(err)
+
+
 def isolation_problem() -> str | None:
-    """None when bubblewrap can build a sandbox here, else why not."""
+    """None when bubblewrap can build the sandbox here (as it will for commands), else why not."""
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed (apt-get install -y bubblewrap)"
-    with tempfile.TemporaryDirectory() as d:
-        try:
-            out = subprocess.run([*_bwrap_base(Path(d)), "true"], check=False,
-                                 capture_output=True, text=True, timeout=20)
-        except subprocess.TimeoutExpired:
-            return "bwrap did not answer within 20 s"
-    if out.returncode != 0:
-        return (f"bwrap cannot create namespaces here ({out.stderr.strip()[:200]}); user "
-                f"namespaces may be forbidden on this machine")
+    code, out, err = _launch(["/bin/sh", "-c", "id -u"], SandboxLimits(), b"", 20.0)
+    if code is None:
+        return "bwrap did not answer within 20 s"
+    if code != 0 or out.strip() != str(_INSIDE_UID).encode():
+        return (f"bwrap cannot create the sandbox here ({err.decode(errors='replace').strip()[:200]}"
+                "); user namespaces may be forbidden on this machine")
     return None
+
+
+def _inside_only(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """tarfile's "data" filter, but a member it refuses (a link out of the workspace, a device)
+    is dropped rather than failing the whole save."""
+    try:
+        return tarfile.data_filter(member, dest)
+    except tarfile.FilterError:
+        return None
 
 
 class Sandbox:
@@ -92,27 +199,65 @@ class Sandbox:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)
 
-    def _limit(self) -> None:  # runs in the child before exec
-        lim = self.limits
-        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_NPROC, (lim.max_processes, lim.max_processes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.max_file_bytes, lim.max_file_bytes))
-        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_seconds, lim.cpu_seconds))
-
     def run(self, command: str) -> CommandResult:
-        argv = ([*_bwrap_base(self.workdir), "/bin/sh", "-c", command] if self.isolated
-                else ["/bin/sh", "-c", command])
+        if not self.isolated:
+            return self._run_unisolated(command)
+        lim = self.limits
+        start = time.monotonic()
+        tail_bytes = 4 * lim.output_chars  # UTF-8: at most 4 bytes a character
+        code, out, err = _launch(
+            ["/bin/sh", "-c", _WRAPPER, "sh", command, f"{lim.command_timeout_s:g}",
+             str(tail_bytes)], lim, self._pack(), lim.command_timeout_s + 60)
+        if code is None:
+            return CommandResult(124, f"[sandbox killed after {time.monotonic() - start:.0f} s; "
+                                 "the workspace is as it was before this command]", True)
         try:
-            out = subprocess.run(argv, check=False, cwd=self.workdir, capture_output=True,
-                                 text=True, errors="replace", timeout=self.limits.command_timeout_s,
-                                 preexec_fn=self._limit, stdin=subprocess.DEVNULL)
+            header, rest = out.split(b"\n", 1)
+            rc, n = (int(x) for x in header.split())
+            text, archive = rest[:n].decode(errors="replace"), rest[n:]
+        except ValueError:
+            why = err.decode(errors="replace").strip()[-300:]
+            return CommandResult(125, f"[sandbox failed ({why or 'no answer'}); the workspace "
+                                 "is as it was before this command]")
+        timed_out = rc in (124, 137) and time.monotonic() - start >= lim.command_timeout_s
+        if timed_out:
+            text += f"\n[killed after {lim.command_timeout_s:.0f} s]"
+        if not self._unpack(archive):
+            text += "\n[the workspace could not be saved; it is as it was before this command]"
+        return CommandResult(124 if timed_out else rc, text[-lim.output_chars:], timed_out)
+
+    def _pack(self) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for child in sorted(self.workdir.iterdir()):
+                tar.add(child, arcname=child.name)
+        return buf.getvalue()
+
+    def _unpack(self, archive: bytes) -> bool:
+        """Replace the host copy with `archive` (links out, devices, absolute paths dropped)."""
+        fresh = Path(tempfile.mkdtemp(prefix="milepost-sandbox-"))
+        try:
+            with tarfile.open(fileobj=io.BytesIO(archive), mode="r:") as tar:
+                tar.extractall(fresh, filter=_inside_only)
+        except (tarfile.TarError, OSError, ValueError):
+            shutil.rmtree(fresh, ignore_errors=True)
+            return False
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        os.replace(fresh, self.workdir)
+        return True
+
+    def _run_unisolated(self, command: str) -> CommandResult:
+        lim = self.limits
+        try:
+            out = subprocess.run(["/bin/sh", "-c", command], check=False, cwd=self.workdir,
+                                 capture_output=True, text=True, errors="replace",
+                                 timeout=lim.command_timeout_s, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired as e:
             text = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
                     else (e.stdout or ""))
-            return CommandResult(124, text[-self.limits.output_chars:] +
-                                 f"\n[killed after {self.limits.command_timeout_s:.0f} s]", True)
-        text = (out.stdout + out.stderr)[-self.limits.output_chars:]
-        return CommandResult(out.returncode, text)
+            return CommandResult(124, text[-lim.output_chars:] +
+                                 f"\n[killed after {lim.command_timeout_s:.0f} s]", True)
+        return CommandResult(out.returncode, (out.stdout + out.stderr)[-lim.output_chars:])
 
     def close(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
