@@ -112,6 +112,11 @@ def check_append_only(r: Renderer, battery: list[tuple[str, list[Message], list[
     i.e. the template changes nothing else turn to turn)."""
     results = []
     for name, messages, tools in battery:
+        if not r.family.parallel_tool_calls and any(
+                len(m.get("tool_calls") or []) > 1 for m in messages):
+            results.append(CheckResult(name, True, "skipped: the family's template allows one "
+                                                   "tool call per turn"))
+            continue
         messages = copy.deepcopy(messages)
         try:
             canonical = r.cut_after_last_turn(r.render(messages, tools, False))

@@ -3,9 +3,10 @@ parser, registered under a name the user gives at launch (a family is never dete
 checkpoint). The template itself is the checkpoint's own (its tokenizer's `chat_template`); the
 family says how to read the model's output back into a message and where an assistant turn ends.
 
-Registered: `qwen3` (`<think>` reasoning, `<tool_call>{json}</tool_call>`), `chatml` (SmolLM2
-and other plain ChatML checkpoints: tool calls as `<tool_call>` JSON in the text, no reasoning),
-and `generic` (no parsers; warns that incremental tokenization may diverge).
+Registered: `qwen3` (`<think>` reasoning the template drops from earlier turns,
+`<tool_call>{json}</tool_call>`), `qwen2.5`, `llama3` (3.1 / 3.2), `chatml` (SmolLM2 and other
+plain ChatML checkpoints), and `generic` (no parsers; warns that incremental tokenization may
+diverge). docs/sessions.md has the table of what each one knows.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ class Family:
     # The template renders tool-call arguments with `tojson` and so expects objects, where OpenAI
     # messages carry JSON strings (Qwen2.5, Llama 3.1): the renderer hands it objects.
     tool_args_as_objects: bool = False
+    # False: the template refuses more than one tool call per assistant turn (Llama 3.x).
+    parallel_tool_calls: bool = True
 
 
 def _parse_qwen3(text: str) -> ParsedOutput:
@@ -130,6 +133,25 @@ def _parse_qwen3(text: str) -> ParsedOutput:
 def _parse_chatml(text: str) -> ParsedOutput:
     content, calls, bad = parse_tool_call_blocks(text)
     return ParsedOutput(content=content, tool_calls=calls, unparsed_tool_calls=bad)
+
+
+def _parse_llama3(text: str) -> ParsedOutput:
+    """Llama 3.x writes a tool call as the whole reply: {"name": ..., "parameters": {...}}
+    (after <|python_tag|> for built-in tools); anything else is content."""
+    body = text.removeprefix("<|python_tag|>").strip()
+    if not body.startswith('{"name"'):
+        return ParsedOutput(content=text)
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return ParsedOutput(content=text, unparsed_tool_calls=1)
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+        return ParsedOutput(content=text, unparsed_tool_calls=1)
+    args = obj.get("parameters", obj.get("arguments", {}))
+    return ParsedOutput(content="", tool_calls=[{
+        "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+        "function": {"name": obj["name"], "arguments": args if isinstance(args, str)
+                     else json.dumps(args, ensure_ascii=False)}}])
 
 
 def _parse_plain(text: str) -> ParsedOutput:
@@ -173,6 +195,11 @@ register_family(Family("qwen2.5", "<|im_end|>", _parse_chatml,
                        description="Qwen2.5 Instruct: ChatML, <tool_call> JSON, arguments "
                        "rendered as objects", tool_call_open="<tool_call>",
                        tool_args_as_objects=True))
+register_family(Family("llama3", "<|eot_id|>", _parse_llama3,
+                       description="Llama 3.1 / 3.2 Instruct: header-id turns; a tool call is "
+                       "the whole reply as JSON {name, parameters}; tool results as ipython; "
+                       "one call per turn", tool_call_open='{"name"', tool_args_as_objects=True,
+                       parallel_tool_calls=False))
 register_family(Family("chatml", "<|im_end|>", _parse_chatml,
                        description="ChatML (SmolLM2): <tool_call> JSON in the text",
                        tool_call_open="<tool_call>"))

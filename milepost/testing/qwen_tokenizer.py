@@ -6,6 +6,7 @@ templates (milepost/testing/chat_templates.py) to exercise the session server on
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -43,9 +44,36 @@ def build_qwen_tokenizer(out_dir: str | Path, chat_template: str) -> Path:
 
 
 def qwen_tokenizer(chat_template: str) -> PreTrainedTokenizerFast:
-    """Qwen's tokenizer with `chat_template`. Conversion takes several seconds: build it once
-    per test module or session."""
-    from tokenizers import AddedToken, normalizers
+    """Qwen's tokenizer with `chat_template`. The first call converts the ranks (several
+    seconds); later calls in the process reuse the conversion."""
+    tok = bpe_tokenizer(chat_template, SPECIAL, NOT_SPECIAL, eos="<|im_end|>",
+                        pad="<|endoftext|>")
+    added = [tok.convert_tokens_to_ids(t) for t in SPECIAL + NOT_SPECIAL]
+    if added != list(range(FIRST_ADDED_ID, FIRST_ADDED_ID + len(added))):
+        raise RuntimeError(f"Qwen's added tokens landed on ids {added[:3]}..., not from "
+                           f"{FIRST_ADDED_ID}: the ranks file is not Qwen2/Qwen3's")
+    return tok
+
+
+def bpe_tokenizer(chat_template: str, special: tuple[str, ...], not_special: tuple[str, ...] = (),
+                  *, eos: str, pad: str | None = None, bos: str | None = None,
+                  ) -> PreTrainedTokenizerFast:
+    """Qwen's BPE with other added tokens after its ranks: the tokenizer of a family whose own
+    tokenizer cannot be downloaded here (Llama 3's special tokens on a real 151k BPE)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    backend = Tokenizer.from_str(_qwen_bpe_json())
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in not_special])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token=pad or eos,
+                                  bos_token=bos)
+    tok.chat_template = chat_template
+    return tok
+
+
+@functools.lru_cache(maxsize=1)
+def _qwen_bpe_json() -> str:
+    from tokenizers import normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     ranks = ranks_file()
@@ -54,13 +82,4 @@ def qwen_tokenizer(chat_template: str) -> PreTrainedTokenizerFast:
                                 "qwen-tokenizer; it is in milepost's `test` extra)")
     backend = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN_PATTERN).converted()
     backend.normalizer = normalizers.NFC()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in NOT_SPECIAL])
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>")
-    tok.chat_template = chat_template
-    added = [tok.convert_tokens_to_ids(t) for t in SPECIAL + NOT_SPECIAL]
-    if added != list(range(FIRST_ADDED_ID, FIRST_ADDED_ID + len(added))):
-        raise RuntimeError(f"Qwen's added tokens landed on ids {added[:3]}..., not from "
-                           f"{FIRST_ADDED_ID}: the ranks file is not Qwen2/Qwen3's")
-    return tok
+    return backend.to_str()

