@@ -133,3 +133,52 @@ def test_strict_rollback_is_recorded(agent_dir, engine) -> None:
     assert sample["metadata"]["session_retokenized_tokens"] > 0
     sampled_everywhere = sum(len(out["output_ids"]) for _, out, _ in rec.generate_calls)
     assert sum(sample["loss_mask"]) < sampled_everywhere
+
+
+def test_published_qwen3_template_live(agent_dir, engine) -> None:
+    """The published Qwen3 template, unmodified, on the tiny model's vocabulary (its layout is the
+    one the model learned): turn 3 makes the template drop turns 1-2's reasoning and their
+    replays omit it; `strict` accepts that (the template does not read it there), the suffix
+    comes from the template's text after the stored turns, and every turn extends the last."""
+    from transformers import AutoTokenizer
+
+    from milepost.testing.chat_templates import QWEN3
+
+    tok = AutoTokenizer.from_pretrained(agent_dir)
+    tok.chat_template = QWEN3
+    rec = RecordingTransport()
+    with SessionServerThread(tok, engine.url, family="qwen3", matcher="strict",
+                             settings=SessionSettings(mode="linear"), engine_transport=rec) as srv, \
+            httpx.Client(base_url=srv.url, timeout=300) as c:
+        sid = c.post("/sessions").json()["session_id"]
+        url = f"/sessions/{sid}/v1/chat/completions"
+        messages = [{"role": "user", "content": "Weather in Oslo?"}]
+        sampling = {"temperature": 0, "max_tokens": 96}
+        first = c.post(url, json={"messages": messages, **sampling}).json()["choices"][0]
+        assert first["finish_reason"] == "tool_calls" and first["message"]["reasoning_content"]
+        call = first["message"]["tool_calls"][0]
+        messages += [first["message"], {"role": "tool", "tool_call_id": call["id"],
+                                        "content": "snow"}]
+        second = c.post(url, json={"messages": messages, **sampling}).json()["choices"][0]
+        messages.append(second["message"])
+        # The harness now forgets every reasoning it was sent, and asks something new.
+        messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
+        r = c.post(url, json={"messages": messages + [{"role": "user", "content": "Thanks!"}],
+                              **sampling})
+        assert r.status_code == 200, r.text
+        assert r.json()["milepost"]["divergence"] is None
+        (sample,) = c.post(f"/sessions/{sid}/samples").json()["samples"]
+    calls = [(req, out) for req, out, h in rec.generate_calls]
+    assert len(calls) == 3 and sample["metadata"]["turns"] == 3
+    for (req, out), (nxt, _) in zip(calls, calls[1:]):
+        seen = req["input_ids"] + out["output_ids"]
+        assert nxt["input_ids"][:len(seen)] == seen
+    # The template's own rendering drops turn 1's reasoning; the prompt the engine saw kept it.
+    reasoning = first["message"]["reasoning_content"]
+    with_reasoning = [messages[0], first["message"], *messages[2:],
+                      {"role": "user", "content": "Thanks!"}]
+    assert reasoning not in tok.apply_chat_template(with_reasoning, tokenize=False)
+    assert reasoning in tok.decode(calls[2][0]["input_ids"])
+    n_prompt = len(sample["tokens"]) - sample["response_length"]
+    sampled = [t for t, m in zip(sample["tokens"][n_prompt:], sample["loss_mask"]) if m]
+    assert sampled == [t for _, out in calls for t in out["output_ids"]]
