@@ -76,7 +76,7 @@ def build_flat(chunks: Sequence[Chunk], block_size: int) -> FlatBatch:
 def _logit_rows(chunks: Sequence[Chunk], cu: np.ndarray) -> list[int]:
     rows: list[int] = []
     for i, c in enumerate(chunks):
-        prompt = c.prompt_rows
+        prompt = c.prompt_rows if c.req.logprob_start_len >= 0 else None
         if prompt:
             base = int(cu[i]) - c.start
             rows.extend(base + p for p in prompt)

@@ -20,6 +20,8 @@ from milepost.engine.scheduler import Chunk
 def take_prompt_logprobs(chunks: Sequence[Chunk], logits: torch.Tensor) -> torch.Tensor:
     """Record the prompt log-probs in `logits` (rows laid out as forward_batch._logit_rows) on
     their requests; return the rows of the chunks that sample, in chunk order."""
+    if all(c.req.logprob_start_len < 0 for c in chunks):  # the common step: nothing to score
+        return logits
     spans = [(c, c.prompt_rows) for c in chunks]  # before recording moves prompt_lp_next
     if not any(rows for _, rows in spans):
         return logits

@@ -79,8 +79,13 @@ class Request:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     input_ids_logprobs: list[list[float] | None] = field(default_factory=list)
     output_ids_logprobs: list[list[float]] = field(default_factory=list)
+    penalized: bool = field(init=False, default=False)  # params.penalized, cached
+    adjusts_logits: bool = field(init=False, default=False)  # params.adjusts_logits, cached
 
     def __post_init__(self) -> None:
+        # Read every step for every row: computed once here, not from the params each time.
+        self.penalized = self.params.penalized
+        self.adjusts_logits = self.params.adjusts_logits
         if self.logprob_start_len == 0:  # the first prompt token has no log-prob (SGLang: None)
             self.input_logprobs.append(None)
             self.input_top_logprobs.append(None)

@@ -46,11 +46,15 @@ class Stepper:
         chunks = self.scheduler.schedule()
         if not chunks:
             return
-        logits = take_prompt_logprobs(chunks, self.runner.forward(chunks))
+        logits = self.runner.forward(chunks)
+        scoring = not all(c.req.logprob_start_len < 0 for c in chunks)  # usually False: one pass
+        if scoring:
+            logits = take_prompt_logprobs(chunks, logits)
         self.scheduler.after_forward(chunks)
-        for c in chunks:  # requests for 0 new tokens end once their prompt is scored
-            if c.req.params.max_new_tokens == 0 and c.req.tokens_to_compute == 0:
-                self._finish(c.req, {"type": "length", "length": 0})
+        for c in chunks if scoring else ():  # requests for 0 new tokens end once scored
+            req = c.req
+            if req.tokens_to_compute == 0 and req.params.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
         sampling = [c.req for c in chunks if c.samples]
         if sampling:
             launched = LaunchedStep.of(sampling, self._sample(logits, sampling), self.weight_version)
@@ -95,7 +99,7 @@ class Stepper:
             return False
         if any(r.state is not ReqState.RUNNING for r in live):
             return False
-        if any(r.params.penalized for r in live):
+        if any(r.penalized for r in live):
             return False  # penalties count the output tokens: the last one must be on the host
         bs = self.cfg.block_size
         need = sum(1 for r in live if r.total_len + 1 > len(r.blocks) * bs)
@@ -121,7 +125,7 @@ class Stepper:
             max(r.top_logprobs_num for r in sampling),
             # penalties read the output so far; without them no per-row lists are passed
             outputs=[r.output_ids for r in sampling]
-            if any(p.adjusts_logits for p in params) else None,
+            if any(r.adjusts_logits for r in sampling) else None,
             token_ids=[r.token_ids_logprob for r in sampling]
             if any(r.token_ids_logprob for r in sampling) else None,
         )
