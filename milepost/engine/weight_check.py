@@ -28,12 +28,12 @@ from milepost.weights.verify import tensor_digest
 
 
 class RandomizeReq(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     seed: int = 0
 
 
 class DequantizedReq(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     names: list[str]
 
 

@@ -27,13 +27,13 @@ from milepost.weights.disk_delta import DeltaError, DeltaIndex
 
 
 class DeltaPrepareReq(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     root: str = Field(min_length=1)
     version: int = Field(ge=0)
 
 
 class DeltaCommitReq(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     version: int = Field(ge=0)
     weight_version: str | None = None
     flush_cache: bool = True

@@ -50,7 +50,7 @@ class _ReceiveOnly(WeightLoader):
 class UpdateWeightsFromP2PReqInput(BaseModel):
     """milepost's peer-to-peer bucket (milepost.weights.p2p): metadata here, bytes by recv."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]

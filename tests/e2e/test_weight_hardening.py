@@ -158,3 +158,21 @@ def test_disk_delta_index_with_wrong_types_answers_400(setup, tmp_path, field, v
     assert r.status_code == 400, r.text
     assert "not a valid delta index" in r.json()["message"] and where in r.json()["message"]
     assert served(url) == before
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/weights_delta/prepare", {"root": "/tmp", "version": "0"}),
+    ("/weights_delta/commit", {"version": 0, "flush_cache": "yes"}),
+    ("/weights_randomize", {"seed": "1"}),
+    ("/weights_dequantized", {"names": "model.norm.weight"}),
+    ("/update_weights_from_p2p", {"names": ["a"], "dtypes": ["float32"], "shapes": [["1"]],
+                                  "group_name": "g"}),
+    ("/update_weights_from_p2p", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]],
+                                  "group_name": "g", "src_rank": True}),
+])
+def test_weight_routes_take_no_coerced_types(setup, path, body) -> None:
+    url, _, _ = setup
+    before = served(url)
+    r = post(url, path, body)
+    assert 400 <= r.status_code < 500, (path, r.status_code, r.text)
+    assert served(url) == before
