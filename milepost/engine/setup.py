@@ -66,7 +66,8 @@ def build_engine(
     cfg = model.hf_config
     kv_dtype = getattr(torch, args.kv_cache_dtype)
     elem = torch.empty((), dtype=kv_dtype).element_size()
-    kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem
+    kv_values = getattr(model, "kv_values", True)  # False: MLA's latent lives in K pools alone
+    kv_bytes_per_token = (2 if kv_values else 1) * model.num_layers * model.num_kv_heads * model.head_dim * elem
     if model.moe_top_k > 0 and record_routed_experts:  # the routed-expert record beside the KV
         kv_bytes_per_token += model.num_layers * model.moe_top_k * 4
     budget = None
@@ -82,7 +83,7 @@ def build_engine(
     tokens = args.kv_pool_tokens(kv_bytes_per_token, budget)
     try:
         kv = PagedKVCache(model.num_layers, tokens // args.page_size, args.page_size,
-                          model.num_kv_heads, model.head_dim, kv_dtype, device)
+                          model.num_kv_heads, model.head_dim, kv_dtype, device, values=kv_values)
     except torch.OutOfMemoryError as e:
         raise RuntimeError(out_of_memory_message(
             f"the KV pool of {tokens} tokens", tokens * kv_bytes_per_token, args.mem_fraction_static,

@@ -27,7 +27,9 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        values: bool = True,
     ) -> None:
+        """values=False: K pools only (MLA keeps one latent per token there; `v` stays empty)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_layers = num_layers
@@ -37,7 +39,7 @@ class PagedKVCache:
         self.head_dim = head_dim
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros_like(t) for t in self.k]
+        self.v = [torch.zeros_like(t) for t in self.k] if values else []
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

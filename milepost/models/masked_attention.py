@@ -93,6 +93,21 @@ def attend_variant(
     )
 
 
+def latent_sequences(
+    backend: object, layer_id: int, latent: torch.Tensor
+) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """For attention over a per-token latent (MLA): store this batch's latent [T, 1, D] where the
+    backend keeps KV, and return per sequence (first row in the batch, new rows, the latent of
+    all its positions [n, 1, D], the new rows' positions [new])."""
+    if isinstance(backend, VarlenCausalAttention):
+        return [(s, e - s, latent[s:e], torch.arange(e - s, device=latent.device))
+                for s, e in zip(backend.bounds, backend.bounds[1:])]
+    if hasattr(backend, "gather_latent"):
+        return backend.gather_latent(layer_id, latent)
+    raise TypeError(f"{type(backend).__name__} cannot hold a latent KV cache (MLA); the engine wraps "
+                    "its backend in VariantPagedAttention and the trainer uses VarlenCausalAttention")
+
+
 class VariantPagedAttention:
     """The engine's paged backend (Triton or torch) for plain layers, plus `attend_variant` over the
     same cache for layers with a window, soft-cap or sinks (torch ops, one sequence at a time)."""
@@ -136,3 +151,11 @@ class VariantPagedAttention:
             pieces.append(attend_one(q[start : start + n_q], kc[slots].to(q.dtype), vc[slots].to(q.dtype),
                                      q_pos, scale, var))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def gather_latent(self, layer_id: int, latent: torch.Tensor) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Write the new tokens' latent [T, 1, D] into the K pool; each sequence's full latent."""
+        if self._slots is None:
+            raise RuntimeError("VariantPagedAttention.gather_latent called before prepare(batch)")
+        kc = self.cache.k[layer_id]
+        kc[self._slots] = latent.detach().to(kc.dtype)
+        return [(start, n_q, kc[slots].to(latent.dtype), q_pos) for start, n_q, slots, q_pos in self._seqs]

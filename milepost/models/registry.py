@@ -19,6 +19,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from milepost.models.base import CausalLM
+from milepost.models.deepseek_v3 import DeepseekV3ForCausalLM
 from milepost.models.llama import DecoderLM, LlamaForCausalLM
 from milepost.models.mistral import MistralForCausalLM
 from milepost.models.qwen2 import Qwen2ForCausalLM
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 Backend = Literal["auto", "native", "transformers"]
 
 MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

@@ -26,7 +26,9 @@ class Arch:
     def r3(self) -> str:
         if not self.moe:
             return "n/a (dense)"
-        return "yes" if self.path == NATIVE else "no (refused)"
+        if self.path != NATIVE:
+            return "no (refused)"
+        return "yes" if self.name in _R3_TESTED else "yes (untested in a run)"
 
     @property
     def fp8(self) -> str:
@@ -36,7 +38,8 @@ class Arch:
 
 
 _U, _E = "tests/unit/", "tests/e2e/"
-_FP8_TESTED = ("Qwen3ForCausalLM",)  # tests/unit/test_weight_fp8.py, tests/e2e/test_weight_fp8_engine.py
+_FP8_TESTED = ("Qwen3ForCausalLM",)
+_R3_TESTED = ("Qwen3MoeForCausalLM",)  # tests/e2e/test_routing_replay.py: a served model, replayed  # tests/unit/test_weight_fp8.py, tests/e2e/test_weight_fp8_engine.py
 _FB = (_U + "test_models_fallback.py",)
 ARCHS: tuple[Arch, ...] = (
     Arch("LlamaForCausalLM", NATIVE, False, "RoPE default or llama3; attention/MLP bias; tied head",
@@ -49,6 +52,8 @@ ARCHS: tuple[Arch, ...] = (
          (_U + "test_models.py", _U + "test_models_native_families.py", _E + "test_engine_parity.py")),
     Arch("Qwen3MoeForCausalLM", NATIVE, True, "routed experts recorded (R3); sliding window",
          (_U + "test_models.py", _U + "test_models_native_families.py", _E + "test_engine_moe.py")),
+    Arch("DeepseekV3ForCausalLM", NATIVE, True, "MLA with a latent paged KV cache (no V pool); grouped "
+         "sigmoid routing + shared experts; default RoPE only (YaRN refused)", (_U + "test_models_deepseek.py",)),
     Arch("Gemma2ForCausalLM", FALLBACK, False, "sliding/global layers, attention + final soft-capping",
          (*_FB, _E + "test_fallback_engine.py", _E + "test_fallback_train.py")),
     Arch("Gemma3ForCausalLM", FALLBACK, False, "sliding/global layers with two RoPE bases",

@@ -39,6 +39,17 @@ TINY_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # MoE with attention sinks, alternating sliding/full layers
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)),
+    # MLA (q LoRA, interleaved RoPE), one dense layer then MoE: 8 experts in 4 groups, 2 groups kept
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8,
+        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5)),
+    # MLA without q LoRA, rotate-half RoPE, unnormalized top-k weights
+    "deepseek_v3_plain": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8,
+        v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=0, rope_interleave=False,
+        norm_topk_prob=False)),
 }
 
 
@@ -55,6 +66,10 @@ def make_tiny_hf_checkpoint(
     config.architectures = [model_name]
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    with torch.no_grad():  # transformers initializes DeepSeek's routing bias to zeros: make it matter
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.5)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

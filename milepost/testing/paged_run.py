@@ -26,7 +26,7 @@ def paged_logits(
     dtype = next(model.parameters()).dtype
     blocks_each = [-(-len(s) // block_size) for s in seqs]
     kv = PagedKVCache(model.num_layers, sum(blocks_each) + 1, block_size, model.num_kv_heads,
-                      model.head_dim, dtype, "cpu")
+                      model.head_dim, dtype, "cpu", values=getattr(model, "kv_values", True))
     attention = TorchPagedAttention(kv)
     if needs_variant_backend(model):
         attention = VariantPagedAttention(attention, kv)
