@@ -14,7 +14,7 @@ import os
 # (milepost/launch/process.py, OPENMP_DEFAULTS).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

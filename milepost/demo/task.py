@@ -10,6 +10,7 @@ exact-answer reward (`milepost.demo.task:reward`) should teach it to compute. RL
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -21,7 +22,7 @@ from typing import Any
 from milepost.types import Sample
 
 OPERANDS = (10, 99)  # both operands uniform in this range: always two digits, so digits align
-TEACHER_ACCURACY = 0.4  # share of the lazy tutor's answers that are exact
+TEACHER_ACCURACY = 0.35  # share of the lazy tutor's answers that are exact
 ESTIMATE_MARK = "~"  # how the tutor writes an estimate
 EOS_TEXT = "<|im_end|>"  # the tiny tokenizer's EOS; engines usually strip it from the text already
 
@@ -73,22 +74,24 @@ def drill_records(n: int, seed: int, operands: tuple[int, int] = OPERANDS) -> li
     return [{"prompt": p.prompt, "response": p.answer, "label": p.answer} for p in _take(seed, n, operands)]
 
 
-def tutor_records(
-    n: int, seed: int, operands: tuple[int, int] = OPERANDS, teacher_accuracy: float = TEACHER_ACCURACY
-) -> list[dict[str, Any]]:
-    """`n` examples answered by the lazy tutor: exact with probability `teacher_accuracy`, else
-    its estimate (`"response": "~70"`); same layout as `drill_records`."""
+def tutor_stream(
+    seed: int, operands: tuple[int, int] = OPERANDS, teacher_accuracy: float = TEACHER_ACCURACY
+) -> Iterator[dict[str, Any]]:
+    """The lazy tutor's endless answers: exact with probability `teacher_accuracy`, else its
+    estimate (`"response": "~70"`); same layout as `drill_records`."""
     if not 0.0 <= teacher_accuracy <= 1.0:
         raise ValueError(f"teacher_accuracy must be in [0, 1], got {teacher_accuracy}")
     rng = random.Random(f"tutor-{seed}")  # str seeds are hashed stably across processes
-    return [
-        {
-            "prompt": p.prompt,
-            "response": p.answer if rng.random() < teacher_accuracy else p.estimate,
-            "label": p.answer,
-        }
-        for p in _take(seed, n, operands)
-    ]
+    for p in problems(seed, operands):
+        exact = rng.random() < teacher_accuracy
+        yield {"prompt": p.prompt, "response": p.answer if exact else p.estimate, "label": p.answer}
+
+
+def tutor_records(
+    n: int, seed: int, operands: tuple[int, int] = OPERANDS, teacher_accuracy: float = TEACHER_ACCURACY
+) -> list[dict[str, Any]]:
+    """The first `n` answers of `tutor_stream`."""
+    return list(itertools.islice(tutor_stream(seed, operands, teacher_accuracy), n))
 
 
 def dataset_seeds(seed: int) -> dict[str, int]:
@@ -114,29 +117,29 @@ def write_datasets(
     out_dir: str | Path,
     *,
     n_prompts: int,
-    n_drills: int,
-    n_tutor: int,
+    n_drills: int = 0,
+    n_tutor: int = 0,
     n_eval: int = 0,
     seed: int = 0,
     operands: tuple[int, int] = OPERANDS,
     teacher_accuracy: float = TEACHER_ACCURACY,
 ) -> dict[str, Path]:
-    """Write `rl_prompts.jsonl`, `drills.jsonl`, `tutor.jsonl` and (n_eval > 0) `eval_prompts.jsonl`
-    (held-out problems, the base model's own evaluation stream) into `out_dir`; their paths by name."""
+    """Write `rl_prompts.jsonl` and, each when its count is > 0, `eval_prompts.jsonl` (held-out
+    problems, the base model's own evaluation stream), `drills.jsonl` and `tutor.jsonl` into
+    `out_dir`; their paths by name."""
     out_dir = Path(out_dir)
     seeds = dataset_seeds(seed)
-    evals = ({"eval_prompts": write_jsonl(out_dir / "eval_prompts.jsonl",
-                                          prompt_records(n_eval, seeds["held_out"], operands))}
-             if n_eval else {})
-    return {**evals,
-        "rl_prompts": write_jsonl(
-            out_dir / "rl_prompts.jsonl", prompt_records(n_prompts, seeds["rl_prompts"], operands)
-        ),
-        "drills": write_jsonl(out_dir / "drills.jsonl", drill_records(n_drills, seeds["drills"], operands)),
-        "tutor": write_jsonl(
-            out_dir / "tutor.jsonl", tutor_records(n_tutor, seeds["tutor"], operands, teacher_accuracy)
-        ),
-    }
+    paths = {"rl_prompts": write_jsonl(out_dir / "rl_prompts.jsonl",
+                                       prompt_records(n_prompts, seeds["rl_prompts"], operands))}
+    if n_eval:
+        paths["eval_prompts"] = write_jsonl(out_dir / "eval_prompts.jsonl",
+                                            prompt_records(n_eval, seeds["held_out"], operands))
+    if n_drills:
+        paths["drills"] = write_jsonl(out_dir / "drills.jsonl", drill_records(n_drills, seeds["drills"], operands))
+    if n_tutor:
+        paths["tutor"] = write_jsonl(out_dir / "tutor.jsonl",
+                                     tutor_records(n_tutor, seeds["tutor"], operands, teacher_accuracy))
+    return paths
 
 
 def parse_answer(text: str) -> int | None:

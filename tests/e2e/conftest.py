@@ -2,11 +2,15 @@
 
 Checkpoints are built once per session. Servers that tests can share (default flags, small KV
 pool) are started once per session per model, on first use; a test that needs its own flags
-uses `start_server`, which closes what it started when the test ends.
+uses `start_server`, which closes what it started when the test ends. The demo's base model
+(`demo_dir`) is built once per session too, and tests that use it get time limits that scale
+with its work (`demo_train_timeout_s`).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +21,51 @@ from milepost.testing.server_process import ServerProcess
 
 # Enough for every shared-server test (the default CPU pool is 1 GiB per process).
 SHARED_SERVER_FLAGS = ("--max-total-tokens", "32768")
+
+# Time allowed for the demo's work, per unit of it, on a 2-core machine loaded by two other
+# CPU-bound jobs: a supervised step of the base model takes 0.085 s idle (0.13-0.19 s at load 7-8
+# with passive OpenMP), an RL rollout ~2 s idle (up to 50 s was seen under load with spinning
+# OpenMP). Limits are these allowances times the work, never a fixed number of seconds.
+DEMO_STEP_ALLOWANCE_S = 0.5
+DEMO_ROLLOUT_ALLOWANCE_S = 60.0
+DEMO_START_ALLOWANCE_S = 180.0  # engine, router and trainer start; evaluation
+DEMO_TEST_ROLLOUTS = 20  # the most rollouts a test that uses `demo_dir` runs
+
+
+def _demo_prepare_timeout_s() -> float:
+    from milepost.demo.recipe import DemoModelRecipe
+
+    r = DemoModelRecipe()
+    return DEMO_START_ALLOWANCE_S + DEMO_STEP_ALLOWANCE_S * (r.max_drill_steps + r.max_tutor_steps)
+
+
+def _demo_train_timeout_s(num_rollout: int) -> float:
+    return DEMO_START_ALLOWANCE_S + DEMO_ROLLOUT_ALLOWANCE_S * num_rollout
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses `demo_dir` may pay for building it (the first one does) and then trains:
+    its pytest timeout is the sum of both allowances, not the suite's fixed default."""
+    limit = _demo_prepare_timeout_s() + _demo_train_timeout_s(DEMO_TEST_ROLLOUTS)
+    for item in items:
+        if "demo_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(limit))
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`python -m milepost.demo.prepare DIR` once per session: DIR/base_model, rl_prompts.jsonl,
+    eval_prompts.jsonl. Tests must not write into it (each has its own run directory)."""
+    work = tmp_path_factory.mktemp("tiny-demo")
+    subprocess.run([sys.executable, "-m", "milepost.demo.prepare", str(work), "--seconds-budget", "0"],
+                   check=True, timeout=_demo_prepare_timeout_s())
+    return work
+
+
+@pytest.fixture(scope="session")
+def demo_train_timeout_s() -> Callable[[int], float]:
+    """`timeout=demo_train_timeout_s(num_rollout)`: the limit of one demo `milepost train` run."""
+    return _demo_train_timeout_s
 
 
 @pytest.fixture(scope="session")

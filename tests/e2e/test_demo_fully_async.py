@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,18 +26,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_fully_async_grpo_raises_the_demo_reward(tmp_path: Path) -> None:
-    work = tmp_path / "tiny-demo"
-    subprocess.run([sys.executable, "-m", "milepost.demo.prepare", str(work),
-                    "--seconds-budget", "0"], check=True, timeout=600)
-    run_dir = work / "rl-async"
+def test_fully_async_grpo_raises_the_demo_reward(
+    demo_dir: Path, demo_train_timeout_s: Callable[[int], float], tmp_path: Path
+) -> None:
+    work, run_dir = demo_dir, tmp_path / "rl-async"
     done = subprocess.run(
         [sys.executable, "-m", "milepost", "train", str(ROOT / "recipes" / "tiny_demo.toml"),
          "--hf-checkpoint", str(work / "base_model"), "--prompt-data",
          str(work / "rl_prompts.jsonl"), "--eval-prompt-data", str(work / "eval_prompts.jsonl"),
          "--eval-interval", "10", "--run-dir", str(run_dir), "--num-rollout", "20",
          "--save-hf-at-end", "false", "--fully-async"],
-        check=False, timeout=600,
+        check=False, timeout=demo_train_timeout_s(20),
     )
     assert done.returncode == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
