@@ -1,8 +1,11 @@
 """Trainer throughput: FSDPBackend.train_step and compute_logprobs on one GPU, Qwen3-0.6B shape.
 
 Random weights (nothing is downloaded). Prints tokens/s of a train step (log-probs of the old
-policy + forward/backward + AdamW) and of scoring alone, and the peak GPU memory.
-    python benchmarks/train_step.py [--samples 32] [--prompt 512] [--response 512]
+policy + forward/backward + AdamW) and of scoring alone, and the peak GPU memory. `--profile`
+also profiles one more train step (torch.profiler) and prints the top ops by device and by host
+time (written whole to --profile-out). `milepost bench train` gives the same step beside a
+Hugging Face loop.
+    python benchmarks/train_step.py [--samples 32] [--prompt 512] [--response 512] [--profile]
 """
 
 from __future__ import annotations
@@ -26,8 +29,22 @@ QWEN3_06B = dict(
 )
 
 
-def bench(rank: int, world: int, path: str, samples: int, prompt: int, response: int, mb_tokens: int) -> dict:
-    s = TrainerSettings(lr=1e-6, global_batch_size=samples, max_tokens_per_micro_batch=mb_tokens, device="cuda", dtype="bfloat16")
+def profile_step(backend: FSDPBackend, batch: TrainBatch) -> str:
+    """Top ops of one train step by self device time, then by self host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        backend.train_step(batch)
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    return "\n".join([table.table(sort_by="self_cuda_time_total", row_limit=30),
+                      table.table(sort_by="self_cpu_time_total", row_limit=20)])
+
+
+def bench(rank: int, world: int, path: str, samples: int, prompt: int, response: int, mb_tokens: int,
+          checkpointing: str = "none", profile: bool = False) -> dict:
+    s = TrainerSettings(lr=1e-6, global_batch_size=samples, max_tokens_per_micro_batch=mb_tokens, device="cuda",
+                        dtype="bfloat16", activation_checkpointing=checkpointing)
     backend = FSDPBackend.create(path, s)
     g = torch.Generator().manual_seed(0)
     items = [
@@ -47,7 +64,9 @@ def bench(rank: int, world: int, path: str, samples: int, prompt: int, response:
     torch.cuda.synchronize()
     score_s = time.perf_counter() - t
     tokens = samples * (prompt + response)
+    table = profile_step(backend, batch) if profile else ""
     return {
+        "profile": table,
         "train_tok_s": tokens / train_s,
         "score_tok_s": tokens / score_s,
         "train_s": train_s,
@@ -62,15 +81,22 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=512)
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    ap.add_argument("--activation-checkpointing", choices=("none", "layer"), default="none")
+    ap.add_argument("--profile", action="store_true", help="profile one more train step")
+    ap.add_argument("--profile-out", default="train_step_profile.txt")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         path = make_tiny_checkpoint(Path(d) / "m", "qwen3", vocab_size=151936, with_tokenizer=False, **QWEN3_06B)
-        [r] = run_ranks(bench, 1, str(path), a.samples, a.prompt, a.response, a.micro_batch_tokens, backend="nccl", timeout_s=540)
+        [r] = run_ranks(bench, 1, str(path), a.samples, a.prompt, a.response, a.micro_batch_tokens,
+                         a.activation_checkpointing, a.profile, backend="nccl", timeout_s=540)
     print(
         f"Qwen3-0.6B shape bf16, {a.samples} x ({a.prompt}+{a.response}) tokens, micro-batch {a.micro_batch_tokens}: "
         f"train {r['train_tok_s']:.0f} tok/s ({r['train_s']:.2f} s/step), score {r['score_tok_s']:.0f} tok/s, "
         f"peak {r['peak_gib']:.1f} GiB"
     )
+    if a.profile:
+        Path(a.profile_out).write_text(r["profile"] + "\n")
+        print(r["profile"][:6000])
 
 
 if __name__ == "__main__":
