@@ -43,12 +43,20 @@ def _demo_train_timeout_s(num_rollout: int) -> float:
     return DEMO_START_ALLOWANCE_S + DEMO_ROLLOUT_ALLOWANCE_S * num_rollout
 
 
+def _uses_demo_dir(item: pytest.Item) -> bool:
+    """Requests `demo_dir`, or is the `"demo"` case of a test that fetches it by
+    `request.getfixturevalue` (tests/e2e/test_disk_delta_rl.py)."""
+    callspec = getattr(item, "callspec", None)
+    return "demo_dir" in getattr(item, "fixturenames", ()) or (
+        callspec is not None and "demo" in callspec.params.values())
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that uses `demo_dir` may pay for building it (the first one does) and then trains:
     its pytest timeout is the sum of both allowances, not the suite's fixed default."""
     limit = _demo_prepare_timeout_s() + _demo_train_timeout_s(DEMO_TEST_ROLLOUTS)
     for item in items:
-        if "demo_dir" in getattr(item, "fixturenames", ()):
+        if _uses_demo_dir(item):
             item.add_marker(pytest.mark.timeout(limit))
 
 

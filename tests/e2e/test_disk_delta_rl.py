@@ -5,8 +5,8 @@ fraction of bytes changed; `--check-weight-update-equal` proves the engine holds
 weights after the first update. Then a fresh engine replays the run's store: versions in order
 are accepted, an XOR version applied twice and a version on the wrong base are refused with a
 message, and the engine keeps serving the weights it had. Two models: a tiny random Qwen3 with a
-reward that varies within groups (default suite), and the demo model on its task (slow: building
-the demo model takes 40 s on an idle 2-core machine, many minutes on a busy one).
+reward that varies within groups (default suite), and the demo model on its task (slow: the
+session's shared `demo_dir`, built once for every demo test).
 """
 
 from __future__ import annotations
@@ -52,10 +52,7 @@ def tiny_run(tmp: Path) -> tuple[Path, list[str], dict]:
     return model, args, env
 
 
-def demo_run(tmp: Path) -> tuple[Path, list[str], dict]:
-    work = tmp / "tiny-demo"
-    subprocess.run([sys.executable, "-m", "milepost.demo.prepare", str(work),
-                    "--seconds-budget", "0"], check=True, timeout=1500)
+def demo_run(work: Path) -> tuple[Path, list[str], dict]:
     args = [str(ROOT / "recipes" / "tiny_demo.toml"), "--hf-checkpoint", str(work / "base_model"),
             "--prompt-data", str(work / "rl_prompts.jsonl"),
             "--eval-prompt-data", str(work / "eval_prompts.jsonl"),
@@ -75,8 +72,9 @@ def generate(url: str) -> dict:
 
 
 @pytest.mark.parametrize("source", ["tiny", pytest.param("demo", marks=pytest.mark.slow)])
-def test_disk_delta_after_real_rl_steps(tmp_path: Path, source: str) -> None:
-    model, args, env = (tiny_run if source == "tiny" else demo_run)(tmp_path)
+def test_disk_delta_after_real_rl_steps(tmp_path: Path, source: str, request: pytest.FixtureRequest) -> None:
+    # The demo's base model is the session's (tests/e2e/conftest.py gives this case its time limit).
+    model, args, env = tiny_run(tmp_path) if source == "tiny" else demo_run(request.getfixturevalue("demo_dir"))
     run_dir = tmp_path / "rl"
     done = subprocess.run(
         [sys.executable, "-m", "milepost", "train", *args, "--run-dir", str(run_dir),
