@@ -34,6 +34,7 @@ def preflight(cfg: TrainConfig) -> None:
     """Refuse, before any process starts, what would only fail once engines and ranks are up."""
     if cfg.load_rollouts is None:
         load_reward_fns(cfg)
+        check_plugins(cfg)
         check_prompt_files(cfg)
     if cfg.fully_async:
         load_fully_async_plugins(cfg)
@@ -50,6 +51,35 @@ def load_reward_fns(cfg: TrainConfig) -> tuple[Any, Any]:
     except ValueError as e:  # the loaders name the setting and what failed to import
         raise RunError(f"{e}; check the import path (is its module on PYTHONPATH?)") from None
     return reward_fn, group_fn
+
+
+def check_plugins(cfg: TrainConfig) -> None:
+    """Every plug-in layer given by import path imports (a custom loss also with the arguments its
+    contract passes; the config already loads estimators), and a session server's model family renders this checkpoint's chat
+    template append-only; RunError naming the setting otherwise."""
+    from milepost.config_rules import session_server_enabled
+    from milepost.plugins import load_callable
+
+    try:
+        for path, flag in ((cfg.rollout_function_path, "--rollout-function-path"),
+                           (cfg.custom_generate_function_path, "--custom-generate-function-path"),
+                           (cfg.agent_function_path, "--agent-function-path")):
+            if path is not None:
+                load_callable(path, flag)
+        if cfg.custom_loss_function_path is not None:
+            from milepost.train.losses import get_loss
+
+            get_loss("custom_loss", cfg.custom_loss_function_path)
+        if session_server_enabled(cfg):
+            from milepost.session.matchers import load_matcher
+            from milepost.session.runner import make_renderer
+            from milepost.session.selection import load_leaf_selector
+
+            load_matcher(cfg.session_matcher)
+            load_leaf_selector(cfg.session_leaf_selection)
+            make_renderer(cfg.hf_checkpoint, cfg.session_model_family)
+    except ValueError as e:  # the loaders name the setting; FamilyError/RenderError included
+        raise RunError(str(e)) from None
 
 
 def check_prompt_files(cfg: TrainConfig) -> None:

@@ -85,3 +85,17 @@ def test_train_stops_before_any_engine_starts(model: Path, tmp_path: Path) -> No
     assert out.returncode == 1, out.stdout + out.stderr
     assert "line 2: not valid JSON" in out.stderr + out.stdout
     assert not list((run_dir / "logs").glob("engine-*.log"))  # no engine was started
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--custom-generate-function-path", "no_such_module:gen"], "--custom-generate-function-path"),
+    (["--rollout-function-path", "json:no_such_fn"], "--rollout-function-path"),
+    (["--loss-type", "custom_loss", "--custom-loss-function-path", "json:dumps"],
+     "--custom-loss-function-path"),
+])
+def test_plugins_that_do_not_load_are_refused_before_engines(model: Path, tmp_path: Path,
+                                                             flags: list[str],
+                                                             message: str) -> None:
+    good = rows(tmp_path / "p.jsonl", json.dumps({"prompt": "1+1=", "label": "2"}))
+    with pytest.raises(RunError, match=message):
+        preflight(cfg_for(model, good, tmp_path, *flags))
