@@ -4,13 +4,17 @@ Colocated by default; `--no-colocate -- --update-weight-transfer-mode broadcast
 --check-weight-update-equal` gives the disaggregated run (one trainer GPU, one engine GPU).
 
 64 trajectories per step (8 prompts x 8 samples) of ~128-token prompts and up to 256-token
-responses; prints the step time split from the run's metrics.jsonl. Needs CUDA.
+responses; prints the step time split from the run's metrics.jsonl and the median step time
+over steps 3..N (the issue's measure). `--trl` then runs TRL's GRPOTrainer on the same workload
+(benchmarks/trl_grpo_baseline.py, TRL installed or carried as wheels) and prints the ratio of
+median step times. Needs CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,7 +38,8 @@ def prompts(tokenizer, n: int, length: int, seed: int) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer and print the ratio")
     p.add_argument("--colocate", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", default=None, help="copy metrics.jsonl here")
     p.add_argument("extra", nargs=argparse.REMAINDER,
@@ -78,6 +83,17 @@ def main() -> None:
     print("step  " + "  ".join(k.split("/")[-1] for k in keys))
     for r in rows:
         print(f"{r['step']:4d}  " + "  ".join(f"{r.get(k, float('nan')):.3g}" for k in keys))
+    timed = [r for r in rows if r["step"] >= 2] or rows  # steps count from 0: these are steps 3..N
+    median = statistics.median(r["perf/step_time"] for r in timed)
+    train = statistics.median(r["perf/train_time"] for r in timed)
+    print(f"milepost: median step {median:.3f} s (train {train:.3f} s) over steps 3..{len(rows)}")
+    if a.trl:
+        out = work / "trl.json"
+        script = Path(__file__).resolve().parent / "trl_grpo_baseline.py"
+        subprocess.run([sys.executable, str(script), "--steps", str(max(a.steps, 2)), "--json-out", str(out)],
+                       check=True)
+        trl = json.loads(out.read_text())["median_s"]
+        print(f"TRL GRPOTrainer: median step {trl:.3f} s; milepost is {trl / median:.2f}x faster (same run)")
 
 
 if __name__ == "__main__":
