@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from milepost.rollout.client import EngineRequestError, EngineUnavailableError
 from milepost.session.families import FamilyError
+from milepost.session.divergence import HEADER
 from milepost.session.openai_chat import completion, divergence_headers, stream_turn
 from milepost.session.render import RenderError
 from milepost.session.selection import LeafSelectionError
@@ -163,7 +164,12 @@ def build_app(service: SessionService) -> FastAPI:
 
     @app.exception_handler(SessionConflict)
     async def _conflict(_: Request, exc: SessionConflict) -> JSONResponse:
-        return _error(409, str(exc), "session_conflict")
+        response = _error(409, str(exc), "session_conflict")
+        if exc.divergence is not None:  # the structured record too (docs/sessions.md)
+            body = json.loads(response.body)
+            body["error"]["divergence"] = exc.divergence.to_dict()
+            response = JSONResponse(body, 409, headers={HEADER: exc.divergence.header()})
+        return response
 
     @app.exception_handler(RenderError)
     async def _render(_: Request, exc: RenderError) -> JSONResponse:

@@ -109,6 +109,9 @@ def test_strict_rejects_with_the_message_and_field(agent_dir, engine) -> None:
         text = str(e.value)
         assert "at message 1 (assistant)" in text and "reasoning_content" in text
         assert "omit_reasoning" in text  # names the matcher that accepts this replay
+        assert e.value.response.headers[HEADER].startswith("rejected; message=1")
+        record = e.value.response.json()["error"]["divergence"]
+        assert record["kind"] == "rejected" and record["suggestion"] == "omit_reasoning"
         summary = httpx.get(f"{srv.url}/sessions/{sid}").json()
         assert len(summary["turns"]) == 1  # the stored turn stays; nothing replaced it
         assert [d["kind"] for d in summary["divergences"]] == ["rejected"]
