@@ -54,8 +54,8 @@ def load_reward_fns(cfg: TrainConfig) -> tuple[Any, Any]:
 
 
 def check_plugins(cfg: TrainConfig) -> None:
-    """Every plug-in layer given by import path imports (a custom loss also with the arguments its
-    contract passes; the config already loads estimators), and a session server's model family renders this checkpoint's chat
+    """Every plug-in layer given by import path imports (the config itself loads estimators and
+    losses), and a session server's model family renders this checkpoint's chat
     template append-only; RunError naming the setting otherwise."""
     from milepost.config_rules import session_server_enabled
     from milepost.plugins import load_callable
@@ -66,10 +66,6 @@ def check_plugins(cfg: TrainConfig) -> None:
                            (cfg.agent_function_path, "--agent-function-path")):
             if path is not None:
                 load_callable(path, flag)
-        if cfg.custom_loss_function_path is not None:
-            from milepost.train.losses import get_loss
-
-            get_loss("custom_loss", cfg.custom_loss_function_path)
         if session_server_enabled(cfg):
             from milepost.session.matchers import load_matcher
             from milepost.session.runner import make_renderer

@@ -90,8 +90,6 @@ def test_train_stops_before_any_engine_starts(model: Path, tmp_path: Path) -> No
 @pytest.mark.parametrize("flags, message", [
     (["--custom-generate-function-path", "no_such_module:gen"], "--custom-generate-function-path"),
     (["--rollout-function-path", "json:no_such_fn"], "--rollout-function-path"),
-    (["--loss-type", "custom_loss", "--custom-loss-function-path", "json:dumps"],
-     "--custom-loss-function-path"),
 ])
 def test_plugins_that_do_not_load_are_refused_before_engines(model: Path, tmp_path: Path,
                                                              flags: list[str],
