@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from milepost.launch.process import die_with_parent, free_port
+from milepost.launch.process import die_with_parent, free_port, openmp_defaults
 from milepost.sft_config import SFTConfig, load_sft_config
 
 log = logging.getLogger("milepost.driver.sft")
@@ -35,8 +35,8 @@ def run(cfg: SFTConfig) -> int:
     n, port = cfg.actor_num_gpus_per_node, free_port()
     procs = []
     for rank in range(n):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank)}
+        env = {**os.environ, **openmp_defaults(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank)}
         if cfg.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(rank)
         else:

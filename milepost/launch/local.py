@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from milepost.launch.process import ManagedProcess, die_with_parent, free_port
+from milepost.launch.process import ManagedProcess, die_with_parent, free_port, openmp_defaults
 from milepost.launch.rendezvous import LOOPBACK_SOCKET_ENV
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class LocalLauncher:
         port = free_port()
         procs = []
         for rank in range(n):
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            env = {**os.environ, **openmp_defaults(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank),
                    **_loopback_sockets()}
             if self.on_gpu:
