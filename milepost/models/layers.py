@@ -16,7 +16,7 @@ from torch import nn
 from milepost.models.base import ForwardContext
 from milepost.models.masked_attention import Variant, attend_variant
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def gpu_inference(x: torch.Tensor) -> bool:
@@ -58,16 +58,19 @@ def rope_parameters(config: object) -> dict:
 
 
 def rope_inv_freq(config: object, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in fp32 for rope types "default" and "llama3"."""
+    """Inverse frequencies [head_dim // 2] in fp32 for rope types "default", "linear" and "llama3"."""
     p = rope_parameters(config)
     rope_type = p["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+        raise ValueError(f"rope type {rope_type!r} (config.rope_parameters) is not implemented natively; "
+                         f"implemented: {SUPPORTED_ROPE_TYPES}")
     if p.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1.0 is not supported by the native models")
+        raise ValueError("config partial_rotary_factor != 1.0 is not implemented by the native models")
     # Explicit CPU: models may be built under a meta-device context; frequencies must be real.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (float(p["rope_theta"]) ** exponents)
+    if rope_type == "linear":  # positions divided by `factor` (Gemma 3's global layers)
+        inv_freq = inv_freq / float(p["factor"])
     if rope_type == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
         # interpolated smoothly, relative to the pretraining context length.
@@ -163,6 +166,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.window = window
+        self.softcap: float | None = None  # attention logit soft-cap (Gemma 2), set by the model
+        self.fused_norm_rope = True  # the GPU norm+RoPE kernel assumes Llama-style q/k norms
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -197,7 +202,7 @@ class SelfAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if gpu_inference(x):  # one fused kernel each for q and k instead of ~17 small ones
+        if gpu_inference(x) and self.fused_norm_rope:  # one fused kernel each for q and k, not ~17
             from milepost.kernels.fused_ops import norm_rope
 
             qw, kw = (n.weight if n is not None else None for n in (self.q_norm, self.k_norm))
@@ -207,10 +212,11 @@ class SelfAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.window is None:
+        if self.window is None and self.softcap is None:
             out = ctx.attention.attend(self.layer_id, q, k, v, self.scale)  # [T, H, D]
-        else:  # windowed layers: torch reference path over the same backend (masked_attention.py)
-            out = attend_variant(ctx.attention, self.layer_id, q, k, v, self.scale, Variant(window=self.window))
+        else:  # windowed / soft-capped layers: torch reference path over the same backend
+            var = Variant(window=self.window, softcap=self.softcap)
+            out = attend_variant(ctx.attention, self.layer_id, q, k, v, self.scale, var)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -33,7 +33,7 @@ class DecoderLM(nn.Module):
 
     def __init__(self, config: object) -> None:
         super().__init__()
-        check_silu(config)
+        self.check_activation(config)
         self.check_config(config)
         self.hf_config = config
         self.num_layers: int = config.num_hidden_layers
@@ -53,7 +53,7 @@ class DecoderLM(nn.Module):
         # Windowed layers attend through masked_attention.py: the engine wraps its backend for them.
         self.uses_variant_attention = any(layer.self_attn.window is not None for layer in self.model.layers)
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, self.head_dim)
+        self.rotary = self.make_rotary(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -63,8 +63,16 @@ class DecoderLM(nn.Module):
         self._fused: dict[str, tuple[str, int, int]] = {}
         self._fused_parts: dict[str, list[tuple[str, int, int]]] = {}
 
+    def check_activation(self, config: object) -> None:
+        """Refuse an MLP activation this definition does not implement (override per architecture)."""
+        check_silu(config)
+
     def check_config(self, config: object) -> None:
         """Refuse config features this definition does not implement (override per architecture)."""
+
+    def make_rotary(self, config: object) -> nn.Module:
+        """The RoPE tables' module (Gemma 3 overrides it: one base per layer type)."""
+        return RotaryEmbedding(config, self.head_dim)
 
     def layer_window(self, config: object, layer_id: int) -> int | None:
         """Sliding window of layer `layer_id` in tokens, None for full attention (override)."""

@@ -54,12 +54,12 @@ ARCHS: tuple[Arch, ...] = (
          (_U + "test_models.py", _U + "test_models_native_families.py", _E + "test_engine_moe.py")),
     Arch("DeepseekV3ForCausalLM", NATIVE, True, "MLA with a latent paged KV cache (no V pool); grouped "
          "sigmoid routing + shared experts; default RoPE only (YaRN refused)", (_U + "test_models_deepseek.py",)),
-    Arch("Gemma2ForCausalLM", FALLBACK, False, "sliding/global layers, attention + final soft-capping",
-         (*_FB, _E + "test_fallback_engine.py", _E + "test_fallback_train.py")),
-    Arch("Gemma3ForCausalLM", FALLBACK, False, "sliding/global layers with two RoPE bases",
-         (*_FB, _E + "test_fallback_engine.py")),
+    Arch("Gemma2ForCausalLM", NATIVE, False, "sliding/global layers, attention + final soft-capping "
+         "(torch attention for them), sandwich norms", (_U + "test_models_native_families.py", *_FB)),
+    Arch("Gemma3ForCausalLM", NATIVE, False, "text model: sliding/global layers with a RoPE base each "
+         "(default or linear), q/k norms", (_U + "test_models_native_families.py", *_FB)),
     Arch("GptOssForCausalLM", FALLBACK, True, "MoE with attention sinks, sliding layers",
-         (*_FB, _E + "test_fallback_engine.py")),
+         (*_FB, _E + "test_fallback_engine.py", _E + "test_fallback_train.py")),
     Arch("Phi3ForCausalLM", FALLBACK, False, "fused qkv / gate_up projections",
          (*_FB, _E + "test_fallback_engine.py")),
     Arch("GPTNeoXForCausalLM", FALLBACK, False, "partial rotary, parallel residual",

@@ -28,10 +28,13 @@ TINY_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
               dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     "qwen2_full": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),  # native path
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),  # every layer slides
-    # alternating sliding/global layers, attention and final logit soft-capping, sandwich norms
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=4, query_pre_attn_scalar=16)),
+    # alternating sliding/global layers, attention and final logit soft-capping (caps that bite), sandwich norms
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=4, query_pre_attn_scalar=16,
+                                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
     # sliding/global layers with their own RoPE bases, q/k norms, scaled embeddings
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=4, query_pre_attn_scalar=16)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        sliding_window=4, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),  # fused qkv_proj / gate_up_proj
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5)),  # partial rotary, parallel residual
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # post-norms, q/k norms over all heads

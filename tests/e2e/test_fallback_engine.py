@@ -1,6 +1,6 @@
 """The engine on transformers-fallback models: greedy equal to `generate`, exact log-probs, prefix
-cache, continuous batching; and a real `milepost serve` that says it falls back and takes weight
-updates by Hugging Face name.
+cache, continuous batching (--model-impl transformers, also for families with a native path); and a
+real `milepost serve` that says it falls back and takes weight updates by Hugging Face name.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int]
 
 
 def run_engine(path: Path, prompts: list[list[int]], n: list[int]) -> dict[str, list[RequestOutput]]:
-    args = ServerArgs(model_path=path, device="cpu", dtype="float32", page_size=4,
+    args = ServerArgs(model_path=path, device="cpu", dtype="float32", page_size=4, model_impl="transformers",
                       chunked_prefill_size=8, max_total_tokens=1024).resolved()
     engine = build_engine(args)[0]
     assert isinstance(engine.runner.model, HFCausalLM)
@@ -87,8 +87,8 @@ def test_engine_greedy_and_logprobs_equal_transformers(ckpts, arch: str) -> None
 
 
 def test_serve_falls_back_and_updates_weights(tmp_path: Path) -> None:
-    a = make_tiny_hf_checkpoint(tmp_path / "a", "gemma3", seed=0, with_tokenizer=True)
-    b = make_tiny_hf_checkpoint(tmp_path / "b", "gemma3", seed=1)
+    a = make_tiny_hf_checkpoint(tmp_path / "a", "olmo2", seed=0, with_tokenizer=True)
+    b = make_tiny_hf_checkpoint(tmp_path / "b", "olmo2", seed=1)
     prompts = [[5, 9, 17, 3, 44, 81, 12], [7, 7, 300]]
     body = {"input_ids": prompts, "return_logprob": True,
             "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
@@ -107,4 +107,4 @@ def test_serve_falls_back_and_updates_weights(tmp_path: Path) -> None:
                 got_lp = [e[0] for e in o["meta_info"]["output_token_logprobs"]]
                 assert got_lp == pytest.approx(want_lp, abs=1e-4)
         log = (a / f"server-{srv.port}.log").read_text()
-    assert "transformers fallback" in log and "Gemma3ForCausalLM" in log
+    assert "Olmo2ForCausalLM runs on the transformers fallback" in log

@@ -61,7 +61,7 @@ def test_packed_and_paged_logprobs_equal_transformers(ckpts, arch: str) -> None:
 
 
 def test_gradients_flow_through_the_fallback(ckpts) -> None:
-    model = load_model(ckpts["gemma2"], torch.float32, "cpu")
+    model = load_model(ckpts["gemma2"], torch.float32, "cpu", backend="transformers")
     model.train()
     assert not any(m.training for m in model.modules()), "dropout must stay off"
     loss = packed_logits(model, sequences(model.vocab_size)).logsumexp(-1).mean()
@@ -121,8 +121,8 @@ def test_backend_switch_and_refusals(ckpts, tmp_path: Path) -> None:
     native_dir = make_tiny_hf_checkpoint(tmp_path / "q2", "qwen2_full")
     assert getattr(load_model(native_dir, torch.float32, "cpu"), "native", True)
     assert isinstance(load_model(native_dir, torch.float32, "cpu", backend="transformers"), HFCausalLM)
-    with pytest.raises(ValueError, match="no native path.*Gemma2ForCausalLM"):
-        load_model(ckpts["gemma2"], torch.float32, "cpu", backend="native")
+    with pytest.raises(ValueError, match="no native path.*Phi3ForCausalLM"):
+        load_model(ckpts["phi3"], torch.float32, "cpu", backend="native")
 
     remote = tmp_path / "remote"
     shutil.copytree(ckpts["olmo2"], remote)

@@ -1,4 +1,4 @@
-"""Native Qwen2/2.5, Mistral and sliding-window Qwen3 against transformers (packed and paged).
+"""Native Qwen2/2.5, Mistral, sliding-window Qwen3, Gemma 2/3 against transformers (packed and paged).
 
 Every sliding window here is shorter than the test sequences, so a layer that ignored its
 window (or applied it to the wrong layers) would change the log-probs.
@@ -34,6 +34,11 @@ FAMILIES = {
                       [1, 2]),
     "qwen3_moe_sliding": (make_tiny_checkpoint, "qwen3_moe",
                           dict(use_sliding_window=True, sliding_window=5), [0, 1]),
+    "gemma2": (make_tiny_hf_checkpoint, "gemma2", {}, [0, 2]),  # every layer soft-capped too
+    "gemma3": (make_tiny_hf_checkpoint, "gemma3", {}, [0, 2]),
+    "gemma3_linear_rope": (make_tiny_hf_checkpoint, "gemma3", dict(rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}), [0, 2]),
 }
 
 
