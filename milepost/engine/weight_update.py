@@ -117,8 +117,12 @@ class WeightLoader:
         if not floats:
             return
         # float8 has no isfinite kernel: widen it (1-byte tensors, so the copy is small).
-        ok = torch.stack([torch.isfinite(t if t.element_size() > 1 else t.half()).all()
-                          for _, t in floats]).tolist()
+        flags = [torch.isfinite(t if t.element_size() > 1 else t.half()).all() for _, t in floats]
+        ok = [False] * len(flags)
+        for device in {f.device for f in flags}:  # one host sync per device
+            at = [i for i, f in enumerate(flags) if f.device == device]
+            for i, fine in zip(at, torch.stack([flags[i] for i in at]).tolist()):
+                ok[i] = fine
         WeightLoader._raise_if(
             [f"{n}: holds NaN or infinite values" for (n, _), fine in zip(floats, ok) if not fine],
             note or "; the sender's weights are not finite (check its loss and learning rate)")

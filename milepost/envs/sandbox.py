@@ -2,8 +2,8 @@
 
 Inside: the host's /usr (read-only), /workspace and /tmp on size-capped tmpfs mounts, no network
 (all namespaces unshared), no host environment, an unprivileged user (uid 1000 inside; when
-milepost runs as root, bubblewrap itself runs as `SandboxLimits.sandbox_uid`, so the process
-limit applies and nothing inside is host root), no capabilities, no further user namespaces, a
+milepost runs as root, bubblewrap itself runs as a non-root uid of the sandbox's own, so the
+process limit applies and nothing inside is host root), no capabilities, no further user namespaces, a
 seccomp filter (milepost/envs/seccomp.py), /proc/sys read-only, resource limits (address space,
 processes, file size, CPU seconds) and a wall-clock limit per command. The workspace persists
 between commands as a host copy that goes in and comes back as a tar stream, so it never holds
@@ -15,6 +15,7 @@ subprocesses in the temp directory: NO isolation; for machines where you trust t
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import resource
 import shutil
@@ -60,7 +61,9 @@ class SandboxLimits:
     workspace_bytes: int = 64 << 20  # tmpfs size of /workspace: the workspace's disk quota
     tmp_bytes: int = 64 << 20  # tmpfs size of /tmp (RAM: counts beside memory_bytes)
     output_bytes: int = 1 << 20  # tmpfs holding a command's output (its tail is returned)
-    sandbox_uid: int = 65534  # host uid bubblewrap runs as when milepost runs as root
+    # Host uid bubblewrap runs as when milepost runs as root; None = one of its own per Sandbox
+    # (from 100000 up), so sandboxes running at once do not share one process count.
+    sandbox_uid: int | None = None
 
 
 @dataclass
@@ -89,8 +92,15 @@ def _bwrap_base(limits: SandboxLimits) -> list[str]:
     return cmd
 
 
-def _limiter(limits: SandboxLimits) -> Callable[[], None]:
-    """The child's preexec: resource limits, then (as root) the unprivileged host uid."""
+_next_uid = itertools.count()
+
+
+def _own_uid() -> int:
+    return 100000 + next(_next_uid) % 60000
+
+
+def _limiter(limits: SandboxLimits, uid: int) -> Callable[[], None]:
+    """The child's preexec: resource limits, then (as root) the unprivileged host `uid`."""
     def apply() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
@@ -98,8 +108,8 @@ def _limiter(limits: SandboxLimits) -> Callable[[], None]:
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds))
         if os.geteuid() == 0:  # root's process limit is not enforced, and root is root
             os.setgroups([])
-            os.setgid(limits.sandbox_uid)
-            os.setuid(limits.sandbox_uid)
+            os.setgid(uid)
+            os.setuid(uid)
     return apply
 
 
@@ -113,7 +123,7 @@ def _seccomp_fd() -> int | None:
     return r
 
 
-def _launch(script_args: list[str], limits: SandboxLimits, stdin_data: bytes,
+def _launch(script_args: list[str], limits: SandboxLimits, uid: int, stdin_data: bytes,
             timeout_s: float) -> tuple[int | None, bytes, bytes]:
     """Run bwrap + the wrapper; (bwrap's exit code or None on timeout, stdout, stderr)."""
     fd = _seccomp_fd()
@@ -122,7 +132,7 @@ def _launch(script_args: list[str], limits: SandboxLimits, stdin_data: bytes,
         proc = subprocess.Popen([*argv, *script_args], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
                                 pass_fds=(fd,) if fd is not None else (),
-                                preexec_fn=_limiter(limits))  # noqa: PLW1509 (no locks taken)
+                                preexec_fn=_limiter(limits, uid))  # noqa: PLW1509 (no locks)
     finally:
         if fd is not None:
             os.close(fd)
@@ -159,7 +169,7 @@ def isolation_problem() -> str | None:
     """None when bubblewrap can build the sandbox here (as it will for commands), else why not."""
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed (apt-get install -y bubblewrap)"
-    code, out, err = _launch(["/bin/sh", "-c", "id -u"], SandboxLimits(), b"", 20.0)
+    code, out, err = _launch(["/bin/sh", "-c", "id -u"], SandboxLimits(), _own_uid(), b"", 20.0)
     if code is None:
         return "bwrap did not answer within 20 s"
     if code != 0 or out.strip() != str(_INSIDE_UID).encode():
@@ -191,6 +201,7 @@ class Sandbox:
                 f"isolation; pass allow_unsafe_no_sandbox=True (--allow-unsafe-no-sandbox) only "
                 f"if you accept commands running unisolated on this machine")
         self.isolated = problem is None
+        self.uid = self.limits.sandbox_uid if self.limits.sandbox_uid is not None else _own_uid()
         self.workdir = Path(tempfile.mkdtemp(prefix="milepost-sandbox-"))
         for rel, content in (files or {}).items():
             path = (self.workdir / rel).resolve()
@@ -207,7 +218,7 @@ class Sandbox:
         tail_bytes = 4 * lim.output_chars  # UTF-8: at most 4 bytes a character
         code, out, err = _launch(
             ["/bin/sh", "-c", _WRAPPER, "sh", command, f"{lim.command_timeout_s:g}",
-             str(tail_bytes)], lim, self._pack(), lim.command_timeout_s + 60)
+             str(tail_bytes)], lim, self.uid, self._pack(), lim.command_timeout_s + 60)
         if code is None:
             return CommandResult(124, f"[sandbox killed after {time.monotonic() - start:.0f} s; "
                                  "the workspace is as it was before this command]", True)
