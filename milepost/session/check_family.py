@@ -44,6 +44,7 @@ def live_check(model: str | Path, family: str, engine_url: str, turns: int = 3,
         sid = c.post("/sessions").json()["session_id"]
         messages: list[dict[str, Any]] = [{"role": "user", "content": prompts[0]}]
         asked = 1
+        parsed_calls = 0
         for k in range(turns):
             r = c.post(f"/sessions/{sid}/v1/chat/completions", json={
                 "messages": messages, "temperature": 0, "max_tokens": max_tokens})
@@ -57,6 +58,7 @@ def live_check(model: str | Path, family: str, engine_url: str, turns: int = 3,
                                        f"cannot extend a truncated turn"))
                 break
             messages.append(choice["message"])
+            parsed_calls += len(choice["message"].get("tool_calls") or [])
             for call in choice["message"].get("tool_calls") or []:
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": "ok"})
             if not choice["message"].get("tool_calls"):
@@ -83,7 +85,8 @@ def live_check(model: str | Path, family: str, engine_url: str, turns: int = 3,
     engine_ids = [t for _, outs, _ in calls for t in outs]
     out.append(CheckResult("trained ids are the engine's", sampled == engine_ids))
     out.append(CheckResult("tool-call output parses", unparsed == 0,
-                           f"{unparsed} tool-call blocks kept as text" if unparsed else ""))
+                           f"{parsed_calls} calls parsed, {unparsed} tool-call blocks kept as "
+                           f"text"))
     return out
 
 

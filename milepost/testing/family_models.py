@@ -1,0 +1,98 @@
+"""Tiny tool-calling checkpoints for the live family check (report 2.4.3) of families other than
+qwen3: a random Qwen3-architecture model with the tiny tokenizer plus the family's special tokens,
+taught in a few dozen supervised steps the weather conversation (milepost/testing/agent_model.py)
+as the family's published template renders it (milepost/testing/chat_templates.py). The training
+text is cut into the pieces the session server itself tokenizes (checks.incremental_text), with
+labels on the assistant turns, so the model learns the family's real stop token and tool-call
+format and a live session exercises both.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from transformers import Qwen3ForCausalLM
+
+from milepost.session.checks import incremental_text
+from milepost.session.families import get_family
+from milepost.session.render import Renderer
+from milepost.testing.agent_model import CITIES, CONDITIONS, weather_conversation
+from milepost.testing.chat_templates import LLAMA3_2, QWEN2_5
+from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.tokenizer import build_tiny_tokenizer
+
+LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>")
+# family -> (published template, special tokens to add, end-of-turn / eos, bos)
+FAMILIES: dict[str, tuple[str, tuple[str, ...], str, str | None]] = {
+    "qwen2.5": (QWEN2_5, (), "<|im_end|>", None),
+    "llama3": (LLAMA3_2, LLAMA3_SPECIALS, "<|eot_id|>", "<|begin_of_text|>"),
+}
+BASE_VOCAB = 512
+
+
+def family_tokenizer(family: str):
+    template, specials, eos, bos = FAMILIES[family]
+    tok = build_tiny_tokenizer(BASE_VOCAB)
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": list(specials)})
+    tok.eos_token = eos
+    if bos is not None:
+        tok.bos_token = bos
+    tok.chat_template = template
+    return tok
+
+
+def _examples(renderer: Renderer, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        conv = weather_conversation(rng.choice(CITIES), rng.choice(CONDITIONS))
+        ids: list[int] = []
+        labels: list[int] = []
+        for k, piece in enumerate(incremental_text(renderer, conv, None)):
+            piece_ids = renderer.encode(piece)
+            ids += piece_ids
+            labels += piece_ids if k % 2 else [-100] * len(piece_ids)  # odd pieces: the model's
+        out.append((ids, labels))
+    return out
+
+
+def make_family_agent_model(path: str | Path, family: str, steps: int = 60,
+                            seed: int = 0) -> Path:
+    """Write the family's tiny tool-calling checkpoint to `path` (skipped when it is there)."""
+    path = Path(path)
+    if (path / "family_model.json").is_file():
+        return path
+    tok = family_tokenizer(family)
+    make_tiny_checkpoint(path, "qwen3", seed=seed, vocab_size=BASE_VOCAB + 16,
+                         with_tokenizer=False, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16)
+    tok.save_pretrained(path)
+    renderer = Renderer(tok, get_family(family))
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    torch.manual_seed(seed)
+    data = _examples(renderer, 64, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = random.Random(seed)
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        batch = gen.sample(data, 8)
+        width = max(len(i) for i, _ in batch)
+        ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in batch])
+        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
+        attn = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in batch])
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(path)
+    (path / "family_model.json").write_text(json.dumps({"family": family, "steps": steps,
+                                                        "final_loss": loss.item()}))
+    return path
