@@ -35,6 +35,7 @@ from milepost.config_tables import (
     LoggingTable,
     MemoryTable,
     ModelTable,
+    OpdTable,
     OptimizerTable,
     PlacementTable,
     RolloutTable,
@@ -58,6 +59,7 @@ def _check_dataset(flag: str, v: Path | None) -> Path | None:
 
 
 class TrainConfig(
+    OpdTable,
     AgentTable,
     DebugTable,
     EvalTable,

@@ -11,6 +11,8 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from milepost.opd_rules import opd_coef_default, opd_refusals
+
 if TYPE_CHECKING:
     from milepost.config import TrainConfig
 
@@ -104,6 +106,7 @@ def refusals(c: TrainConfig) -> list[str]:
     p += _fully_async_refusals(c)
     p += weight_update_refusals(c)
     p += agent_refusals(c)
+    p += opd_refusals(c)
     if c.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
         p.append("--use-tensorboard needs the tensorboard package: pip install tensorboard")
     if c.use_wandb and importlib.util.find_spec("wandb") is None:
@@ -182,6 +185,9 @@ def resolve_defaults(c: TrainConfig) -> None:
         put("max_inflight", c.samples_per_rollout)
     if c.fully_async and c.rollout_granularity is None:
         put("rollout_granularity", "sample")  # the report's default under fully async
+    put("opd_coef", opd_coef_default(c))
+    if c.opd_teacher_checkpoint is not None:
+        put("opd_teacher_checkpoint", c.opd_teacher_checkpoint.absolute())
 
 
 def _eval_refusals(c: TrainConfig) -> list[str]:

@@ -491,6 +491,35 @@ class AgentTable(_Table):
         "server.")
 
 
+class OpdTable(_Table):
+    """On-policy distillation (report 5.2; docs/distillation.md): a teacher's per-token signal."""
+
+    opd_teacher_url: str | None = Field(
+        None, description="Served teacher (any SGLang-protocol server sharing the student's "
+        "tokenizer): scores every finished trajectory during rollout.")
+    opd_teacher_checkpoint: Path | None = Field(
+        None, description="In-process teacher: a Hugging Face directory of the student's "
+        "architecture, loaded in the trainer ranks and scoring each batch in the train step.")
+    teachers: list[dict[str, str]] | None = Field(
+        None, description="Several served teachers, [[opd.teachers]] url = ..., tag = ...: a "
+        "prompt goes to the teacher whose tag its metadata.teacher names.",
+        json_schema_extra={"flags": ["--opd-teachers"]})
+    opd_coef: float | None = Field(
+        None, gt=0, description="Scale of the reverse-KL estimate subtracted from each token's "
+        "advantage; default 1.0 with a teacher.")
+    opd_top_k: int = Field(
+        0, ge=0, description="Served teacher: score K candidates per position (0 = the sampled "
+        "token only); the estimate is their student-probability-weighted difference.")
+    opd_top_k_set: Literal["student", "intersection"] = Field(
+        "student", description="--opd-top-k candidates: the student's top-K, or its intersection "
+        "with the teacher's top-K (the sampled token where it is empty).")
+    opd_teacher_timeout_s: float = Field(
+        300.0, gt=0, description="Served teacher: time limit of one scoring request.")
+    opd_teacher_retries: int = Field(
+        2, ge=0, description="Served teacher: retries of a failed scoring request before the "
+        "group is given up (its prompt retried later, counted in opd/teacher_failed_groups).")
+
+
 TABLES: dict[str, type[_Table]] = {
     "model": ModelTable,
     "placement": PlacementTable,
@@ -507,5 +536,6 @@ TABLES: dict[str, type[_Table]] = {
     "eval": EvalTable,
     "debug": DebugTable,
     "agent": AgentTable,
+    "opd": OpdTable,
 }
 TABLE_OF: dict[str, str] = {name: t for t, cls in TABLES.items() for name in cls.model_fields}

@@ -242,6 +242,8 @@ def _toml_scalar(value: Any) -> str:
         return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_scalar(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table, e.g. one [[opd.teachers]] entry
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_scalar(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as TOML")
 
 
