@@ -4,8 +4,8 @@ grouped sigmoid routing, on the shared skeleton (`DecoderLM`, Qwen3-MoE's stacke
 MLA caches one latent per token and layer: the normalized compressed KV (kv_lora_rank) and the
 roped shared key (qk_rope_head_dim), kept in the paged K pool (no V pool). Attention expands the
 latent with kv_b_proj for every cached position of the sequence (the plain, non-absorbed form:
-exact, simple, more compute per decode step than absorbed-weight kernels). Only the default RoPE
-is implemented (DeepSeek-V3's own checkpoints use YaRN: refused, naming the field).
+exact, simple, more compute per decode step than absorbed-weight kernels). RoPE as rope.py
+implements it (YaRN included, with DeepSeek's mscale on the softmax scale).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from milepost.models.base import ForwardContext
 from milepost.models.layers import GatedMLP, RMSNorm, apply_rotary
 from milepost.models.masked_attention import Variant, attend_one, latent_sequences
 from milepost.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, StackedExperts
+from milepost.models.rope import rope_parameters, yarn_mscale
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -43,6 +44,9 @@ class LatentAttention(nn.Module):
         self.interleave = bool(getattr(config, "rope_interleave", True))
         qk = self.nope + self.rope
         self.scale = qk**-0.5
+        p = rope_parameters(config)
+        if p["rope_type"] != "default" and p.get("mscale_all_dim"):  # YaRN's softmax temperature, squared
+            self.scale *= yarn_mscale(float(p["factor"]), float(p["mscale_all_dim"])) ** 2
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
         self.q_lora = config.q_lora_rank is not None
         if self.q_lora:
@@ -154,12 +158,6 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         self.uses_variant_attention = True  # attention over the latent: torch ops, per sequence
 
     def check_config(self, config: object) -> None:
-        from milepost.models.layers import rope_parameters
-
-        rope_type = rope_parameters(config)["rope_type"]
-        if rope_type != "default":
-            raise ValueError(f"rope type {rope_type!r} (config.rope_parameters) is not implemented for "
-                             "native MLA (only 'default')")
         if config.n_routed_experts % config.n_group:
             raise ValueError(f"n_routed_experts ({config.n_routed_experts}) must divide into n_group "
                              f"({config.n_group}) groups")

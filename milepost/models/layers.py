@@ -1,4 +1,4 @@
-"""Building blocks shared by the native decoder models: RMSNorm, RoPE, gated MLP, self-attention.
+"""Building blocks shared by the native decoder models: RMSNorm, gated MLP, self-attention (RoPE: rope.py).
 
 Linear layers are plain `nn.Linear` members under their Hugging Face names (q_proj, gate_proj, ...)
 so quantized linears or LoRA can be swapped in per module later. Everything is out-of-place so the
@@ -7,16 +7,19 @@ trainer can backprop through the same code the engine runs.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from milepost.models.base import ForwardContext
 from milepost.models.masked_attention import Variant, attend_variant
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from milepost.models.rope import (  # noqa: F401 - RoPE lived here first; importers still find it
+    SUPPORTED_ROPE_TYPES,
+    RotaryEmbedding,
+    apply_rotary,
+    rope_inv_freq,
+    rope_parameters,
+)
 
 
 def gpu_inference(x: torch.Tensor) -> bool:
@@ -41,71 +44,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def rope_parameters(config: object) -> dict:
-    """The RoPE settings of an HF config as one flat dict with at least rope_type and rope_theta.
-
-    transformers 5 stores them in `config.rope_parameters`; 4.x used `rope_theta` + `rope_scaling`.
-    """
-    params = getattr(config, "rope_parameters", None)
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params = dict(params)
-    params.setdefault("rope_type", params.get("type", "default"))
-    return params
-
-
-def rope_inv_freq(config: object, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in fp32 for rope types "default", "linear" and "llama3"."""
-    p = rope_parameters(config)
-    rope_type = p["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} (config.rope_parameters) is not implemented natively; "
-                         f"implemented: {SUPPORTED_ROPE_TYPES}")
-    if p.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("config partial_rotary_factor != 1.0 is not implemented by the native models")
-    # Explicit CPU: models may be built under a meta-device context; frequencies must be real.
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (float(p["rope_theta"]) ** exponents)
-    if rope_type == "linear":  # positions divided by `factor` (Gemma 3's global layers)
-        inv_freq = inv_freq / float(p["factor"])
-    if rope_type == "llama3":
-        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
-        # interpolated smoothly, relative to the pretraining context length.
-        factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
-        old_ctx = float(p.get("original_max_position_embeddings") or config.max_position_embeddings)
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        in_band = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-        inv_freq = torch.where(in_band, blended, scaled)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables [T, head_dim] for absolute positions; applied with the rotate-half convention."""
-
-    def __init__(self, config: object, head_dim: int) -> None:
-        super().__init__()
-        # A plain attribute, not a buffer: `model.to(bf16)` must not round the frequencies.
-        self._inv_freq = rope_inv_freq(config, head_dim)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim], cos/sin: [T, head_dim] -> rotated x."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def check_silu(config: object) -> None:

@@ -42,7 +42,7 @@ _FP8_TESTED = ("Qwen3ForCausalLM",)
 _R3_TESTED = ("Qwen3MoeForCausalLM",)  # tests/e2e/test_routing_replay.py: a served model, replayed  # tests/unit/test_weight_fp8.py, tests/e2e/test_weight_fp8_engine.py
 _FB = (_U + "test_models_fallback.py",)
 ARCHS: tuple[Arch, ...] = (
-    Arch("LlamaForCausalLM", NATIVE, False, "RoPE default or llama3; attention/MLP bias; tied head",
+    Arch("LlamaForCausalLM", NATIVE, False, "RoPE default, linear, llama3 or YaRN (all native families); attention/MLP bias; tied head",
          (_U + "test_models.py", _E + "test_engine_parity.py", _E + "test_smollm2.py")),
     Arch("MistralForCausalLM", NATIVE, False, "sliding window on every layer (torch attention for it)",
          (_U + "test_models_native_families.py",)),
@@ -53,7 +53,7 @@ ARCHS: tuple[Arch, ...] = (
     Arch("Qwen3MoeForCausalLM", NATIVE, True, "routed experts recorded (R3); sliding window",
          (_U + "test_models.py", _U + "test_models_native_families.py", _E + "test_engine_moe.py")),
     Arch("DeepseekV3ForCausalLM", NATIVE, True, "MLA with a latent paged KV cache (no V pool); grouped "
-         "sigmoid routing + shared experts; default RoPE only (YaRN refused)", (_U + "test_models_deepseek.py",)),
+         "sigmoid routing + shared experts; YaRN with mscale", (_U + "test_models_deepseek.py",)),
     Arch("Gemma2ForCausalLM", NATIVE, False, "sliding/global layers, attention + final soft-capping "
          "(torch attention for them), sandwich norms", (_U + "test_models_native_families.py", *_FB)),
     Arch("Gemma3ForCausalLM", NATIVE, False, "text model: sliding/global layers with a RoPE base each "

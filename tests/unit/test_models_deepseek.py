@@ -125,9 +125,20 @@ def test_engine_latent_cache_bytes_and_greedy(ckpts) -> None:
         assert got[i] == want, f"request {i}"
 
 
-def test_yarn_rope_is_refused_naming_the_field(tmp_path: Path) -> None:
+def test_yarn_rope_with_mscale_equals_transformers(tmp_path: Path) -> None:
+    """DeepSeek-V3's own RoPE: YaRN (factor 4 over a pretraining context of 8) with mscale_all_dim,
+    which also scales the softmax; sequences run past the old context."""
     path = make_tiny_hf_checkpoint(tmp_path / "y", "deepseek_v3", rope_parameters={
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
-    with pytest.raises(ValueError, match="rope type 'yarn'.*rope_parameters"):
-        load_model(path, torch.float32, "cpu", backend="native")
+    model = load_model(path, torch.float32, "cpu", backend="native")
+    assert model.model.layers[0].self_attn.scale != 24**-0.5
+    ref = reference(path)
+    seqs = sequences(model.vocab_size)
+    with torch.no_grad():
+        want = torch.cat([ref(s[None]).logits[0].float() for s in seqs])
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
+    with torch.no_grad():
+        got = model.compute_logits(model(torch.cat(seqs), torch.cat([torch.arange(n) for n in LENS]),
+                                         ForwardContext(VarlenCausalAttention(cu))))
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

@@ -34,6 +34,8 @@ FAMILIES = {
                       [1, 2]),
     "qwen3_moe_sliding": (make_tiny_checkpoint, "qwen3_moe",
                           dict(use_sliding_window=True, sliding_window=5), [0, 1]),
+    "qwen3_yarn": (make_tiny_checkpoint, "qwen3", dict(rope_parameters={  # YaRN past a context of 8
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8}), []),
     "gemma2": (make_tiny_hf_checkpoint, "gemma2", {}, [0, 2]),  # every layer soft-capped too
     "gemma3": (make_tiny_hf_checkpoint, "gemma3", {}, [0, 2]),
     "gemma3_linear_rope": (make_tiny_hf_checkpoint, "gemma3", dict(rope_parameters={
