@@ -133,6 +133,8 @@ def _rebuild_cuda_tensor(tensor_cls: object, *args: object) -> torch.Tensor:
 # Exactly what pickling [(str, Tensor)] writes: CPU tensors by value, CUDA tensors by IPC handle.
 _ALLOWED: dict[tuple[str, str], object] = {
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    # float8 / uint16+: written by pickle, though torch cannot read those back yet
+    ("torch._utils", "_rebuild_tensor_v3"): torch._utils._rebuild_tensor_v3,
     ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
     ("collections", "OrderedDict"): collections.OrderedDict,
