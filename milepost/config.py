@@ -42,7 +42,13 @@ from milepost.config_tables import (
     WeightsTable,
 )
 from milepost.flags import flag_name
-from milepost.recipe import ConfigError, dump_toml, parse_overrides, read_recipe, validate_strict
+from milepost.recipe import (
+    ConfigError,
+    dump_toml,
+    parse_overrides,
+    read_recipe,
+    validate_strict,
+)
 
 __all__ = ["TABLES", "TABLE_OF", "ConfigError", "TrainConfig", "default_run_dir", "load_config"]
 

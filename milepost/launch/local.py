@@ -22,7 +22,12 @@ from pathlib import Path
 
 import httpx
 
-from milepost.launch.process import ManagedProcess, die_with_parent, free_port, openmp_defaults
+from milepost.launch.process import (
+    ManagedProcess,
+    die_with_parent,
+    free_port,
+    openmp_defaults,
+)
 from milepost.launch.rendezvous import LOOPBACK_SOCKET_ENV
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-
 log = logging.getLogger(__name__)
 
 

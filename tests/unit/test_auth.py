@@ -9,7 +9,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from milepost.auth import client_headers, is_loopback, protect, use_api_key, warn_if_exposed
+from milepost.auth import (
+    client_headers,
+    is_loopback,
+    protect,
+    use_api_key,
+    warn_if_exposed,
+)
 
 KEY = "s3cret-key-123"
 

@@ -49,7 +49,7 @@ def test_an_unprivileged_user_without_capabilities() -> None:
     with Sandbox() as box:
         assert box.run("id -u").output.strip() == "1000"
         caps = dict(re.findall(r"^(Cap\w+):\s+(\w+)$", box.run("cat /proc/self/status").output,
-                               re.M))
+                               re.MULTILINE))
         assert caps and all(int(v, 16) == 0 for v in caps.values()), caps
         assert box.run("unshare -U true").exit_code != 0  # no new user namespace
         # Seen from the host, the command's process is not root (bwrap nests user namespaces,

@@ -13,7 +13,11 @@ from torch.distributed.tensor import DTensor
 from milepost.testing.batches import random_train_batch
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.dist import run_ranks
-from milepost.train.finite import TrainingDivergedError, check_after_steps, count_non_finite
+from milepost.train.finite import (
+    TrainingDivergedError,
+    check_after_steps,
+    count_non_finite,
+)
 from milepost.train.fsdp import FSDPBackend, TrainerSettings
 
 

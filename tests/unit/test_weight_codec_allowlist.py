@@ -11,7 +11,11 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-from milepost.weights.codec import WeightUpdateError, deserialize_named_tensors, serialize_named_tensors
+from milepost.weights.codec import (
+    WeightUpdateError,
+    deserialize_named_tensors,
+    serialize_named_tensors,
+)
 
 
 class _CudaEntry:
