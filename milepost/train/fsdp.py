@@ -92,6 +92,7 @@ class FSDPBackend:
         policy: TokenScorer,
         reference: TokenScorer | None,
         critic: Critic | None = None,
+        teacher: TokenScorer | None = None,
     ) -> None:
         self.model_path = model_path
         self.settings = settings
@@ -100,6 +101,7 @@ class FSDPBackend:
         self.world_size = dist.get_world_size()
         self.policy = policy
         self.reference = reference
+        self.teacher = teacher  # on-policy distillation's in-process teacher (scores only)
         stream = (None if settings.optimizer_state_dir is None
                   else Path(settings.optimizer_state_dir) / f"rank_{self.rank}")
         self.optimizer, self.scheduler = build_optimizer(policy.parameters(), settings, stream)
@@ -116,7 +118,7 @@ class FSDPBackend:
             value_clip=settings.value_clip,
         )
         self.correction = CorrectionSettings(settings.ratio_correction, settings.tis_clip_low, settings.tis_clip)
-        groups = {"actor": ModelGroup([policy, reference], [self.optimizer])}
+        groups = {"actor": ModelGroup([policy, reference, teacher], [self.optimizer])}
         if critic is not None:
             groups["critic"] = ModelGroup([critic.model], [critic.optimizer])
         evictor = StateEvictor(settings.offload_destination, device, directory=settings.offload_dir,
@@ -149,7 +151,9 @@ class FSDPBackend:
             )
         reference = _shard(path, settings, device, trainable=False) if settings.needs_reference else None
         critic = Critic(path, settings, device) if settings.critic_lr is not None else None
-        return cls(path, settings, device, policy, reference, critic)
+        teacher = (_shard(Path(settings.opd_teacher_checkpoint), settings, device, trainable=False)
+                   if settings.opd_teacher_checkpoint else None)
+        return cls(path, settings, device, policy, reference, critic, teacher)
 
     # --- collectives helpers -----------------------------------------------------------------------
 
@@ -196,9 +200,15 @@ class FSDPBackend:
             return None
         return samples_routing(samples, self.policy.lm.num_layers, self.policy.lm.moe_top_k)
 
-    def compute_logprobs(self, samples: Sequence[Sample], *, reference: bool = False) -> list[torch.Tensor]:
+    def compute_logprobs(self, samples: Sequence[Sample], *, reference: bool = False,
+                         teacher: bool = False) -> list[torch.Tensor]:
         self._require_onloaded("compute_logprobs")
-        module = self.reference if reference else self.policy
+        if teacher:
+            if self.teacher is None:
+                raise ValueError("compute_logprobs(teacher=True) needs an in-process teacher: set opd_teacher_checkpoint")
+            module = self.teacher
+        else:
+            module = self.reference if reference else self.policy
         if module is None:
             raise ValueError("compute_logprobs(reference=True) needs a reference model: set use_kl_loss=True")
         batch = self._scoring_batch(samples)

@@ -108,6 +108,7 @@ class TrainerSettings:
     optimizer_state_dir: str | None = None
     optimizer_bucket_bytes: int = 256 << 20
     optimizer_moment_dtype: Literal["float32", "bfloat16"] = "float32"
+    opd_teacher_checkpoint: str | None = None  # in-process distillation teacher (HF directory)
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
