@@ -214,6 +214,8 @@ class TrainConfig(
             f"  milepost train {path}"
         )
         tmp.write_text(dump_toml(self, TABLE_OF, header))
+        if self.api_key:  # the file holds the key: readable by its owner only
+            os.chmod(tmp, 0o600)
         os.replace(tmp, path)
         return path
 

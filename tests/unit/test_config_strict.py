@@ -73,3 +73,12 @@ def test_sft_config_is_strict_too(recipe, tmp_path: Path) -> None:
     base = ["--hf-checkpoint", str(model), "--device", "cpu", "--run-dir", str(tmp_path / "s")]
     with pytest.raises(ConfigError, match="--lr: Input should be a finite number"):
         load_sft_config(None, [*base, "--lr", "inf"])
+
+
+def test_a_resolved_config_with_an_api_key_is_private(recipe, tmp_path: Path) -> None:
+    with_key = load_config(recipe('api_key = "0123456789abcdef"'))
+    written = with_key.write_resolved(tmp_path / "a")
+    assert written.stat().st_mode & 0o077 == 0
+    assert load_config(written).api_key == "0123456789abcdef"
+    with pytest.raises(ConfigError, match="--api-key"):  # too short to be a key
+        load_config(recipe('api_key = "abc"'))
