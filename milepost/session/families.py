@@ -4,7 +4,8 @@ checkpoint). The template itself is the checkpoint's own (its tokenizer's `chat_
 family says how to read the model's output back into a message and where an assistant turn ends.
 
 Registered: `qwen3` (`<think>` reasoning the template drops from earlier turns,
-`<tool_call>{json}</tool_call>`), `qwen2.5`, `llama3` (3.1 / 3.2), `chatml` (SmolLM2 and other
+`<tool_call>{json}</tool_call>`), `qwen2.5`, `llama3` (3.1 / 3.2), `deepseek-v3` (with its own
+TITO-safe template: family_templates.py), `chatml` (SmolLM2 and other
 plain ChatML checkpoints), and `generic` (no parsers; warns that incremental tokenization may
 diverge). docs/sessions.md has the table of what each one knows.
 """
@@ -18,6 +19,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from milepost.session.family_templates import DEEPSEEK_V3_TITO
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,9 @@ class Family:
     tool_args_as_objects: bool = False
     # False: the template refuses more than one tool call per assistant turn (Llama 3.x).
     parallel_tool_calls: bool = True
+    # A TITO-safe template the family renders with instead of the checkpoint's, when the published
+    # one cannot extend a session (family_templates.py says what it fixes); logged at start.
+    chat_template: str | None = None
 
 
 def _parse_qwen3(text: str) -> ParsedOutput:
@@ -152,6 +158,30 @@ def _parse_llama3(text: str) -> ParsedOutput:
         "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
         "function": {"name": obj["name"], "arguments": args if isinstance(args, str)
                      else json.dumps(args, ensure_ascii=False)}}])
+
+
+_DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(\w+)<｜tool▁sep｜>(.*?)\n```json\n(.*?)\n```"
+                      r"<｜tool▁call▁end｜>", re.DOTALL)
+
+
+def _parse_deepseek_v3(text: str) -> ParsedOutput:
+    """Content, then <｜tool▁calls▁begin｜> with one <｜tool▁call▁begin｜>type<｜tool▁sep｜>name
+    ```json args``` <｜tool▁call▁end｜> per call; a section whose calls do not parse stays text."""
+    at = text.find("<｜tool▁calls▁begin｜>")
+    if at < 0:
+        return ParsedOutput(content=text)
+    calls, bad = [], 0
+    for m in _DS_CALL.finditer(text, at):
+        try:
+            json.loads(m.group(3))
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": m.group(1),
+                      "function": {"name": m.group(2), "arguments": m.group(3)}})
+    if not calls:
+        return ParsedOutput(content=text, unparsed_tool_calls=max(bad, 1))
+    return ParsedOutput(content=text[:at], tool_calls=calls, unparsed_tool_calls=bad)
 
 
 def _parse_plain(text: str) -> ParsedOutput:
@@ -200,6 +230,11 @@ register_family(Family("llama3", "<|eot_id|>", _parse_llama3,
                        "the whole reply as JSON {name, parameters}; tool results as ipython; "
                        "one call per turn", tool_call_open='{"name"', tool_args_as_objects=True,
                        parallel_tool_calls=False))
+register_family(Family("deepseek-v3", "<｜end▁of▁sentence｜>", _parse_deepseek_v3,
+                       description="DeepSeek-V3 (0324): <｜tool▁calls▁begin｜> sections; renders "
+                       "with its own TITO-safe template (the published one cannot close a lone "
+                       "tool call)", tool_call_open="<｜tool▁calls▁begin｜>",
+                       chat_template=DEEPSEEK_V3_TITO))
 register_family(Family("chatml", "<|im_end|>", _parse_chatml,
                        description="ChatML (SmolLM2): <tool_call> JSON in the text",
                        tool_call_open="<tool_call>"))

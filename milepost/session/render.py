@@ -16,11 +16,15 @@ renderings are shown to differ in reasoning blocks only.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from milepost.session.families import Family, FamilyError, Message, ParsedOutput
+
+
+log = logging.getLogger(__name__)
 
 
 class RenderError(ValueError):
@@ -44,7 +48,12 @@ class Renderer:
     def __init__(self, tokenizer: Any, family: Family) -> None:
         self.tokenizer = tokenizer
         self.family = family
-        if getattr(tokenizer, "chat_template", None) is None:
+        self.template = family.chat_template  # None: the checkpoint's own
+        if self.template is not None:
+            log.warning("model family %r renders with its own TITO-safe chat template, not the "
+                        "checkpoint's (milepost/session/family_templates.py says what it fixes)",
+                        family.name)
+        elif getattr(tokenizer, "chat_template", None) is None:
             raise FamilyError("session server: the checkpoint's tokenizer has no chat_template; "
                               "the session server renders messages with it")
         self.eot = family.end_of_turn or tokenizer.eos_token
@@ -79,7 +88,7 @@ class Renderer:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=False,
-                add_generation_prompt=add_generation_prompt)
+                add_generation_prompt=add_generation_prompt, chat_template=self.template)
         except Exception as e:  # jinja's own errors (raise_exception, undefined fields)
             raise RenderError(f"the chat template refused these messages: {e}") from e
 

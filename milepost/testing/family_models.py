@@ -20,16 +20,24 @@ from milepost.session.checks import incremental_text
 from milepost.session.families import get_family
 from milepost.session.render import Renderer
 from milepost.testing.agent_model import CITIES, CONDITIONS, weather_conversation
-from milepost.testing.chat_templates import LLAMA3_2, QWEN2_5
+from milepost.testing.chat_templates import DEEPSEEK_V3, LLAMA3_2, QWEN2_5
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.tokenizer import build_tiny_tokenizer
 
 LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                    "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>")
-# family -> (published template, special tokens to add, end-of-turn / eos, bos)
+DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
+                     "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                     "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁outputs▁begin｜>",
+                     "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+                     "<｜tool▁sep｜>")
+# family -> (published template, special tokens to add, end-of-turn / eos, bos). A family that
+# carries its own template (deepseek-v3) trains and serves with that one.
 FAMILIES: dict[str, tuple[str, tuple[str, ...], str, str | None]] = {
     "qwen2.5": (QWEN2_5, (), "<|im_end|>", None),
     "llama3": (LLAMA3_2, LLAMA3_SPECIALS, "<|eot_id|>", "<|begin_of_text|>"),
+    "deepseek-v3": (DEEPSEEK_V3, DEEPSEEK_SPECIALS, "<｜end▁of▁sentence｜>",
+                    "<｜begin▁of▁sentence｜>"),
 }
 BASE_VOCAB = 512
 

@@ -104,3 +104,42 @@ def test_chatml_family_refuses_the_qwen3_template(qwen) -> None:
     # Without the family's knowledge of reasoning the Qwen3 template is not append-only.
     failed = {c.name for c in check_append_only(_renderer(qwen, "chatml", QWEN3)) if not c.ok}
     assert "reasoning every turn" in failed
+
+
+DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                     "<｜tool▁call▁end｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+                     "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁sep｜>")
+
+
+def test_deepseek_v3_renders_with_its_own_template_because_the_published_one_fails() -> None:
+    from dataclasses import replace
+
+    from milepost.testing.chat_templates import DEEPSEEK_V3
+    from milepost.testing.qwen_tokenizer import bpe_tokenizer
+
+    tok = bpe_tokenizer(DEEPSEEK_V3, DEEPSEEK_SPECIALS, eos="<｜end▁of▁sentence｜>",
+                        bos="<｜begin▁of▁sentence｜>")
+    family = get_family("deepseek-v3")
+    results = check_append_only(Renderer(tok, family))
+    assert all(r.ok for r in results), [r for r in results if not r.ok]
+    # The published template, as shipped: a tool-calling turn needs content null, which
+    # transformers drops before rendering (the template then fails on the missing field), and
+    # with content "" its calls are not rendered at all.
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    convo = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(Exception, match="content"):
+        tok.apply_chat_template(convo, tokenize=False)
+    convo[1]["content"] = ""
+    assert "get_weather" not in tok.apply_chat_template(convo, tokenize=False)
+    ours = Renderer(tok, family).render(convo, None, add_generation_prompt=False)
+    assert ours.endswith("<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>")
+    assert replace(family, chat_template=None).chat_template is None
+    text = ('Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n'
+            '```json\n{"city": "Oslo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    out = family.parse(text)
+    assert out.content == "Checking." and out.tool_calls[0]["function"]["arguments"] == \
+        '{"city": "Oslo"}'
+    assert family.parse(text.replace('{"city"', '{city')).unparsed_tool_calls == 1
