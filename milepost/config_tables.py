@@ -507,6 +507,9 @@ class OpdTable(_Table):
     opd_coef: float | None = Field(
         None, gt=0, description="Scale of the reverse-KL estimate subtracted from each token's "
         "advantage; default 1.0 with a teacher.")
+    opd_task_reward: bool = Field(
+        True, description="With a teacher: keep the task reward in the advantages; off "
+        "(--no-opd-task-reward) distils alone (rewards are still computed and logged).")
     opd_top_k: int = Field(
         0, ge=0, description="Served teacher: score K candidates per position (0 = the sampled "
         "token only); the estimate is their student-probability-weighted difference.")

@@ -45,6 +45,9 @@ def opd_refusals(c: TrainConfig) -> list[str]:
         if c.opd_top_k:
             p.append(f"--opd-top-k {c.opd_top_k} needs a served teacher (--opd-teacher-url or "
                      "[[opd.teachers]])")
+        if not c.opd_task_reward:
+            p.append("--no-opd-task-reward would train on no signal at all without a teacher; add "
+                     "a teacher or drop it")
         return p
     if c.opd_teacher_url and not _URL.match(c.opd_teacher_url):
         p.append(f"--opd-teacher-url {c.opd_teacher_url!r} is not an http(s)://host:port URL")

@@ -59,7 +59,9 @@ class FullyAsyncRuntime(Runtime):
         self.worker = RolloutWorker(
             engine_urls, self.ledger, self.buffer, sampling, reward_fn, self.group_reward_fn,
             WorkerSettings(cfg.n_samples_per_prompt, int(cfg.max_inflight),
-                           cfg.rollout_granularity or "sample"), trajectory_fn=trajectory_fn)
+                           cfg.rollout_granularity or "sample"), trajectory_fn=trajectory_fn,
+            finish_group=None if self.teachers is None else self.teachers.score_group,
+            top_logprobs_num=cfg.opd_top_k)
         self._pausers = [SyncEngineClient(url) for url in engine_urls]
         self.fleet = self._start_eval_fleet() if cfg.eval_mode == "dedicated" else None
         backend = self.fleet if self.fleet is not None else (
@@ -118,6 +120,8 @@ class FullyAsyncRuntime(Runtime):
         self.step_metrics.update({PREFIX + k: v for k, v in self.buffer.metrics(step).items()})
         self.step_metrics.update({PREFIX + k: v for k, v in self.worker.read_stats().items()})
         self.step_metrics.update({PREFIX + k: v for k, v in self.ledger.summary().items()})
+        if self.teachers is not None:  # scored in the rollout worker since the last step
+            self.step_metrics.update({f"opd/{k}": v for k, v in self.teachers.take_metrics().items()})
         # Trajectories a weight update reached mid-generation (they went on under new weights).
         samples = [s for g in groups for s in g]
         self.step_metrics[PREFIX + "mixed_version_frac"] = (

@@ -8,15 +8,19 @@ the estimator on the full rollout and gets the same advantages.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from milepost.config import TrainConfig
+from milepost.opd_rules import opd_enabled
 from milepost.train.advantages import AdvantageInputs, AdvantageSettings, estimate
 from milepost.train.batch import TrainBatch, split_for_rank
 from milepost.train.fsdp import FSDPBackend
+from milepost.train.distill import apply_opd, distill_stats, sample_signal
 from milepost.train.losses import kl_estimate
 from milepost.types import Sample
 
@@ -46,8 +50,10 @@ def gather_shares(mine: list[int], local: list[torch.Tensor], total: int) -> lis
     return out  # type: ignore[return-value]
 
 
-def rank_batch(cfg: TrainConfig, backend: FSDPBackend, samples: Sequence[Sample], rank: int, world: int) -> TrainBatch:
-    """This rank's TrainBatch of the rollout `samples` (all ranks call it: it runs collectives)."""
+def rank_batch(cfg: TrainConfig, backend: FSDPBackend, samples: Sequence[Sample], rank: int, world: int,
+               metrics: dict[str, float] | None = None) -> TrainBatch:
+    """This rank's TrainBatch of the rollout `samples` (all ranks call it: it runs collectives).
+    With a distillation teacher, `metrics` receives the `opd/*` numbers."""
     mine = split_for_rank(samples, rank, world, cfg.global_batch_size)
     local = [samples[i] for i in mine]
     inputs = AdvantageInputs(loss_masks=[loss_mask_of(s) for s in samples])
@@ -60,7 +66,24 @@ def rank_batch(cfg: TrainConfig, backend: FSDPBackend, samples: Sequence[Sample]
     if backend.critic is not None:
         values = backend.compute_values(local)
         inputs.values = gather_shares(mine, values, len(samples))
-    adv = estimate(cfg.advantage_estimator, samples, advantage_settings(cfg), inputs)
+    distill = opd_enabled(cfg)
+    if distill and backend.teacher is not None:  # in-process teacher: its own forward, this step
+        t0 = time.perf_counter()
+        teacher = gather_shares(mine, backend.compute_logprobs(local, teacher=True), len(samples))
+        for s, t in zip(samples, teacher):
+            s.teacher_logprobs = t.tolist()
+        if metrics is not None:
+            metrics["opd/teacher_time"] = time.perf_counter() - t0
+    scored = samples
+    if distill and not cfg.opd_task_reward:  # distil alone: the estimator sees reward 0
+        scored = [dataclasses.replace(s, reward=0.0) for s in samples]
+    adv = estimate(cfg.advantage_estimator, scored, advantage_settings(cfg), inputs)
+    if distill:  # report 5.2: subtracted after the estimator, a dense per-token reward
+        signals = [sample_signal(s) for s in samples]
+        adv.advantages = apply_opd(adv.advantages, signals, inputs.loss_masks, float(cfg.opd_coef))
+        if metrics is not None:
+            stats = distill_stats(samples, signals, inputs.loss_masks)
+            metrics.update({f"opd/{k}": v for k, v in stats.metrics().items()})
     batch = TrainBatch.from_samples(
         local, [adv.advantages[i] for i in mine], old_logprobs=old, ref_logprobs=ref, values=values,
         returns=None if adv.returns is None or values is None else [adv.returns[i] for i in mine],

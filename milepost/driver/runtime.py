@@ -9,6 +9,7 @@ in the order of the algorithm; this file is where their mechanics live.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -34,12 +35,21 @@ from milepost.eval.shared import evaluate_on_engines
 from milepost.observe.metrics import MetricsLogger
 from milepost.observe.progress import StepProgress
 from milepost.rollout.agentic import AgenticRollout, pad_to_optimizer_steps, rollout_layers_enabled
+from milepost.opd_rules import served_teachers
 from milepost.rollout.client import EngineClient
 from milepost.rollout.generate import (
     RolloutResult,
     SamplingSettings,
     rollout_groups,
     rollout_metrics,
+)
+from milepost.rollout.teacher import (
+    PROBE,
+    TAG_KEY,
+    ServedTeachers,
+    TeacherError,
+    TeacherSettings,
+    start_served_teachers,
 )
 from milepost.train.checkpoint import checkpoint_path
 from milepost.train.fsdp import FSDPBackend
@@ -73,6 +83,7 @@ def _merge(into: RolloutResult, more: RolloutResult) -> None:
     into.failed_groups += more.failed_groups
     into.num_reward_errors += more.num_reward_errors
     into.num_engine_refusals += more.num_engine_refusals
+    into.num_teacher_failures += more.num_teacher_failures
     into.elapsed_s += more.elapsed_s
 
 
@@ -89,6 +100,7 @@ class Runtime:
         self.start_step = 0
         self.data: PromptDataset | None = None
         self.weights: WeightSync | None = None
+        self.teachers: ServedTeachers | None = None  # on-policy distillation, rank 0
         if self.lead:  # first: a bad dataset row stops the run before the model is sharded
             self._init_lead()
         elif engine_urls and not cfg.rollout_only:  # p2p: every trainer rank sends (report 4.2)
@@ -123,10 +135,26 @@ class Runtime:
                 cfg.eval_prompt_data, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
                 metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
                 shuffle=False).items if cfg.eval_prompt_data is not None else [])
+            if served_teachers(cfg):
+                self.teachers = self._start_teachers(tokenizer)
         if self.engine_urls and not cfg.rollout_only:
             self.weights = make_weight_sync(cfg, self.engine_urls, 0, self.world)
         else:
             self.weights = None
+
+    def _start_teachers(self, tokenizer) -> ServedTeachers:
+        cfg = self.cfg
+        settings = TeacherSettings(
+            temperature=cfg.rollout_temperature, top_k=cfg.opd_top_k, top_k_set=cfg.opd_top_k_set,
+            timeout_s=cfg.opd_teacher_timeout_s, retries=cfg.opd_teacher_retries,
+            concurrency=int(cfg.rollout_max_concurrency))
+        vocab = json.loads((Path(cfg.hf_checkpoint) / "config.json").read_text()).get("vocab_size")
+        try:
+            return start_served_teachers(
+                served_teachers(cfg), settings, list(tokenizer.encode(PROBE)), vocab,
+                [it.metadata.get(TAG_KEY) for it in self.data.items])
+        except TeacherError as e:
+            raise RunError(str(e)) from None
 
     def _resume(self) -> None:
         cfg = self.cfg
@@ -186,12 +214,15 @@ class Runtime:
                 if self._empty_rollouts >= MAX_EMPTY_ROLLOUTS:
                     raise RunError(
                         f"{MAX_EMPTY_ROLLOUTS} rollouts in a row produced no trainable group "
-                        f"(aborted: {result.num_aborted_groups}, failed: {len(result.dropped)}) "
+                        f"(aborted: {result.num_aborted_groups}, failed: {len(result.dropped)}, "
+                        f"teacher failures: {result.num_teacher_failures}) "
                         f"from engines {self.engine_urls}; check the engine logs under "
                         f"{cfg.run_dir / 'logs'} and the reward function")
             else:
                 self._empty_rollouts = 0
         self.step_metrics.update({f"rollout/{k}": v for k, v in rollout_metrics(step_result).items()})
+        if self.teachers is not None:
+            self.step_metrics.update({f"opd/{k}": v for k, v in self.teachers.take_metrics().items()})
         if cfg.save_rollouts is not None:
             save_rollout(cfg.save_rollouts, step, step_result.groups)
         return step_result.groups
@@ -213,7 +244,9 @@ class Runtime:
             clients, items, cfg.n_samples_per_prompt, sampling, self.reward_fn,
             self.group_reward_fn, cfg.rollout_max_concurrency,
             group_index_start=group_index_start,
-            return_routed_experts=cfg.use_rollout_routing_replay))
+            return_routed_experts=cfg.use_rollout_routing_replay,
+            finish_group=None if self.teachers is None else self.teachers.score_group,
+            top_logprobs_num=cfg.opd_top_k))
 
     def train(self, groups: list[Group]) -> None:
         if self.backend is None:
@@ -224,7 +257,7 @@ class Runtime:
             padded = pad_to_optimizer_steps(samples, int(self.cfg.global_batch_size))
             self.step_metrics["train/padding_samples"] = len(padded) - len(samples)
             samples = padded
-        batch = rank_batch(self.cfg, self.backend, samples, self.rank, self.world)
+        batch = rank_batch(self.cfg, self.backend, samples, self.rank, self.world, self.step_metrics)
         metrics = self.backend.train_step(batch)
         turns = self.backend.take_turn_stats()  # --offload-actor-for-critic: the models took turns
         if turns is not None:
@@ -390,6 +423,8 @@ def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
         optimizer_bucket_bytes=cfg.optimizer_state_bucket_bytes,
         optimizer_moment_dtype=cfg.optimizer_moment_dtype,
         dtype=cfg.dtype, device=cfg.device,
+        opd_teacher_checkpoint=(None if cfg.opd_teacher_checkpoint is None
+                                else str(cfg.opd_teacher_checkpoint)),
         **objective_settings(cfg),
     )
 

@@ -112,9 +112,10 @@ class EngineClient:
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *,
                        return_logprob: bool = True, return_routed_experts: bool = False,
                        rid: str | None = None, routing_key: str | None = None,
-                       ) -> GenerateOutput:
+                       top_logprobs_num: int = 0) -> GenerateOutput:
         """One completion of `input_ids`. Retries EngineUnavailableError `generate_retries` times
-        (a retry with a rid uses `rid-retryK`, so `abort_request(rid)` still reaches it)."""
+        (a retry with a rid uses `rid-retryK`, so `abort_request(rid)` still reaches it).
+        top_logprobs_num > 0: `meta_info["output_top_logprobs"]` holds each token's top ids."""
         if self.require_routing_key and not routing_key:
             raise ValueError(f"generate on {self.base_url}: this client requires a routing key "
                              f"({ROUTING_KEY_HEADER}) on every request (session affinity); none "
@@ -126,6 +127,8 @@ class EngineClient:
                                     "return_logprob": return_logprob}
             if return_routed_experts:
                 body["return_routed_experts"] = True
+            if top_logprobs_num:
+                body["top_logprobs_num"] = top_logprobs_num
             if rid is not None:
                 body["rid"] = rid if attempt == 0 else f"{rid}-retry{attempt}"
             try:
@@ -145,6 +148,31 @@ class EngineClient:
                                           f"answer is not JSON: {resp.text[:200]!r}") from e
             return parse_generate(payload, f"{self.base_url}/generate", return_logprob)
         raise AssertionError("unreachable")
+
+    async def score(self, input_ids: list[int], logprob_start_len: int, *,
+                    temperature: float = 1.0, top_logprobs_num: int = 0,
+                    token_ids_logprob: list[int] | None = None,
+                    timeout_s: float | None = None) -> dict[str, Any]:
+        """Prompt log-probs of `input_ids` from position `logprob_start_len` on, generating nothing
+        (`max_new_tokens: 0`): the answer's `meta_info` (`input_token_logprobs`, and
+        `input_top_logprobs` / `input_token_ids_logprobs` when asked). No retries here."""
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids), "return_logprob": True,
+            "logprob_start_len": logprob_start_len,
+            "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
+        if top_logprobs_num:
+            body["top_logprobs_num"] = top_logprobs_num
+        if token_ids_logprob:
+            body["token_ids_logprob"] = list(token_ids_logprob)
+        resp = await self._request("POST", "/generate", body, timeout_s=timeout_s)
+        try:
+            meta = resp.json()["meta_info"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise EngineProtocolError(f"{self.base_url}/generate",
+                                      f"scoring answer has no meta_info: {resp.text[:200]!r}") from e
+        if not isinstance(meta, dict):
+            raise EngineProtocolError(f"{self.base_url}/generate", "meta_info is not an object")
+        return meta
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict[str, Any], *,
                               return_logprob: bool = True, return_routed_experts: bool = False,

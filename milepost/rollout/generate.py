@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -76,7 +76,7 @@ _STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status
 async def generate_one(client: EngineClient, item: PromptItem, sampling: SamplingSettings,
                        index: int, *, group_index: int | None = None, rid: str | None = None,
                        routing_key: str | None = None, return_routed_experts: bool = False,
-                       ) -> Sample:
+                       top_logprobs_num: int = 0) -> Sample:
     """One trajectory for `item`: sample `index` of group `group_index` (default: item.index).
 
     Status: COMPLETED when the model stopped, TRUNCATED at max_new_tokens, ABORTED when the
@@ -84,6 +84,8 @@ async def generate_one(client: EngineClient, item: PromptItem, sampling: Samplin
     reached (`abort_reason`) or refused it (`metadata["engine_error"]`, the engine's message).
     `metadata` holds the row's metadata plus prompt_index, engine, finish_reason,
     prompt_tokens, cached_tokens and latency_s (these names win over the row's).
+    top_logprobs_num > 0 (top-K distillation): `metadata["student_top_logprobs"]` holds, per
+    response token, the engine's top [logprob, id] pairs.
     """
     sample = Sample(
         group_index=item.index if group_index is None else group_index, index=index,
@@ -97,7 +99,7 @@ async def generate_one(client: EngineClient, item: PromptItem, sampling: Samplin
         params = {**sampling.to_params(), **(item.metadata.get("sampling_params") or {})}
         out = await client.generate(item.prompt_ids, params, return_logprob=True,
                                     return_routed_experts=return_routed_experts, rid=rid,
-                                    routing_key=routing_key)
+                                    routing_key=routing_key, top_logprobs_num=top_logprobs_num)
     except EngineUnavailableError as e:
         sample.status = Status.ABORTED
         sample.metadata["abort_reason"] = str(e)
@@ -122,6 +124,9 @@ async def generate_one(client: EngineClient, item: PromptItem, sampling: Samplin
     sample.metadata.update(finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
                            cached_tokens=out.cached_tokens,
                            latency_s=time.perf_counter() - start)
+    if top_logprobs_num:
+        sample.metadata["student_top_logprobs"] = [
+            [[float(e[0]), int(e[1])] for e in row] for row in out.meta_info.get("output_top_logprobs") or []]
     if status is Status.ABORTED:
         sample.metadata["abort_reason"] = str(out.finish_reason.get("message", "aborted"))
     return sample
@@ -151,6 +156,7 @@ class RolloutResult:
     failed_groups: list[Group] = field(default_factory=list)
     num_reward_errors: int = 0  # groups whose reward function failed
     num_engine_refusals: int = 0  # groups with a request the engine refused (4xx)
+    num_teacher_failures: int = 0  # groups a distillation teacher could not score (requeued)
     elapsed_s: float = 0.0
 
     @property
@@ -190,13 +196,17 @@ async def rollout_groups(
     retry_reward_errors: bool = False,
     return_routed_experts: bool = False,
     group_index_start: int = 0,
+    finish_group: Callable[[Group], Awaitable[str | None]] | None = None,
+    top_logprobs_num: int = 0,
 ) -> RolloutResult:
     """Generate `n_samples_per_prompt` trajectories for every item, concurrently, and score each
     group as soon as it is complete.
 
     Group g (sample.group_index = group_index_start + g) goes to clients[(start + g) % len],
     all of its samples to the same engine so they share its prefix cache. At most
-    `max_concurrency` requests are in flight. Rewards: see `score_group`.
+    `max_concurrency` requests are in flight. Rewards: see `score_group`. `finish_group` (a
+    distillation teacher) runs on each scored group while others generate; a message back means
+    the group is not trained on: its prompt is requeued and counted (num_teacher_failures).
     Raises RolloutError when every group failed for a deterministic reason (see the class).
     """
     if not clients:
@@ -213,21 +223,25 @@ async def rollout_groups(
     async def sample(client: EngineClient, item: PromptItem, g: int, k: int) -> Sample:
         async with slots:
             return await generate_one(client, item, sampling, k, group_index=g,
-                                      return_routed_experts=return_routed_experts)
+                                      return_routed_experts=return_routed_experts,
+                                      top_logprobs_num=top_logprobs_num)
 
-    async def group(g: int, item: PromptItem) -> tuple[Group, str | None]:
+    async def group(g: int, item: PromptItem) -> tuple[Group, str | None, str | None]:
         client = clients[g % len(clients)]
         samples = await _gather_or_cancel(
             [sample(client, item, g, k) for k in range(n_samples_per_prompt)])
         if any(s.status is Status.ABORTED for s in samples):
-            return samples, None
-        return samples, await score_group(samples, reward_fn, group_reward_fn)
+            return samples, None, None
+        reward_error = await score_group(samples, reward_fn, group_reward_fn)
+        if reward_error is not None or finish_group is None:
+            return samples, reward_error, None
+        return samples, None, await finish_group(samples)
 
     outcomes = await _gather_or_cancel(
         [group(group_index_start + g, it) for g, it in enumerate(items)])
     result = RolloutResult(elapsed_s=time.perf_counter() - start)
     first_error = None
-    for item, (samples, reward_error) in zip(items, outcomes):
+    for item, (samples, reward_error, teacher_error) in zip(items, outcomes):
         refused = next((s.metadata["engine_error"] for s in samples
                         if "engine_error" in s.metadata), None)
         if refused is not None:
@@ -243,6 +257,9 @@ async def rollout_groups(
             (result.requeue if retry_reward_errors else result.dropped).append(item)
             result.num_reward_errors += 1
             first_error = first_error or reward_error
+        elif teacher_error is not None:
+            result.requeue.append(item)
+            result.num_teacher_failures += 1
         else:
             result.groups.append(samples)
     _report(result, first_error, retry_reward_errors)
@@ -288,6 +305,7 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
         "failed_groups": float(len(result.failed_groups)),
         "reward_errors": float(result.num_reward_errors),
         "engine_refusals": float(result.num_engine_refusals),
+        "teacher_failed_groups": float(result.num_teacher_failures),
         "elapsed_s": result.elapsed_s,
     }
     if trained:

@@ -91,13 +91,19 @@ class RolloutWorker:
     def __init__(self, engine_urls: Sequence[str], ledger: PromptLedger, buffer: Buffer,
                  sampling: SamplingSettings, reward_fn: RewardFn | None,
                  group_reward_fn: GroupRewardFn | None, settings: WorkerSettings,
-                 trajectory_fn: TrajectoryFn | None = None) -> None:
+                 trajectory_fn: TrajectoryFn | None = None,
+                 finish_group: Callable[[Group], Awaitable[str | None]] | None = None,
+                 top_logprobs_num: int = 0) -> None:
         if not engine_urls:
             raise ValueError("RolloutWorker: no engine URLs")
         self.engine_urls = list(engine_urls)
         # One trajectory -> its sequences; None: one engine completion (agentic runs plug in
         # their layers here, rollout/agentic.py).
         self.trajectory_fn = trajectory_fn
+        # A scored group -> None or why it cannot be trained on (a distillation teacher's pass,
+        # rollout/teacher.py): such a group's prompt is retried.
+        self.finish_group = finish_group
+        self.top_logprobs_num = top_logprobs_num
         self.ledger = ledger
         self.buffer = buffer
         self.sampling = sampling
@@ -215,7 +221,8 @@ class RolloutWorker:
                 if self.trajectory_fn is not None:
                     return await self.trajectory_fn(client, item, k, group_index)
                 return [await generate_one(client, item, self.sampling, k,
-                                           group_index=group_index)]
+                                           group_index=group_index,
+                                           top_logprobs_num=self.top_logprobs_num)]
             finally:
                 self.clock.change(-1)
                 if per_sample:
@@ -236,9 +243,20 @@ class RolloutWorker:
                       None)
         if failed is None and not any(s.status is Status.ABORTED for s in group):
             failed = await score_group(group, self.reward_fn, self.group_reward_fn)
+        teacher_failed = None
+        if failed is None and self.finish_group is not None and not any(
+                s.status is Status.ABORTED for s in group):
+            teacher_failed = await self.finish_group(group)
         self._putting += 1
         try:
-            if failed is not None:  # deterministic: trying again would fail the same way
+            if teacher_failed is not None:  # the teacher may answer later: the prompt is retried
+                self.ledger.drop(group, "teacher", retry=True)
+                self._handed_over()
+                self._failures += 1
+                if self._failures >= self.settings.max_consecutive_failures:
+                    raise RuntimeError(f"{self._failures} groups in a row failed; last error: "
+                                       f"{teacher_failed}")
+            elif failed is not None:  # deterministic: trying again would fail the same way
                 self.ledger.drop(group, "failed", retry=False)
                 self._handed_over()
                 self._failures += 1
