@@ -387,6 +387,10 @@ def agent_refusals(c: TrainConfig) -> list[str]:
         p.append(f"--session-matcher {c.session_matcher!r} is neither {list(BUILTIN_MATCHERS)} "
                  "nor an import path module.sub:fn")
     p += _leaf_selection_refusals(c)
+    if c.session_divergence == "rollback" and c.session_mode == "branching":
+        p.append("--session-divergence rollback has no effect on a branching session (a "
+                 "divergent replay forks a branch, recorded as a fork); use --session-mode "
+                 "linear, or leave --session-divergence at reject")
     if c.load_rollouts is not None:
         p.append("the session server generates live; it cannot be used with --load-rollouts")
     engines = len(c.engine_urls) if c.engine_urls else (c.rollout_num_engines or 1)

@@ -119,3 +119,26 @@ def test_branching_records_a_fork_at_a_rewritten_assistant_message() -> None:
     assert a.at is s.root and a.divergence.kind == "fork"
     assert a.divergence.suggestion == "json_args" and a.divergence.retokenized_tokens == 2
     assert Session("s", "branching", json_args).attach([U1, A1, U2], None).divergence is None
+
+
+def test_divergence_setting_is_checked_at_start(tmp_path) -> None:
+    import json
+
+    from milepost.config import load_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi", "label": "x"}\n')
+    base = ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--num-rollout", "1",
+            "--rollout-batch-size", "2", "--device", "cpu", "--run-dir", str(tmp_path / "run"),
+            "--use-session-server", "--session-model-family", "qwen3"]
+    assert load_config(None, base).session_divergence == "reject"
+    assert load_config(None, base + ["--session-divergence", "rollback"]).session_divergence \
+        == "rollback"
+    for flags, needle in [(["--session-divergence", "undo"], "--session-divergence"),
+                          (["--session-divergence", "rollback", "--session-mode", "branching"],
+                           "no effect on a branching session")]:
+        with pytest.raises(Exception, match=needle):
+            load_config(None, base + flags)
