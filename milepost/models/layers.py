@@ -105,6 +105,7 @@ class SelfAttention(nn.Module):
         self.layer_id = layer_id
         self.window = window
         self.softcap: float | None = None  # attention logit soft-cap (Gemma 2), set by the model
+        self.sinks: nn.Parameter | None = None  # per-head sink logits [H] (gpt-oss), set by the model
         self.fused_norm_rope = True  # the GPU norm+RoPE kernel assumes Llama-style q/k norms
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -150,10 +151,10 @@ class SelfAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.window is None and self.softcap is None:
+        if self.window is None and self.softcap is None and self.sinks is None:
             out = ctx.attention.attend(self.layer_id, q, k, v, self.scale)  # [T, H, D]
-        else:  # windowed / soft-capped layers: torch reference path over the same backend
-            var = Variant(window=self.window, softcap=self.softcap)
+        else:  # windowed / soft-capped / sink layers: torch reference path over the same backend
+            var = Variant(window=self.window, softcap=self.softcap, sinks=self.sinks)
             out = attend_variant(ctx.attention, self.layer_id, q, k, v, self.scale, var)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

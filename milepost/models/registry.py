@@ -21,6 +21,7 @@ from transformers import AutoConfig
 from milepost.models.base import CausalLM
 from milepost.models.deepseek_v3 import DeepseekV3ForCausalLM
 from milepost.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from milepost.models.gpt_oss import GptOssForCausalLM
 from milepost.models.llama import DecoderLM, LlamaForCausalLM
 from milepost.models.mistral import MistralForCausalLM
 from milepost.models.qwen2 import Qwen2ForCausalLM
@@ -34,6 +35,7 @@ MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

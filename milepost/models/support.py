@@ -58,10 +58,11 @@ ARCHS: tuple[Arch, ...] = (
          "(torch attention for them), sandwich norms", (_U + "test_models_native_families.py", *_FB)),
     Arch("Gemma3ForCausalLM", NATIVE, False, "text model: sliding/global layers with a RoPE base each "
          "(default or linear), q/k norms", (_U + "test_models_native_families.py", *_FB)),
-    Arch("GptOssForCausalLM", FALLBACK, True, "MoE with attention sinks, sliding layers",
+    Arch("GptOssForCausalLM", NATIVE, True, "attention sinks (torch attention for them), sliding layers, "
+         "clamped-SwiGLU experts with biases, YaRN; bf16/fp32 weights only (MXFP4 checkpoints not loaded)",
+         (_U + "test_models_native_families.py", *_FB, _E + "test_fallback_engine.py")),
+    Arch("Phi3ForCausalLM", FALLBACK, False, "fused qkv / gate_up projections; sliding window",
          (*_FB, _E + "test_fallback_engine.py", _E + "test_fallback_train.py")),
-    Arch("Phi3ForCausalLM", FALLBACK, False, "fused qkv / gate_up projections",
-         (*_FB, _E + "test_fallback_engine.py")),
     Arch("GPTNeoXForCausalLM", FALLBACK, False, "partial rotary, parallel residual",
          (*_FB, _E + "test_fallback_engine.py")),
     Arch("Olmo2ForCausalLM", FALLBACK, False, "post-norms, q/k norm", _FB),

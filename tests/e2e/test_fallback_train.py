@@ -1,5 +1,4 @@
-"""The FSDP2 trainer over a transformers-fallback model (gpt-oss: MoE, sliding windows, attention
-sinks) on gloo ranks.
+"""The FSDP2 trainer over a transformers-fallback model (Phi-3 with a sliding window) on gloo ranks.
 
 Log-probs equal transformers' before training; a step moves them; the exported directory loads
 in transformers and scores as the trainer does; both ranks hold the same weights.
@@ -55,7 +54,7 @@ def hf_logprobs(path: Path, samples: list[Sample]) -> list[torch.Tensor]:
 
 
 def test_fsdp_trains_a_fallback_model(tmp_path: Path) -> None:
-    path = make_tiny_hf_checkpoint(tmp_path / "gpt_oss", "gpt_oss")
+    path = make_tiny_hf_checkpoint(tmp_path / "phi3", "phi3", sliding_window=5)  # windows in backward too
     ranks = run_ranks(worker, 2, str(path), str(tmp_path / "export"), timeout_s=600)
     for got, want in zip(ranks[0]["before"], hf_logprobs(path, PROBE)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -1,4 +1,4 @@
-"""Native Qwen2/2.5, Mistral, sliding-window Qwen3, Gemma 2/3 against transformers (packed and paged).
+"""Native Qwen2/2.5, Mistral, sliding-window Qwen3, Gemma 2/3, gpt-oss against transformers (packed, paged).
 
 Every sliding window here is shorter than the test sequences, so a layer that ignored its
 window (or applied it to the wrong layers) would change the log-probs.
@@ -38,6 +38,7 @@ FAMILIES = {
         "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8}), []),
     "gemma2": (make_tiny_hf_checkpoint, "gemma2", {}, [0, 2]),  # every layer soft-capped too
     "gemma3": (make_tiny_hf_checkpoint, "gemma3", {}, [0, 2]),
+    "gpt_oss": (make_tiny_hf_checkpoint, "gpt_oss", {}, [0, 2]),  # sinks everywhere, YaRN, MoE
     "gemma3_linear_rope": (make_tiny_hf_checkpoint, "gemma3", dict(rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}), [0, 2]),
@@ -92,3 +93,28 @@ def test_qwen2_weights_are_hf_names_with_qkv_bias(ckpts) -> None:
     bias = model.weight_view("model.layers.0.self_attn.k_proj.bias")
     fused = model.model.layers[0].self_attn.qkv_proj.bias
     assert bias.data_ptr() == fused[model.model.layers[0].self_attn._qkv_sizes[0]:].data_ptr()
+
+
+def test_gpt_oss_routing_equals_transformers_and_replays(ckpts) -> None:
+    model = load_model(ckpts["gpt_oss"], torch.float32, "cpu")
+    ref = AutoModelForCausalLM.from_pretrained(ckpts["gpt_oss"], attn_implementation="eager").eval()
+    seqs = sequences(model.vocab_size)
+    chosen: dict[int, list[torch.Tensor]] = {}
+    hooks = [layer.mlp.router.register_forward_hook(lambda m, a, out, i=i: chosen.setdefault(i, []).append(out[2]))
+             for i, layer in enumerate(ref.model.layers)]
+    with torch.no_grad():
+        for s in seqs:
+            ref(s[None])
+    for h in hooks:
+        h.remove()
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
+    positions = torch.cat([torch.arange(n) for n in LENS])
+    routed = torch.full((sum(LENS), model.num_layers, model.moe_top_k), -1, dtype=torch.int32)
+    with torch.no_grad():
+        logits = model.compute_logits(model(torch.cat(seqs), positions,
+                                            ForwardContext(VarlenCausalAttention(cu), routed_experts=routed)))
+        replay = ForwardContext(VarlenCausalAttention(cu), forced_experts=routed.long())
+        replayed = model.compute_logits(model(torch.cat(seqs), positions, replay))
+    for layer, ids in chosen.items():
+        assert torch.equal(routed[:, layer].long().sort(-1).values, torch.cat(ids).sort(-1).values), layer
+    torch.testing.assert_close(replayed, logits, atol=1e-6, rtol=0)

@@ -22,7 +22,8 @@ def test_table_agrees_with_the_registry_and_cites_real_tests() -> None:
             assert a.name in tiny, f"{a.name}: a fallback row needs a tiny checkpoint in its tests"
         assert a.tests and all((ROOT / t).is_file() for t in a.tests), a.name
     assert set(MODEL_REGISTRY) <= {a.name for a in ARCHS}
-    assert has_native_routing("Qwen3MoeForCausalLM") and not has_native_routing("GptOssForCausalLM")
+    assert has_native_routing("Qwen3MoeForCausalLM") and has_native_routing("GptOssForCausalLM")
+    assert not has_native_routing("MixtralForCausalLM")  # no native path: the fallback records no routing
 
 
 def test_readme_and_docs_carry_the_generated_table() -> None:
@@ -52,10 +53,10 @@ def test_routing_replay_is_refused_on_a_fallback_moe(tmp_path: Path) -> None:
 
     from milepost.config import ConfigError, load_config
 
-    model = tmp_path / "gpt_oss"
+    model = tmp_path / "mixtral"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "num_local_experts": 4,
-                                                   "architectures": ["GptOssForCausalLM"]}))
+    (model / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 4,
+                                                   "architectures": ["MixtralForCausalLM"]}))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
     flags = ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--num-rollout", "2",
