@@ -32,18 +32,26 @@ def test_readme_and_docs_carry_the_generated_table() -> None:
     assert table in (ROOT / "README.md").read_text()
 
 
-def test_models_check_names_the_path(tmp_path: Path) -> None:
+def test_models_check_names_the_path(tmp_path: Path, capsys) -> None:
+    from milepost.cli import build_parser
+
     phi = make_tiny_hf_checkpoint(tmp_path / "p", "phi3", num_hidden_layers=2)
     qwen2 = make_tiny_hf_checkpoint(tmp_path / "q", "qwen2_full", num_hidden_layers=1)
     out = {}
     for name, path in (("phi", phi), ("qwen2", qwen2)):
-        r = subprocess.run([sys.executable, "-m", "milepost", "models", "--check", str(path)],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
-        out[name] = r.stdout
+        ns = build_parser().parse_args(["models", "--check", str(path)])
+        assert ns.run(ns) == 0
+        out[name] = capsys.readouterr().out
     assert "Phi3ForCausalLM: transformers (exact, slower), because: architecture 'Phi3ForCausalLM' " \
            "has no native definition" in out["phi"]
     assert out["qwen2"].strip().endswith("Qwen2ForCausalLM: native")
+
+
+def test_models_command_prints_the_table(capsys) -> None:
+    r = subprocess.run([sys.executable, "-m", "milepost", "models", "--markdown"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == markdown_table()
 
 
 def test_routing_replay_is_refused_on_a_fallback_moe(tmp_path: Path) -> None:
