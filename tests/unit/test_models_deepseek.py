@@ -103,7 +103,7 @@ def test_engine_latent_cache_bytes_and_greedy(ckpts) -> None:
     model, kv = engine.runner.model, engine.runner.kv
     mla, standard = model.kv_bytes_per_token(torch.float32)
     c = model.hf_config
-    assert mla == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4  # 2 layers x 24 x fp32
+    assert mla == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4 == 288  # 3 layers x 24 x fp32
     assert kv.v == [] and kv.nbytes() == mla * kv.num_blocks * kv.block_size  # what the pool holds
     assert standard / mla == pytest.approx(4 * (16 + 8 + 16) / 24)  # heads x (k + v dims) / latent
     g = torch.Generator().manual_seed(9)
