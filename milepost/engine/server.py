@@ -165,6 +165,8 @@ def run_server(args: object) -> None:
         protect(app, args.api_key)  # milepost/auth.py: 401 without the key (but /health)
         warn_if_exposed(args.host, args.api_key, "milepost serve", log)
         log.info("serving %s on http://%s:%d", info.model_path, args.host, args.port)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        # A request that waits on a peer (a weight-group rendezvous) must not hold SIGTERM.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=10)
     finally:
         engine.close()

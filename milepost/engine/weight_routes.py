@@ -11,7 +11,9 @@ everything; only the copy into the model runs between steps.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from fastapi import APIRouter
@@ -64,8 +66,40 @@ class UpdateWeightsFromP2PReqInput(BaseModel):
     weight_version: str | None = None
 
 
+T = TypeVar("T")
+# A rendezvous with an unreachable master gives up after this (the trainer starts its side at
+# the same moment, so a real one takes seconds); its group name is then free again.
+GROUP_SETUP_TIMEOUT_S = 120.0
+MAX_PENDING_SETUPS = 4  # more at once is refused (429): each holds a thread until it ends
+
+
 def _fail(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse(status_code=status, content={"success": False, "message": message})
+
+
+async def _own_thread(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in a daemon thread of its own. A call that blocks on a peer (a rendezvous, a
+    broadcast that never comes) then holds no worker of the loop's shared pool, which the
+    server's other blocking work needs, and does not keep the process alive at SIGTERM."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.cancelled():
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the server's loop is gone (shutting down): nobody waits
+            pass
+
+    threading.Thread(target=run, daemon=True, name=f"weights-{fn.__name__}").start()
+    return await done
 
 
 def weight_router(engine: Engine) -> APIRouter:
@@ -108,13 +142,25 @@ def weight_router(engine: Engine) -> APIRouter:
         return await update(lambda: loader.from_disk(body.model_path),
                             body.weight_version, body.flush_cache, body.abort_all_requests)
 
+    # Setups in progress, counted until their thread ends (not their request: a client that
+    # leaves does not end the rendezvous).
+    slots = threading.BoundedSemaphore(MAX_PENDING_SETUPS)
+
+    def setup(body: InitWeightsUpdateGroupReqInput) -> None:
+        try:
+            groups.init(body.master_address, body.master_port, body.rank_offset, body.world_size,
+                        body.group_name, body.backend, setup_timeout_s=GROUP_SETUP_TIMEOUT_S)
+        finally:
+            slots.release()
+
     @router.post("/init_weights_update_group")
     async def init_group(body: InitWeightsUpdateGroupReqInput) -> JSONResponse:
+        if not slots.acquire(blocking=False):
+            return _fail(f"{MAX_PENDING_SETUPS} weight-group setups are already waiting for "
+                         f"their masters (each gives up after {GROUP_SETUP_TIMEOUT_S:.0f} s); "
+                         "retry when one is done", status=429)
         try:  # rendezvous with the trainer blocks: keep it off the event loop and the engine
-            await asyncio.to_thread(
-                groups.init, body.master_address, body.master_port, body.rank_offset,
-                body.world_size, body.group_name, body.backend,
-            )
+            await _own_thread(setup, body)
         except (WeightUpdateError, ValueError, RuntimeError) as e:
             return _fail(f"init_weights_update_group failed: {e}")
         return JSONResponse({"success": True, "message": f"joined group {body.group_name!r}"})
@@ -136,7 +182,7 @@ def weight_router(engine: Engine) -> APIRouter:
             return staged.pending
 
         try:
-            pairs = await asyncio.to_thread(receive)
+            pairs = await _own_thread(receive)
         except WeightUpdateError as e:
             return _fail(f"weights unchanged: {e}")
 
@@ -162,7 +208,7 @@ def weight_router(engine: Engine) -> APIRouter:
             return staged.pending
 
         try:
-            pairs = await asyncio.to_thread(receive)
+            pairs = await _own_thread(receive)
         except (WeightUpdateError, ValueError) as e:
             return _fail(f"weights unchanged: {e}")
 
@@ -185,7 +231,7 @@ def weight_router(engine: Engine) -> APIRouter:
     async def destroy_group(body: DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
         try:
             # Off the event loop: shutting a group down can wait on a peer that vanished.
-            await asyncio.to_thread(groups.destroy, body.group_name)
+            await _own_thread(groups.destroy, body.group_name)
         except (KeyError, WeightUpdateError) as e:
             return _fail(str(e))
         return JSONResponse({"success": True, "message": f"left group {body.group_name!r}"})

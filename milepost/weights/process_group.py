@@ -153,12 +153,14 @@ def init_weight_group(
     group_name: str,
     backend: BackendName,
     timeout_s: float = 600,
+    setup_timeout_s: float | None = None,
 ) -> WeightGroup:
     """Join (rank 0: host) the weight group at master_address:master_port; blocks until all join.
 
     Rank 0 is the trainer and runs the TCP store on master_port; engine ranks are
     `rank_offset + tp_rank` in SGLang's `/init_weights_update_group` terms. All `world_size`
-    members must call this within `timeout_s`, so callers start it concurrently on every side.
+    members must reach the store within `setup_timeout_s` (default: `timeout_s`, which bounds
+    every later collective), so callers start it concurrently on every side.
     """
     if backend not in ("gloo", "nccl"):
         raise WeightUpdateError(f"weight group backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -179,14 +181,15 @@ def init_weight_group(
             "use backend 'gloo' on CPU"
         )
     timeout = timedelta(seconds=timeout_s)
+    setup = timedelta(seconds=setup_timeout_s or timeout_s)
     try:
         # The trainer's store listens on master_address only (loopback on one host).
-        tcp = bound_store(master_address, master_port, world_size, rank == 0, timeout)
+        tcp = bound_store(master_address, master_port, world_size, rank == 0, setup)
     except Exception as e:  # rendezvous failures surface as several torch error types
         role = "host the store on" if rank == 0 else "reach the store at"
         raise RuntimeError(
             f"weight group {group_name!r}: rank {rank} could not {role} "
-            f"{master_address}:{master_port} within {timeout_s}s ({e})"
+            f"{master_address}:{master_port} within {setup.total_seconds():g}s ({e})"
         ) from e
     # The same nesting torch's _new_process_group_helper applies under SGLang's
     # init_custom_process_group: PrefixStore(group_name) / "<group_name>/" / "<device>/".
@@ -226,8 +229,10 @@ class WeightGroupRegistry:
         group_name: str,
         backend: BackendName,
         timeout_s: float = 600,
+        setup_timeout_s: float | None = None,
     ) -> WeightGroup:
-        """`init_weight_group` and remember the result; a name already open is refused."""
+        """`init_weight_group` and remember the result; a name already open is refused. A name
+        is reserved while its rendezvous blocks, and freed when it fails (by setup_timeout_s)."""
         with self._lock:
             if group_name in self._groups:
                 raise WeightUpdateError(
@@ -237,7 +242,8 @@ class WeightGroupRegistry:
             self._groups[group_name] = None  # type: ignore[assignment]
         try:
             group = init_weight_group(
-                master_address, master_port, rank, world_size, group_name, backend, timeout_s
+                master_address, master_port, rank, world_size, group_name, backend, timeout_s,
+                setup_timeout_s,
             )
         except BaseException:
             with self._lock:
