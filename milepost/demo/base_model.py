@@ -41,7 +41,7 @@ def batches(recipe: DemoModelRecipe, phase: str) -> Iterator[list[dict]]:
 def make_demo_model(
     out_dir: str | Path,
     *,
-    seconds_budget: float | None = 600.0,
+    seconds_budget: float | None = None,
     recipe: DemoModelRecipe = DemoModelRecipe(),
     threads: int | None = 2,
     log_every: int = 0,
