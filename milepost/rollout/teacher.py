@@ -58,8 +58,10 @@ class ServedTeachers:
         self.settings = settings
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
-        self._time = 0.0
+        self._time = 0.0  # wall seconds with at least one group being scored
         self._tokens = 0
+        self._active = 0
+        self._busy_since = 0.0
 
     # ---- start -------------------------------------------------------------------------------
     async def check(self, probe_ids: list[int], vocab_size: int | None) -> None:
@@ -98,10 +100,15 @@ class ServedTeachers:
             tag = group[0].metadata.get(TAG_KEY)
             self._count("unrouted_groups")
             return f"no teacher for metadata.teacher {tag!r} (teachers: {sorted(map(str, self.urls))})"
-        t0 = time.perf_counter()
+        self._busy(+1)
         try:
             async with EngineClient(url, timeout_s=self.settings.timeout_s) as c:
-                await asyncio.gather(*(self._score_sample(c, s) for s in group))
+                # every request ends before the client closes; then the first failure counts
+                done = await asyncio.gather(*(self._score_sample(c, s) for s in group),
+                                            return_exceptions=True)
+            failed = next((e for e in done if isinstance(e, BaseException)), None)
+            if failed is not None:
+                raise failed
         except (TeacherError, EngineError) as e:
             for s in group:
                 s.teacher_logprobs = None
@@ -109,8 +116,9 @@ class ServedTeachers:
             self._count(f"teacher_failed_groups/{self._name(url)}")
             log.warning("teacher %s: group %d given up: %s", url, group[0].group_index, e)
             return f"teacher {url}: {e}"
+        finally:
+            self._busy(-1)
         with self._lock:
-            self._time += time.perf_counter() - t0
             self._tokens += sum(len(s.tokens) for s in group)
             self._counts[f"scored_samples/{self._name(url)}"] += len(group)
         return None
@@ -137,6 +145,16 @@ class ServedTeachers:
                                    "log-probs for every response token")
             s.metadata[TOPK_KEY] = _topk_rows(meta, s, student_top, st.top_k_set)
 
+    def _busy(self, delta: int) -> None:
+        """Groups are scored concurrently: time counts once while any is being scored."""
+        with self._lock:
+            now = time.perf_counter()
+            if self._active == 0 and delta > 0:
+                self._busy_since = now
+            self._active += delta
+            if self._active == 0:
+                self._time += now - self._busy_since
+
     def _count(self, key: str) -> None:
         with self._lock:
             self._counts[key] += 1
@@ -145,12 +163,18 @@ class ServedTeachers:
         return next((str(t) for t, u in self.urls.items() if u == url and t is not None), "teacher")
 
     def take_metrics(self) -> dict[str, float]:
-        """Since the last call (no prefix; the driver adds `opd/`): teacher_time (seconds of group
-        scoring, summed), teacher_tokens_per_s, and counts per teacher."""
+        """Since the last call (no prefix; the driver adds `opd/`): teacher_time (wall seconds with
+        a group being scored; it overlaps generation), teacher_tokens_per_s (scored sequence
+        tokens over that time), and counts per teacher."""
         with self._lock:
-            out = {"teacher_time": self._time, **{k: float(v) for k, v in self._counts.items()}}
-            if self._time > 0:
-                out["teacher_tokens_per_s"] = self._tokens / self._time
+            busy = self._time
+            if self._active:  # a group still being scored (fully async): count up to now
+                now = time.perf_counter()
+                busy += now - self._busy_since
+                self._busy_since = now
+            out = {"teacher_time": busy, **{k: float(v) for k, v in self._counts.items()}}
+            if busy > 0:
+                out["teacher_tokens_per_s"] = self._tokens / busy
             self._counts.clear()
             self._time, self._tokens = 0.0, 0
         return out
