@@ -65,7 +65,8 @@ ARCHS: tuple[Arch, ...] = (
          (*_FB, _E + "test_fallback_engine.py", _E + "test_fallback_train.py")),
     Arch("GPTNeoXForCausalLM", FALLBACK, False, "partial rotary, parallel residual",
          (*_FB, _E + "test_fallback_engine.py")),
-    Arch("Olmo2ForCausalLM", FALLBACK, False, "post-norms, q/k norm", _FB),
+    Arch("Olmo2ForCausalLM", FALLBACK, False, "post-norms, q/k norm; `milepost train` end to end",
+         (*_FB, _E + "test_fallback_engine.py", _E + "test_fallback_train_loop.py")),
     Arch("CohereForCausalLM", FALLBACK, False, "scaled logits", _FB),
 )
 BY_NAME = {a.name: a for a in ARCHS}
