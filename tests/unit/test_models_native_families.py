@@ -152,3 +152,19 @@ def test_engine_greedy_equals_generate(ckpts, name: str) -> None:
     for i, p in enumerate(prompts):
         with torch.no_grad():
             assert got[i] == ref.generate(torch.tensor([p]), generation_config=cfg)[0, len(p):].tolist(), i
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_full", "mistral", "gemma2", "gemma3", "gpt_oss"])
+def test_weight_names_both_ways(ckpts, name: str) -> None:
+    """Loading, the engine's fused layout and export all address exactly the checkpoint's names."""
+    from safetensors.torch import load_file
+
+    on_disk = load_file(ckpts[name] / "model.safetensors")
+    model = load_model(ckpts[name], torch.float32, "cpu")
+    assert set(model.hf_weight_names()) == set(on_disk)
+    model.fuse_projections()  # q/k/v and gate/up rows now live in fused weights
+    for hf_name, tensor in on_disk.items():
+        assert torch.equal(model.weight_view(hf_name), tensor), hf_name
+    exported = {n: t for p, full in model.named_parameters() for n, t in model.hf_tensors(p, full.detach())}
+    assert exported.keys() == on_disk.keys()
+    assert all(torch.equal(exported[n], t) for n, t in on_disk.items())
