@@ -39,7 +39,9 @@ class Arch:
 
 _U, _E = "tests/unit/", "tests/e2e/"
 _FP8_TESTED = ("Qwen3ForCausalLM",)
-_R3_TESTED = ("Qwen3MoeForCausalLM",)  # tests/e2e/test_routing_replay.py: a served model, replayed  # tests/unit/test_weight_fp8.py, tests/e2e/test_weight_fp8_engine.py
+# A served model's routing replayed by the trainer: tests/e2e/test_routing_replay.py (Qwen3-MoE),
+# tests/e2e/test_routing_replay_families.py (gpt-oss, DeepSeek-V3).
+_R3_TESTED = ("Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM")  # tests/unit/test_weight_fp8.py, tests/e2e/test_weight_fp8_engine.py
 _FB = (_U + "test_models_fallback.py",)
 ARCHS: tuple[Arch, ...] = (
     Arch("LlamaForCausalLM", NATIVE, False, "RoPE default, linear, llama3 or YaRN (all native families); attention/MLP bias; tied head",
@@ -53,14 +55,16 @@ ARCHS: tuple[Arch, ...] = (
     Arch("Qwen3MoeForCausalLM", NATIVE, True, "routed experts recorded (R3); sliding window",
          (_U + "test_models.py", _U + "test_models_native_families.py", _E + "test_engine_moe.py")),
     Arch("DeepseekV3ForCausalLM", NATIVE, True, "MLA with a latent paged KV cache (no V pool); grouped "
-         "sigmoid routing + shared experts; YaRN with mscale", (_U + "test_models_deepseek.py",)),
+         "sigmoid routing + shared experts; YaRN with mscale",
+         (_U + "test_models_deepseek.py", _E + "test_routing_replay_families.py")),
     Arch("Gemma2ForCausalLM", NATIVE, False, "sliding/global layers, attention + final soft-capping "
          "(torch attention for them), sandwich norms", (_U + "test_models_native_families.py", *_FB)),
     Arch("Gemma3ForCausalLM", NATIVE, False, "text model: sliding/global layers with a RoPE base each "
          "(default or linear), q/k norms", (_U + "test_models_native_families.py", *_FB)),
     Arch("GptOssForCausalLM", NATIVE, True, "attention sinks (torch attention for them), sliding layers, "
          "clamped-SwiGLU experts with biases, YaRN; bf16/fp32 weights only (MXFP4 checkpoints not loaded)",
-         (_U + "test_models_native_families.py", *_FB, _E + "test_fallback_engine.py")),
+         (_U + "test_models_native_families.py", _E + "test_routing_replay_families.py", *_FB,
+          _E + "test_fallback_engine.py")),
     Arch("Phi3ForCausalLM", FALLBACK, False, "fused qkv / gate_up projections; sliding window",
          (*_FB, _E + "test_fallback_engine.py", _E + "test_fallback_train.py")),
     Arch("GPTNeoXForCausalLM", FALLBACK, False, "partial rotary, parallel residual",
