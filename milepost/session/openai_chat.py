@@ -48,11 +48,21 @@ def milepost_info(result: TurnResult) -> dict[str, Any]:
             "divergence": d.to_dict() if d is not None else None}
 
 
-def completion(result: TurnResult, model: str, cid: str) -> dict[str, Any]:
+def completion(result: TurnResult, model: str, cid: str,
+               logprobs_from: Renderer | None = None) -> dict[str, Any]:
+    """The chat.completion answer; with `logprobs_from` (logprobs: true) each sampled token's
+    text and the engine's log-prob, in OpenAI's `logprobs.content` shape."""
+    logprobs = None
+    if logprobs_from is not None:
+        out = result.output
+        logprobs = {"content": [
+            {"token": (t := logprobs_from.decode([i])), "logprob": lp,
+             "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+            for i, lp in zip(out.output_ids, out.logprobs)]}
     return {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": result.reply, "finish_reason": finish_reason(result),
-                     "logprobs": None}],
+                     "logprobs": logprobs}],
         "usage": usage(result), "milepost": milepost_info(result),
     }
 

@@ -82,13 +82,14 @@ class Renderer:
 
     # ---- messages -------------------------------------------------------------------------------
     def render(self, messages: list[Message], tools: list[dict] | None,
-               add_generation_prompt: bool) -> str:
+               add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:
         if self.family.tool_args_as_objects:
             messages = [_args_as_objects(m) for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=False,
-                add_generation_prompt=add_generation_prompt, chat_template=self.template)
+                add_generation_prompt=add_generation_prompt, chat_template=self.template,
+                **(template_kwargs or {}))
         except Exception as e:  # jinja's own errors (raise_exception, undefined fields)
             raise RenderError(f"the chat template refused these messages: {e}") from e
 
@@ -101,18 +102,20 @@ class Renderer:
                               f"fit this template")
         return rendered[: at + len(self.eot)]
 
-    def prompt_text(self, messages: list[Message], tools: list[dict] | None) -> str:
-        return self.render(messages, tools, add_generation_prompt=True)
+    def prompt_text(self, messages: list[Message], tools: list[dict] | None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        return self.render(messages, tools, True, template_kwargs)
 
     def stored_after(self, prompt: str) -> Rendered:
         """The place of a turn generated after `prompt` (its reply closes with one marker)."""
         return Rendered(prompt, prompt.count(self.eot) + 1)
 
     def prompt_and_suffix(self, stored: Rendered, ended_with_eot: bool, messages: list[Message],
-                          tools: list[dict] | None) -> tuple[str, str]:
+                          tools: list[dict] | None,
+                          template_kwargs: dict[str, Any] | None = None) -> tuple[str, str]:
         """(the template's prompt text for `messages`, the text to append after the stored turn so
         that the model sees that prompt). The stored ids stay as they are: only the suffix is new."""
-        full = self.render(messages, tools, add_generation_prompt=True)
+        full = self.render(messages, tools, True, template_kwargs)
         cut = 0
         for _ in range(stored.eots):
             at = full.find(self.eot, cut)

@@ -99,6 +99,23 @@ class ChatRequest(BaseModel):
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Passed to the engine's sampling (SGLang names); under the run's enforced sampling (RL) the
+    # run's values win, as for temperature.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, allow_inf_nan=False)
+    seed: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    # Honoured at their no-op values only (refused otherwise, naming the field): the session
+    # server has no constrained decoding.
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    # Extra variables of the chat template for this turn (e.g. enable_thinking for Qwen3).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -116,10 +133,39 @@ class ChatRequest(BaseModel):
                              "model to answer a user, tool or system message")
         return self
 
+    @model_validator(mode="after")
+    def _supported(self) -> ChatRequest:
+        if self.tool_choice not in (None, "auto"):
+            raise ValueError(f"tool_choice {self.tool_choice!r}: the session server cannot force "
+                             f"or forbid tool calls (no constrained decoding); leave it unset or "
+                             f"'auto'")
+        if self.parallel_tool_calls is False:
+            raise ValueError("parallel_tool_calls false: the session server cannot stop the "
+                             "model from writing several calls; leave it unset or true")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError(f"response_format {self.response_format!r}: structured output is "
+                             f"not supported by the session server; use {{'type': 'text'}}")
+        if self.top_logprobs:
+            raise ValueError("top_logprobs: the session server returns the sampled token's "
+                             "log-prob only (logprobs: true); leave top_logprobs unset or 0")
+        if self.logprobs and self.stream:
+            raise ValueError("logprobs with stream: log-probs come with non-streamed answers "
+                             "only; drop one of them")
+        reserved = {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
+                    "documents", "continue_final_message"} & set(self.chat_template_kwargs or {})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {sorted(reserved)} are set by the session "
+                             f"server itself")
+        return self
+
     def sampling(self) -> dict[str, Any]:
         return {"max_new_tokens": self.max_completion_tokens or self.max_tokens,
                 "temperature": self.temperature, "top_p": self.top_p,
-                "stop": [self.stop] if isinstance(self.stop, str) else self.stop}
+                "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+                "top_k": self.top_k, "min_p": self.min_p,
+                "frequency_penalty": self.frequency_penalty,
+                "presence_penalty": self.presence_penalty,
+                "repetition_penalty": self.repetition_penalty, "sampling_seed": self.seed}
 
 
 def _non_utf8(value: Any, where: str) -> str | None:
@@ -222,12 +268,14 @@ def build_app(service: SessionService) -> FastAPI:
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat(session_id: str, req: ChatRequest) -> Any:
         turn = await service.prepare(session_id, [m.as_dict() for m in req.messages], req.tools,
-                                     req.sampling())
+                                     req.sampling(), req.chat_template_kwargs)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return await stream_turn(service, turn, req.model, cid, usage)
         headers = divergence_headers(turn)
-        return JSONResponse(completion(await service.run(turn), req.model, cid), headers=headers)
+        return JSONResponse(completion(await service.run(turn), req.model, cid,
+                                       service.renderer if req.logprobs else None),
+                            headers=headers)
 
     return app

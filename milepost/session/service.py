@@ -138,7 +138,8 @@ class SessionService:
         return {**base, **{k: v for k, v in request.items() if v is not None}}
 
     async def prepare(self, session_id: str, messages: list[Message], tools: list[dict] | None,
-                      request_sampling: dict[str, Any]) -> PreparedTurn:
+                      request_sampling: dict[str, Any],
+                      template_kwargs: dict[str, Any] | None = None) -> PreparedTurn:
         """Attach the request and build its prompt; every refusal (409, 422) happens here,
         before any engine call. A linear session's lock is held from here until the turn is
         stored or dropped (`run` / `stream` release it)."""
@@ -149,7 +150,8 @@ class SessionService:
         await lock.acquire()
         try:
             try:
-                attach = session.attach(messages, tools, self._reasoning_probe(tools))
+                attach = session.attach(messages, tools,
+                                        self._reasoning_probe(tools, template_kwargs))
             except SessionConflict as e:
                 if e.divergence is not None:
                     warn(session.id, e.divergence)
@@ -160,11 +162,11 @@ class SessionService:
             history = at.messages + attach.new_messages  # stored messages win where they matched
             r = self.renderer
             if at.parent is None:
-                prompt_text = r.prompt_text(history, tools)
+                prompt_text = r.prompt_text(history, tools, template_kwargs)
                 suffix = r.encode(prompt_text)
             else:
                 prompt_text, suffix_text = r.prompt_and_suffix(at.rendered, at.ended_with_eot,
-                                                               history, tools)
+                                                               history, tools, template_kwargs)
                 suffix = r.encode(suffix_text)
         except BaseException:
             lock.release()
@@ -177,8 +179,8 @@ class SessionService:
                             self.sampling_params(request_sampling), start, lock, holds_lock,
                             prompt_text, attach.divergence)
 
-    def _reasoning_probe(self, tools: list[dict] | None) -> Callable[[list[Message], int, str],
-                                                                      bool]:
+    def _reasoning_probe(self, tools: list[dict] | None, template_kwargs: dict[str, Any] | None,
+                         ) -> Callable[[list[Message], int, str], bool]:
         """Does the template read the reasoning of message i, in the request's context? Renders
         only when a replay omits a stored reasoning (the base rendering once per request)."""
         r = self.renderer
@@ -186,17 +188,19 @@ class SessionService:
 
         def reads(messages: list[Message], i: int, reasoning: str) -> bool:
             if not base:
-                base.append(r.render(messages, tools, add_generation_prompt=True))
+                base.append(r.render(messages, tools, True, template_kwargs))
             probe = list(messages)
             probe[i] = {**probe[i], "reasoning_content": reasoning}
-            return r.render(probe, tools, add_generation_prompt=True) != base[0]
+            return r.render(probe, tools, True, template_kwargs) != base[0]
 
         return reads
 
     async def turn(self, session_id: str, messages: list[Message], tools: list[dict] | None,
-                   request_sampling: dict[str, Any]) -> TurnResult:
+                   request_sampling: dict[str, Any],
+                   template_kwargs: dict[str, Any] | None = None) -> TurnResult:
         """One whole turn: prepare, generate, store."""
-        return await self.run(await self.prepare(session_id, messages, tools, request_sampling))
+        return await self.run(await self.prepare(session_id, messages, tools, request_sampling,
+                                                 template_kwargs))
 
     async def run(self, turn: PreparedTurn) -> TurnResult:
         try:

@@ -44,3 +44,30 @@ def test_non_finite_numbers_and_lone_surrogates_are_400() -> None:
             assert r.status_code == 400, (raw, r.text)
             assert needle in r.json()["error"]["message"], r.json()
         assert c.get("/health").status_code == 200
+
+
+def test_openai_fields_are_honoured_or_refused_by_name() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with SessionServerThread(build_tiny_tokenizer(), dead, family="qwen3") as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        sid = c.post("/sessions").json()["session_id"]
+        url = f"/sessions/{sid}/v1/chat/completions"
+        msgs = [{"role": "user", "content": "hi"}]
+        for extra, needle in [
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+            ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+            ({"response_format": {"type": "json_object"}}, "response_format"),
+            ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+            ({"logprobs": True, "stream": True}, "logprobs with stream"),
+            ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+            ({"top_k": -2}, "top_k"), ({"frequency_penalty": 3}, "frequency_penalty"),
+        ]:
+            r = c.post(url, json={"messages": msgs, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            assert needle in r.json()["error"]["message"], r.json()
+        # Their no-op values pass validation and reach the engine (down here: 503).
+        r = c.post(url, json={"messages": msgs, "tool_choice": "auto", "parallel_tool_calls": True,
+                              "response_format": {"type": "text"}, "top_logprobs": 0,
+                              "top_k": 5, "seed": 1, "chat_template_kwargs": {"x": 1}})
+        assert r.status_code == 503, r.text
