@@ -207,6 +207,11 @@ class ServerArgs(BaseModel):
                 f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page of "
                 f"--page-size ({self.page_size}) tokens; raise --max-total-tokens or lower --page-size"
             )
+        if not self.trust_remote_code and has_custom_code(self.model_path):
+            raise ValueError(
+                f"{self.model_path / 'config.json'} has auto_map: the model runs its own modeling code; "
+                "review it, then pass --trust-remote-code"
+            )
         model_max = model_max_positions(self.model_path)
         if self.context_length is not None and model_max is not None and self.context_length > model_max:
             raise ValueError(
@@ -298,6 +303,15 @@ class ServerArgs(BaseModel):
         if self.dtype == "auto":
             raise ValueError("dtype is still 'auto'; call resolved() first")
         return getattr(torch, self.dtype)
+
+
+def has_custom_code(model_path: Path) -> bool:
+    """config.json names custom modeling code (auto_map), which runs only when trusted."""
+    path = Path(model_path) / "config.json"
+    try:
+        return path.is_file() and bool(json.loads(path.read_text()).get("auto_map"))
+    except json.JSONDecodeError:
+        return False  # model_max_positions reports the broken file
 
 
 def model_max_positions(model_path: Path) -> int | None:

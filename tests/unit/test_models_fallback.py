@@ -131,6 +131,11 @@ def test_backend_switch_and_refusals(ckpts, tmp_path: Path) -> None:
     (remote / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="auto_map.*--trust-remote-code"):
         load_model(remote, torch.float32, "cpu")
+    from milepost.engine.server_args import ServerArgs  # milepost serve refuses it at start
+
+    with pytest.raises(ValueError, match="auto_map.*pass --trust-remote-code"):
+        ServerArgs(model_path=remote)
+    assert ServerArgs(model_path=remote, trust_remote_code=True).trust_remote_code
 
     hybrid = tmp_path / "hybrid"
     shutil.copytree(ckpts["qwen2"], hybrid)
