@@ -113,8 +113,9 @@ class Renderer:
     def prompt_and_suffix(self, stored: Rendered, ended_with_eot: bool, messages: list[Message],
                           tools: list[dict] | None,
                           template_kwargs: dict[str, Any] | None = None) -> tuple[str, str]:
-        """(the template's prompt text for `messages`, the text to append after the stored turn so
-        that the model sees that prompt). The stored ids stay as they are: only the suffix is new."""
+        """(the template's prompt text for `messages`, the text to append after the stored turn
+        so that the model sees that prompt). The stored ids stay as they are; only the suffix is
+        new."""
         full = self.render(messages, tools, True, template_kwargs)
         cut = 0
         for _ in range(stored.eots):

@@ -150,8 +150,9 @@ def test_published_qwen3_template_live(agent_dir, engine) -> None:
     tok = AutoTokenizer.from_pretrained(agent_dir)
     tok.chat_template = QWEN3
     rec = RecordingTransport()
-    with SessionServerThread(tok, engine.url, family="qwen3", matcher="strict",
-                             settings=SessionSettings(mode="linear"), engine_transport=rec) as srv, \
+    settings = SessionSettings(mode="linear")
+    with SessionServerThread(tok, engine.url, family="qwen3", matcher="strict", settings=settings,
+                             engine_transport=rec) as srv, \
             httpx.Client(base_url=srv.url, timeout=300) as c:
         sid = c.post("/sessions").json()["session_id"]
         url = f"/sessions/{sid}/v1/chat/completions"

@@ -1,7 +1,7 @@
-"""Live family checks (report 2.4.3) for qwen2.5, llama3 and deepseek-v3: a tiny checkpoint taught the weather
-conversation in the family's published template (milepost/testing/family_models.py) behind a real
-engine, checked by `milepost check-family --serve`: the CPU battery, then real turns whose prompts
-extend each other token for token, real stop tokens, and the family's tool-call parser."""
+"""Live family checks (report 2.4.3) for qwen2.5, llama3 and deepseek-v3: a tiny checkpoint taught
+the weather conversation in the family's template (milepost/testing/family_models.py) behind a
+real engine, checked by `milepost check-family --serve`: the CPU battery, then real turns whose
+prompts extend each other token for token, real stop tokens, and the family's tool-call parser."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """`milepost check-family`: the CPU check on a checkpoint directory, with the first differing
-token shown when a template is not append-only (the live part: tests/e2e/test_session_check_family.py)."""
+token shown when a template is not append-only (the live part:
+tests/e2e/test_session_check_family.py)."""
 
 from __future__ import annotations
 
