@@ -105,6 +105,7 @@ def refusals(c: TrainConfig) -> list[str]:
     p += _eval_refusals(c)
     p += _fully_async_refusals(c)
     p += weight_update_refusals(c)
+    p += _model_refusals(c)
     p += agent_refusals(c)
     p += opd_refusals(c)
     if c.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -313,6 +314,28 @@ def _plugin_refusal(module: str, getter: str, *args: str) -> list[str]:
     except ValueError as e:
         return [str(e)]
     return []
+
+
+def _model_refusals(c: TrainConfig) -> list[str]:
+    """What the checkpoint's architecture cannot do (docs/models.md), refused before anything starts."""
+    import json
+
+    from milepost.models.support import NATIVE, lookup
+
+    path = Path(c.hf_checkpoint) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return []  # reported where the checkpoint is read
+    p = []
+    if config.get("auto_map"):
+        p.append(f"{path} has auto_map (custom modeling code): milepost train does not run custom code; "
+                 "use a checkpoint transformers or milepost implements (see `milepost models`)")
+    arch = (config.get("architectures") or [""])[0]
+    if c.engine_quantization == "fp8" and arch and lookup(arch).path != NATIVE:
+        p.append(f"--engine-quantization fp8 needs a native model; {arch} runs on the transformers "
+                 "fallback (docs/models.md): drop --engine-quantization")
+    return p
 
 
 def _has_native_routing(path: Path) -> bool:

@@ -54,7 +54,7 @@ def test_models_command_prints_the_table(capsys) -> None:
     assert r.stdout == markdown_table()
 
 
-def test_routing_replay_is_refused_on_a_fallback_moe(tmp_path: Path) -> None:
+def test_train_refuses_what_the_fallback_cannot_do(tmp_path: Path) -> None:
     import json
 
     import pytest
@@ -72,3 +72,9 @@ def test_routing_replay_is_refused_on_a_fallback_moe(tmp_path: Path) -> None:
     load_config(None, flags)
     with pytest.raises(ConfigError, match="--use-rollout-routing-replay.*transformers fallback"):
         load_config(None, [*flags, "--use-rollout-routing-replay"])
+    with pytest.raises(ConfigError, match="--engine-quantization fp8 needs a native model; MixtralForCausalLM"):
+        load_config(None, [*flags, "--engine-quantization", "fp8"])
+    (model / "config.json").write_text(json.dumps({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                                                   "auto_map": {"AutoModelForCausalLM": "m.X"}}))
+    with pytest.raises(ConfigError, match="auto_map.*milepost train does not run custom code"):
+        load_config(None, flags)
