@@ -31,6 +31,7 @@ class TrainBenchArgs:
     steps: int
     micro_batch_tokens: int
     activation_checkpointing: str
+    compile_layers: bool
     hf: bool
     hf_micro_batch: int | None
     device: str
@@ -63,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "micro-batch as fit in it")
     p.add_argument("--activation-checkpointing", choices=("none", "layer"), default="none",
                    help="milepost's activation checkpointing (the HF loop always checkpoints)")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="milepost: torch.compile each decoder layer (TrainerSettings.compile_layers)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the Hugging Face loop and print the ratio")
     p.add_argument("--hf-micro-batch", type=int, help="samples per HF micro-batch (default: by tokens)")
@@ -81,6 +84,8 @@ def parse_args(argv: list[str] | None) -> TrainBenchArgs:
         value = getattr(ns, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+    if ns.compile_layers and ns.activation_checkpointing != "none":
+        parser.error("--compile-layers with --activation-checkpointing layer is not supported yet: choose one")
     if ns.layers is not None and ns.shape is None:
         parser.error("--layers applies to --shape only (a --model directory is trained whole)")
     if ns.model is not None and not (ns.model / "config.json").is_file():
@@ -91,7 +96,7 @@ def parse_args(argv: list[str] | None) -> TrainBenchArgs:
     elif device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here; use --device cpu")
     return TrainBenchArgs(ns.model, ns.shape, ns.layers, ns.samples, ns.prompt, ns.response, ns.steps,
-                          ns.micro_batch_tokens, ns.activation_checkpointing, ns.hf, ns.hf_micro_batch,
+                          ns.micro_batch_tokens, ns.activation_checkpointing, ns.compile_layers, ns.hf, ns.hf_micro_batch,
                           device, ns.peak_tflops, ns.seed, ns.json_out)
 
 

@@ -224,6 +224,7 @@ class VarlenCausalAttention:
         self.max_len = max(self.lengths)
         self._cu32: torch.Tensor | None = None
 
+    @torch.compiler.disable  # a compiled training layer (train/compile.py) calls it eagerly
     def attend(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:

@@ -26,6 +26,7 @@ from milepost.models.registry import load_model
 from milepost.train import checkpoint as ckpt
 from milepost.train import micro
 from milepost.train.batch import TrainBatch, split_for_rank
+from milepost.train.compile import compile_decoder_layers
 from milepost.train.corrections import (
     CORRECTION_SUMS,
     CorrectionSettings,
@@ -67,6 +68,11 @@ def _shard(model_path: Path, s: TrainerSettings, device: torch.device, trainable
     scorer = TokenScorer(lm, s.temperature, s.logprob_chunk_size)
     mp = MixedPrecisionPolicy(param_dtype=s.torch_dtype, reduce_dtype=torch.float32)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if s.compile_layers and trainable:
+        if lm.moe_top_k:
+            raise ValueError(f"compile_layers: {model_path} is a mixture-of-experts model; "
+                             "compiled layers are for dense models so far (turn compile_layers off)")
+        compile_decoder_layers(lm.model.layers)
     for layer in lm.model.layers:
         if s.activation_checkpointing == "layer" and trainable:
             # composable checkpoint keeps parameter names (HF names) unlike a wrapper module

@@ -32,6 +32,9 @@ class TrainerSettings:
         samples are packed longest-first into as few micro-batches as fit (a longer sample runs alone).
     activation_checkpointing: "none" keeps every layer's activations for backward; "layer"
         recomputes each decoder layer in backward (less memory, about one more forward of compute).
+    compile_layers: torch.compile each decoder layer's forward (fuses its elementwise ops; attention
+        stays eager); dense models, without activation checkpointing. Off by default: not yet
+        measured on a GPU.
     separate_old_logprob_pass: always score the old policy in its own no-grad pass before training.
         Off (default): with one optimizer step per rollout the old log-probs are the training
         forward's own, detached (the same numbers, one forward fewer); several optimizer steps
@@ -78,6 +81,7 @@ class TrainerSettings:
     max_tokens_per_micro_batch: int = 8192
     activation_checkpointing: Literal["none", "layer"] = "none"
     separate_old_logprob_pass: bool = False
+    compile_layers: bool = False
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     use_kl_loss: bool = False
@@ -129,6 +133,8 @@ class TrainerSettings:
         need(self.max_tokens_per_micro_batch > 0, "max_tokens_per_micro_batch must be > 0")
         need(self.activation_checkpointing in ("none", "layer"),
              f"activation_checkpointing must be 'none' or 'layer', got {self.activation_checkpointing!r}")
+        need(not (self.compile_layers and self.activation_checkpointing != "none"),
+             "compile_layers with activation_checkpointing='layer' is not supported yet: choose one")
         need(self.eps_clip > 0 and (self.eps_clip_high is None or self.eps_clip_high > 0), "eps_clip(_high) must be > 0")
         need(self.kl_loss_type in KL_TYPES, f"kl_loss_type must be one of {KL_TYPES}, got {self.kl_loss_type!r}")
         need(self.kl_loss_coef >= 0, f"kl_loss_coef must be >= 0, got {self.kl_loss_coef}")

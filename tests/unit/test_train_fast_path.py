@@ -107,3 +107,58 @@ def test_sample_longer_than_the_context_is_refused(tmp_path: Path) -> None:
 def test_activation_checkpointing_setting_is_validated() -> None:
     with pytest.raises(ValueError, match="activation_checkpointing"):
         TrainerSettings(activation_checkpointing="selective")  # type: ignore[arg-type]
+
+
+def _logp_and_grads(lm, lens: list[int]):
+    from milepost.models.base import ForwardContext
+    from milepost.train.logprobs import pack, token_logprobs
+
+    g = torch.Generator().manual_seed(len(lens))
+    b = pack([torch.randint(3, 512, (n,), generator=g) for n in lens], [n - 2 for n in lens], "cpu")
+    hidden = lm(b.input_ids, b.positions, ForwardContext(VarlenCausalAttention(b.cu_seqlens)))
+    logp, ent = token_logprobs(lm, hidden, b.rows, b.targets)
+    (logp.sum() + 0.1 * ent.sum()).backward()
+    grads = {n: p.grad.clone() for n, p in lm.named_parameters()}
+    lm.zero_grad(set_to_none=True)
+    return logp.detach(), grads
+
+
+def test_compiled_layers_match_eager_and_compile_once(qwen3: str) -> None:
+    from torch._dynamo.utils import counters
+
+    from milepost.models.registry import load_model
+    from milepost.train.compile import compile_decoder_layers
+
+    torch._dynamo.reset()
+    eager, compiled = (load_model(qwen3, torch.float32, "cpu").train().requires_grad_(True) for _ in range(2))
+    names = [n for n, _ in compiled.named_parameters()]
+    compile_decoder_layers(compiled.model.layers, backend="aot_eager")  # tracing, not codegen: fast
+    assert [n for n, _ in compiled.named_parameters()] == names
+    graphs = []
+    for lens in ([7, 9, 12], [5, 20], [30, 3, 4]):  # micro-batches of different token counts
+        (lp_c, g_c), (lp_e, g_e) = _logp_and_grads(compiled, lens), _logp_and_grads(eager, lens)
+        torch.testing.assert_close(lp_c, lp_e, rtol=0, atol=1e-5)
+        for n in g_e:
+            torch.testing.assert_close(g_c[n], g_e[n], rtol=1e-4, atol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[2] == graphs[1] == graphs[0]  # no recompile per shape or per layer
+
+
+def test_compile_layers_refuses_layer_checkpointing() -> None:
+    with pytest.raises(ValueError, match="compile_layers"):
+        TrainerSettings(compile_layers=True, activation_checkpointing="layer")
+
+
+@pytest.mark.optin  # inductor compiles C++ on CPU: minutes on a busy machine
+def test_trainer_step_with_compiled_layers_matches_eager(qwen3: str) -> None:
+    [compiled] = run_ranks(_train, 1, qwen3, {"compile_layers": True}, 1, timeout_s=900)
+    [eager] = run_ranks(_train, 1, qwen3, {}, 1)
+    for k in ("pg_loss", "entropy", "grad_norm", "rollout_ratio"):
+        assert compiled["metrics"][0][k] == pytest.approx(eager["metrics"][0][k], rel=1e-4), k
+    from milepost.models.registry import load_model
+
+    initial = load_model(qwen3, torch.float32, "cpu")
+    moved = torch.cat([(p - initial.get_parameter(n).detach()).abs().flatten() for n, p in eager["params"].items()])
+    apart = torch.cat([(compiled["params"][n] - p).abs().flatten() for n, p in eager["params"].items()])
+    # fused kernels round differently; Adam turns a near-zero gradient's sign into an lr-sized step
+    assert apart.mean() < 0.01 * moved.mean(), (float(apart.mean()), float(moved.mean()))
