@@ -19,8 +19,8 @@ def _launcher(tmp_path: Path) -> LocalLauncher:
 
 
 @pytest.mark.parametrize("code, says, never", [
-    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "was killed by SIGKILL and printed "
-     "no error of its own", "above"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+     "was killed by SIGKILL and printed no error of its own", "above"),
     ("raise SystemExit(3)", "exited with code 3 (any error it printed is above)", "killed"),
 ])
 def test_a_rank_that_ends_is_named_for_how(tmp_path: Path, caplog: pytest.LogCaptureFixture,
