@@ -1,9 +1,9 @@
 """The CPU check of a family registration (report 2.4.3): over a battery of conversations (tools,
-reasoning, several tool results, many turns), the ids the session server would build turn by
-turn (stored ids + tokenized suffix) must equal the tokenization of the template's canonical
-rendering of the whole conversation. The session server runs it at start and refuses a
-template that fails it. The live check (real stop tokens and parsing against an engine) is
-`tests/e2e/test_session_families.py`.
+reasoning, several tool results, many turns), the ids the session server builds turn by turn
+(stored ids + tokenized suffix) must equal the tokenization of their whole text, and that text must
+be the template's canonical rendering (for a family whose template drops reasoning: once reasoning
+blocks are removed). The session server runs it at start and refuses a template that fails it.
+The live check (real stop tokens and parsing against an engine) is check_family.py.
 """
 
 from __future__ import annotations
