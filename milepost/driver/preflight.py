@@ -104,6 +104,8 @@ def check_prompt_files(cfg: TrainConfig) -> None:
                 shuffle=False).items
         except DatasetError as e:
             raise RunError(f"{flag}: {e}") from None
+        if flag == "--prompt-data":
+            _check_teachers(cfg, tokenizer, items)
         longest = max(items, key=lambda it: len(it.prompt_ids))
         if context is not None and len(longest.prompt_ids) + response_len > context:
             room = context - len(longest.prompt_ids)
@@ -191,3 +193,13 @@ def check_resume(cfg: TrainConfig, path: Path) -> None:
     if saved["hf_checkpoint"] != now["hf_checkpoint"]:
         log.warning("%s was trained from %s; resuming it with --hf-checkpoint %s, whose config "
                     "is the same", which, saved["hf_checkpoint"], cfg.hf_checkpoint)
+
+
+def _check_teachers(cfg: TrainConfig, tokenizer: Any, items: list) -> None:
+    """Served distillation teachers answer and share the tokenizer; every prompt's tag has one."""
+    from milepost.rollout.teacher import TeacherError, teachers_of_run
+
+    try:
+        teachers_of_run(cfg, tokenizer, items)
+    except TeacherError as e:
+        raise RunError(str(e)) from None

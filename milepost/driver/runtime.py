@@ -9,7 +9,6 @@ in the order of the algorithm; this file is where their mechanics live.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -35,7 +34,6 @@ from milepost.eval.shared import evaluate_on_engines
 from milepost.observe.metrics import MetricsLogger
 from milepost.observe.progress import StepProgress
 from milepost.rollout.agentic import AgenticRollout, pad_to_optimizer_steps, rollout_layers_enabled
-from milepost.opd_rules import served_teachers
 from milepost.rollout.client import EngineClient
 from milepost.rollout.generate import (
     RolloutResult,
@@ -43,14 +41,7 @@ from milepost.rollout.generate import (
     rollout_groups,
     rollout_metrics,
 )
-from milepost.rollout.teacher import (
-    PROBE,
-    TAG_KEY,
-    ServedTeachers,
-    TeacherError,
-    TeacherSettings,
-    start_served_teachers,
-)
+from milepost.rollout.teacher import ServedTeachers, TeacherError, teachers_of_run
 from milepost.train.checkpoint import checkpoint_path
 from milepost.train.fsdp import FSDPBackend
 from milepost.train.settings import TrainerSettings
@@ -135,26 +126,14 @@ class Runtime:
                 cfg.eval_prompt_data, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
                 metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
                 shuffle=False).items if cfg.eval_prompt_data is not None else [])
-            if served_teachers(cfg):
-                self.teachers = self._start_teachers(tokenizer)
+            try:  # checked by preflight too; again here for ranks started elsewhere
+                self.teachers = teachers_of_run(cfg, tokenizer, self.data.items)
+            except TeacherError as e:
+                raise RunError(str(e)) from None
         if self.engine_urls and not cfg.rollout_only:
             self.weights = make_weight_sync(cfg, self.engine_urls, 0, self.world)
         else:
             self.weights = None
-
-    def _start_teachers(self, tokenizer) -> ServedTeachers:
-        cfg = self.cfg
-        settings = TeacherSettings(
-            temperature=cfg.rollout_temperature, top_k=cfg.opd_top_k, top_k_set=cfg.opd_top_k_set,
-            timeout_s=cfg.opd_teacher_timeout_s, retries=cfg.opd_teacher_retries,
-            concurrency=int(cfg.rollout_max_concurrency))
-        vocab = json.loads((Path(cfg.hf_checkpoint) / "config.json").read_text()).get("vocab_size")
-        try:
-            return start_served_teachers(
-                served_teachers(cfg), settings, list(tokenizer.encode(PROBE)), vocab,
-                [it.metadata.get(TAG_KEY) for it in self.data.items])
-        except TeacherError as e:
-            raise RunError(str(e)) from None
 
     def _resume(self) -> None:
         cfg = self.cfg

@@ -11,13 +11,16 @@ Several teachers: each prompt's `metadata.teacher` tag picks one.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
+from milepost.opd_rules import served_teachers
 from milepost.rollout.client import EngineClient, EngineError
 from milepost.train.distill import TOPK_KEY
 from milepost.types import Group, Sample
@@ -251,3 +254,18 @@ def start_served_teachers(urls: dict[str | None, str], settings: TeacherSettings
                                "the data")
     asyncio.run(teachers.check(probe_ids, vocab_size))
     return teachers
+
+
+def teachers_of_run(cfg, tokenizer, items: list) -> ServedTeachers | None:
+    """The run's served teachers (None without one), checked against the student's `tokenizer`
+    and the tags of the prompt `items`. `cfg` is the run's TrainConfig. Raises TeacherError."""
+    urls = served_teachers(cfg)
+    if not urls:
+        return None
+    settings = TeacherSettings(
+        temperature=cfg.rollout_temperature, top_k=cfg.opd_top_k, top_k_set=cfg.opd_top_k_set,
+        timeout_s=cfg.opd_teacher_timeout_s, retries=cfg.opd_teacher_retries,
+        concurrency=int(cfg.rollout_max_concurrency))
+    config = json.loads((Path(cfg.hf_checkpoint) / "config.json").read_text())
+    return start_served_teachers(urls, settings, list(tokenizer.encode(PROBE)),
+                                 config.get("vocab_size"), [it.metadata.get(TAG_KEY) for it in items])

@@ -1,0 +1,39 @@
+"""`milepost train` with a served distillation teacher: real launcher, engine, teacher and ranks.
+
+The teacher serves the student's own starting checkpoint, so the first step's reverse-KL estimate
+is ~0 (the one-sample estimate; a top-K run too). Under --fully-async the rollout worker scores
+the groups. A teacher that cannot be reached, or prompts whose tag has no teacher, stop the run at
+start with a message naming them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_train_loop import train, work  # noqa: F401 - `work` is a fixture used here
+
+
+@pytest.mark.parametrize("args", [(), ("--fully-async", "--opd-top-k", "2")], ids=["sync", "async-topk"])
+def test_served_teacher_runs_and_logs_opd_metrics(work, start_server, args) -> None:  # noqa: F811
+    teacher = start_server(work / "qwen3", "--max-total-tokens", "8192")
+    name = "opd-" + ("async" if args else "sync")
+    run = train(work, work / name, "--opd-teacher-url", teacher.url, *args, num_rollout=3)
+    assert run.rc == 0, run.out[-4000:]
+    records = run.metrics()
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert r["opd/scored_samples/teacher"] > 0 and r["opd/teacher_time"] > 0
+        assert "opd/reverse_kl_mean" in r and "opd/teacher_logprob_mean" in r
+    assert abs(records[0]["opd/reverse_kl_mean"]) < 1e-3  # teacher == the student before training
+
+
+def test_unreachable_teacher_is_refused_at_start(work) -> None:  # noqa: F811
+    run = train(work, work / "opd-gone", "--opd-teacher-url", "http://127.0.0.1:9", num_rollout=1)
+    assert run.rc != 0
+    assert "teacher http://127.0.0.1:9 cannot be used" in run.out
+
+
+def test_prompts_without_a_teachers_tag_are_refused_at_start(work) -> None:  # noqa: F811
+    run = train(work, work / "opd-tags", "--opd-teachers", '[{"url": "http://127.0.0.1:9", "tag": "math"}]',
+                num_rollout=1)
+    assert run.rc != 0
+    assert "prompts carry metadata.teacher ['None']" in run.out
