@@ -31,17 +31,17 @@ from pathlib import Path
 from milepost.envs import seccomp
 
 _INSIDE_UID = 1000
-# Runs inside, as the sandbox user: restore the workspace from stdin, run the command with its
-# output in a file, then print "<exit code> <output bytes>\n", the output's tail and the
-# workspace as a tar stream. Only this stream comes back, so nothing inside can write to the host.
+# Runs inside, as the sandbox user: restore the workspace from stdin, run the command keeping
+# only its output's tail (any amount of output is fine), kill whatever it left running (kill -1
+# spares this shell), then print "<exit code> <output bytes>\n", the tail and the workspace as a
+# tar stream. Only this stream comes back, so nothing inside can write to the host.
 _WRAPPER = """
 tar -xf - -C /workspace --no-same-owner 2>/io/out || { echo '125 0'; exit 0; }
-timeout -k 1 "$2" /bin/sh -c "$1" </dev/null >/io/out 2>&1
-rc=$?
+{ timeout -k 1 "$2" /bin/sh -c "$1" </dev/null 2>&1; echo $? >/io/rc; } | tail -c "$3" >/io/out
+rc=$(cat /io/rc 2>/dev/null || echo 125)
 kill -s KILL -- -1 2>/dev/null
-n=$(tail -c "$3" /io/out | wc -c)
-echo "$rc $n"
-tail -c "$3" /io/out
+echo "$rc $(wc -c </io/out)"
+cat /io/out
 tar -cf - -C /workspace .
 """
 
@@ -60,7 +60,7 @@ class SandboxLimits:
     output_chars: int = 4000  # what a command's output may return to the model
     workspace_bytes: int = 64 << 20  # tmpfs size of /workspace: the workspace's disk quota
     tmp_bytes: int = 64 << 20  # tmpfs size of /tmp (RAM: counts beside memory_bytes)
-    output_bytes: int = 1 << 20  # tmpfs holding a command's output (its tail is returned)
+    output_bytes: int = 1 << 20  # tmpfs holding the tail of a command's output and its code
     # Host uid bubblewrap runs as when milepost runs as root; None = one of its own per Sandbox
     # (from 100000 up), so sandboxes running at once do not share one process count.
     sandbox_uid: int | None = None

@@ -116,3 +116,10 @@ def test_links_out_of_the_workspace_never_reach_the_host() -> None:
         assert (box.workdir / "keep").read_text() == "kept\n"
         assert not (box.workdir / "leak").exists() and not (box.workdir / "up").is_symlink()
         assert box.run("cat keep").output == "kept\n"  # the workspace carries on
+
+
+def test_big_output_is_cut_to_its_tail_not_failed() -> None:
+    with Sandbox() as box:
+        r = box.run("seq 1 2000000; echo done; exit 3")  # ~15 MB of output
+        assert r.exit_code == 3 and r.output.endswith("2000000\ndone\n")
+        assert len(r.output) <= box.limits.output_chars
