@@ -165,7 +165,6 @@ class HFCausalLM(nn.Module):
         return inner if inner is not None and hasattr(inner, "layers") else _LayersView(self._layers)
 
     def train(self, mode: bool = True) -> HFCausalLM:
-        super().train(mode)
         return super().train(False)  # dropout and train-only branches stay off: log-probs are exact
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
