@@ -149,15 +149,17 @@ class EngineClient:
             return parse_generate(payload, f"{self.base_url}/generate", return_logprob)
         raise AssertionError("unreachable")
 
-    async def score(self, input_ids: list[int], logprob_start_len: int, *,
+    async def score(self, input_ids: list[int] | str, logprob_start_len: int, *,
                     temperature: float = 1.0, top_logprobs_num: int = 0,
                     token_ids_logprob: list[int] | None = None,
                     timeout_s: float | None = None) -> dict[str, Any]:
         """Prompt log-probs of `input_ids` from position `logprob_start_len` on, generating nothing
         (`max_new_tokens: 0`): the answer's `meta_info` (`input_token_logprobs`, and
-        `input_top_logprobs` / `input_token_ids_logprobs` when asked). No retries here."""
+        `input_top_logprobs` / `input_token_ids_logprobs` when asked). A str is sent as `text`
+        (the server tokenizes it). No retries here."""
+        source = {"text": input_ids} if isinstance(input_ids, str) else {"input_ids": list(input_ids)}
         body: dict[str, Any] = {
-            "input_ids": list(input_ids), "return_logprob": True,
+            **source, "return_logprob": True,
             "logprob_start_len": logprob_start_len,
             "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
         if top_logprobs_num:

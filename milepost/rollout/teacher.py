@@ -75,7 +75,7 @@ class ServedTeachers:
             async with EngineClient(url, timeout_s=self.settings.timeout_s) as c:
                 try:
                     info = await c.get_model_info()
-                    body = await _score_text(c, PROBE)
+                    body = (await c.score(PROBE, 0)).get("input_token_logprobs") or []
                 except EngineError as e:
                     raise TeacherError(f"{name} cannot be used: {e}; start it, or fix "
                                        "--opd-teacher-url / [[opd.teachers]]") from None
@@ -181,16 +181,6 @@ class ServedTeachers:
             self._counts.clear()
             self._time, self._tokens = 0.0, 0
         return out
-
-
-async def _score_text(c: EngineClient, text: str) -> list:
-    """The teacher's own tokenization of `text`, through the scoring path itself."""
-    resp = await c._http.post("/generate", json={  # text input: SGLang tokenizes it
-        "text": text, "return_logprob": True, "logprob_start_len": 0,
-        "sampling_params": {"max_new_tokens": 0}})
-    if resp.status_code != 200:
-        raise TeacherError(f"scoring the probe answered {resp.status_code}: {resp.text[:200]}")
-    return resp.json()["meta_info"]["input_token_logprobs"]
 
 
 def _finite(x: object, where: str) -> float:
