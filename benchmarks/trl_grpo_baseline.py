@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rl_step_gpu import QWEN3_06B, prompts  # noqa: E402  (the same prompts as milepost's run)
+from rl_step_gpu import QWEN3_06B, prompts  # the same prompts as milepost's run
 
 
 def parity_reward(prompts: list, completions: list, **kwargs) -> list[float]:
@@ -79,7 +79,7 @@ def main() -> None:
     a = p.parse_args()
     if a.steps < 2:
         p.error("--steps must be >= 2 (step 1 is the warm-up)")
-    shape = dict(vocab_size=512) if a.tiny else QWEN3_06B
+    shape = {"vocab_size": 512} if a.tiny else QWEN3_06B
     times = run(a.steps, shape, a.prompts, a.group, a.prompt_len, a.new_tokens)
     median = statistics.median(times[1:])
     print("step  seconds")

@@ -84,8 +84,8 @@ def _rank(rank: int, world: int, path: str, args: TrainBenchArgs, vocab: int) ->
 
 def run(args: TrainBenchArgs) -> dict:
     """Runs both sides and returns the results (also printed, and written to --json-out)."""
-    from milepost.testing.dist import run_ranks
     from milepost.models.registry import checkpoint_config
+    from milepost.testing.dist import run_ranks
 
     config = checkpoint_config(args.model) if args.model is not None else shape_config(args.shape, args.layers)
     limit = getattr(config, "max_position_embeddings", None)

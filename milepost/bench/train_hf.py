@@ -65,7 +65,6 @@ def hf_train_steps(
         if i:
             times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    del model, optimizer
     return {"step_times": times, "peak_gib": peak}
 
 

@@ -8,6 +8,7 @@ new tokens, GQA by head groups) and is tested against it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -217,10 +218,10 @@ class VarlenCausalAttention:
 
     def __init__(self, cu_seqlens: torch.Tensor) -> None:
         bounds = [int(x) for x in cu_seqlens.tolist()]  # one host sync per forward, not per layer
-        if len(bounds) < 2 or bounds[0] != 0 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        if len(bounds) < 2 or bounds[0] != 0 or any(b <= a for a, b in itertools.pairwise(bounds)):
             raise ValueError(f"cu_seqlens must start at 0 and strictly increase, got {bounds}")
         self.bounds = bounds
-        self.lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        self.lengths = [b - a for a, b in itertools.pairwise(bounds)]
         self.max_len = max(self.lengths)
         self._cu32: torch.Tensor | None = None
 
@@ -231,7 +232,10 @@ class VarlenCausalAttention:
         """q: [T, H, D], k/v: [T, Hkv, D] -> [T, H, D]; T must equal cu_seqlens[-1]."""
         if q.shape[0] != self.bounds[-1]:
             raise ValueError(f"got {q.shape[0]} tokens but cu_seqlens covers {self.bounds[-1]}")
-        from milepost.kernels.varlen_flash import flash_varlen_causal, flash_varlen_supported
+        from milepost.kernels.varlen_flash import (
+            flash_varlen_causal,
+            flash_varlen_supported,
+        )
 
         if flash_varlen_supported(q, k):
             if self._cu32 is None or self._cu32.device != q.device:  # built once, shared by all layers

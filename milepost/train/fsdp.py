@@ -30,7 +30,6 @@ from milepost.train.compile import compile_decoder_layers
 from milepost.train.corrections import (
     CORRECTION_SUMS,
     CorrectionSettings,
-    ratio_weights_on_device,
     sample_weights,
 )
 from milepost.train.critic import Critic
@@ -381,7 +380,7 @@ class FSDPBackend:
             old_flat = weights_flat = None
             if fused_acc is not None:
                 old_flat = logp.detach()
-                weights_flat = self._fused_old_metrics(batch, mb, old_flat, fused_acc)
+                weights_flat = micro.in_forward_old_metrics(batch, mb, old_flat, fused_acc, self.correction, self.device)
             lb = micro.loss_batch(batch, mb, logp, entropy, denoms, self.device, old=old, ref=ref, weights=weights,
                                   old_flat=old_flat, weights_flat=weights_flat)
             loss, sums = self.loss_fn(lb, self.loss_settings)
@@ -399,22 +398,6 @@ class FSDPBackend:
             probe.flush()
         zero = torch.zeros((), device=self.device)
         return torch.stack([*(sums.get(k, zero).detach().to(self.device) for k in METRIC_SUMS), loss.detach()]).double()
-
-    def _fused_old_metrics(self, batch: TrainBatch, mb: list[int], old_flat: torch.Tensor,
-                           fused_acc: torch.Tensor) -> torch.Tensor | None:
-        """Ratio-correction weights of a micro-batch whose old log-probs are `old_flat` (None when
-        off), adding its correction sums and sum |old - rollout| over loss tokens to `fused_acc`."""
-        if batch.rollout_logprobs is None:
-            return None
-        rollout = micro.cat(batch.rollout_logprobs, mb, self.device)
-        mask = micro.cat(batch.loss_masks, mb, self.device)
-        keep = mask > 0
-        fused_acc[-1] += torch.where(keep, (old_flat - rollout).abs(), torch.zeros_like(rollout)).sum().double()
-        if self.correction.kind == "none":
-            return None
-        w, sums = ratio_weights_on_device(old_flat, rollout, mask, self.correction)
-        fused_acc[:-1] += sums
-        return w
 
     def _train_critic(self, batch: TrainBatch, steps: list[list[int]], plans: list[list[list[int]]],
                       denoms: list[list[float]]) -> torch.Tensor:

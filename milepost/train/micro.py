@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from milepost.train.batch import TrainBatch
+from milepost.train.corrections import CorrectionSettings, ratio_weights_on_device
 from milepost.train.logprobs import PackedBatch, dummy_batch, pack
 from milepost.train.losses import LossBatch
 from milepost.train.replay import forced_for_pack, valid_rows
@@ -78,3 +79,22 @@ def loss_batch(
         ref_logp=cat(ref, mb, device),
         weights=weights_flat if weights_flat is not None else cat(weights, mb, device),
     )
+
+
+def in_forward_old_metrics(
+    batch: TrainBatch, mb: Sequence[int], old_flat: torch.Tensor, acc: torch.Tensor,
+    correction: CorrectionSettings, device: torch.device,
+) -> torch.Tensor | None:
+    """Ratio-correction weights [N] of a micro-batch whose old log-probs are `old_flat` (the
+    training forward's, detached), or None when off; adds its CORRECTION_SUMS and
+    sum |old - rollout| over loss tokens to `acc` ([len(CORRECTION_SUMS) + 1] float64)."""
+    if batch.rollout_logprobs is None:
+        return None
+    rollout = cat(batch.rollout_logprobs, mb, device)
+    mask = cat(batch.loss_masks, mb, device)
+    acc[-1] += torch.where(mask > 0, (old_flat - rollout).abs(), torch.zeros_like(rollout)).sum().double()
+    if correction.kind == "none":
+        return None
+    weights, sums = ratio_weights_on_device(old_flat, rollout, mask, correction)
+    acc[:-1] += sums
+    return weights

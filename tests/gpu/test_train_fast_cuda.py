@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-import milepost.kernels.varlen_flash as varlen_flash
+from milepost.kernels import varlen_flash
 from milepost.models.attention import VarlenCausalAttention
 from milepost.models.base import ForwardContext
 from milepost.models.registry import load_model

@@ -19,8 +19,8 @@ from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.dist import run_ranks
 from milepost.train.fsdp import FSDPBackend, TrainerSettings
 
-BASE = dict(lr=1e-3, global_batch_size=6, max_tokens_per_micro_batch=48, entropy_coef=0.01,
-            eps_clip=0.2, ratio_correction="tis", tis_clip_low=0.05, tis_clip=1.5)
+BASE = {"lr": 1e-3, "global_batch_size": 6, "max_tokens_per_micro_batch": 48, "entropy_coef": 0.01,
+        "eps_clip": 0.2, "ratio_correction": "tis", "tis_clip_low": 0.05, "tis_clip": 1.5}
 
 
 SUMMED_PER_MICRO_BATCH = ("train_rollout_logprob_abs_diff", "rollout_ratio", "rollout_ratio_clipfrac",
