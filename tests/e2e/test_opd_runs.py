@@ -37,3 +37,15 @@ def test_prompts_without_a_teachers_tag_are_refused_at_start(work) -> None:  # n
                 num_rollout=1)
     assert run.rc != 0
     assert "prompts carry metadata.teacher ['None']" in run.out
+
+
+def test_in_process_teacher_on_two_ranks(work) -> None:  # noqa: F811
+    """Each rank scores its share with the sharded teacher; the shares are gathered, so the
+    signal covers every sample (a missing one would stop the step)."""
+    run = train(work, work / "opd-ranks", "--opd-teacher-checkpoint", str(work / "qwen3"),
+                actor_num_gpus_per_node=2, num_rollout=2)
+    assert run.rc == 0, run.out[-4000:]
+    records = run.metrics()
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["opd/teacher_time"] > 0 for r in records)
+    assert abs(records[0]["opd/reverse_kl_mean"]) < 1e-3  # teacher == the student before training
