@@ -12,7 +12,8 @@ import pytest
 from test_train_loop import train, work  # noqa: F401 - `work` is a fixture used here
 
 
-@pytest.mark.parametrize("args", [(), ("--fully-async", "--opd-top-k", "2")], ids=["sync", "async-topk"])
+@pytest.mark.parametrize("args", [(), pytest.param(("--fully-async", "--opd-top-k", "2"),
+                                                  marks=pytest.mark.slow)], ids=["sync", "async-topk"])
 def test_served_teacher_runs_and_logs_opd_metrics(work, start_server, args) -> None:  # noqa: F811
     teacher = start_server(work / "qwen3", "--max-total-tokens", "8192")
     name = "opd-" + ("async" if args else "sync")
@@ -39,6 +40,7 @@ def test_prompts_without_a_teachers_tag_are_refused_at_start(work) -> None:  # n
     assert "prompts carry metadata.teacher ['None']" in run.out
 
 
+@pytest.mark.slow
 def test_in_process_teacher_on_two_ranks(work) -> None:  # noqa: F811
     """Each rank scores its share with the sharded teacher; the shares are gathered, so the
     signal covers every sample (a missing one would stop the step)."""
