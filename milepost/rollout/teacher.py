@@ -65,6 +65,10 @@ class ServedTeachers:
         self._tokens = 0
         self._active = 0
         self._busy_since = 0.0
+        # requests in flight per teacher; a semaphore serves one event loop, and the sync driver
+        # runs a new loop per rollout (the fully-async worker keeps one)
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
 
     # ---- start -------------------------------------------------------------------------------
     async def check(self, probe_ids: list[int], vocab_size: int | None) -> None:
@@ -130,11 +134,16 @@ class ServedTeachers:
         st = self.settings
         student_top = s.metadata.pop(STUDENT_TOP_KEY, None) if st.top_k else None
         union = sorted({int(i) for row in student_top or [] for _, i in row})
+        loop = asyncio.get_running_loop()
+        if loop is not self._slots_loop:
+            self._slots, self._slots_loop = {}, loop
+        slots = self._slots.setdefault(c.base_url, asyncio.Semaphore(st.concurrency))
         for attempt in range(st.retries + 1):
             try:
-                meta = await c.score(s.tokens, s.prompt_length, temperature=st.temperature,
-                                     top_logprobs_num=st.top_k if st.top_k_set == "intersection" else 0,
-                                     token_ids_logprob=union or None, timeout_s=st.timeout_s)
+                async with slots:
+                    meta = await c.score(s.tokens, s.prompt_length, temperature=st.temperature,
+                                         top_logprobs_num=st.top_k if st.top_k_set == "intersection" else 0,
+                                         token_ids_logprob=union or None, timeout_s=st.timeout_s)
                 break
             except EngineError as e:
                 if attempt == st.retries:
