@@ -32,6 +32,9 @@ def refusals(c: TrainConfig) -> list[str]:
             "--prompt-data is required (a JSONL or Parquet file of prompts), unless --load-rollouts "
             "trains on saved rollouts"
         )
+    if c.compile_layers and c.activation_checkpointing != "none":
+        p.append("--compile-layers with --activation-checkpointing layer is not supported yet: "
+                 "drop one of them")
     if c.load_rollouts is not None and c.rollout_only:
         p.append("--load-rollouts with --rollout-only would neither generate nor train; drop one of them")
     if c.engine_backend == "external" and not c.engine_urls:

@@ -336,6 +336,22 @@ class OptimizerTable(_Table):
         description="Token budget of one micro-batch of a trainer rank (dynamic batching).",
         json_schema_extra={"flags": ["--max-tokens-per-gpu"]},
     )
+    activation_checkpointing: Literal["none", "layer"] = Field(
+        "none",
+        description="Trainer activations: 'none' keeps every layer's for backward (fastest where it "
+        "fits: measured on the H200, docs/training_speed.md); 'layer' recomputes each decoder layer "
+        "in backward (less memory, ~30% slower on the Qwen3-0.6B shape).",
+    )
+    compile_layers: bool = Field(
+        False,
+        description="torch.compile each decoder layer's forward (dense models; attention stays eager). "
+        "Opt-in: not yet measured on a GPU; refused with --activation-checkpointing layer.",
+    )
+    separate_old_logprob_pass: bool = Field(
+        False,
+        description="Score the old policy in its own no-grad pass even with one optimizer step per "
+        "rollout (by default the training forward's own log-probs, detached, are the old policy's).",
+    )
 
 
 class CheckpointTable(_Table):

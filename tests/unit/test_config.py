@@ -265,6 +265,10 @@ REFUSALS = [
     (["--reward-fn", "my_reward"], ["--reward-fn 'my_reward'", "import path"]),
     (["--rollout-top-k", "0"], ["--rollout-top-k must be -1"]),
     (["--resume", "{missing}"], ["--resume", "neither auto, never"]),
+    (
+        ["--compile-layers", "--activation-checkpointing", "layer"],
+        ["--compile-layers", "--activation-checkpointing layer"],
+    ),
 ]
 
 
@@ -412,3 +416,14 @@ def test_cli_train_refuses_and_prints(
     assert driver_calls == [] and not (tmp_path / "run").exists()
     assert main(["train", str(recipe), "--help"]) == 0
     assert "--n-samples-per-prompt" in capsys.readouterr().out
+
+
+def test_trainer_speed_settings_reach_the_trainer(base: list[str]) -> None:
+    from milepost.driver.runtime import trainer_settings
+
+    default = trainer_settings(load_config(None, base))
+    assert (default.activation_checkpointing, default.compile_layers, default.separate_old_logprob_pass) == (
+        "none", False, False)
+    s = trainer_settings(load_config(None, [*base, "--activation-checkpointing", "layer",
+                                            "--separate-old-logprob-pass"]))
+    assert s.activation_checkpointing == "layer" and s.separate_old_logprob_pass and not s.compile_layers
