@@ -1,10 +1,23 @@
 """The tiny demo, as a user runs it: GRPO must clearly raise the reward on 2 CPU cores.
 
-Builds the demo's base model and prompts (`python -m milepost.demo.prepare`), then runs
-`milepost train recipes/tiny_demo.toml` for 20 rollouts and asserts the rise the README shows:
-the first rollout's mean reward is at most 0.5 and the last five average at least 0.8. The
-recipe's evaluation (greedy, held-out sums, every 5 steps) must score the weights it was given.
-About 1.5 minutes on 2 cores (2026-12-02, with other work running).
+Runs `milepost train recipes/tiny_demo.toml` for 20 rollouts on the session's demo base model and
+prompts (`demo_dir`: `python -m milepost.demo.prepare`, built once per session) and asserts the
+rise the README shows; the recipe's evaluation (greedy, held-out sums, every 5 steps) must score
+the weights it was given.
+
+Bounds from 10 runs of this exact command (benchmarks/demo_rl_spread.py, 2026-12-03, 2-core VM,
+torch 2.13, load average 5-14, base model of seed 0: 925 drill + 150 tutor steps, sampled 0.330):
+- first rollout's mean reward (bound <= 0.5, 14 std above the mean):
+  0.273 0.305 0.312 0.297 0.309 0.297 0.328 0.309 0.301 0.297
+  (mean 0.303, std 0.014, min 0.273, max 0.328).
+- mean of the last five (bound >= 0.85): 0.896 0.910 0.907 0.951 0.952 0.927 0.932 0.939 0.930 0.887
+  (mean 0.923, std 0.022, min 0.887, max 0.952); the one-sided 99% prediction bound
+  for a new run, mean - t(0.99, 9) * std * sqrt(1 + 1/10) = 0.857, rounded down.
+- greedy evaluation after the last update (bound >= 0.92):
+  0.988 0.949 0.973 0.988 0.977 0.941 0.973 0.984 0.980 0.996
+  (mean 0.975, std 0.017, min 0.941, max 0.996); the same bound: 0.924, rounded down.
+Each bound fails a correct build with an estimated chance below 1% (normal spread assumed; all
+three together below 3%). One run took 187-429 s at that load.
 """
 
 from __future__ import annotations
@@ -37,9 +50,9 @@ def test_grpo_raises_the_demo_reward(
     rewards = [r["rollout/reward_mean"] for r in records]
     assert len(rewards) == 20
     assert rewards[0] <= 0.5, rewards
-    assert sum(rewards[-5:]) / 5 >= 0.8, rewards
+    assert sum(rewards[-5:]) / 5 >= 0.85, rewards  # bounds: see the docstring
     evals = {r["step"]: r for r in records if "eval/reward_mean" in r}
     assert sorted(evals) == [4, 9, 14, 19]
     for step, r in evals.items():
         assert r["eval/weight_version"] == step + 1 and r["eval/num_samples"] == 256
-    assert evals[19]["eval/reward_mean"] >= 0.8, {s: r["eval/reward_mean"] for s, r in evals.items()}
+    assert evals[19]["eval/reward_mean"] >= 0.92, {s: r["eval/reward_mean"] for s, r in evals.items()}
