@@ -1,6 +1,6 @@
 """`milepost check-family`: the CPU check on a checkpoint directory, with the first differing
 token shown when a template is not append-only (the live part:
-tests/e2e/test_session_check_family.py)."""
+tests/e2e/test_session_check_family_live.py)."""
 
 from __future__ import annotations
 
