@@ -76,11 +76,20 @@ def make_agent_model(path: str | Path, steps: int = 60, seed: int = 0) -> Path:
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
     torch.manual_seed(seed)
-    data = _examples(tok, 64, seed)
+    final_loss = fit_examples(model, _examples(tok, 64, seed), steps, seed)
+    model.save_pretrained(path)
+    (path / "agent_model.json").write_text(json.dumps({"steps": steps, "final_loss": final_loss}))
+    return path
+
+
+def fit_examples(model: Qwen3ForCausalLM, data: list[tuple[list[int], list[int]]], steps: int,
+                 seed: int) -> float:
+    """AdamW (lr 1e-2) over `steps` random batches of 8 (ids, labels) pairs; leaves the model in
+    eval mode and returns the last batch's loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = random.Random(seed)
     loss = torch.tensor(0.0)
-    for step in range(steps):
+    for _ in range(steps):
         batch = gen.sample(data, 8)
         width = max(len(i) for i, _ in batch)
         ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in batch])
@@ -91,6 +100,4 @@ def make_agent_model(path: str | Path, steps: int = 60, seed: int = 0) -> Path:
         loss.backward()
         opt.step()
     model.eval()
-    model.save_pretrained(path)
-    (path / "agent_model.json").write_text(json.dumps({"steps": steps, "final_loss": loss.item()}))
-    return path
+    return loss.item()

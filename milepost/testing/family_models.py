@@ -19,7 +19,12 @@ from transformers import Qwen3ForCausalLM
 from milepost.session.checks import incremental_text
 from milepost.session.families import get_family
 from milepost.session.render import Renderer
-from milepost.testing.agent_model import CITIES, CONDITIONS, weather_conversation
+from milepost.testing.agent_model import (
+    CITIES,
+    CONDITIONS,
+    fit_examples,
+    weather_conversation,
+)
 from milepost.testing.chat_templates import DEEPSEEK_V3, LLAMA3_2, QWEN2_5
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.tokenizer import build_tiny_tokenizer
@@ -85,22 +90,8 @@ def make_family_agent_model(path: str | Path, family: str, steps: int = 60,
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
     torch.manual_seed(seed)
-    data = _examples(renderer, 64, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = random.Random(seed)
-    loss = torch.tensor(0.0)
-    for _ in range(steps):
-        batch = gen.sample(data, 8)
-        width = max(len(i) for i, _ in batch)
-        ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in batch])
-        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
-        attn = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in batch])
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
+    final_loss = fit_examples(model, _examples(renderer, 64, seed), steps, seed)
     model.save_pretrained(path)
     (path / "family_model.json").write_text(json.dumps({"family": family, "steps": steps,
-                                                        "final_loss": loss.item()}))
+                                                        "final_loss": final_loss}))
     return path
