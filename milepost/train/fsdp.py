@@ -22,6 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from milepost.lora.adapters import adapter_parameters, attach_lora, freeze_base
+from milepost.lora.peft_format import write_peft_adapter
+from milepost.models.layers import set_fused_training
 from milepost.models.registry import load_model
 from milepost.train import checkpoint as ckpt
 from milepost.train import micro
@@ -64,13 +67,17 @@ def _fsdp_modules(module: nn.Module) -> list[FSDPModule]:
 
 def _shard(model_path: Path, s: TrainerSettings, device: torch.device, trainable: bool) -> TokenScorer:
     lm = load_model(model_path, torch.float32, "cpu")  # fp32 master weights; fully_shard moves each shard
-    scorer = TokenScorer(lm, s.temperature, s.logprob_chunk_size)
+    if trainable and s.lora is not None:
+        attach_lora(lm, s.lora)  # the reference / teacher stay the plain base
+    fused = s.fused_kernels and device.type == "cuda"
+    scorer = TokenScorer(lm, s.temperature, s.logprob_chunk_size, fused=fused)
     mp = MixedPrecisionPolicy(param_dtype=s.torch_dtype, reduce_dtype=torch.float32)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if s.compile_layers and trainable:
         if lm.moe_top_k:
             raise ValueError(f"compile_layers: {model_path} is a mixture-of-experts model; "
                              "compiled layers are for dense models so far (turn compile_layers off)")
+        set_fused_training(lm, False)  # compiled layers fuse their elementwise ops themselves
         compile_decoder_layers(lm.model.layers)
     for layer in lm.model.layers:
         if s.activation_checkpointing == "layer" and trainable:
@@ -83,6 +90,8 @@ def _shard(model_path: Path, s: TrainerSettings, device: torch.device, trainable
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
     scorer.requires_grad_(trainable)
+    if trainable and s.lora is not None:
+        freeze_base(scorer)
     return scorer
 
 
@@ -109,7 +118,9 @@ class FSDPBackend:
         self.teacher = teacher  # on-policy distillation's in-process teacher (scores only)
         stream = (None if settings.optimizer_state_dir is None
                   else Path(settings.optimizer_state_dir) / f"rank_{self.rank}")
-        self.optimizer, self.scheduler = build_optimizer(policy.parameters(), settings, stream)
+        # With LoRA only the adapter trains: the frozen base has no gradients and no Adam state.
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(trainable, settings, stream)
         self.critic = critic
         self.loss_fn = get_loss(settings.loss_type, settings.custom_loss_function_path)
         self.loss_settings = LossSettings(
@@ -440,8 +451,10 @@ class FSDPBackend:
         self._require_onloaded("named_hf_weights")
         lm = self.policy.lm
         dtype = self.settings.torch_dtype
+        # LoRA: only the adapter moves (names as `...q_proj.lora_A.weight`); the base never changes.
+        params = adapter_parameters(lm) if self.settings.lora is not None else lm.named_parameters()
         with torch.no_grad():
-            for name, param in lm.named_parameters():
+            for name, param in params:
                 full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
                 local = param.to_local() if isinstance(param, DTensor) else param
                 if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
@@ -464,6 +477,16 @@ class FSDPBackend:
         return extra
 
     def export_hf(self, path: str | Path) -> None:
+        """A Hugging Face directory; with LoRA, a PEFT adapter directory for the base instead."""
+        if self.settings.lora is not None:
+            self._require_onloaded("export_hf")
+            with torch.no_grad():  # fp32 masters, gathered on every rank (a collective), written by rank 0
+                named = [(n, p.full_tensor() if isinstance(p, DTensor) else p.detach())
+                         for n, p in adapter_parameters(self.policy.lm)]
+            if self.rank == 0:
+                write_peft_adapter(named, self.settings.lora, self.model_path, path)
+            dist.barrier()
+            return
         write_hf_directory(self.named_hf_weights(), self.model_path, path)
 
     # --- offload ---------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from typing import Literal
 
 import torch
 
+from milepost.lora.settings import TARGET_MODULES, LoraSettings
+
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
@@ -35,6 +37,9 @@ class TrainerSettings:
     compile_layers: torch.compile each decoder layer's forward (fuses its elementwise ops; attention
         stays eager); dense models, without activation checkpointing. Off by default: not yet
         measured on a GPU.
+    fused_kernels: on CUDA, Triton kernels with backward for RMSNorm, RoPE, SiLU-and-mul and the
+        LM head's log-prob + entropy (milepost/kernels/train_fused.py, fused_logprob.py); off = the
+        torch ops (the reference path). No effect on CPU.
     separate_old_logprob_pass: always score the old policy in its own no-grad pass before training.
         Off (default): with one optimizer step per rollout the old log-probs are the training
         forward's own, detached (the same numbers, one forward fewer); several optimizer steps
@@ -82,6 +87,7 @@ class TrainerSettings:
     activation_checkpointing: Literal["none", "layer"] = "none"
     separate_old_logprob_pass: bool = False
     compile_layers: bool = False
+    fused_kernels: bool = True
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     use_kl_loss: bool = False
@@ -113,6 +119,10 @@ class TrainerSettings:
     optimizer_bucket_bytes: int = 256 << 20
     optimizer_moment_dtype: Literal["float32", "bfloat16"] = "float32"
     opd_teacher_checkpoint: str | None = None  # in-process distillation teacher (HF directory)
+    # LoRA (milepost/lora/): rank 0 = full-parameter training; > 0 trains adapters on a frozen base.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_target_modules: tuple[str, ...] = TARGET_MODULES
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -162,6 +172,15 @@ class TrainerSettings:
         need(self.offload_staging_bytes > 0 and self.optimizer_bucket_bytes > 0,
              "offload_staging_bytes and optimizer_bucket_bytes must be > 0")
         need(self.optimizer_moment_dtype in DTYPES, "optimizer_moment_dtype: float32 | bfloat16")
+        need(self.lora_rank >= 0, f"lora_rank must be >= 0 (0 = full-parameter training), got {self.lora_rank}")
+        _ = self.lora  # validates alpha and target modules when LoRA is on
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        """The adapter's settings, or None for full-parameter training."""
+        if not self.lora_rank:
+            return None
+        return LoraSettings(self.lora_rank, self.lora_alpha, self.lora_target_modules)
 
     @property
     def needs_reference(self) -> bool:

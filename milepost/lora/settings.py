@@ -1,0 +1,54 @@
+"""`LoraSettings`: rank, alpha and target modules of one adapter, validated once for trainer and engine.
+
+Target modules use Hugging Face / PEFT names of the decoder's linear projections. Experts of
+mixture-of-experts layers are not adapted yet: a model whose targeted MLP is a MoE block is refused
+when the adapter is attached (milepost/lora/adapters.py), naming the layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+ALL_LINEAR = "all-linear"  # PEFT's shorthand, accepted for every projection above
+
+
+def parse_target_modules(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """'q_proj,v_proj' or a list -> a validated tuple in canonical order ('all-linear' = all seven)."""
+    names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if n.strip()]
+    if names == [ALL_LINEAR]:
+        return TARGET_MODULES
+    unknown = [n for n in names if n not in TARGET_MODULES]
+    if unknown:
+        raise ValueError(
+            f"--lora-target-modules: unknown module(s) {unknown}; choose from {list(TARGET_MODULES)} "
+            f"(comma-separated) or '{ALL_LINEAR}'"
+        )
+    if not names:
+        raise ValueError(f"--lora-target-modules is empty; name at least one of {list(TARGET_MODULES)}")
+    return tuple(n for n in TARGET_MODULES if n in names)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """rank: r of A [r, in] and B [out, r]; alpha: the update is B @ A * alpha / r (PEFT's scaling).
+
+    target_modules: projections that get an adapter, in every decoder layer.
+    """
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] | str = TARGET_MODULES  # a str is split on commas
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"--lora-rank must be a positive integer, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {self.alpha!r} (PEFT's default is 8; 2 * rank is common)")
+        object.__setattr__(self, "target_modules", parse_target_modules(self.target_modules))
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
