@@ -28,6 +28,24 @@ def gpu_inference(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.is_inference_mode_enabled()
 
 
+def fused_training(module: nn.Module, x: torch.Tensor) -> bool:
+    """Use the fused training kernels with backward (milepost/kernels/train_fused.py): the module
+    was switched on by `set_fused_training` (the trainer, on CUDA) and x is CUDA bf16/fp16."""
+    return module.fused_train and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def set_fused_training(model: nn.Module, on: bool) -> int:
+    """Switch the fused training kernels (RMSNorm, RoPE, SiLU-and-mul) of every native block of
+    `model` on or off; returns how many modules were switched. Off by default: the engine and the
+    CPU path run the torch ops."""
+    switched = 0
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, GatedMLP, SelfAttention)):
+            m.fused_train = on
+            switched += 1
+    return switched
+
+
 class RMSNorm(nn.Module):
     """Normalizes in fp32, casts back, then scales (the order transformers uses, for bf16 parity)."""
 
@@ -35,12 +53,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused_train = False  # set_fused_training
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if gpu_inference(x):
             from milepost.kernels.fused_ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
+        if fused_training(self, x) and self.weight.dtype == x.dtype:
+            from milepost.kernels import train_fused
+
+            return train_fused.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -79,6 +102,7 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.gate_up_proj: nn.Linear | None = None
+        self.fused_train = False  # set_fused_training
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -89,6 +113,10 @@ class GatedMLP(nn.Module):
             from milepost.kernels.fused_ops import silu_mul
 
             return self.down_proj(silu_mul(gate, up))
+        if fused_training(self, gate):
+            from milepost.kernels import train_fused
+
+            return self.down_proj(train_fused.silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -107,6 +135,7 @@ class SelfAttention(nn.Module):
         self.softcap: float | None = None  # attention logit soft-cap (Gemma 2), set by the model
         self.sinks: nn.Parameter | None = None  # per-head sink logits [H] (gpt-oss), set by the model
         self.fused_norm_rope = True  # the GPU norm+RoPE kernel assumes Llama-style q/k norms
+        self.fused_train = False  # set_fused_training
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -150,7 +179,13 @@ class SelfAttention(nn.Module):
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            rotate = apply_rotary
+            # the kernel takes power-of-two half head dims (every model we train: 64)
+            if fused_training(self, q) and cos.dtype == q.dtype and not (self.head_dim // 2) & (self.head_dim // 2 - 1):
+                from milepost.kernels import train_fused
+
+                rotate = train_fused.apply_rotary
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if self.window is None and self.softcap is None and self.sinks is None:
             out = ctx.attention.attend(self.layer_id, q, k, v, self.scale)  # [T, H, D]
         else:  # windowed / soft-capped / sink layers: torch reference path over the same backend

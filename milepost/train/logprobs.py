@@ -17,6 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from milepost.models.attention import VarlenCausalAttention
 from milepost.models.base import CausalLM, ForwardContext
+from milepost.models.layers import set_fused_training
+from milepost.models.llama import DecoderLM
 
 
 @dataclass
@@ -82,6 +84,15 @@ def _chunk(lm: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, temperatur
     return logp, entropy
 
 
+def _plain_head(lm: CausalLM, hidden: torch.Tensor) -> bool:
+    """The model's logits are exactly lm_head(hidden) (no soft-cap, scale or bias) and the fused
+    kernels can run on hidden (CUDA, the head's half-precision dtype)."""
+    head = getattr(lm, "lm_head", None)
+    return (isinstance(lm, DecoderLM) and type(lm).compute_logits is DecoderLM.compute_logits
+            and isinstance(head, nn.Linear) and head.bias is None and hidden.is_cuda
+            and hidden.dtype in (torch.bfloat16, torch.float16) and head.weight.dtype == hidden.dtype)
+
+
 def token_logprobs(
     lm: CausalLM,
     hidden: torch.Tensor,
@@ -91,10 +102,13 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     use_checkpoint: bool | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(targets) and the entropy of the next-token distribution at hidden[rows]: both [N] fp32.
 
     use_checkpoint: recompute each chunk's logits in backward (default: when grad is enabled).
+    fused: on CUDA bf16/fp16 with a plain LM head, the Triton kernels of
+    milepost/kernels/fused_logprob.py (no fp32 [chunk, vocab] tensors, no autograd recompute).
     The rows are gathered once and cut with `split` (one gradient node for all chunks; slicing per
     chunk would give each chunk a full-size gradient buffer to fill and sum).
     """
@@ -105,6 +119,10 @@ def token_logprobs(
         return empty, empty
     logps, ents = [], []
     selected = hidden.index_select(0, rows)  # [N, hidden]
+    if fused and _plain_head(lm, selected):
+        from milepost.kernels.fused_logprob import linear_token_logprobs
+
+        return linear_token_logprobs(selected, lm.lm_head.weight, targets, temperature, chunk_size)
     for h, t in zip(selected.split(chunk_size), targets.split(chunk_size)):
         args = (lm, h, t, temperature)
         lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if use_checkpoint else _chunk(*args)
@@ -120,11 +138,16 @@ class TokenScorer(nn.Module):
     weights for the chunks (and for their recompute in backward) like any other parameter.
     """
 
-    def __init__(self, lm: CausalLM, temperature: float = 1.0, chunk_size: int = 1024) -> None:
+    def __init__(self, lm: CausalLM, temperature: float = 1.0, chunk_size: int = 1024,
+                 fused: bool = False) -> None:
+        """fused: the fused CUDA kernels for the model's norms, RoPE, SwiGLU and the log-prob head."""
         super().__init__()
         self.lm = lm
         self.temperature = temperature
         self.chunk_size = chunk_size
+        self.fused = fused
+        if fused:
+            set_fused_training(lm, True)
 
     def forward(
         self,
@@ -140,7 +163,8 @@ class TokenScorer(nn.Module):
         ctx = ForwardContext(VarlenCausalAttention(cu_seqlens), forced_experts=forced_experts)
         hidden = self.lm(input_ids, positions, ctx)
         return token_logprobs(
-            self.lm, hidden, rows, targets, temperature=self.temperature, chunk_size=self.chunk_size
+            self.lm, hidden, rows, targets, temperature=self.temperature, chunk_size=self.chunk_size,
+            fused=self.fused,
         )
 
     def score(self, batch: PackedBatch, forced_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
