@@ -56,7 +56,8 @@ def _rank(rank: int, world: int, path: str, args: TrainBenchArgs, vocab: int) ->
     settings = TrainerSettings(
         lr=1e-6, global_batch_size=args.samples, max_tokens_per_micro_batch=args.micro_batch_tokens,
         device=args.device, dtype="bfloat16" if cuda else "float32",
-        activation_checkpointing=args.activation_checkpointing, compile_layers=args.compile_layers)
+        activation_checkpointing=args.activation_checkpointing, compile_layers=args.compile_layers,
+        fused_kernels=args.fused_kernels)
     backend = FSDPBackend.create(path, settings)
     times = []
     for i in range(args.steps + 1):
@@ -102,6 +103,7 @@ def run(args: TrainBenchArgs) -> dict:
               "samples": args.samples, "prompt": args.prompt, "response": args.response,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "activation_checkpointing": args.activation_checkpointing, "compile_layers": args.compile_layers,
+              "fused_kernels": args.fused_kernels,
               "micro_batch_tokens": args.micro_batch_tokens, "flops_per_step": flops}
     for side, r in res.items():
         step = statistics.median(r["step_times"])
@@ -116,7 +118,8 @@ def _print(report: dict) -> None:
     print(f"{report['model']} ({report['layers']} layers) on {report['device']}: {report['samples']} x "
           f"({report['prompt']} + {report['response']}) tokens, micro-batch {report['micro_batch_tokens']} "
           f"tokens, activation checkpointing {report['activation_checkpointing']}"
-          + (", compiled layers" if report["compile_layers"] else ""))
+          + (", compiled layers" if report["compile_layers"] else "")
+          + ("" if report.get("fused_kernels", True) else ", fused kernels off"))
     for side in ("milepost", "hf"):
         if side not in report:
             continue

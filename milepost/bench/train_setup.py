@@ -38,6 +38,7 @@ class TrainBenchArgs:
     peak_tflops: float | None
     seed: int
     json_out: Path | None
+    fused_kernels: bool = True
 
     @property
     def seq_len(self) -> int:
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="milepost's activation checkpointing (the HF loop always checkpoints)")
     p.add_argument("--compile-layers", action="store_true",
                    help="milepost: torch.compile each decoder layer (TrainerSettings.compile_layers)")
+    p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="milepost: the fused Triton training kernels on CUDA (TrainerSettings.fused_kernels)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the Hugging Face loop and print the ratio")
     p.add_argument("--hf-micro-batch", type=int, help="samples per HF micro-batch (default: by tokens)")
@@ -97,7 +100,7 @@ def parse_args(argv: list[str] | None) -> TrainBenchArgs:
         parser.error("--device cuda: CUDA is not available here; use --device cpu")
     return TrainBenchArgs(ns.model, ns.shape, ns.layers, ns.samples, ns.prompt, ns.response, ns.steps,
                           ns.micro_batch_tokens, ns.activation_checkpointing, ns.compile_layers, ns.hf, ns.hf_micro_batch,
-                          device, ns.peak_tflops, ns.seed, ns.json_out)
+                          device, ns.peak_tflops, ns.seed, ns.json_out, ns.fused_kernels)
 
 
 def shape_config(shape: str, layers: int | None):

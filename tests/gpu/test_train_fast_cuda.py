@@ -91,7 +91,7 @@ def _train(rank: int, world: int, path: str, overrides: dict) -> dict:
 
 
 @pytest.mark.parametrize("overrides", [{"separate_old_logprob_pass": True}, {"activation_checkpointing": "layer"},
-                                       {"compile_layers": True}])
+                                       {"compile_layers": True}, {"fused_kernels": False}])
 def test_fast_trainer_step_matches_the_reference_step(tmp_path: Path, overrides: dict) -> None:
     path = str(make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False))
     [fast] = run_ranks(_train, 1, path, {}, backend="nccl", timeout_s=300)
