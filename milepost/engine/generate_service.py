@@ -195,6 +195,7 @@ class GenerateService:
                     "max_new_tokens": max(0, self.info.context_length - len(ids))})
             self.check(ids, params, where)
             self.check_item(ids, item, where)
+            self.check_lora(item.lora_path)
             start = item.logprob_start_len if item.return_logprob else -1
             base = item.rid or uuid.uuid4().hex
             for j in range(params.n):
@@ -209,6 +210,18 @@ class GenerateService:
         if len(set(rids)) != len(rids):
             raise BadRequest("rid: the rids of a batch must be unique")
         return out
+
+    def check_lora(self, name: str | None) -> None:
+        """Refuse an adapter this engine does not hold (400 naming it); others keep being served."""
+        if name is None:
+            return
+        pool = self.engine.runner.lora
+        if pool is None:
+            raise BadRequest(f"lora_path: {name!r}: this engine serves no LoRA adapters (start it "
+                             "with --enable-lora)")
+        if name not in pool.loaded:
+            raise BadRequest(f"lora_path: adapter {name!r} is not loaded; loaded: {sorted(pool.loaded)} "
+                             "(load it with POST /load_lora_adapter)")
 
     def abort(self, rid: str) -> None:
         """Abort every request whose rid starts with `rid` (SGLang's rule: it also reaches the
@@ -234,7 +247,9 @@ class GenerateService:
             top_logprobs_num=item.top_logprobs_num, return_routed_experts=body.return_routed_experts,
             stream=stream, logprob_start_len=item.logprob_start_len,
             token_ids_logprob=item.token_ids_logprob if result.return_logprob else None,
-            cacheable=body.extra_key is None,
+            # An adapter's KV differs from the base's: its requests neither read nor write the cache.
+            cacheable=body.extra_key is None and item.lora_path is None,
+            lora_name=item.lora_path,
         ))
         self.active.add(seq.rid)
         return result, q

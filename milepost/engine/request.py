@@ -60,6 +60,7 @@ class Request:
     logprob_start_len: int = -1
     token_ids_logprob: list[int] | None = None  # log-probs of these ids at every position
     cacheable: bool = True  # False (a cache salt was given): no shared prefix read or written
+    lora_name: str | None = None  # the LoRA adapter it runs with (milepost/lora/); None: the base
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.monotonic)
 

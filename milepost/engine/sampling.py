@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from milepost.engine.grammar import apply_masks
 from milepost.engine.penalties import adjust_logits
 from milepost.engine.sampling_params import GREEDY_EPS, SamplingParams
 
@@ -35,6 +36,7 @@ def sample(
     top_logprobs_num: int = 0,
     outputs: list[list[int]] | None = None,
     token_ids: list[list[int] | None] | None = None,
+    masks: tuple[list[int], torch.Tensor] | None = None,
 ) -> SampleResult:
     """logits: [B, V] fp32 -> one token per row, the whole batch in a few batched ops.
 
@@ -43,6 +45,9 @@ def sample(
     outputs[i]: row i's output ids so far, needed when a row has penalties or a logit bias
     (penalties.py); those adjust the logits first, so the reported log-probs are those of the
     distribution actually sampled (as in SGLang).
+    masks: (rows, bitmask [len(rows), ceil(V/32)] int32 on the host) of the rows under a grammar
+    (grammar.py); tokens they do not allow get -inf, after penalties and bans, before
+    temperature: reported log-probs are those of the masked distribution, the one sampled.
     One log_softmax serves both the reported log-probs and the sampling probabilities (no second
     pass over the logits). Greedy rows take the argmax; sampled rows draw by the exponential race
     argmax(p / q), q ~ Exp(1), which is what torch.multinomial does for one sample, so a seeded
@@ -55,7 +60,7 @@ def sample(
     """
     logits = logits.float()
     adjust = outputs is not None and any(p.adjusts_logits for p in params)
-    if adjust or any(banned):
+    if adjust or masks is not None or any(banned):
         # .float() is a no-op on fp32 input: copy so the caller's logits stay intact.
         logits = logits.clone()
     if adjust:
@@ -64,6 +69,8 @@ def sample(
         rows = [i for i, ids in enumerate(banned) for _ in ids]
         cols = [t for ids in banned for t in ids]
         logits[rows, cols] = float("-inf")
+    if masks is not None:
+        apply_masks(logits, *masks)
     temps = [1.0 if p.greedy else p.temperature for p in params]
     scaled = logits
     if any(t != 1.0 for t in temps):  # x / 1.0 == x exactly: skip the pass when all are 1

@@ -1,8 +1,9 @@
 """SGLang's `sampling_params`: every field of current SGLang, with its name, default and range.
 
 `null` for a field means its default, as in SGLang (for `max_new_tokens` that is SGLang's "up to
-the context length", resolved by the server). Fields this engine cannot honour (structured output)
-are accepted at their off value and refused with a 400 naming them otherwise. Unknown keys,
+the context length", resolved by the server). `structural_tag`, which this engine cannot honour,
+is accepted at its off value and refused with a 400 naming it otherwise; grammars compile in
+grammar.py. Unknown keys,
 non-finite numbers and type coercions ("1" for 1, true for 1) are refused.
 """
 
@@ -19,7 +20,7 @@ GREEDY_EPS = 1e-5
 _Scalar = None | bool | int | float | str
 CustomParamValue = _Scalar | list[_Scalar] | dict[str, _Scalar]
 
-_STRUCTURED = ("json_schema", "regex", "ebnf", "structural_tag")
+_GRAMMARS = ("json_schema", "regex", "ebnf")  # structured output (grammar.py)
 
 
 class SamplingParams(BaseModel):
@@ -57,9 +58,10 @@ class SamplingParams(BaseModel):
         None, ge=1, description="Streaming: send a chunk every this many tokens (default 1).")
     custom_params: dict[str, CustomParamValue] | None = Field(
         None, description="Passed to a custom logit processor (recorded; this engine runs none).")
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
+    json_schema: str | None = Field(
+        None, description="Structured output: a JSON schema (a JSON string) the text must follow.")
+    regex: str | None = Field(None, description="Structured output: a regular expression.")
+    ebnf: str | None = Field(None, description="Structured output: a GBNF grammar (rule root).")
     structural_tag: str | None = None
 
     @model_validator(mode="before")
@@ -120,10 +122,15 @@ class SamplingParams(BaseModel):
                 f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
                 f"({self.max_new_tokens})"
             )
-        grammars = [f for f in _STRUCTURED if getattr(self, f) is not None]
-        if grammars:
-            raise ValueError(f"{', '.join(grammars)}: structured output is not supported by this "
-                             "engine; send null (or leave it out)")
+        if self.structural_tag is not None:
+            raise ValueError("structural_tag: not supported by this engine; use json_schema, "
+                             "regex or ebnf (or send null)")
+        grammars = [f for f in _GRAMMARS if getattr(self, f) is not None]
+        if len(grammars) > 1:  # SGLang's rule too
+            raise ValueError(f"{' and '.join(grammars)}: only one of json_schema, regex and ebnf "
+                             "can be set")
+        if any(getattr(self, f) == "" for f in grammars):
+            raise ValueError(f"{grammars[0]}: the grammar is empty; send null for no grammar")
         return self
 
     @property
@@ -140,6 +147,14 @@ class SamplingParams(BaseModel):
     def adjusts_logits(self) -> bool:
         """True when the sampler must change this row's logits before sampling."""
         return self.penalized or bool(self.logit_bias)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field, text) of the structured-output grammar, or None."""
+        for f in _GRAMMARS:
+            if getattr(self, f) is not None:
+                return f, getattr(self, f)
+        return None
 
     def bias_ids(self) -> list[int]:
         return [int(k) for k in self.logit_bias or {}]

@@ -52,6 +52,7 @@ def create_app(engine: Engine, info: ServerInfo, tokenizer: object | None,
     from milepost.engine.weight_check import weight_check_router
     from milepost.engine.weight_delta_routes import weight_delta_router
     from milepost.engine.weight_routes import weight_router
+    from milepost.lora.routes import lora_router
 
     app = FastAPI(title="milepost engine", version="0.1.0")
     service = GenerateService(engine, info, tokenizer, limits, incremental_stream)
@@ -134,6 +135,7 @@ def create_app(engine: Engine, info: ServerInfo, tokenizer: object | None,
     app.include_router(weight_router(engine))
     app.include_router(weight_check_router(engine))
     app.include_router(weight_delta_router(engine))
+    app.include_router(lora_router(engine))  # /load_lora_adapter, /unload_lora_adapter (milepost/lora/)
     app.include_router(openai_router(service))
     memory = MemoryOccupation(engine)  # release/resume for colocated runs (memory.py)
     app.include_router(memory_router(engine, memory))

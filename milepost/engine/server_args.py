@@ -112,6 +112,19 @@ class ServerArgs(BaseModel):
     incremental_streaming_output: bool = Field(
         False, description="Streamed chunks carry only the text, ids and log-probs new since the "
         "previous chunk (SGLang's flag); default: everything so far.")
+    enable_lora: bool = Field(
+        False, description="Serve LoRA adapters beside the base (requests pick one with lora_path; "
+        "/load_lora_adapter, /unload_lora_adapter; docs/lora.md). CPU reference path; no CUDA graphs.")
+    max_lora_rank: int = Field(16, ge=1, description="--enable-lora: the largest adapter rank served.")
+    lora_target_modules: str = Field(
+        "all-linear", description="--enable-lora: projections adapters may target, comma-separated "
+        "(q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj) or all-linear.")
+    max_loras_per_batch: int = Field(
+        8, ge=1, description="--enable-lora: adapters resident at once (each a slot of every "
+        "targeted projection's adapter tensors), all usable in one batch.")
+    lora_paths: list[str] | None = Field(
+        None, description="--enable-lora: adapters to load at start, each NAME=PATH of a PEFT "
+        "adapter directory.")
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
         "default", description="Weight version reported before the first weight update."
@@ -212,6 +225,13 @@ class ServerArgs(BaseModel):
                 f"{self.model_path / 'config.json'} has auto_map: the model runs its own modeling code; "
                 "review it, then pass --trust-remote-code"
             )
+        if (self.lora_paths or self.max_loras_per_batch != 8 or self.lora_target_modules != "all-linear"
+                or self.max_lora_rank != 16) and not self.enable_lora:
+            raise ValueError("--lora-paths / --max-lora-rank / --lora-target-modules / "
+                             "--max-loras-per-batch need --enable-lora")
+        bad = [p for p in self.lora_paths or [] if "=" not in p or not p.split("=", 1)[0]]
+        if bad:
+            raise ValueError(f"--lora-paths {bad}: give each adapter as NAME=PATH")
         model_max = model_max_positions(self.model_path)
         if self.context_length is not None and model_max is not None and self.context_length > model_max:
             raise ValueError(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from milepost.engine.grammar import fill_masks
 from milepost.engine.prompt_logprobs import take_prompt_logprobs
 from milepost.engine.request import ReqState, Request
 from milepost.engine.sampling import SampleResult, sample
@@ -99,8 +100,8 @@ class Stepper:
             return False
         if any(r.state is not ReqState.RUNNING for r in live):
             return False
-        if any(r.penalized for r in live):
-            return False  # penalties count the output tokens: the last one must be on the host
+        if any(r.waits_for_output for r in live):
+            return False  # penalties and grammars read the last token: it must be on the host
         bs = self.cfg.block_size
         need = sum(1 for r in live if r.total_len + 1 > len(r.blocks) * bs)
         return need <= self.pool.num_free
@@ -117,17 +118,26 @@ class Stepper:
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> SampleResult:
         params = [r.params for r in sampling]
+        banned = [self._banned(r) for r in sampling]
+        masks = None
+        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        if rows:  # computed on the host while the device runs the forward just launched
+            masks = (rows, fill_masks([sampling[i].grammar for i in rows],
+                                      [banned[i] for i in rows], logits.shape[-1]))
+            for i in rows:
+                banned[i] = []  # in the mask already
         return sample(
             logits,
             params,
             [r.generator for r in sampling],
-            [self._banned(r) for r in sampling],
+            banned,
             max(r.top_logprobs_num for r in sampling),
             # penalties read the output so far; without them no per-row lists are passed
             outputs=[r.output_ids for r in sampling]
             if any(r.adjusts_logits for r in sampling) else None,
             token_ids=[r.token_ids_logprob for r in sampling]
             if any(r.token_ids_logprob for r in sampling) else None,
+            masks=masks,
         )
 
     def _process(self, launched: LaunchedStep, pending: bool = False) -> None:
@@ -159,7 +169,10 @@ class Stepper:
                     result.ids_logprobs[row, : len(req.token_ids_logprob)].tolist())
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        reason = self._finish_reason(req, token)
+        if req.grammar is None:
+            reason = self._finish_reason(req, token)
+        else:
+            reason = self._grammar_reason(req, token)
         if reason is not None:
             self._finish(req, reason)
         elif req.stream and len(req.output_ids) - req.emitted >= (req.params.stream_interval or 1):
@@ -187,6 +200,16 @@ class Stepper:
         if req.total_len >= self.cfg.context_length:
             return {"type": "length", "length": len(req.output_ids)}
         return None
+
+    def _grammar_reason(self, req: Request, token: int) -> dict | None:
+        """A grammar ends a request when it is complete and an end token was sampled (also under
+        ignore_eos: nothing else is allowed then), as SGLang's grammar backends do."""
+        verdict = req.grammar.accept(token)
+        if verdict == "end":
+            return {"type": "stop", "matched": token}
+        if verdict is not None:  # a bug if it happens: the mask allows only what it accepts
+            return {"type": "abort", "message": verdict}
+        return self._finish_reason(req, token)
 
     def _banned(self, req: Request) -> list[int]:
         if len(req.output_ids) < req.params.min_new_tokens:

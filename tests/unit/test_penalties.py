@@ -95,7 +95,7 @@ def test_null_means_default() -> None:
 @pytest.mark.parametrize("bad", [
     {"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0},
     {"repetition_penalty": 2.1}, {"logit_bias": {"x": 1.0}}, {"logit_bias": {"-1": 1.0}},
-    {"stop_regex": "("}, {"regex": "a+"}, {"json_schema": "{}"}, {"ebnf": "root ::= 'a'"},
+    {"stop_regex": "("}, {"regex": "a+", "json_schema": "{}"}, {"structural_tag": "{}"}, {"ebnf": ""},
     {"temperature": float("inf")}, {"top_p": float("nan")}, {"logit_bias": {"1": float("inf")}},
     {"max_new_tokens": "8"}, {"ignore_eos": "yes"}, {"stop_token_ids": [True]},
     {"stream_interval": 0}, {"temprature": 1.0},
