@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from milepost.engine.engine import Engine
-from milepost.engine.protocol import GenerateReqInput, Item
 from milepost.engine.generate_result import Result
+from milepost.engine.grammar import Grammar, GrammarCompiler, GrammarError
+from milepost.engine.protocol import GenerateReqInput, Item
 from milepost.engine.request import Request, RequestOutput
 from milepost.engine.sampling import SamplingParams
 
@@ -41,11 +42,12 @@ class Names:
     stop_token_ids: str = "sampling_params.stop_token_ids"
     seed: str = "sampling_params.sampling_seed"
     logit_bias: str = "sampling_params.logit_bias"
+    grammar: str = "sampling_params"  # where json_schema / regex / ebnf sit
 
 
 SGLANG_NAMES = Names()
 OPENAI_NAMES = Names(prompt="prompt", max_new_tokens="max_tokens", stop_token_ids="stop_token_ids",
-                     seed="seed", logit_bias="logit_bias")
+                     seed="seed", logit_bias="logit_bias", grammar="response_format")
 
 # How often a non-streaming request checks that its client is still there (SGLang does the same).
 DISCONNECT_POLL_S = 1.0
@@ -77,6 +79,7 @@ class Seq:
     item: Item
     rid: str
     index: int  # position in the response (prompt-major, then sample)
+    grammar: Grammar | None = None  # structured output: this sequence's own matcher
 
 
 class GenerateService:
@@ -95,6 +98,8 @@ class GenerateService:
         # job at a time (a shared fast tokenizer is not meant for concurrent calls).
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="milepost-tokenize")
         engine.on_close(lambda: self._pool.shutdown(wait=False, cancel_futures=True))
+        self.grammars = GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids)
+        engine.on_close(self.grammars.close)
 
     def tokenize(self, prompt: str | list[int], field: str = "text") -> list[int]:
         if isinstance(prompt, str):
@@ -198,11 +203,13 @@ class GenerateService:
             self.check_lora(item.lora_path)
             start = item.logprob_start_len if item.return_logprob else -1
             base = item.rid or uuid.uuid4().hex
+            grammars = await self._grammars(params, where)
             for j in range(params.n):
                 seed = None if params.sampling_seed is None else params.sampling_seed + j
                 one = params.model_copy(update={"n": 1, "sampling_seed": seed})
                 rid = base if params.n == 1 else f"{base}-{j}"
-                out.append(Seq(ids, replace(item, params=one, logprob_start_len=start), rid, len(out)))
+                out.append(Seq(ids, replace(item, params=one, logprob_start_len=start), rid, len(out),
+                               grammars[j] if grammars else None))
         rids = [s.rid for s in out]
         taken = next((r for r in rids if r in self.active), None)
         if taken is not None:
@@ -222,6 +229,16 @@ class GenerateService:
         if name not in pool.loaded:
             raise BadRequest(f"lora_path: adapter {name!r} is not loaded; loaded: {sorted(pool.loaded)} "
                              "(load it with POST /load_lora_adapter)")
+
+    async def _grammars(self, params: SamplingParams, names: Names) -> list[Grammar] | None:
+        """One compiled grammar per sample (n), compiled off the event loop; None: no grammar."""
+        if params.grammar is None:
+            return None
+        field, text = params.grammar
+        try:
+            return await self.grammars.compile(field, text, params.n, names.grammar)
+        except GrammarError as e:
+            raise BadRequest(str(e)) from None
 
     def abort(self, rid: str) -> None:
         """Abort every request whose rid starts with `rid` (SGLang's rule: it also reaches the
@@ -249,7 +266,7 @@ class GenerateService:
             token_ids_logprob=item.token_ids_logprob if result.return_logprob else None,
             # An adapter's KV differs from the base's: its requests neither read nor write the cache.
             cacheable=body.extra_key is None and item.lora_path is None,
-            lora_name=item.lora_path,
+            lora_name=item.lora_path, grammar=seq.grammar,
         ))
         self.active.add(seq.rid)
         return result, q
