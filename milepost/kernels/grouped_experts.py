@@ -8,6 +8,8 @@ Results are merged per token in slot order (a gather, no atomics): deterministic
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -27,9 +29,17 @@ def grouped_available(x: torch.Tensor) -> bool:
             and hasattr(torch, "_grouped_mm"))
 
 
+def grouped_train_available(x: torch.Tensor) -> bool:
+    """The trainer on CUDA in bf16 (outside inference_mode): torch's grouped GEMM has a backward."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
 def grouped_expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """x: [T, H], ids: [T, k] int64, weights: [T, k]; w13: [E, 2I, H], w2: [E, H, I] -> [T, H]."""
+                       w13: torch.Tensor, w2: torch.Tensor, act: Callable | None = None) -> torch.Tensor:
+    """x: [T, H], ids: [T, k] int64, weights: [T, k]; w13: [E, 2I, H], w2: [E, H, I] -> [T, H].
+
+    act(gate, up): the SiLU-and-mul to use (default: the inference kernel on CUDA; the trainer
+    passes train_fused.silu_mul, which has a backward)."""
     t, k = ids.shape
     num_experts = w13.shape[0]
     flat = ids.reshape(-1)
@@ -40,7 +50,10 @@ def grouped_expert_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     xs = x.index_select(0, order // k)  # [T*k, H]
     gate_up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
     gate, up = gate_up.chunk(2, dim=-1)
-    act = silu_mul(gate, up) if x.is_cuda else F.silu(gate) * up
+    if act is not None:
+        act = act(gate, up)
+    else:
+        act = silu_mul(gate, up) if x.is_cuda else F.silu(gate) * up
     ys = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [T*k, H]
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=x.device)

@@ -35,12 +35,12 @@ def fused_training(module: nn.Module, x: torch.Tensor) -> bool:
 
 
 def set_fused_training(model: nn.Module, on: bool) -> int:
-    """Switch the fused training kernels (RMSNorm, RoPE, SiLU-and-mul) of every native block of
-    `model` on or off; returns how many modules were switched. Off by default: the engine and the
-    CPU path run the torch ops."""
+    """Switch the fused training kernels (RMSNorm, RoPE, SiLU-and-mul, grouped MoE experts) of
+    every native block of `model` on or off; returns how many modules were switched. Off by
+    default: the engine and the CPU path run the torch ops."""
     switched = 0
     for m in model.modules():
-        if isinstance(m, (RMSNorm, GatedMLP, SelfAttention)):
+        if hasattr(m, "fused_train"):  # RMSNorm, GatedMLP, SelfAttention, MoE StackedExperts
             m.fused_train = on
             switched += 1
     return switched

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from milepost.kernels.grouped_experts import grouped_available, grouped_expert_mlp
+from milepost.kernels.grouped_experts import grouped_available, grouped_expert_mlp, grouped_train_available
 from milepost.models.base import ForwardContext
 from milepost.models.layers import GatedMLP
 from milepost.models.qwen3 import Qwen3ForCausalLM
@@ -32,11 +32,16 @@ class StackedExperts(nn.Module):
         self.intermediate = intermediate
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.fused_train = False  # set_fused_training: grouped GEMMs with backward in training
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H], ids: [T, k] int64, weights: [T, k] (x.dtype) -> [T, H]."""
         if grouped_available(x):  # GPU: two grouped GEMMs, no host sync (CUDA-graph safe)
             return grouped_expert_mlp(x, ids, weights, self.w13, self.w2)
+        if self.fused_train and grouped_train_available(x):  # the trainer: the same, differentiable
+            from milepost.kernels import train_fused
+
+            return grouped_expert_mlp(x, ids, weights, self.w13, self.w2, act=train_fused.silu_mul)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
