@@ -106,6 +106,8 @@ def read_recipe(path: Path, table_of: Mapping[str, str]) -> dict[str, Any]:
         flat[key] = value
 
     for key, value in doc.items():
+        if key == "evidence" and isinstance(value, dict):
+            continue  # the recipe's evidence level (milepost/recipes_cli.py), not a setting
         if isinstance(value, dict):
             if key not in tables:
                 close = difflib.get_close_matches(key, tables, n=1, cutoff=0.6)

@@ -1,17 +1,21 @@
-"""The settings reference (docs/reference/settings.md) is generated from the config models and
-committed; these fail when it is stale or misses a setting, naming the command that fixes it."""
+"""The generated reference pages (docs/reference/settings.md from the config models, recipes.md
+from the recipes' evidence) are committed; these fail when one is stale or misses a setting,
+naming the command that fixes it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from milepost.docs_gen import SETTINGS_PAGE, main, settings_markdown, stale_diff
+import pytest
+
+from milepost.docs_gen import PAGES, SETTINGS_PAGE, main, settings_markdown, stale_diff
 
 
-def test_committed_settings_page_is_fresh() -> None:
-    diff = stale_diff()
-    assert not diff, ("docs/reference/settings.md is stale; run `python -m milepost.docs_gen` and "
-                      "commit it:\n" + diff[:3000])
+@pytest.mark.parametrize("page", list(PAGES), ids=lambda p: p.name)
+def test_committed_reference_page_is_fresh(page: Path) -> None:
+    diff = stale_diff(page)
+    assert not diff, (f"{page} is stale; run `python -m milepost.docs_gen` and commit it:\n"
+                      + diff[:3000])
 
 
 def test_every_setting_is_on_the_page() -> None:
@@ -28,7 +32,7 @@ def test_every_setting_is_on_the_page() -> None:
 def test_check_fails_on_a_hand_edit(tmp_path: Path, capsys) -> None:
     edited = tmp_path / "settings.md"
     edited.write_text(settings_markdown().replace("| `seed` |", "| `sead` |", 1))
-    diff = stale_diff(edited)
+    diff = stale_diff(edited, settings_markdown)
     assert "-| `sead` |" in diff and "+| `seed` |" in diff
-    assert main(["--check"]) == 0  # the committed page itself is fresh
+    assert main(["--check"]) == 0  # the committed pages themselves are fresh
     assert SETTINGS_PAGE.is_file()
