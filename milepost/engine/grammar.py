@@ -170,3 +170,34 @@ def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> N
         return
     index = torch.tensor(rows, device=dev)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+
+
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
+def response_format_params(fmt: dict | None) -> dict[str, str]:
+    """OpenAI's `response_format` as sampling params, mapped as SGLang maps it: `text` -> none,
+    `json_object` -> json_schema {"type": "object"}, `json_schema` -> its `schema`.
+    A malformed value raises ValueError naming the part at fault."""
+    if fmt is None:
+        return {}
+    kind = fmt.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(f"response_format.type: {kind!r} is not supported; use text, json_object "
+                         "or json_schema")
+    unknown = sorted(set(fmt) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
+    if unknown:
+        raise ValueError(f"response_format: unexpected field(s) {unknown} for type {kind!r}")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ValueError("response_format.json_schema.schema: give the JSON schema, an object "
+                         '({"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}})')
+    unknown = sorted(set(spec) - _JSON_SCHEMA_KEYS)
+    if unknown:
+        raise ValueError(f"response_format.json_schema: unknown field(s) {unknown}; expected "
+                         f"{sorted(_JSON_SCHEMA_KEYS)}")
+    return {"json_schema": json.dumps(spec["schema"])}

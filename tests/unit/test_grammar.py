@@ -18,6 +18,7 @@ from milepost.engine.grammar import (
     GrammarError,
     apply_masks,
     fill_masks,
+    response_format_params,
 )
 from milepost.engine.sampling import SamplingParams, sample
 from milepost.testing.tokenizer import build_tiny_tokenizer
@@ -154,3 +155,25 @@ def test_apply_masks_on_all_rows_in_place() -> None:
     apply_masks(logits, [0, 1], masks)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3]
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [31]
+
+
+def test_response_format_maps_as_sglang_maps_it() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert response_format_params(None) == {} and response_format_params({"type": "text"}) == {}
+    assert response_format_params({"type": "json_object"}) == {"json_schema": '{"type": "object"}'}
+    got = response_format_params({"type": "json_schema",
+                                  "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    assert json.loads(got["json_schema"]) == schema
+
+
+@pytest.mark.parametrize(("fmt", "words"), [
+    ({"type": "yaml"}, ["response_format.type", "yaml"]),
+    ({"type": "json_schema"}, ["response_format.json_schema.schema"]),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}, ["schema"]),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "shema": 1}}, ["shema"]),
+    ({"type": "json_object", "schema": {}}, ["response_format", "schema"]),
+])
+def test_a_malformed_response_format_names_the_part(fmt: dict, words: list[str]) -> None:
+    with pytest.raises(ValueError) as e:
+        response_format_params(fmt)
+    assert all(w in str(e.value) for w in words), str(e.value)
