@@ -1,30 +1,36 @@
-"""OpenAI-compatible basics: `/v1/completions` and `/v1/chat/completions` (non-streaming).
+"""OpenAI-compatible endpoints: `/v1/completions` and `/v1/chat/completions` (openai_chat.py).
 
-They run on the same GenerateService as `/generate`; chat prompts are rendered with the
-checkpoint's own chat template. Tools and streaming for agents live in the session server.
-Unknown OpenAI fields are ignored (clients send many), but the ones that would change the
-answer (log-probs, echo) are refused rather than silently dropped; penalties and logit_bias are
-the sampler's own (SGLang semantics). Non-finite numbers and type coercions are refused.
+They run on the same GenerateService as `/generate`. Every field is honoured or refused by name:
+the request models forbid unknown fields, a few that change nothing in the answer (`user`,
+`metadata`, `store`, `service_tier`) are accepted and unused, and SGLang's extensions that
+sglang-router writes into every request are honoured or accepted at their no-op value.
+Penalties and logit_bias are the sampler's own (SGLang semantics). Non-finite numbers and type
+coercions are refused.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import replace
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request as HttpRequest
+from fastapi import APIRouter
+from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from milepost.engine.openai_chat import chat_completion
 from milepost.engine.protocol import GenerateReqInput
 from milepost.engine.sampling import SamplingParams
+from milepost.session.families import Family
+
+# OpenAI fields that change nothing in the answer: accepted, not used.
+ACCEPTED_UNUSED = frozenset({"user", "metadata", "store", "service_tier"})
 
 
 class _OpenAIBase(BaseModel):
-    # Clients send many optional fields we do not use; the ones read are strictly typed.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    # Unknown fields are refused (400 naming them): a field we do not read must not look honoured.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str = "default"
     max_tokens: int | None = Field(None, ge=0)
@@ -34,16 +40,55 @@ class _OpenAIBase(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
+    stream_options: dict[str, bool] | None = None
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    # SGLang's extensions (sglang-router sends the flags below in every request, at defaults).
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+    # Structured output (helper D): the one place that reads response_format.
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unused(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k not in ACCEPTED_UNUSED}
+        return data
+
+    @model_validator(mode="after")
+    def _off_only(self) -> _OpenAIBase:
+        if self.return_hidden_states:
+            raise ValueError("return_hidden_states: not supported by this engine; send false")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format: structured output is not supported by this "
+                             "engine; send {\"type\": \"text\"} or leave it out")
+        if self.stream_options is not None and (set(self.stream_options) - {"include_usage"}):
+            raise ValueError(f"stream_options: only include_usage is supported, got "
+                             f"{sorted(self.stream_options)}")
+        return self
+
+    def max_new_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else 128
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
-            max_new_tokens=self.max_tokens if self.max_tokens is not None else 128,
+            max_new_tokens=self.max_new_tokens(),
             temperature=self.temperature, top_p=self.top_p, n=self.n, stop=self.stop,
             sampling_seed=self.seed, frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty, logit_bias=self.logit_bias,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            min_new_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            no_stop_trim=self.no_stop_trim,
         )
 
 
@@ -59,8 +104,7 @@ def _prompt_shape(v: Any) -> str:
 
 # OpenAI's four prompt forms: text, token ids, and a batch of either.
 Prompt = Annotated[
-    Union[Annotated[str, Tag("str")], Annotated[list[str], Tag("list[str]")],
-          Annotated[list[int], Tag("list[int]")], Annotated[list[list[int]], Tag("list[list[int]]")]],
+    Annotated[str, Tag("str")] | Annotated[list[str], Tag("list[str]")] | Annotated[list[int], Tag("list[int]")] | Annotated[list[list[int]], Tag("list[list[int]]")],
     Discriminator(_prompt_shape),
 ]
 
@@ -85,29 +129,90 @@ class CompletionRequest(_OpenAIBase):
         return list(self.prompt) if shape in ("list[str]", "list[list[int]]") else [self.prompt]
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1)  # a tool message answers it by this id
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]  # the engine serves text models
+    text: str
+
+
 class ChatMessage(BaseModel):
+    # Other fields (name, reasoning_content, ...) reach the chat template as sent.
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str | None = None
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        m = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            m["content"] = "".join(p.text for p in self.content)
+        return m
 
 
 class ChatCompletionRequest(_OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)  # what sglang-router sends
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=20)
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     @model_validator(mode="after")
-    def _no_logprobs(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs: not supported on /v1/chat/completions; use /generate "
-                             "with return_logprob=true")
+    def _fields(self) -> ChatCompletionRequest:
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ValueError(f"max_completion_tokens: {self.max_completion_tokens} differs from "
+                             f"max_tokens {self.max_tokens}; send one of them")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        if self.logprobs and self.stream:
+            raise ValueError("logprobs: not supported with stream; use stream: false")
+        if self.tool_choice not in ("auto", "none"):
+            raise ValueError("tool_choice: only 'auto' and 'none' are supported ('required' and a "
+                             "named function need constrained decoding)")
+        if not self.parallel_tool_calls:
+            raise ValueError("parallel_tool_calls: false needs constrained decoding, not "
+                             "supported; send true or leave it out")
+        if not (self.separate_reasoning and self.stream_reasoning):
+            raise ValueError("separate_reasoning / stream_reasoning: only true is supported (the "
+                             "family's parser always separates reasoning)")
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise ValueError(f"messages[{i}].tool_call_id: a tool message must name the tool "
+                                 f"call it answers")
         return self
+
+    def max_new_tokens(self) -> int:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super().max_new_tokens()
 
 
 def _finish(meta: dict) -> str:
     return "length" if meta["finish_reason"]["type"] == "length" else "stop"
 
 
-def openai_router(service: object) -> APIRouter:
+def openai_router(service: object, family: Family | None = None) -> APIRouter:
+    """`family`: the model family whose parsers read chat answers (--tool-call-parser)."""
     from milepost.engine.server import OPENAI_NAMES, BadRequest, GenerateService
 
     assert isinstance(service, GenerateService)
@@ -144,24 +249,7 @@ def openai_router(service: object) -> APIRouter:
         }
 
     @router.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, http: HttpRequest) -> dict:
-        if service.tokenizer is None or not getattr(service.tokenizer, "chat_template", None):
-            raise BadRequest("messages: this model has no chat template; use /v1/completions")
-        try:
-            ids = service.tokenizer.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in req.messages],
-                add_generation_prompt=True, tokenize=True, return_dict=False,
-            )
-        except Exception as e:  # noqa: BLE001 - the template raises whatever its author chose
-            raise BadRequest(
-                f"messages: the model's chat template cannot render them ({type(e).__name__}: {e})"
-            ) from e
-        outs, usage = await run([list(ids)], req, "messages", http)
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": req.model, "usage": usage,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": o["text"]},
-                         "finish_reason": _finish(o["meta_info"])} for i, o in enumerate(outs)],
-        }
+    async def chat(req: ChatCompletionRequest, http: HttpRequest) -> Any:
+        return await chat_completion(service, req, http, family)
 
     return router

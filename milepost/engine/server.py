@@ -46,9 +46,10 @@ log = logging.getLogger(__name__)
 
 def create_app(engine: Engine, info: ServerInfo, tokenizer: object | None,
                limits: Limits | None = None, incremental_stream: bool = False,
-               max_body_bytes: int = 128 << 20) -> FastAPI:
+               max_body_bytes: int = 128 << 20, tool_call_parser: str | None = None) -> FastAPI:
     from milepost.engine.memory import MemoryGuard, MemoryOccupation, memory_router
     from milepost.engine.openai_api import openai_router
+    from milepost.engine.openai_chat import tool_call_family
     from milepost.engine.weight_check import weight_check_router
     from milepost.engine.weight_delta_routes import weight_delta_router
     from milepost.engine.weight_routes import weight_router
@@ -136,7 +137,7 @@ def create_app(engine: Engine, info: ServerInfo, tokenizer: object | None,
     app.include_router(weight_check_router(engine))
     app.include_router(weight_delta_router(engine))
     app.include_router(lora_router(engine))  # /load_lora_adapter, /unload_lora_adapter (milepost/lora/)
-    app.include_router(openai_router(service))
+    app.include_router(openai_router(service, tool_call_family(tool_call_parser)))
     memory = MemoryOccupation(engine)  # release/resume for colocated runs (memory.py)
     app.include_router(memory_router(engine, memory))
     app.add_middleware(MemoryGuard, memory=memory)
@@ -163,7 +164,8 @@ def run_server(args: object) -> None:
     try:
         limits = Limits(max_request_batch=args.max_request_batch)
         app = create_app(engine, info, tokenizer, limits, args.incremental_streaming_output,
-                         max_body_bytes=int(args.max_request_body_mb * (1 << 20)))
+                         max_body_bytes=int(args.max_request_body_mb * (1 << 20)),
+                         tool_call_parser=args.tool_call_parser)
         protect(app, args.api_key)  # milepost/auth.py: 401 without the key (but /health)
         warn_if_exposed(args.host, args.api_key, "milepost serve", log)
         log.info("serving %s on http://%s:%d", info.model_path, args.host, args.port)

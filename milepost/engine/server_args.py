@@ -125,6 +125,11 @@ class ServerArgs(BaseModel):
     lora_paths: list[str] | None = Field(
         None, description="--enable-lora: adapters to load at start, each NAME=PATH of a PEFT "
         "adapter directory.")
+    tool_call_parser: str | None = Field(
+        None, description="Model family whose parsers read /v1/chat/completions answers "
+        "(tool_calls, reasoning_content): a session family (qwen3, qwen2.5, llama3, deepseek-v3, "
+        "kimi-k2, mistral, glm4, gpt-oss, chatml) or SGLang's parser name (qwen25, deepseekv3, "
+        "kimi_k2, glm45, ...); without it a request with tools is refused.")
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
         "default", description="Weight version reported before the first weight update."
@@ -211,6 +216,14 @@ class ServerArgs(BaseModel):
     def _version(cls, v: str) -> str:
         if not v:
             raise ValueError("--weight-version must not be empty; the default is 'default'")
+        return v
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _tool_call_parser(cls, v: str | None) -> str | None:
+        from milepost.engine.openai_chat import tool_call_family
+
+        tool_call_family(v)  # an unknown name is refused at start, naming the choices
         return v
 
     @model_validator(mode="after")

@@ -84,7 +84,7 @@ class Renderer:
     def render(self, messages: list[Message], tools: list[dict] | None,
                add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:
         if self.family.tool_args_as_objects:
-            messages = [_args_as_objects(m) for m in messages]
+            messages = [args_as_objects(m) for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=False,
@@ -173,7 +173,7 @@ def _first_char_difference(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _args_as_objects(m: Message) -> Message:
+def args_as_objects(m: Message) -> Message:
     if not m.get("tool_calls"):
         return m
     calls = []

@@ -39,7 +39,8 @@ def weather_conversation(city: str, cond: str, call_id: str = "call_1") -> list[
     ]
 
 
-def _examples(tok, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+def _examples(tok, n: int, seed: int, tools: list[dict] | None = None,
+              ) -> list[tuple[list[int], list[int]]]:
     """(ids, labels) with labels only on assistant turns (their end-of-turn token included)."""
     rng = random.Random(seed)
     out = []
@@ -51,9 +52,9 @@ def _examples(tok, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
         for k, m in enumerate(conv):
             if m["role"] != "assistant":
                 continue
-            prompt = tok.apply_chat_template(conv[:k], tools=None, tokenize=False,
+            prompt = tok.apply_chat_template(conv[:k], tools=tools, tokenize=False,
                                              add_generation_prompt=True)
-            full = tok.apply_chat_template(conv[:k + 1], tools=None, tokenize=False)
+            full = tok.apply_chat_template(conv[:k + 1], tools=tools, tokenize=False)
             full = full[: full.rfind("<|im_end|>") + len("<|im_end|>")]
             p_ids = tok(prompt[done:], add_special_tokens=False)["input_ids"]
             a_ids = tok(full[len(prompt):], add_special_tokens=False)["input_ids"]
@@ -64,8 +65,10 @@ def _examples(tok, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def make_agent_model(path: str | Path, steps: int = 60, seed: int = 0) -> Path:
-    """Write the tool-calling checkpoint to `path` (skipped when it is there already)."""
+def make_agent_model(path: str | Path, steps: int = 60, seed: int = 0,
+                     tools: list[dict] | None = None) -> Path:
+    """Write the tool-calling checkpoint to `path` (skipped when it is there already); with
+    `tools`, taught with that tool list in its prompts (as an OpenAI chat request renders it)."""
     path = Path(path)
     if (path / "agent_model.json").is_file():
         return path
@@ -76,7 +79,7 @@ def make_agent_model(path: str | Path, steps: int = 60, seed: int = 0) -> Path:
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
     torch.manual_seed(seed)
-    final_loss = fit_examples(model, _examples(tok, 64, seed), steps, seed)
+    final_loss = fit_examples(model, _examples(tok, 64, seed, tools), steps, seed)
     model.save_pretrained(path)
     (path / "agent_model.json").write_text(json.dumps({"steps": steps, "final_loss": final_loss}))
     return path

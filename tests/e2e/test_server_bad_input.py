@@ -157,8 +157,12 @@ CASES: list[tuple[str, str, object, list[str]]] = [
     ("v1-chat-late-system", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]},
      ["messages", "chat template"]),
-    ("v1-chat-logprobs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, ["logprobs"]),
+    ("v1-chat-logprobs-stream", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "stream": True},
+     ["logprobs", "stream"]),
+    ("v1-chat-unknown-field", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "function_call": "auto"},
+     ["function_call", "unknown field"]),
     ("v1-chat-malformed-json", "/v1/chat/completions", b'{"messages": [', ["body", "malformed JSON"]),
 ]
 
