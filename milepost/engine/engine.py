@@ -190,6 +190,10 @@ class Engine(Stepper):
         if req.rid in self._by_rid:
             req.on_output(_abort_output(req, f"duplicate rid {req.rid!r}: already running"))
             return
+        lora = self.runner.lora
+        if req.lora_name is not None and (lora is None or req.lora_name not in lora.loaded):
+            req.on_output(_abort_output(req, f"LoRA adapter {req.lora_name!r} is not loaded"))
+            return
         self._by_rid[req.rid] = req
         if req.params.max_new_tokens == 0 and req.logprob_start_len < 0:
             self._finish(req, {"type": "length", "length": 0})
@@ -199,6 +203,10 @@ class Engine(Stepper):
     def abort_many(self, rids: list[str], message: str) -> None:
         """Abort these requests (unknown or finished ones are skipped) in one engine task."""
         self._inbox.put(lambda: self._abort_rids(rids, message))
+
+    def abort_where(self, pred: Callable[[Request], bool], message: str) -> None:
+        """Engine thread: abort every unfinished request for which pred(request) holds."""
+        self._abort_rids([rid for rid, r in self._by_rid.items() if pred(r)], message)
 
     def _abort(self, rid: str | None, message: str) -> None:
         self._abort_rids(list(self._by_rid) if rid is None else [rid], message)

@@ -64,8 +64,7 @@ _OFF_ONLY: list[tuple[str, Any, str]] = [
     ("return_indexer_topk", False, "no sparse-attention indexer in these models"),
     ("return_cached_tokens_details", False, "this engine has one cache tier; see cached_tokens"),
     ("background", False, "background responses are not supported; send the request and wait"),
-    ("lora_path", None, "this engine serves no LoRA adapters"),
-    ("lora_id", None, "this engine serves no LoRA adapters"),
+    ("lora_id", None, "adapters are picked by name: send lora_path"),
     ("custom_logit_processor", None, "serialized logit processors (code) are not run by this engine"),
     ("positional_embed_overrides", None, "this engine takes text or input_ids"),
     ("session_params", None, "SGLang's session API is not served; use milepost's session server"),
@@ -97,6 +96,7 @@ class Item:
     logprob_start_len: int
     top_logprobs_num: int
     token_ids_logprob: list[int] | None
+    lora_path: str | None = None  # the LoRA adapter's name (SGLang: lora_path), None = the base
 
 
 class GenerateReqInput(_Strict):
@@ -222,8 +222,12 @@ class GenerateReqInput(_Strict):
             if bad:
                 raise ValueError(f"{name}: {bad[0]} is out of range "
                                  f"({'>= -1' if low else '0 to 100'})")
-        return [Item(prompts[i], params[i], rids[i], flags[i], starts[i], tops[i], per_ids[i] or None)
-                for i in range(n)]
+        loras = _per_item("lora_path", self.lora_path, n, "prompts")
+        bad = [v for v in loras if v is not None and not isinstance(v, str)]
+        if bad:
+            raise ValueError(f"lora_path: {bad[0]!r} is not an adapter name (a string, or null for the base)")
+        return [Item(prompts[i], params[i], rids[i], flags[i], starts[i], tops[i], per_ids[i] or None,
+                     lora_path=loras[i]) for i in range(n)]
 
 
 def _per_item(name: str, value: Any, n: int, what: str) -> list[Any]:

@@ -17,6 +17,7 @@ from milepost.engine.cuda_graph import DecodeGraphs, Feed, fed_tokens
 from milepost.engine.forward_batch import build_flat, slots_of
 from milepost.engine.request import Request
 from milepost.engine.scheduler import Chunk
+from milepost.lora.serving import AdapterPool
 from milepost.models.attention import PagedBatch, PagedKVCache
 from milepost.models.base import CausalLM, ForwardContext
 from milepost.models.masked_attention import VariantPagedAttention, needs_variant_backend
@@ -54,6 +55,7 @@ class ModelRunner:
                 (n_slots, model.num_layers, model.moe_top_k), -1, dtype=torch.int32, device=device
             )
         self.graphs: DecodeGraphs | None = None
+        self.lora: AdapterPool | None = None  # --enable-lora: adapters applied per token (milepost/lora/)
         if cuda_graph_max_bs > 0:
             if device.type != "cuda":
                 raise ValueError("CUDA graphs need a CUDA device; pass --disable-cuda-graph on CPU")
@@ -117,6 +119,8 @@ class ModelRunner:
         ids = put(flat.input_ids)
         if feed is not None:
             fed_tokens(ids, feed, self.device)
+        if self.lora is not None:
+            self.lora.set_batch([self.lora.slot_of(c.req.lora_name) for c in chunks for _ in range(c.length)])
         hidden = self.model.forward(ids, put(flat.positions), ctx)
         if routed is not None:
             self._record_routed(slot_t, routed)

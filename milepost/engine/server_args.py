@@ -122,14 +122,9 @@ class ServerArgs(BaseModel):
     max_loras_per_batch: int = Field(
         8, ge=1, description="--enable-lora: adapters resident at once (each a slot of every "
         "targeted projection's adapter tensors), all usable in one batch.")
-    lora_paths: list[str] | None = Field(
-        None, description="--enable-lora: adapters to load at start, each NAME=PATH of a PEFT "
-        "adapter directory.")
-    tool_call_parser: str | None = Field(
-        None, description="Model family whose parsers read /v1/chat/completions answers "
-        "(tool_calls, reasoning_content): a session family (qwen3, qwen2.5, llama3, deepseek-v3, "
-        "kimi-k2, mistral, glm4, gpt-oss, chatml) or SGLang's parser name (qwen25, deepseekv3, "
-        "kimi_k2, glm45, ...); without it a request with tools is refused.")
+    lora_paths: str | None = Field(
+        None, description="--enable-lora: adapters to load at start, NAME=PATH[,NAME=PATH...], each "
+        "PATH a PEFT adapter directory.")
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
         "default", description="Weight version reported before the first weight update."
@@ -218,14 +213,6 @@ class ServerArgs(BaseModel):
             raise ValueError("--weight-version must not be empty; the default is 'default'")
         return v
 
-    @field_validator("tool_call_parser")
-    @classmethod
-    def _tool_call_parser(cls, v: str | None) -> str | None:
-        from milepost.engine.openai_chat import tool_call_family
-
-        tool_call_family(v)  # an unknown name is refused at start, naming the choices
-        return v
-
     @model_validator(mode="after")
     def _combinations(self) -> ServerArgs:
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -242,7 +229,8 @@ class ServerArgs(BaseModel):
                 or self.max_lora_rank != 16) and not self.enable_lora:
             raise ValueError("--lora-paths / --max-lora-rank / --lora-target-modules / "
                              "--max-loras-per-batch need --enable-lora")
-        bad = [p for p in self.lora_paths or [] if "=" not in p or not p.split("=", 1)[0]]
+        specs = self.lora_paths.split(",") if self.lora_paths else []
+        bad = [p for p in specs if "=" not in p or not p.split("=", 1)[0]]
         if bad:
             raise ValueError(f"--lora-paths {bad}: give each adapter as NAME=PATH")
         model_max = model_max_positions(self.model_path)

@@ -354,6 +354,8 @@ class WeightLoader:
             merged.append((device, start, end))
         missing = []
         for name in self.model.hf_weight_names():
+            if "/" in name:  # a LoRA adapter's tensor (milepost/lora/routes.py): not a checkpoint's
+                continue
             span = _span(self.model.weight_view(name))
             if span is None:
                 continue

@@ -1,0 +1,232 @@
+"""Serving LoRA adapters beside one resident base model, without merging (SGLang's multi-LoRA).
+
+`AdapterPool` keeps every loaded adapter in fixed slots of stacked tensors per projection
+(A: [slots, max_rank, in], B: [slots, out, max_rank]; slot 0 is all zeros = the base model; a
+smaller rank is zero-padded, which adds exact zeros). Before each forward the runner gives each
+token its adapter's slot; a forward hook on every projection (q/k/v/o, gate/up/down, fused or
+not) then adds x A^T B^T * scaling for the tokens of each adapter in the batch. This is the
+reference path (CPU first): one gathered pair of matmuls per adapter present, not a fused kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from milepost.lora.peft_format import read_peft_adapter
+from milepost.lora.settings import ATTENTION_MODULES, MLP_MODULES, LoraSettings
+
+
+class AdapterError(ValueError):
+    """A request or an adapter the pool cannot take; the message names the adapter and the fix."""
+
+
+@dataclass
+class _Part:
+    """One HF projection inside a physical linear: its output rows [start, end)."""
+
+    key: str  # "model.layers.0.self_attn.q_proj"
+    start: int
+    end: int
+
+
+@dataclass
+class _Loaded:
+    slot: int
+    settings: LoraSettings
+    path: str
+    names: list[str] = field(default_factory=list)  # its tensors' names (...q_proj.lora_A.weight)
+
+
+def _parts(layer: nn.Module, i: int, module: str) -> tuple[nn.Linear, _Part] | None:
+    """The physical linear computing HF projection `module` of layer i, and its rows there."""
+    attn = module in ATTENTION_MODULES
+    parent = layer.self_attn if attn else layer.mlp
+    key = f"model.layers.{i}.{'self_attn' if attn else 'mlp'}.{module}"
+    plain = getattr(parent, module, None)
+    if isinstance(plain, nn.Linear):
+        return plain, _Part(key, 0, plain.out_features)
+    fused_name, members = (("qkv_proj", ("q_proj", "k_proj", "v_proj")) if attn
+                           else ("gate_up_proj", ("gate_proj", "up_proj")))
+    fused = getattr(parent, fused_name, None)
+    if module not in members or not isinstance(fused, nn.Linear):
+        return None
+    sizes = parent._qkv_sizes if attn else [fused.out_features // 2] * 2
+    start = sum(sizes[: members.index(module)])
+    return fused, _Part(key, start, start + sizes[members.index(module)])
+
+
+class AdapterPool:
+    """Adapters resident in one engine: load / unload by name, per-token application in forwards.
+
+    Not thread-safe: the engine calls everything from its own thread, between steps.
+    """
+
+    def __init__(self, model: nn.Module, target_modules: Sequence[str], max_rank: int,
+                 max_loras: int, device: torch.device, dtype: torch.dtype) -> None:
+        if max_rank <= 0 or max_loras <= 0:
+            raise ValueError(f"--max-lora-rank ({max_rank}) and --max-loras-per-batch ({max_loras}) must be > 0")
+        self.max_rank, self.max_loras = max_rank, max_loras
+        self.target_modules = tuple(target_modules)
+        self.loaded: dict[str, _Loaded] = {}
+        self.A: dict[str, torch.Tensor] = {}
+        self.B: dict[str, torch.Tensor] = {}
+        self.scaling = torch.zeros(max_loras + 1, dtype=torch.float32)
+        self._segments: list[tuple[int, torch.Tensor]] = []  # (slot, token rows) of the current forward
+        self._hooks = []
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None or not getattr(model, "native", False):
+            raise ValueError(f"--enable-lora needs a native model (milepost/models/), not {type(model).__name__}")
+        by_module: dict[int, tuple[nn.Linear, list[_Part]]] = {}
+        for i, layer in enumerate(layers):
+            for module in self.target_modules:
+                found = _parts(layer, i, module)
+                if found is None:
+                    raise ValueError(f"--lora-target-modules {module}: layer {i} of {type(model).__name__} "
+                                     "has no such plain projection (mixture-of-experts MLPs are not "
+                                     "supported yet: target attention only)")
+                linear, part = found
+                by_module.setdefault(id(linear), (linear, []))[1].append(part)
+                slots = max_loras + 1
+                self.A[part.key] = torch.zeros(slots, max_rank, linear.in_features, device=device, dtype=dtype)
+                self.B[part.key] = torch.zeros(slots, part.end - part.start, max_rank, device=device, dtype=dtype)
+        for linear, parts in by_module.values():
+            self._hooks.append(linear.register_forward_hook(self._hook(parts)))
+
+    # -- adapters ----------------------------------------------------------------------------
+
+    def load(self, name: str, path: str | Path) -> None:
+        """Load the PEFT directory at `path` as adapter `name`; AdapterError leaves the pool as it was."""
+        if name in self.loaded:
+            raise AdapterError(f"lora_name: adapter {name!r} is already loaded (from {self.loaded[name].path}); "
+                               "unload it first or pick another name")
+        try:
+            settings, tensors = read_peft_adapter(path)
+        except (ValueError, OSError) as e:
+            raise AdapterError(f"lora_path: {e}") from None
+        self.load_tensors(name, settings, tensors, str(path))
+
+    def load_tensors(self, name: str, settings: LoraSettings, tensors: dict[str, torch.Tensor],
+                     path: str = "<tensors>") -> None:
+        if not name:
+            raise AdapterError("lora_name: must not be empty")
+        free = sorted(set(range(1, self.max_loras + 1)) - {a.slot for a in self.loaded.values()})
+        if not free:
+            raise AdapterError(f"lora_name {name!r}: all {self.max_loras} adapter slots are in use "
+                               f"({sorted(self.loaded)}); unload one or raise --max-loras-per-batch")
+        if settings.rank > self.max_rank:
+            raise AdapterError(f"adapter {name!r} has rank {settings.rank}, more than --max-lora-rank "
+                               f"{self.max_rank}; restart the engine with --max-lora-rank {settings.rank}")
+        extra = [m for m in settings.target_modules if m not in self.target_modules]
+        if extra:
+            raise AdapterError(f"adapter {name!r} targets {extra}, which this engine does not serve "
+                               f"(--lora-target-modules {','.join(self.target_modules)})")
+        staged = self._stage(name, settings, tensors)
+        slot = free[0]
+        with torch.no_grad():
+            for key, a, b in staged:
+                self.A[key][slot].zero_()
+                self.B[key][slot].zero_()
+                self.A[key][slot, : settings.rank].copy_(a)
+                self.B[key][slot, :, : settings.rank].copy_(b)
+        self.scaling[slot] = settings.scaling
+        self.loaded[name] = _Loaded(slot, settings, path, sorted(tensors))
+
+    def _stage(self, name: str, settings: LoraSettings, tensors: dict[str, torch.Tensor]
+               ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Check every tensor against the base's shapes before anything is written."""
+        problems, staged = [], []
+        keys = [k for k in self.A if k.rsplit(".", 1)[1] in settings.target_modules]
+        expected = {f"{k}.lora_{m}.weight" for k in keys for m in "AB"}
+        unknown = sorted(set(tensors) - expected)
+        missing = sorted(expected - set(tensors))
+        if unknown:
+            problems.append(f"tensors {unknown[:3]} name no projection this base has (an adapter for another base?)")
+        if missing:
+            problems.append(f"tensors {missing[:3]} are missing ({len(missing)} in all)")
+        for key in keys:
+            a, b = tensors.get(f"{key}.lora_A.weight"), tensors.get(f"{key}.lora_B.weight")
+            if a is None or b is None:
+                continue
+            want_a = (settings.rank, self.A[key].shape[2])
+            want_b = (self.B[key].shape[1], settings.rank)
+            if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+                problems.append(f"{key}: lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected "
+                                f"{list(want_a)} / {list(want_b)} (rank {settings.rank} on this base)")
+                continue
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                problems.append(f"{key}: NaN or infinite values")
+                continue
+            staged.append((key, a, b))
+        if problems:
+            raise AdapterError(f"adapter {name!r} does not fit this model: " + "; ".join(problems[:5]))
+        return staged
+
+    def unload(self, name: str) -> None:
+        entry = self.loaded.pop(name, None)
+        if entry is None:
+            raise AdapterError(f"lora_name: adapter {name!r} is not loaded; loaded: {sorted(self.loaded)}")
+        with torch.no_grad():
+            for key in self.A:
+                self.A[key][entry.slot].zero_()
+                self.B[key][entry.slot].zero_()
+        self.scaling[entry.slot] = 0.0
+
+    def slot_of(self, name: str | None) -> int:
+        """0 for the base model (None), else the adapter's slot; AdapterError for an unknown name."""
+        if name is None:
+            return 0
+        entry = self.loaded.get(name)
+        if entry is None:
+            raise AdapterError(f"lora_path: adapter {name!r} is not loaded; loaded: {sorted(self.loaded)} "
+                               "(load it with POST /load_lora_adapter)")
+        return entry.slot
+
+    def paths(self) -> dict[str, str]:
+        return {n: a.path for n, a in self.loaded.items()}
+
+    # -- weights by name (weight updates and checksums address adapter tensors) -----------------
+
+    def tensor_names(self) -> Iterator[str]:
+        for entry in self.loaded.values():
+            yield from entry.names
+
+    def view(self, adapter: str, name: str) -> torch.Tensor:
+        """The live [rank, in] / [out, rank] block of adapter tensor `name` (...q_proj.lora_A.weight)."""
+        entry = self.loaded[adapter]
+        key, which = name.rsplit(".lora_", 1)
+        r = entry.settings.rank
+        return self.A[key][entry.slot, :r] if which == "A.weight" else self.B[key][entry.slot, :, :r]
+
+    # -- forwards ------------------------------------------------------------------------------
+
+    def set_batch(self, token_slots: Sequence[int]) -> None:
+        """Adapter slot of every token of the next forward, in flat-batch order."""
+        slots = torch.as_tensor(token_slots, dtype=torch.long)
+        device = next(iter(self.A.values())).device
+        self._segments = [(int(s), (slots == s).nonzero()[:, 0].to(device))
+                          for s in torch.unique(slots).tolist() if s != 0]
+
+    def _hook(self, parts: list[_Part]):
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+            if not self._segments:
+                return out
+            x = inputs[0]
+            for slot, rows in self._segments:
+                xs = x.index_select(0, rows)  # [n, in]
+                scale = float(self.scaling[slot])
+                for p in parts:
+                    delta = (xs @ self.A[p.key][slot].T) @ self.B[p.key][slot].T  # [n, out_part]
+                    out[rows, p.start : p.end] += (delta * scale).to(out.dtype)
+            return out
+
+        return hook
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

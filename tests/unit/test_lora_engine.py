@@ -1,0 +1,150 @@
+"""The engine's batched LoRA path (CPU reference) against merged-weights models, and its refusals.
+
+Requests with two different adapters and none run in the same batches (prefill chunks of 8,
+decodes mixed in); each one's prompt and output log-probs must equal those of an engine serving
+the merged checkpoint (W + B A * alpha / r) within 1e-5 (fp32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from milepost.engine.engine import Engine
+from milepost.engine.request import Request, RequestOutput
+from milepost.engine.sampling import SamplingParams
+from milepost.engine.server_args import ServerArgs
+from milepost.engine.setup import build_engine
+from milepost.lora.peft_format import write_peft_adapter
+from milepost.lora.routes import SEP
+from milepost.lora.serving import AdapterError
+from milepost.lora.settings import LoraSettings
+from milepost.testing.checkpoints import make_tiny_checkpoint
+
+ADAPTERS = {  # name: (settings, seed)
+    "math": (LoraSettings(4, 8.0, "all-linear"), 1),
+    "chat": (LoraSettings(2, 3.0, "q_proj,v_proj,down_proj"), 2),
+}
+
+
+def random_adapter(base: Path, settings: LoraSettings, seed: int) -> dict[str, torch.Tensor]:
+    """Non-zero A and B for every targeted projection of the tiny base."""
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(str(base / "model.safetensors"))
+    out = {}
+    for name, w in weights.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in settings.target_modules:
+            out[f"{module}.lora_A.weight"] = torch.randn(settings.rank, w.shape[1], generator=g) * 0.2
+            out[f"{module}.lora_B.weight"] = torch.randn(w.shape[0], settings.rank, generator=g) * 0.2
+    return out
+
+
+def merged_checkpoint(base: Path, out: Path, settings: LoraSettings, adapter: dict[str, torch.Tensor]) -> Path:
+    import shutil
+
+    shutil.copytree(base, out)
+    weights = load_file(str(base / "model.safetensors"))
+    for name in list(weights):
+        module = name.removesuffix(".weight")
+        if f"{module}.lora_A.weight" in adapter:
+            a, b = adapter[f"{module}.lora_A.weight"], adapter[f"{module}.lora_B.weight"]
+            weights[name] = weights[name] + (b @ a) * settings.scaling
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("lora_engine")
+    base = make_tiny_checkpoint(root / "base", "qwen3", with_tokenizer=False)
+    dirs, merged = {}, {}
+    for name, (settings, seed) in ADAPTERS.items():
+        tensors = random_adapter(base, settings, seed)
+        dirs[name] = root / f"adapter_{name}"
+        write_peft_adapter(tensors.items(), settings, base, dirs[name])
+        merged[name] = merged_checkpoint(base, root / f"merged_{name}", settings, tensors)
+    return {"base": base, "dirs": dirs, "merged": merged, "root": root}
+
+
+def make_engine(path: Path, **flags: object) -> Engine:
+    settings = dict(device="cpu", dtype="float32", page_size=4, chunked_prefill_size=8,
+                    max_total_tokens=1024) | flags
+    return build_engine(ServerArgs(model_path=path, **settings).resolved())[0]
+
+
+def run(engine: Engine, jobs: list[tuple[str, list[int], str | None]], n: int = 6) -> dict[str, RequestOutput]:
+    """Submit every job at once (one batch), step to the end; each rid's outputs merged."""
+    outs: dict[str, list[RequestOutput]] = {}
+    for rid, prompt, lora in jobs:
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        engine.submit(Request(rid=rid, prompt_ids=prompt, params=params, stop_ids=frozenset(),
+                              on_output=lambda o, rid=rid: outs.setdefault(rid, []).append(o),
+                              return_logprob=True, logprob_start_len=0, lora_name=lora))
+    engine._drain_inbox(block=False)
+    while engine.scheduler.has_work:
+        engine.step()
+    return {rid: o for rid, o in outs.items()}
+
+
+def flat(outputs: list[RequestOutput]) -> tuple[list[int], list[float]]:
+    ids = [t for o in outputs for t in o.new_token_ids]
+    lps = [x for x in outputs[-1].input_logprobs[1:]] + [lp for o in outputs for lp in o.new_logprobs]
+    return ids, lps
+
+
+PROMPTS = [[5, 9, 33, 71, 12, 4, 90, 11, 3, 8, 15], [7, 7, 21, 300, 5], [44, 45, 46, 47, 48, 49, 50, 51, 52]]
+
+
+def test_mixed_batch_equals_merged_models(setup: dict) -> None:
+    specs = ",".join(f"{n}={d}" for n, d in setup["dirs"].items())
+    engine = make_engine(setup["base"], enable_lora=True, max_lora_rank=4, lora_paths=specs)
+    jobs = [(f"{lora or 'base'}-{i}", p, lora) for i, p in enumerate(PROMPTS) for lora in ("math", None, "chat")]
+    got = run(engine, jobs)
+    for lora, path in [("math", setup["merged"]["math"]), ("chat", setup["merged"]["chat"]), (None, setup["base"])]:
+        ref = run(make_engine(path), [(f"ref-{i}", p, None) for i, p in enumerate(PROMPTS)])
+        for i in range(len(PROMPTS)):
+            ids, lps = flat(got[f"{lora or 'base'}-{i}"])
+            ref_ids, ref_lps = flat(ref[f"ref-{i}"])
+            assert ids == ref_ids, (lora, i)
+            torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), rtol=0, atol=1e-5)
+    # The adapters do change the model (the test could not pass with LoRA ignored).
+    math0, base0 = flat(got["math-0"])[1], flat(got["base-0"])[1]
+    assert max(abs(a - b) for a, b in zip(math0, base0)) > 1e-2
+
+
+def test_bad_adapters_refused_and_weights_addressable(setup: dict) -> None:
+    engine = make_engine(setup["base"], enable_lora=True, max_lora_rank=2, max_loras_per_batch=2,
+                         lora_target_modules="q_proj,v_proj,down_proj")
+    pool = engine.runner.lora
+    with pytest.raises(AdapterError, match="rank 4, more than --max-lora-rank 2"):
+        pool.load("math", setup["dirs"]["math"])
+    pool.load("chat", setup["dirs"]["chat"])
+    with pytest.raises(AdapterError, match="'chat' is already loaded"):
+        pool.load("chat", setup["dirs"]["chat"])
+    other = make_tiny_checkpoint(setup["root"] / "wide", "qwen3", with_tokenizer=False, hidden_size=32)
+    wrong = random_adapter(other, ADAPTERS["chat"][0], 3)
+    write_peft_adapter(wrong.items(), ADAPTERS["chat"][0], other, setup["root"] / "wrong_base")
+    with pytest.raises(AdapterError, match="does not fit this model: .*expected"):
+        pool.load("wrong", setup["root"] / "wrong_base")
+    with pytest.raises(AdapterError, match="not a PEFT LoRA adapter directory"):
+        pool.load("none", setup["root"])
+    assert sorted(pool.loaded) == ["chat"]  # refused loads changed nothing
+    with pytest.raises(AdapterError, match="adapter 'nope' is not loaded; loaded: \\['chat'\\]"):
+        pool.slot_of("nope")
+    # Weight updates and checksums address adapter tensors as <adapter>/<tensor>.
+    model = engine.runner.model
+    name = f"chat{SEP}model.layers.1.self_attn.v_proj.lora_B.weight"
+    assert name in model.hf_weight_names()
+    view = model.weight_view(name)
+    assert view.shape == (2 * 16, 2) and view.abs().sum() > 0
+    with pytest.raises(KeyError, match="'math' is not loaded"):
+        model.weight_view(f"math{SEP}model.layers.1.self_attn.v_proj.lora_B.weight")
+    # A request naming an adapter that went away is aborted, naming it; the base still serves.
+    pool.unload("chat")
+    out = run(engine, [("gone", PROMPTS[0], "chat"), ("fine", PROMPTS[0], None)])
+    assert out["gone"][-1].finish_reason == {"type": "abort", "message": "LoRA adapter 'chat' is not loaded"}
+    assert len(flat(out["fine"])[0]) == 6
