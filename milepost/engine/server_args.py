@@ -112,6 +112,11 @@ class ServerArgs(BaseModel):
     incremental_streaming_output: bool = Field(
         False, description="Streamed chunks carry only the text, ids and log-probs new since the "
         "previous chunk (SGLang's flag); default: everything so far.")
+    tool_call_parser: str | None = Field(
+        None, description="Model family whose parsers read /v1/chat/completions answers "
+        "(tool_calls, reasoning_content): a session family (qwen3, qwen2.5, llama3, deepseek-v3, "
+        "kimi-k2, mistral, glm4, gpt-oss, chatml) or SGLang's parser name (qwen25, deepseekv3, "
+        "kimi_k2, glm45, ...); without it a request with tools is refused.")
     enable_lora: bool = Field(
         False, description="Serve LoRA adapters beside the base (requests pick one with lora_path; "
         "/load_lora_adapter, /unload_lora_adapter; docs/lora.md). CPU reference path; no CUDA graphs.")
@@ -211,6 +216,14 @@ class ServerArgs(BaseModel):
     def _version(cls, v: str) -> str:
         if not v:
             raise ValueError("--weight-version must not be empty; the default is 'default'")
+        return v
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _tool_call_parser(cls, v: str | None) -> str | None:
+        from milepost.engine.openai_chat import tool_call_family
+
+        tool_call_family(v)  # an unknown name is refused at start, naming the choices
         return v
 
     @model_validator(mode="after")
