@@ -20,8 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
+from milepost.launch.external import check_external_engines, check_router
 from milepost.launch.process import (
     ManagedProcess,
     die_with_parent,
@@ -51,9 +50,8 @@ class LocalLauncher:
         `run_trainer_ranks` watches the engines finish starting, and rank 0 waits for them
         before its first request."""
         cfg = self.cfg
-        if cfg.engine_backend == "external":
-            for url in cfg.engine_urls:
-                _check_health(url)
+        if cfg.engine_backend == "external":  # the user's servers: checked, not started
+            check_external_engines(list(cfg.engine_urls), cfg.hf_checkpoint, cfg.api_key)
             return list(cfg.engine_urls)
         urls = []
         for i in range(cfg.rollout_num_engines):
@@ -79,6 +77,9 @@ class LocalLauncher:
             common += ["--max-total-tokens", str(cfg.engine_max_total_tokens)]
         if cfg.engine_quantization:  # fp8 weight storage (milepost/engine/weight_fp8.py)
             common += ["--quantization", cfg.engine_quantization]
+        if cfg.lora_rank:  # the engines serve the trained adapter beside the base (docs/lora.md)
+            common += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank),
+                       "--lora-target-modules", cfg.lora_target_modules]
         if cfg.api_key:  # the same flag on SGLang's server and ours (milepost/auth.py)
             common += ["--api-key", cfg.api_key]
         if cfg.engine_backend == "sglang":  # the real SGLang server takes the same flags
@@ -113,6 +114,8 @@ class LocalLauncher:
                               f"http://127.0.0.1:{port}/health", timeout_s=120, tied_to_parent=True)
         self.components.append(proc)
         self.urls[proc.name] = f"http://127.0.0.1:{port}"
+        if self.cfg.engine_backend == "external":  # servers milepost did not start, via the router
+            check_router(self.urls[proc.name], self.cfg.api_key)
         return self.urls[proc.name]
 
     # ---- trainer ranks -----------------------------------------------------------------------
@@ -252,12 +255,3 @@ def _how_it_ended(code: int) -> str:
 def _loopback_sockets() -> dict[str, str]:
     """gloo / NCCL socket interfaces for processes of one host: loopback, unless the user chose."""
     return {k: v for k, v in LOOPBACK_SOCKET_ENV.items() if k not in os.environ}
-
-
-def _check_health(url: str) -> None:
-    try:
-        ok = httpx.get(f"{url}/health", timeout=10).status_code == 200
-    except httpx.HTTPError as e:
-        raise RuntimeError(f"engine_urls: {url} is not reachable ({e})") from e
-    if not ok:
-        raise RuntimeError(f"engine_urls: {url}/health did not answer 200")
