@@ -4,8 +4,8 @@ checkpoint). The template itself is the checkpoint's own (its tokenizer's `chat_
 family says how to read the model's output back into a message and where an assistant turn ends.
 
 Registered: `qwen3` (`<think>` reasoning the template drops from earlier turns,
-`<tool_call>{json}</tool_call>`), `qwen2.5`, `llama3` (3.1 / 3.2), `deepseek-v3` (with its own
-TITO-safe template: family_templates.py), `chatml` (SmolLM2 and other
+`<tool_call>{json}</tool_call>`), `qwen2.5`, `llama3` (3.1 / 3.2), `deepseek-v3` and `mistral`
+(each with its own TITO-safe template: family_templates.py), `kimi-k2`, `chatml` (SmolLM2 and other
 plain ChatML checkpoints), and `generic` (no parsers; warns that incremental tokenization may
 diverge). docs/sessions.md has the table of what each one knows.
 """
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from milepost.session.family_templates import DEEPSEEK_V3_TITO
+from milepost.session.family_templates import DEEPSEEK_V3_TITO, MISTRAL_TITO
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,66 @@ def _parse_deepseek_v3(text: str) -> ParsedOutput:
     return ParsedOutput(content=text[:at], tool_calls=calls, unparsed_tool_calls=bad)
 
 
+_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*([^<]*?)\s*<\|tool_call_argument_begin\|>\s*"
+                        r"(.*?)\s*<\|tool_call_end\|>", re.DOTALL)
+_KIMI_ID = re.compile(r"(?:functions\.)?([\w\-.]+):\d+")
+
+
+def _parse_kimi_k2(text: str) -> ParsedOutput:
+    """Content, then <|tool_calls_section_begin|> with one <|tool_call_begin|>functions.NAME:IDX
+    <|tool_call_argument_begin|>{json}<|tool_call_end|> per call. The id the model wrote is the
+    call's id (the template renders it back, and names the result after it)."""
+    at = text.find("<|tool_calls_section_begin|>")
+    if at < 0:
+        return ParsedOutput(content=text)
+    calls, bad = [], 0
+    for m in _KIMI_CALL.finditer(text, at):
+        name = _KIMI_ID.fullmatch(m.group(1))
+        try:
+            json.loads(m.group(2))
+        except json.JSONDecodeError:
+            name = None
+        if name is None:
+            bad += 1
+            continue
+        calls.append({"id": m.group(1), "type": "function",
+                      "function": {"name": name.group(1), "arguments": m.group(2)}})
+    if not calls:
+        return ParsedOutput(content=text, unparsed_tool_calls=max(bad, 1))
+    return ParsedOutput(content=text[:at], tool_calls=calls, unparsed_tool_calls=bad)
+
+
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def _mistral_id() -> str:
+    return uuid.uuid4().hex[:9]  # the template's ids: 9 alphanumeric characters
+
+
+def _parse_mistral(text: str) -> ParsedOutput:
+    """[TOOL_CALLS] followed by a JSON list of {"name", "arguments", "id"} (v3); the model's id is
+    kept when it is 9 alphanumeric characters, else one of that form is made."""
+    at = text.find("[TOOL_CALLS]")
+    if at < 0:
+        return ParsedOutput(content=text)
+    try:
+        payload = json.loads(text[at + len("[TOOL_CALLS]"):].strip())
+    except json.JSONDecodeError:
+        return ParsedOutput(content=text, unparsed_tool_calls=1)
+    objs = payload if isinstance(payload, list) else [payload]
+    if not objs or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in objs):
+        return ParsedOutput(content=text, unparsed_tool_calls=1)
+    calls = []
+    for o in objs:
+        args = o.get("arguments", {})
+        cid = o.get("id")
+        calls.append({"id": cid if isinstance(cid, str) and _MISTRAL_ID.fullmatch(cid)
+                      else _mistral_id(), "type": "function",
+                      "function": {"name": o["name"], "arguments": args if isinstance(args, str)
+                                   else json.dumps(args, ensure_ascii=False)}})
+    return ParsedOutput(content=text[:at], tool_calls=calls)
+
+
 def _parse_plain(text: str) -> ParsedOutput:
     return ParsedOutput(content=text)
 
@@ -235,6 +295,16 @@ register_family(Family("deepseek-v3", "<｜end▁of▁sentence｜>", _parse_deep
                        "with its own TITO-safe template (the published one cannot close a lone "
                        "tool call)", tool_call_open="<｜tool▁calls▁begin｜>",
                        chat_template=DEEPSEEK_V3_TITO))
+register_family(Family("kimi-k2", "<|im_end|>", _parse_kimi_k2,
+                       description="Kimi K2 Instruct: <|im_user|>/<|im_assistant|> headers, "
+                       "<|tool_calls_section_begin|> sections with functions.NAME:IDX ids",
+                       tool_call_open="<|tool_calls_section_begin|>"))
+register_family(Family("mistral", "</s>", _parse_mistral,
+                       description="Mistral Instruct v3 / tekken: [INST] turns, [TOOL_CALLS] JSON "
+                       "lists with 9-character ids; renders with its own TITO-safe template (the "
+                       "published one moves the system prompt and tools to the last user turn)",
+                       tool_call_open="[TOOL_CALLS]", tool_args_as_objects=True,
+                       chat_template=MISTRAL_TITO))
 register_family(Family("chatml", "<|im_end|>", _parse_chatml,
                        description="ChatML (SmolLM2): <tool_call> JSON in the text",
                        tool_call_open="<tool_call>"))

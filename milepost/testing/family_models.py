@@ -27,6 +27,12 @@ from milepost.testing.agent_model import (
 )
 from milepost.testing.chat_templates import DEEPSEEK_V3, LLAMA3_2, QWEN2_5
 from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.family_chat_templates import (
+    KIMI_K2,
+    KIMI_K2_SPECIALS,
+    MISTRAL_SPECIALS,
+    MISTRAL_V3,
+)
 from milepost.testing.tokenizer import build_tiny_tokenizer
 
 LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
@@ -43,7 +49,12 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str, str | None]] = {
     "llama3": (LLAMA3_2, LLAMA3_SPECIALS, "<|eot_id|>", "<|begin_of_text|>"),
     "deepseek-v3": (DEEPSEEK_V3, DEEPSEEK_SPECIALS, "<｜end▁of▁sentence｜>",
                     "<｜begin▁of▁sentence｜>"),
+    "kimi-k2": (KIMI_K2, KIMI_K2_SPECIALS, "<|im_end|>", None),
+    "mistral": (MISTRAL_V3, MISTRAL_SPECIALS, "</s>", "<s>"),
 }
+# The tool-call ids each family's models write (Kimi K2 names the function in its ids; Mistral's
+# templates want 9 alphanumeric characters).
+CALL_IDS = {"kimi-k2": "functions.get_weather:0", "mistral": "a1b2c3d4e"}
 BASE_VOCAB = 512
 
 
@@ -62,8 +73,9 @@ def family_tokenizer(family: str):
 def _examples(renderer: Renderer, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
     rng = random.Random(seed)
     out = []
+    call_id = CALL_IDS.get(renderer.family.name, "call_1")
     for _ in range(n):
-        conv = weather_conversation(rng.choice(CITIES), rng.choice(CONDITIONS))
+        conv = weather_conversation(rng.choice(CITIES), rng.choice(CONDITIONS), call_id)
         ids: list[int] = []
         labels: list[int] = []
         for k, piece in enumerate(incremental_text(renderer, conv, None)):

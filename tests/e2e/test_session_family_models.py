@@ -1,5 +1,5 @@
-"""Live family checks (report 2.4.3) for qwen2.5, llama3 and deepseek-v3: a tiny checkpoint taught
-the weather conversation in the family's template (milepost/testing/family_models.py) behind a
+"""Live family checks (report 2.4.3) for qwen2.5, llama3, deepseek-v3, kimi-k2 and mistral: a
+tiny checkpoint taught the weather conversation in the family's template (milepost/testing/family_models.py) behind a
 real engine, checked by `milepost check-family --serve`: the CPU battery, then real turns whose
 prompts extend each other token for token, real stop tokens, and the family's tool-call parser."""
 
@@ -15,14 +15,15 @@ import pytest
 from milepost.testing.family_models import make_family_agent_model
 
 
-@pytest.mark.parametrize("family", ["qwen2.5", "llama3", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["qwen2.5", "llama3", "deepseek-v3", "kimi-k2", "mistral"])
 def test_live_family_check(tmp_path_factory, family) -> None:
     model = make_family_agent_model(tmp_path_factory.mktemp(family.replace(".", "_")), family)
     proc = subprocess.run(
         [sys.executable, "-m", "milepost", "check-family", "--model", str(model), "--family",
          family, "--serve", "--max-tokens", "96", "--turns", "3", "--prompt", "Weather in Oslo?",
          "--prompt", "Thanks!"],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        capture_output=True, text=True, timeout=900, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     for line in ("ok   turn 2 extends turn 1", "ok   turn 3 extends turn 2",

