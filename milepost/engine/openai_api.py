@@ -19,6 +19,7 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from milepost.engine.grammar import response_format_params
 from milepost.engine.openai_chat import chat_completion
 from milepost.engine.protocol import GenerateReqInput
 from milepost.engine.sampling import SamplingParams
@@ -68,9 +69,7 @@ class _OpenAIBase(BaseModel):
     def _off_only(self) -> _OpenAIBase:
         if self.return_hidden_states:
             raise ValueError("return_hidden_states: not supported by this engine; send false")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format: structured output is not supported by this "
-                             "engine; send {\"type\": \"text\"} or leave it out")
+        response_format_params(self.response_format)  # a malformed one: 400 naming its part
         if self.stream_options is not None and (set(self.stream_options) - {"include_usage"}):
             raise ValueError(f"stream_options: only include_usage is supported, got "
                              f"{sorted(self.stream_options)}")
@@ -88,7 +87,7 @@ class _OpenAIBase(BaseModel):
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             min_new_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
-            no_stop_trim=self.no_stop_trim,
+            no_stop_trim=self.no_stop_trim, **response_format_params(self.response_format),
         )
 
 
