@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from milepost.testing.agent_model import make_agent_model
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.server_process import ServerProcess
 
@@ -107,6 +108,20 @@ def llama_server(llama_dir: Path) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="session")
 def moe_server(moe_dir: Path) -> Iterator[ServerProcess]:
     with ServerProcess(moe_dir, *SHARED_SERVER_FLAGS) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny tool-calling model of the session tests (milepost/testing/agent_model.py)."""
+    return make_agent_model(tmp_path_factory.getbasetemp() / "agent_model_shared")
+
+
+@pytest.fixture(scope="session")
+def agent_engine(agent_dir: Path) -> Iterator[ServerProcess]:
+    """One shared engine serving `agent_dir`; tests must leave it unpaused, with no request in
+    flight and its weights unchanged."""
+    with ServerProcess(agent_dir, "--max-total-tokens", "16384") as srv:
         yield srv
 
 
