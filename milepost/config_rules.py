@@ -185,6 +185,8 @@ def resolve_defaults(c: TrainConfig) -> None:
         put("offload_train_dir", c.run_dir / "offload")
     if c.optimizer_state_dir is None and c.stream_optimizer_state_to_disk:
         put("optimizer_state_dir", c.run_dir / "optimizer_state")
+    if c.deterministic and c.trainer_cpu_threads is None:
+        put("trainer_cpu_threads", 1)  # a reduction's order depends on the thread count
     if c.fully_async and c.max_inflight is None:
         put("max_inflight", c.samples_per_rollout)
     if c.fully_async and c.rollout_granularity is None:
@@ -236,6 +238,9 @@ def _fully_async_refusals(c: TrainConfig) -> list[str]:
             given.append(f"eval_mode {c.eval_mode}")
         return p + ([f"--{given[0].replace('_', '-')} only applies to --fully-async runs; add "
                      "--fully-async or drop it"] if given else [])
+    if c.deterministic:
+        p.append("--deterministic needs the synchronous loop: under --fully-async which groups are "
+                 "trained depends on timing; drop one of them")
     if c.colocate:
         p.append("--fully-async generates while the trainer trains, so trainer and engines need "
                  "devices of their own; it is refused with --colocate (drop one of them)")

@@ -471,6 +471,14 @@ class DebugTable(_Table):
         description="Generate (and save) rollouts without training.",
         json_schema_extra={"flags": ["--debug-rollout-only"]},
     )
+    deterministic: bool = Field(
+        False,
+        description="Repeatable runs (the metric-history gate, docs/testing.md): every rollout and "
+        "eval request samples with its own seed (from --seed, its group and sample index), so its "
+        "tokens do not depend on how the engine batched it; trainer ranks use one CPU thread "
+        "unless --trainer-cpu-threads says otherwise. Refused with --fully-async (which groups "
+        "arrive first depends on timing).",
+    )
 
 
 class AgentTable(_Table):

@@ -211,7 +211,8 @@ class Runtime:
         return SamplingSettings(
             temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
             max_new_tokens=cfg.rollout_max_response_len, stop=tuple(cfg.rollout_stop or ()),
-            stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()))
+            stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()),
+            seed=cfg.seed if cfg.deterministic else None)
 
     async def _rollout(self, items: list, group_index_start: int) -> RolloutResult:
         cfg = self.cfg
@@ -286,7 +287,8 @@ class Runtime:
             top_p=_default(cfg.eval_top_p, cfg.rollout_top_p), top_k=cfg.rollout_top_k,
             max_new_tokens=_default(cfg.eval_max_response_len, cfg.rollout_max_response_len),
             stop=tuple(cfg.rollout_stop or ()),
-            stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()))
+            stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()),
+            seed=cfg.seed + 1 if cfg.deterministic else None)  # not the rollouts' seeds
         result = asyncio.run(self._with_clients(lambda clients: evaluate_on_engines(
             clients, self.eval_items, cfg.n_samples_per_eval_prompt, sampling, self.reward_fn,
             self.group_reward_fn, expected_version=str(step + 1),

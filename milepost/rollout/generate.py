@@ -46,6 +46,9 @@ class SamplingSettings:
     max_new_tokens: int = 1024
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # --deterministic: each request samples with its own seed (request_seed), so its tokens do not
+    # depend on which other requests the engine batched it with.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -68,6 +71,11 @@ class SamplingSettings:
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
         return params
+
+
+def request_seed(seed: int, group_index: int, index: int) -> int:
+    """The sampling seed of sample `index` of group `group_index` under --deterministic."""
+    return (seed * 1_000_003 + group_index * 4099 + index) % (2**63 - 1)
 
 
 _STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
@@ -97,6 +105,8 @@ async def generate_one(client: EngineClient, item: PromptItem, sampling: Samplin
         # A row's metadata may carry `sampling_params` for its own requests (e.g. a longer
         # max_new_tokens for a harder prompt); they override the run's settings.
         params = {**sampling.to_params(), **(item.metadata.get("sampling_params") or {})}
+        if sampling.seed is not None:
+            params["sampling_seed"] = request_seed(sampling.seed, sample.group_index, index)
         out = await client.generate(item.prompt_ids, params, return_logprob=True,
                                     return_routed_experts=return_routed_experts, rid=rid,
                                     routing_key=routing_key, top_logprobs_num=top_logprobs_num)
