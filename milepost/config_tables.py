@@ -60,6 +60,29 @@ class PlacementTable(_Table):
         description="On CPU, threads of each trainer rank; default: the host's cores divided "
         "among the ranks (under --fully-async, the engines' threads taken out first).",
     )
+    # Scaling out (docs/scaling.md): the same components on a Ray cluster's nodes.
+    launcher: Literal["local", "ray"] = Field(
+        "local", description="local = processes on this host (loopback); ray = Ray actors on the "
+        "cluster at --ray-address, in placement groups, servers on their node's address with a "
+        "per-run API key (pip install 'milepost[ray]').")
+    ray_address: str = Field(
+        "auto", min_length=1, description="--launcher ray: the head's HOST:PORT, or auto (RAY_ADDRESS, "
+        "else the cluster started on this node).")
+    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="--launcher ray: how each placement group (trainer ranks; engines) "
+        "spreads its bundles over nodes.")
+    ray_cpus_per_component: float = Field(
+        1.0, gt=0, description="--launcher ray: CPUs in each trainer rank's and engine's bundle "
+        "(on CPU runs also their threads; a colocated pair shares one bundle).")
+    ray_trainer_resources: list[str] | None = Field(
+        None, description="--launcher ray: custom resources (NAME or NAME=AMOUNT) each trainer "
+        "bundle also asks, to steer the ranks onto the nodes that offer them.")
+    ray_engine_resources: list[str] | None = Field(
+        None, description="--launcher ray: custom resources (NAME or NAME=AMOUNT) each engine "
+        "bundle also asks.")
+    ray_placement_timeout_s: float = Field(
+        120.0, gt=0, description="--launcher ray: how long to wait for the placement groups "
+        "before refusing the run (with the nodes' resources).")
 
 
 class MemoryTable(_Table):

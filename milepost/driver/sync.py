@@ -19,6 +19,7 @@ from milepost.config import TrainConfig
 from milepost.driver.preflight import RunError, preflight
 from milepost.launch.local import LocalLauncher
 from milepost.launch.process import ComponentStartError
+from milepost.launch.ray import RayLauncher, with_run_api_key
 
 if TYPE_CHECKING:  # the launcher never imports the trainer (torch, transformers: seconds)
     from milepost.driver.runtime import Runtime
@@ -28,11 +29,13 @@ log = logging.getLogger(__name__)
 
 def run(cfg: TrainConfig) -> int:
     """Start everything, train, stop everything; the exit code (0 = every step done)."""
+    if cfg.launcher == "ray":  # servers bind node addresses: never without a key
+        cfg = with_run_api_key(cfg)
     config_path = cfg.write_resolved()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls would flood the log
     try:
         preflight(cfg)
-        with LocalLauncher(cfg, cfg.run_dir) as launch:
+        with (RayLauncher if cfg.launcher == "ray" else LocalLauncher)(cfg, cfg.run_dir) as launch:
             # Trainer ranks start while engines load, unless they share devices (colocated: an
             # engine sizes its KV cache from the free memory it sees) or a router must see
             # healthy engines first.

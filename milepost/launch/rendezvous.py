@@ -16,6 +16,9 @@ import torch.distributed as dist
 
 # gloo and NCCL pick their listening interface from these; "lo" is Linux's loopback interface.
 LOOPBACK_SOCKET_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+# Set by a launcher that places ranks on several hosts (Ray): the address of this rank's node,
+# where its weight groups listen (engines on other nodes join there). Unset: loopback.
+NODE_ADDRESS_ENV = "MILEPOST_NODE_ADDRESS"
 
 
 def bound_store(host: str, port: int, world_size: int, is_server: bool,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
 
+from milepost.launch.rendezvous import NODE_ADDRESS_ENV
+from milepost.lora.settings import ADAPTER_SEP, POLICY_ADAPTER
 from milepost.weights.disk_transport import DiskDeltaTransport
 from milepost.weights.p2p import P2PTransport
 from milepost.weights.sync import WeightSync
@@ -28,14 +31,16 @@ def make_transport(cfg: TrainConfig, engine_urls: list[str], rank: int = 0, worl
     """
     mode = cfg.update_weight_transfer_mode
     backend = "nccl" if cfg.device == "cuda" else "gloo"
+    # Where this rank hosts its weight groups: the launcher's node address (Ray), else loopback.
+    address = os.environ.get(NODE_ADDRESS_ENV, "127.0.0.1")
     if mode == "p2p":
-        return P2PTransport(engine_urls, backend, source_rank=rank, num_sources=world)
+        return P2PTransport(engine_urls, backend, address, source_rank=rank, num_sources=world)
     if rank != 0:
         return None
     if mode == "tensor":
         return TensorTransport(engine_urls)
     if mode == "broadcast":
-        return BroadcastTransport(engine_urls, backend)
+        return BroadcastTransport(engine_urls, backend, address)
     if mode == "disk-delta":
         # Pauses the engines around the reload alone, in both loops (report 4.3).
         return DiskDeltaTransport(engine_urls, cfg.update_weight_delta_dir,
@@ -54,4 +59,5 @@ def make_weight_sync(cfg: TrainConfig, engine_urls: list[str], rank: int, world:
     return WeightSync(transport, cfg.update_weight_buffer_size, dtype=getattr(torch, cfg.dtype),
                       check_weight_update=cfg.check_weight_update,
                       check_equal_once=cfg.check_weight_update_equal,
-                      check_skip=tuple(cfg.check_weight_update_equal_skip or ()))
+                      check_skip=tuple(cfg.check_weight_update_equal_skip or ()),
+                      scope=f"{POLICY_ADAPTER}{ADAPTER_SEP}" if cfg.lora_rank else None)
