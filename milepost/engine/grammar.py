@@ -13,6 +13,7 @@ never touched. llguidance was chosen over xgrammar (SGLang's default) for its in
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -131,6 +132,15 @@ def _first_line(message: str) -> str:
     return " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
 
 
+@functools.lru_cache(maxsize=1)
+def _executor() -> object:
+    """llguidance's pool for computing many masks at once (threads: most of the host's cores),
+    made on the first batch with two grammar rows."""
+    import llguidance
+
+    return llguidance.LLExecutor()
+
+
 def fill_masks(grammars: Sequence[Grammar], banned: Sequence[Sequence[int]], vocab_size: int
                ) -> torch.Tensor:
     """[len(grammars), ceil(V / 32)] int32 bitmask on the host: bit t of row i allows token t.
@@ -141,8 +151,11 @@ def fill_masks(grammars: Sequence[Grammar], banned: Sequence[Sequence[int]], voc
     width = (vocab_size + 31) // 32
     masks = torch.zeros(len(grammars), width, dtype=torch.int32)
     stride = width * 4
-    for i, g in enumerate(grammars):
-        g.matcher.unsafe_compute_mask_ptr(masks.data_ptr() + i * stride, stride)
+    if len(grammars) > 1:  # llguidance's thread pool, one row per matcher
+        _executor().unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+                                            masks.data_ptr(), stride, len(grammars))
+    elif grammars:
+        grammars[0].matcher.unsafe_compute_mask_ptr(masks.data_ptr(), stride)
     words = masks.numpy().view(np.uint32)  # the same memory, bit operations unsigned
     for i, ids in enumerate(banned):
         if ids:
@@ -194,8 +207,9 @@ def response_format_params(fmt: dict | None) -> dict[str, str]:
         return {"json_schema": '{"type": "object"}'}
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise ValueError("response_format.json_schema.schema: give the JSON schema, an object "
-                         '({"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}})')
+        raise ValueError(  # noqa: TRY004 - a validator's ValueError is what pydantic reports
+            "response_format.json_schema.schema: give the JSON schema, an object "
+            '({"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}})')
     unknown = sorted(set(spec) - _JSON_SCHEMA_KEYS)
     if unknown:
         raise ValueError(f"response_format.json_schema: unknown field(s) {unknown}; expected "

@@ -177,3 +177,15 @@ def test_a_malformed_response_format_names_the_part(fmt: dict, words: list[str])
     with pytest.raises(ValueError) as e:
         response_format_params(fmt)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_masks_of_many_rows_equal_row_by_row(tok, compiler) -> None:
+    gs = compiler.compile_now("json_schema", '{"type": "object"}', copies=3)
+    gs += compiler.compile_now("regex", "[0-9]+x", copies=2)
+    for g, text in zip(gs, ['{"a', "{", '{"b": 1', "12", ""]):
+        for t in tok.encode(text):
+            assert g.accept(t) is None
+    together = fill_masks(gs, [[]] * len(gs), V)
+    for i, g in enumerate(gs):
+        assert torch.equal(together[i], fill_masks([g], [[]], V)[0])
+    assert len({tuple(row.tolist()) for row in together}) == len(gs)
