@@ -142,13 +142,14 @@ def check(run: GateRun, extra_args: list[str] | None = None, work: Path | None =
     return compare(standard, records)
 
 
-def update(run: GateRun, bands: dict[str, float] | None = None) -> tuple[Standard, list[Difference]]:
+def update(run: GateRun, bands: dict[str, float] | None = None,
+           work: Path | None = None) -> tuple[Standard, list[Difference]]:
     """A fresh run becomes the standard (every registrable metric exact unless banded); returns it
     and how it differs from the old one."""
     path = standard_path(run.name)
     old = read_standard(path) if path.is_file() else None
     with tempfile.TemporaryDirectory(prefix=f"gate-{run.name}-") as tmp:
-        records = run_fresh(run, Path(tmp))
+        records = run_fresh(run, work or Path(tmp))
     names = sorted({k for r in records for k in r if registrable(k)})
     bands = dict(DEFAULT_BANDS if bands is None else bands)
     header = {"standard": run.name, "description": run.description, "recipe": run.recipe,
@@ -172,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra `milepost train` flags for the fresh run (a perturbation)")
     u = sub.add_parser("update", help="make a fresh run the standard, printing what changed")
     u.add_argument("name", choices=sorted(RUNS))
+    for p in (c, u):
+        p.add_argument("--work", type=Path, default=None,
+                       help="keep the run's inputs and outputs here (reused: e.g. the demo's base "
+                       "model); default a temporary directory")
     sub.add_parser("list", help="the standards and what each runs")
     ns = parser.parse_args(argv)
     if ns.cmd == "list":
@@ -181,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.cmd == "update":
         had_standard = standard_path(ns.name).is_file()
-        new, diffs = update(RUNS[ns.name])
+        new, diffs = update(RUNS[ns.name], work=ns.work)
         if not had_standard:
             print(f"{ns.name}: a new standard")
         else:
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     names = ns.names or [r.name for r in RUNS.values() if not r.opt_in]
     failed = 0
     for name in names:
-        diffs = check(RUNS[name], ns.train_args)
+        diffs = check(RUNS[name], ns.train_args, ns.work / name if ns.work else None)
         print(format_diff(name, diffs) if diffs else f"metric gate {name!r}: matches its standard")
         failed |= bool(diffs)
     if failed:

@@ -37,7 +37,8 @@ class Evidence(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     level: Level = Field(description="fully_gated | proxy_gated | verified | not_verified")
-    run: str = Field(description="What was run: the command or its scale, and how many runs.")
+    run: str = Field("", description="What was run: the command or its scale, and how many runs "
+                     "(required above not_verified).")
     when: str = Field("", description="Date(s) of the runs, YYYY-MM-DD.")
     machine: str = Field("", description="Where: hardware, load, torch version.")
     results: str = Field("", description="Where the numbers are: 'path' or 'path: heading'.")

@@ -45,6 +45,7 @@ def test_every_docs_page_is_in_the_site_or_listed() -> None:
     # A page nobody can reach from the site's navigation is a page nobody reads.
     nav = (ROOT / "mkdocs.yml").read_text()
     pages = [p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")]
-    linked = "".join((ROOT / "docs" / p).read_text() for p in pages)
+    linked = "".join((ROOT / "docs" / p).read_text() for p in pages) + (ROOT / "README.md").read_text()
     orphans = [p for p in pages if p not in nav and Path(p).name not in linked]
-    assert not orphans, f"docs pages neither in mkdocs.yml's nav nor linked from a page: {orphans}"
+    assert not orphans, (f"docs pages neither in mkdocs.yml's nav nor linked from the README or a "
+                         f"page: {orphans}; link each from the README or a docs page")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from milepost.docs_gen import PAGES, SETTINGS_PAGE, main, settings_markdown, stale_diff
+from milepost.docs_gen import PAGES, SETTINGS_PAGE, settings_markdown, stale_diff
 
 
 @pytest.mark.parametrize("page", list(PAGES), ids=lambda p: p.name)
@@ -34,5 +34,4 @@ def test_check_fails_on_a_hand_edit(tmp_path: Path, capsys) -> None:
     edited.write_text(settings_markdown().replace("| `seed` |", "| `sead` |", 1))
     diff = stale_diff(edited, settings_markdown)
     assert "-| `sead` |" in diff and "+| `seed` |" in diff
-    assert main(["--check"]) == 0  # the committed pages themselves are fresh
     assert SETTINGS_PAGE.is_file()
