@@ -120,7 +120,9 @@ def run(ns: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title="milepost recipes", show_lines=True)
-    for column in ("recipe", "level", "what was run", "when", "machine"):
+    table.add_column("recipe", no_wrap=True)
+    table.add_column("level", no_wrap=True)
+    for column in ("what was run", "when", "machine"):
         table.add_column(column, overflow="fold")
     problems: list[str] = []
     for path in recipe_paths():
