@@ -94,12 +94,14 @@ class ChatReader:
         self.family = family
         self.parse_tools = parse_tools
         self.stop_ids = set(service.info.eos_token_ids)
-        self.eot_id = None
-        if family is not None and family.end_of_turn:
-            ids = self.tokenizer.convert_tokens_to_ids([family.end_of_turn])
-            self.eot_id = ids[0] if ids and ids[0] is not None else None
-            if self.eot_id is not None:
-                self.stop_ids.add(self.eot_id)
+        # The family's end-of-turn ids join the engine's stop ids.
+        self.end_ids: set[int] = set()
+        if family is not None:
+            for marker in family.turn_ends:
+                (tid,) = self.tokenizer.convert_tokens_to_ids([marker]) or [None]
+                if tid is not None and tid != self.tokenizer.unk_token_id:
+                    self.end_ids.add(tid)
+            self.stop_ids |= self.end_ids
 
     def raw_text(self, ids: list[int]) -> str:
         if ids and ids[-1] in self.stop_ids:
@@ -144,9 +146,9 @@ async def chat_completion(service: GenerateService, req: Any, http: HttpRequest,
     ids = render_prompt(service, req, family)
     reader = ChatReader(service, family, parse_tools=bool(req.tools) and req.tool_choice != "none")
     params = req.sampling()
-    if reader.eot_id is not None and reader.eot_id not in service.info.eos_token_ids:
+    if reader.end_ids - set(service.info.eos_token_ids):
         params = params.model_copy(update={"stop_token_ids": sorted(
-            set(params.stop_token_ids or []) | {reader.eot_id})})
+            set(params.stop_token_ids or []) | reader.end_ids)})
     body = GenerateReqInput(input_ids=ids, sampling_params=params, return_logprob=req.logprobs,
                             top_logprobs_num=req.top_logprobs,
                             return_text_in_logprobs=req.logprobs, stream=req.stream)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ def live_check(model: str | Path, family: str, engine_url: str, turns: int = 3,
     out: list[CheckResult] = []
     with SessionServerThread(model, engine_url, family=family, engine_transport=rec) as srv, \
             httpx.Client(base_url=srv.url, timeout=600) as c:
-        eot = srv.renderer.eot_id
+        eots = srv.renderer.eot_ids
         sid = c.post("/sessions").json()["session_id"]
         messages: list[dict[str, Any]] = [{"role": "user", "content": prompts[0]}]
         asked = 1
@@ -68,7 +69,7 @@ def live_check(model: str | Path, family: str, engine_url: str, turns: int = 3,
         unparsed = sample["metadata"].get("session_unparsed_tool_calls", 0)
     calls = [(req["input_ids"], ans["output_ids"], ans["meta_info"]["finish_reason"])
              for req, ans, _ in rec.generate_calls]
-    for k, ((ids, outs, _), (nxt, _, _)) in enumerate(zip(calls, calls[1:])):
+    for k, ((ids, outs, _), (nxt, _, _)) in enumerate(itertools.pairwise(calls)):
         seen = ids + outs
         ok = nxt[:len(seen)] == seen
         at = next((i for i, (a, b) in enumerate(zip(nxt, seen)) if a != b), len(seen))
@@ -76,10 +77,10 @@ def live_check(model: str | Path, family: str, engine_url: str, turns: int = 3,
                                "" if ok else f"prompt id {at} differs from what the engine saw"))
     for k, (_, outs, fin) in enumerate(calls):
         if fin.get("type") == "stop":
-            ok = bool(outs) and outs[-1] == eot
+            ok = bool(outs) and outs[-1] in eots
             out.append(CheckResult(f"turn {k + 1} stop token", ok, "" if ok else
                                    f"stopped on {fin.get('matched')!r}, not the family's "
-                                   f"end-of-turn id {eot}"))
+                                   f"end-of-turn ids {sorted(eots)}"))
     n_prompt = len(sample["tokens"]) - sample["response_length"]
     sampled = [t for t, m in zip(sample["tokens"][n_prompt:], sample["loss_mask"]) if m]
     engine_ids = [t for _, outs, _ in calls for t in outs]

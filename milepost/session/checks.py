@@ -90,7 +90,8 @@ def incremental_text(r: Renderer, messages: list[Message], tools: list[dict] | N
         else:
             prompt_text, suffix = r.prompt_and_suffix(stored, True, history, tools)
             pieces.append(suffix)
-        turn_text = r.cut_after_last_turn(r.render(messages[:k + 1], tools, False))
+        after = messages[k + 1]["role"] if k + 1 < len(messages) else None
+        turn_text = r.cut_after_last_turn(r.render(messages[:k + 1], tools, False), after)
         if not turn_text.startswith(prompt_text):
             raise RenderError(f"message {k}: the assistant turn does not render right after the "
                               f"generation prompt")

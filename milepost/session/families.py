@@ -127,6 +127,22 @@ class Family:
     # A TITO-safe template the family renders with instead of the checkpoint's, when the published
     # one cannot extend a session (family_templates.py says what it fixes); logged at start.
     chat_template: str | None = None
+    # Turns that end on the NEXT message's header (GLM: the model stops on <|user|> or
+    # <|observation|>, which the template writes only when a message follows): (role of the next
+    # message, its header) pairs, role "" for any other. Each header is an end-of-turn token.
+    turn_end_by_next: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def turn_ends(self) -> tuple[str, ...]:
+        """Every token text that ends an assistant turn (end_of_turn first)."""
+        more = [m for _, m in self.turn_end_by_next if m != self.end_of_turn]
+        return (self.end_of_turn, *dict.fromkeys(more)) if self.end_of_turn else tuple(more)
+
+    def turn_end_before(self, next_role: str | None) -> str:
+        """The header the template writes after an assistant turn followed by `next_role`
+        (None: the conversation goes on with a user message)."""
+        pairs = dict(self.turn_end_by_next)
+        return pairs.get(next_role or "user", pairs.get("", self.end_of_turn))
 
 
 def _parse_qwen3(text: str) -> ParsedOutput:
@@ -244,6 +260,39 @@ def _parse_mistral(text: str) -> ParsedOutput:
     return ParsedOutput(content=text[:at], tool_calls=calls)
 
 
+_GLM_CALL = re.compile(r"<tool_call>([^\n<]*)(.*?)</tool_call>", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm_value(v: str) -> Any:
+    """The template writes strings raw and anything else as JSON: JSON first, else the string."""
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
+
+
+def _parse_glm4(text: str) -> ParsedOutput:
+    """`\n<think>...</think>\ncontent`, then <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V
+    </arg_value>...</tool_call> blocks. A value that reads as JSON is taken as JSON (the template's
+    own rendering of non-strings), so a string argument "5" comes back as the number 5."""
+    reasoning, rest = parse_think(text)
+    calls, bad, first = [], 0, None
+    for m in _GLM_CALL.finditer(rest):
+        name, body = m.group(1).strip(), m.group(2)
+        pairs = _GLM_ARG.findall(body)
+        if not name or _GLM_ARG.sub("", body).strip():
+            bad += 1
+            continue
+        first = m.start() if first is None else first
+        calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                      "function": {"name": name, "arguments": json.dumps(
+                          {k: _glm_value(v) for k, v in pairs}, ensure_ascii=False)}})
+    content = rest if first is None else rest[:first]
+    return ParsedOutput(content=content.rstrip("\n"), reasoning_content=reasoning,
+                        tool_calls=calls, unparsed_tool_calls=bad)
+
+
 def _parse_plain(text: str) -> ParsedOutput:
     return ParsedOutput(content=text)
 
@@ -305,6 +354,13 @@ register_family(Family("mistral", "</s>", _parse_mistral,
                        "published one moves the system prompt and tools to the last user turn)",
                        tool_call_open="[TOOL_CALLS]", tool_args_as_objects=True,
                        chat_template=MISTRAL_TITO))
+register_family(Family("glm4", "<|user|>", _parse_glm4,
+                       description="GLM-4.5 / 4.6: turns end on the next message's header "
+                       "(<|user|> or <|observation|>); <think> reasoning shown only after the last "
+                       "user message; <tool_call>NAME with <arg_key>/<arg_value> pairs",
+                       think_markers=("<think>", "</think>"), tool_call_open="<tool_call>",
+                       rewrites_reasoning=True, tool_args_as_objects=True,
+                       turn_end_by_next=(("tool", "<|observation|>"), ("", "<|user|>"))))
 register_family(Family("chatml", "<|im_end|>", _parse_chatml,
                        description="ChatML (SmolLM2): <tool_call> JSON in the text",
                        tool_call_open="<tool_call>"))

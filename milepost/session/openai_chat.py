@@ -143,7 +143,7 @@ async def stream_turn(service: SessionService, turn: PreparedTurn, model: str, c
                         queue.put_nowait(_sse({**base, "choices": [], "usage": usage(item)}))
                     continue
                 ids = item.output_ids
-                if ids and ids[-1] == renderer.eot_id:
+                if ids and ids[-1] in renderer.eot_ids:
                     ids = ids[:-1]
                 for d in deltas.update(text.update(ids)):
                     queue.put_nowait(chunk(d))

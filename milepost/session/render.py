@@ -23,7 +23,6 @@ from typing import Any
 
 from milepost.session.families import Family, FamilyError, Message, ParsedOutput
 
-
 log = logging.getLogger(__name__)
 
 
@@ -40,6 +39,7 @@ class Rendered:
 
     prompt: str
     eots: int
+    end: str | None = None  # the end-of-turn marker the model stopped on, where a family has several
 
 
 class Renderer:
@@ -57,11 +57,17 @@ class Renderer:
             raise FamilyError("session server: the checkpoint's tokenizer has no chat_template; "
                               "the session server renders messages with it")
         self.eot = family.end_of_turn or tokenizer.eos_token
-        ids = self.encode(self.eot) if self.eot else []
-        if len(ids) != 1:
-            raise FamilyError(f"model family {family.name!r}: end-of-turn {self.eot!r} is not one "
-                              f"token of this tokenizer ({ids}); pick the family of this checkpoint")
-        self.eot_id = ids[0]
+        self.markers = (self.eot, *[m for m in family.turn_ends if m != self.eot])
+        self.eot_ids: dict[int, str] = {}  # every end-of-turn id -> its text
+        for marker in self.markers:
+            ids = self.encode(marker) if marker else []
+            if len(ids) != 1:
+                raise FamilyError(f"model family {family.name!r}: end-of-turn {marker!r} is not "
+                                  f"one token of this tokenizer ({ids}); pick the family of this "
+                                  f"checkpoint")
+            self.eot_ids[ids[0]] = marker
+        self.eot_id = next(iter(self.eot_ids))
+        self._markers = re.compile("|".join(re.escape(m) for m in self.markers))
         markers = family.think_markers
         self._think_block = (re.compile(re.escape(markers[0]) + ".*?" + re.escape(markers[1])
                                         + "\n*", re.DOTALL) if markers else None)
@@ -93,8 +99,12 @@ class Renderer:
         except Exception as e:  # jinja's own errors (raise_exception, undefined fields)
             raise RenderError(f"the chat template refused these messages: {e}") from e
 
-    def cut_after_last_turn(self, rendered: str) -> str:
-        """The rendering of a history that ends with an assistant turn, up to that turn's end."""
+    def cut_after_last_turn(self, rendered: str, next_role: str | None = None) -> str:
+        """The rendering of a history that ends with an assistant turn, up to that turn's end
+        (for a family whose turns end on the next message's header: that header, for a next
+        message of `next_role`)."""
+        if self.family.turn_end_by_next:
+            return rendered + self.family.turn_end_before(next_role)
         at = rendered.rfind(self.eot)
         if at < 0:
             raise RenderError(f"the template rendered an assistant turn without its end-of-turn "
@@ -106,9 +116,13 @@ class Renderer:
                     template_kwargs: dict[str, Any] | None = None) -> str:
         return self.render(messages, tools, True, template_kwargs)
 
-    def stored_after(self, prompt: str) -> Rendered:
-        """The place of a turn generated after `prompt` (its reply closes with one marker)."""
-        return Rendered(prompt, prompt.count(self.eot) + 1)
+    def stored_after(self, prompt: str, output_ids: list[int] | None = None) -> Rendered:
+        """The place of a turn generated after `prompt` (its reply closes with one marker; with
+        `output_ids`, the marker it stopped on is recorded where the family has several)."""
+        end = None
+        if output_ids and len(self.markers) > 1:
+            end = self.eot_ids.get(output_ids[-1])
+        return Rendered(prompt, len(self._markers.findall(prompt)) + 1, end)
 
     def prompt_and_suffix(self, stored: Rendered, ended_with_eot: bool, messages: list[Message],
                           tools: list[dict] | None,
@@ -117,13 +131,14 @@ class Renderer:
         so that the model sees that prompt). The stored ids stay as they are; only the suffix is
         new."""
         full = self.render(messages, tools, True, template_kwargs)
-        cut = 0
+        cut, start, marker = 0, 0, None
+        found = self._markers.finditer(full)
         for _ in range(stored.eots):
-            at = full.find(self.eot, cut)
-            if at < 0:
+            m = next(found, None)
+            if m is None:
                 cut = -1
                 break
-            cut = at + len(self.eot)
+            cut, start, marker = m.end(), m.start(), m.group()
         if cut >= 0 and full.startswith(stored.prompt):
             pass
         elif cut >= 0 and self.family.rewrites_reasoning and self.without_reasoning(
@@ -142,15 +157,19 @@ class Renderer:
                 f"the chat template's rendering of this history differs from the stored turns "
                 f"{what} at character {at}: stored {a[at:at + 40]!r}, now {b[at:at + 40]!r}; did "
                 f"the tools or the system prompt change?")
-        closing = "" if ended_with_eot else self.eot
-        return full, closing + full[cut:]
+        if ended_with_eot and stored.end is not None and marker != stored.end:
+            raise RenderError(f"the model ended its turn with {stored.end!r}, but the request "
+                              f"goes on with a message the template opens with {marker!r}; send "
+                              f"the kind of message the model handed the turn to")
+        # A turn that stopped elsewhere (length, a stop string) gets the marker as prompt text.
+        return full, full[cut:] if ended_with_eot else full[start:]
 
     def without_reasoning(self, text: str) -> str:
         """`text` without the family's reasoning blocks (and the newlines that follow them)."""
         return self._think_block.sub("", text) if self._think_block is not None else text
 
     def parse_output(self, output_ids: list[int]) -> ParsedOutput:
-        ids = output_ids[:-1] if output_ids and output_ids[-1] == self.eot_id else output_ids
+        ids = output_ids[:-1] if output_ids and output_ids[-1] in self.eot_ids else output_ids
         return self.family.parse(self.decode(ids))
 
 

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import uvicorn
@@ -107,7 +107,7 @@ class SessionServerThread:
         self.close()
         raise RuntimeError(f"session server on port {self.port} not healthy after {timeout_s} s")
 
-    def __enter__(self) -> SessionServerThread:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

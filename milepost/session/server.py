@@ -26,8 +26,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from milepost.rollout.client import EngineRequestError, EngineUnavailableError
-from milepost.session.families import FamilyError
 from milepost.session.divergence import HEADER
+from milepost.session.families import FamilyError
 from milepost.session.openai_chat import completion, divergence_headers, stream_turn
 from milepost.session.render import RenderError
 from milepost.session.selection import LeafSelectionError

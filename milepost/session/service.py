@@ -253,14 +253,14 @@ class SessionService:
         parsed = r.parse_output(out.output_ids)
         reply = parsed.message()
         stored = turn.history + [reply]
-        rendered = r.stored_after(turn.prompt_text)
+        rendered = r.stored_after(turn.prompt_text, out.output_ids)
         fields = {
             "prompt_ids": turn.suffix, "output_ids": out.output_ids, "logprobs": out.logprobs,
             "weight_versions": out.weight_versions, "weight_version": out.weight_version,
             "routed_experts": out.routed_experts, "finish_reason": out.finish_reason,
             "rendered": rendered, "cached_tokens": out.cached_tokens,
             "unparsed_tool_calls": parsed.unparsed_tool_calls,
-            "ended_with_eot": bool(out.output_ids) and out.output_ids[-1] == r.eot_id}
+            "ended_with_eot": bool(out.output_ids) and out.output_ids[-1] in r.eot_ids}
         if turn.holds_lock:  # linear: held since prepare
             stored_turn = turn.session.add_turn(turn.at, stored, turn.tools, turn.divergence,
                                                 **fields)

@@ -23,7 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from milepost.session.divergence import Divergence, DivergencePolicy, describe_difference
+from milepost.session.divergence import (
+    Divergence,
+    DivergencePolicy,
+    describe_difference,
+)
 from milepost.session.matchers import Matcher, omitted_reasoning
 from milepost.session.render import Rendered
 

@@ -28,6 +28,9 @@ from milepost.testing.agent_model import (
 from milepost.testing.chat_templates import DEEPSEEK_V3, LLAMA3_2, QWEN2_5
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.family_chat_templates import (
+    GLM4_5,
+    GLM4_NOT_SPECIAL,
+    GLM4_SPECIALS,
     KIMI_K2,
     KIMI_K2_SPECIALS,
     MISTRAL_SPECIALS,
@@ -51,7 +54,10 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str, str | None]] = {
                     "<｜begin▁of▁sentence｜>"),
     "kimi-k2": (KIMI_K2, KIMI_K2_SPECIALS, "<|im_end|>", None),
     "mistral": (MISTRAL_V3, MISTRAL_SPECIALS, "</s>", "<s>"),
+    # GLM's checkpoints stop on <|endoftext|>, <|user|> and <|observation|> (config eos ids).
+    "glm4": (GLM4_5, GLM4_SPECIALS, "<|endoftext|>", None),
 }
+NOT_SPECIAL = {"glm4": GLM4_NOT_SPECIAL}
 # The tool-call ids each family's models write (Kimi K2 names the function in its ids; Mistral's
 # templates want 9 alphanumeric characters).
 CALL_IDS = {"kimi-k2": "functions.get_weather:0", "mistral": "a1b2c3d4e"}
@@ -63,6 +69,7 @@ def family_tokenizer(family: str):
     tok = build_tiny_tokenizer(BASE_VOCAB)
     if specials:
         tok.add_special_tokens({"additional_special_tokens": list(specials)})
+    tok.add_tokens([t for t in NOT_SPECIAL.get(family, ()) if t not in tok.get_vocab()])
     tok.eos_token = eos
     if bos is not None:
         tok.bos_token = bos
@@ -99,6 +106,11 @@ def make_family_agent_model(path: str | Path, family: str, steps: int = 60,
                          head_dim=16)
     tok.save_pretrained(path)
     renderer = Renderer(tok, get_family(family))
+    if len(renderer.eot_ids) > 1 or renderer.eot_id != tok.eos_token_id:
+        # The engine stops on the config's eos ids (and the tokenizer's): every end of a turn.
+        config = json.loads((path / "config.json").read_text())
+        config["eos_token_id"] = sorted({tok.eos_token_id, *renderer.eot_ids})
+        (path / "config.json").write_text(json.dumps(config, indent=2))
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
     torch.manual_seed(seed)

@@ -105,3 +105,69 @@ def test_mistral_parser_reads_its_call_lists() -> None:
     assert fam.parse('[TOOL_CALLS] [{"name": "get_weather", "arguments": {').unparsed_tool_calls \
         == 1
     assert fam.parse(" It is sunny.").content == " It is sunny."
+
+
+@pytest.fixture(scope="module")
+def glm():
+    from milepost.testing.family_chat_templates import (
+        GLM4_5,
+        GLM4_NOT_SPECIAL,
+        GLM4_SPECIALS,
+    )
+    from milepost.testing.qwen_tokenizer import bpe_tokenizer
+
+    return bpe_tokenizer(GLM4_5, GLM4_SPECIALS, GLM4_NOT_SPECIAL, eos="<|endoftext|>")
+
+
+def test_glm4_turns_end_on_the_next_header_and_pass_the_battery(glm) -> None:
+    r = Renderer(glm, get_family("glm4"))
+    assert r.template is None and set(r.eot_ids.values()) == {"<|user|>", "<|observation|>"}
+    results = check_append_only(r)
+    assert len(results) == len(BATTERY) and all(c.ok for c in results), results
+    _, messages, tools = next(b for b in BATTERY if b[0] == "tools, one call per turn")
+    pieces = incremental_text(r, messages, tools)
+    # The model's pieces end on the header it hands the turn to; the suffix starts after it.
+    assert pieces[1].endswith("</tool_call><|observation|>") and pieces[2].startswith(
+        "\n<tool_response>\nsunny")
+    assert pieces[3] == "\n<think></think>\nIt is sunny in Paris.<|user|>"
+    assert "<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>" in pieces[1]
+    # Reasoning of a turn before the last user message: shown while it is the last, emptied
+    # after; the session keeps what the model saw.
+    _, messages, tools = next(b for b in BATTERY if b[0] == "reasoning every turn")
+    text = "".join(incremental_text(r, messages, tools))
+    assert "<think>5 times 5 is 25.</think>" in text
+    assert "5 times 5" not in r.render(messages, tools, False)
+
+
+def test_glm4_refuses_a_turn_handed_to_the_wrong_role(glm) -> None:
+    from milepost.session.render import RenderError
+
+    r = Renderer(glm, get_family("glm4"))
+    convo = [{"role": "user", "content": "Weather in Oslo?"}]
+    prompt = r.prompt_text(convo, None)
+    user_id = next(i for i, m in r.eot_ids.items() if m == "<|user|>")
+    stored = r.stored_after(prompt, r.encode("\n<think></think>\nLet me check.") + [user_id])
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = convo + [{"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "snow"}]
+    with pytest.raises(RenderError, match="<\\|user\\|>.*<\\|observation\\|>"):
+        r.prompt_and_suffix(stored, True, history, None)
+    # The same turn handed to the user continues; one that hit the length limit gets the header.
+    history[1:] = [{"role": "assistant", "content": "Let me check."},
+                   {"role": "user", "content": "Thanks"}]
+    _, suffix = r.prompt_and_suffix(stored, True, history, None)
+    assert suffix == "\nThanks<|assistant|>"
+    _, suffix = r.prompt_and_suffix(r.stored_after(prompt), False, history, None)
+    assert suffix == "<|user|>\nThanks<|assistant|>"
+
+
+def test_glm4_parser_reads_reasoning_and_arg_pairs() -> None:
+    fam = get_family("glm4")
+    out = fam.parse("\n<think>Need the tool.</think>\nChecking.\n<tool_call>get_weather\n"
+                    "<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>"
+                    "\n<arg_value>3</arg_value>\n</tool_call>")
+    assert out.reasoning_content == "Need the tool." and out.content == "Checking."
+    assert json.loads(out.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo", "days": 3}
+    bad = fam.parse("\n<think></think>\n<tool_call>get_weather\nnot pairs</tool_call>")
+    assert bad.tool_calls == [] and bad.unparsed_tool_calls == 1
