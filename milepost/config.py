@@ -33,6 +33,7 @@ from milepost.config_tables import (
     EvalTable,
     FullyAsyncTable,
     LoggingTable,
+    LoraTable,
     MemoryTable,
     ModelTable,
     OpdTable,
@@ -65,6 +66,7 @@ def _check_dataset(flag: str, v: Path | None) -> Path | None:
 
 
 class TrainConfig(
+    LoraTable,
     OpdTable,
     AgentTable,
     DebugTable,

@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from milepost.lora.rules import lora_refusals
 from milepost.opd_rules import opd_coef_default, opd_refusals
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ def refusals(c: TrainConfig) -> list[str]:
     p += _model_refusals(c)
     p += agent_refusals(c)
     p += opd_refusals(c)
+    p += lora_refusals(c)
     if c.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
         p.append("--use-tensorboard needs the tensorboard package: pip install tensorboard")
     if c.use_wandb and importlib.util.find_spec("wandb") is None:
@@ -436,7 +438,7 @@ def weight_update_refusals(c: TrainConfig) -> list[str]:
     p: list[str] = []
     mode = c.update_weight_transfer_mode
     # disk-delta with --colocate is refused above, with every mode but tensor.
-    if mode == "disk-delta" and getattr(c, "lora_rank", 0):  # hook: LoRA has no flag yet
+    if mode == "disk-delta" and c.lora_rank:
         p.append("--update-weight-transfer-mode disk-delta does not carry LoRA adapters; use "
                  "broadcast (or tensor when colocated) for LoRA runs")
     if mode != "disk-delta" and (c.update_weight_delta_dir is not None

@@ -570,6 +570,19 @@ class OpdTable(_Table):
         "group is given up (its prompt retried later, counted in opd/teacher_failed_groups).")
 
 
+class LoraTable(_Table):
+    """LoRA RL (report 5.1; docs/lora.md): train an adapter on the frozen base; engines serve it."""
+
+    lora_rank: int = Field(
+        0, ge=0, description="Rank r of the adapter (A [r, in], B [out, r]); 0 = full-parameter "
+        "training.")
+    lora_alpha: float = Field(
+        16.0, gt=0, description="The adapter's update is B A * alpha / r (PEFT's lora_alpha).")
+    lora_target_modules: str = Field(
+        "all-linear", description="Projections that get an adapter, comma-separated (q_proj, "
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or all-linear.")
+
+
 TABLES: dict[str, type[_Table]] = {
     "model": ModelTable,
     "placement": PlacementTable,
@@ -587,5 +600,6 @@ TABLES: dict[str, type[_Table]] = {
     "debug": DebugTable,
     "agent": AgentTable,
     "opd": OpdTable,
+    "lora": LoraTable,
 }
 TABLE_OF: dict[str, str] = {name: t for t, cls in TABLES.items() for name in cls.model_fields}

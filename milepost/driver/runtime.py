@@ -31,6 +31,8 @@ from milepost.driver.preflight import (
     resume_checkpoint,
 )
 from milepost.eval.shared import evaluate_on_engines
+from milepost.lora.engines import load_policy_adapter
+from milepost.lora.settings import POLICY_ADAPTER
 from milepost.observe.metrics import MetricsLogger
 from milepost.observe.progress import StepProgress
 from milepost.rollout.agentic import AgenticRollout, pad_to_optimizer_steps, rollout_layers_enabled
@@ -104,6 +106,9 @@ class Runtime:
         self._resume()
         if self.lead and self.engine_urls:
             wait_for_engines(self.engine_urls)
+        if cfg.lora_rank and self.backend is not None and self.engine_urls:  # LoRA RL (docs/lora.md)
+            load_policy_adapter(self.backend, self.engine_urls, Path(cfg.run_dir) / "lora_initial",
+                                self.lead)
         self.metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.use_tensorboard,
                                      wandb=cfg.use_wandb, wandb_project=cfg.wandb_project,
                                      start_step=self.start_step) if self.lead else None
@@ -298,7 +303,8 @@ class Runtime:
         self.timer.add("perf/eval_time", time.perf_counter() - t0)
 
     async def _with_clients(self, use: Callable[[list[EngineClient]], Awaitable[T]]) -> T:
-        clients = [EngineClient(url) for url in self.engine_urls]
+        lora = POLICY_ADAPTER if self.cfg.lora_rank else None  # every request names the trained adapter
+        clients = [EngineClient(url, lora_path=lora) for url in self.engine_urls]
         try:
             return await use(clients)
         finally:
@@ -408,6 +414,8 @@ def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
         dtype=cfg.dtype, device=cfg.device,
         opd_teacher_checkpoint=(None if cfg.opd_teacher_checkpoint is None
                                 else str(cfg.opd_teacher_checkpoint)),
+        lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+        lora_target_modules=cfg.lora_target_modules,
         **objective_settings(cfg),
     )
 

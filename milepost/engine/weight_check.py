@@ -30,6 +30,7 @@ from milepost.weights.verify import tensor_digest
 class RandomizeReq(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     seed: int = 0
+    prefix: str | None = None  # only names that start with it (a LoRA run: "policy/", its adapter)
 
 
 class DequantizedReq(BaseModel):
@@ -99,7 +100,7 @@ def weight_check_router(engine: Engine) -> APIRouter:
         def run() -> dict:
             model = engine.runner.model
             gen = torch.Generator().manual_seed(body.seed)
-            names = model.hf_weight_names()
+            names = [n for n in model.hf_weight_names() if n.startswith(body.prefix or "")]
             with torch.no_grad():
                 for name in names:
                     view = model.weight_view(name)

@@ -18,8 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from milepost.lora.serving import AdapterError, AdapterPool
-
-SEP = "/"  # adapter name / tensor name: "/" never occurs in a Hugging Face tensor name
+from milepost.lora.settings import ADAPTER_SEP as SEP  # "/" never occurs in a Hugging Face tensor name
 
 
 class LoadLoRAAdapterReqInput(BaseModel):

@@ -13,6 +13,8 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
 ALL_LINEAR = "all-linear"  # PEFT's shorthand, accepted for every projection above
+POLICY_ADAPTER = "policy"  # the engines' name of the adapter an RL run trains
+ADAPTER_SEP = "/"  # "<adapter>/<tensor name>": how weight updates address an adapter's tensors
 
 
 def parse_target_modules(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:

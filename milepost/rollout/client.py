@@ -47,7 +47,7 @@ class EngineClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0, *, generate_retries: int = 2,
                  retry_backoff_s: float = 0.5,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 require_routing_key: bool = False) -> None:
+                 require_routing_key: bool = False, lora_path: str | None = None) -> None:
         if generate_retries < 0:
             raise ValueError(f"generate_retries must be >= 0, got {generate_retries}")
         self.base_url = base_url.rstrip("/")
@@ -57,6 +57,7 @@ class EngineClient:
         # Session affinity (report 2.1): a generate without a key would be load-routed and lose
         # the session's prefix cache silently, so it is an error instead.
         self.require_routing_key = require_routing_key
+        self.lora_path = lora_path  # the LoRA adapter every generate names (SGLang's lora_path)
         # No connection limit: callers bound their own concurrency (rollout's max_concurrency),
         # and a pool limit would only turn waiting into spurious PoolTimeouts.
         self._http = httpx.AsyncClient(
@@ -127,6 +128,8 @@ class EngineClient:
                                     "return_logprob": return_logprob}
             if return_routed_experts:
                 body["return_routed_experts"] = True
+            if self.lora_path is not None:
+                body["lora_path"] = self.lora_path
             if top_logprobs_num:
                 body["top_logprobs_num"] = top_logprobs_num
             if rid is not None:
@@ -193,6 +196,8 @@ class EngineClient:
                                 "return_logprob": return_logprob, "stream": True}
         if return_routed_experts:
             body["return_routed_experts"] = True
+        if self.lora_path is not None:
+            body["lora_path"] = self.lora_path
         if rid is not None:
             body["rid"] = rid
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None

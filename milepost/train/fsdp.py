@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from milepost.lora.adapters import adapter_parameters, attach_lora, freeze_base
 from milepost.lora.peft_format import write_peft_adapter
+from milepost.lora.settings import ADAPTER_SEP, POLICY_ADAPTER
 from milepost.models.layers import set_fused_training
 from milepost.models.registry import load_model
 from milepost.train import checkpoint as ckpt
@@ -459,6 +460,9 @@ class FSDPBackend:
                 local = param.to_local() if isinstance(param, DTensor) else param
                 if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
                     full = full.clone()  # never hand out the live parameter: training would change it
+                if self.settings.lora is not None:  # the engines' adapter: "policy/<name>"
+                    yield f"{POLICY_ADAPTER}{ADAPTER_SEP}{name}", full.to(dtype)
+                    continue
                 yield from lm.hf_tensors(name, full.to(dtype))
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:

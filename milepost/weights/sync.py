@@ -58,12 +58,14 @@ class WeightSync:
         matching a `check_skip` glob) to equal, bit for bit, what the trainer sent (a tensor an
         engine stores quantized: within its format's error bound, milepost/weights/fp8.py).
     expert_parallel_size: the expert pass's size multiplier (1 for FSDP).
+    scope: a name prefix: the equality check randomizes and requires only the engines' tensors
+        under it (a LoRA run: "policy/", its adapter; the frozen base is never sent).
     """
 
     def __init__(self, transport: WeightTransport | None, bucket_bytes: int,
                  *, dtype: torch.dtype | None = None, check_weight_update: bool = False,
                  check_equal_once: bool = False, check_skip: tuple[str, ...] = (),
-                 expert_parallel_size: int = 1) -> None:
+                 expert_parallel_size: int = 1, scope: str | None = None) -> None:
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         if dtype is not None and not dtype.is_floating_point:
@@ -75,6 +77,7 @@ class WeightSync:
         self.check_equal_pending = check_equal_once
         self.check_skip = tuple(check_skip)
         self.expert_parallel_size = expert_parallel_size
+        self.scope = scope  # LoRA: the update covers the engines' "policy/" tensors, not the base
 
     @property
     def sends(self) -> bool:
@@ -102,7 +105,7 @@ class WeightSync:
         try:
             keep = quantized_names(transport.engine_urls) if checks else set()
             if check_equal:
-                randomize_engines(transport.engine_urls)
+                randomize_engines(transport.engine_urls, prefix=self.scope)
             transport.begin(version)
             for bucket, last in iter_update_buckets(self._prepared(items, digests, keep, values),
                                                     self.bucket_bytes, self.expert_parallel_size):
@@ -123,7 +126,8 @@ class WeightSync:
         verified = False
         if digests is not None:
             compare_digests(digests, transport.engine_urls, require_all=check_equal,
-                            skip=self.check_skip if check_equal else (), values=values)
+                            skip=self.check_skip if check_equal else (), values=values,
+                            scope=self.scope)
             verified = True
             self.check_equal_pending = False
         metrics = transport.metrics() if hasattr(transport, "metrics") else None

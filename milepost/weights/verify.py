@@ -119,11 +119,14 @@ def check_quantized(url: str, sent: Mapping[str, torch.Tensor], timeout_s: float
     return off
 
 
-def randomize_engines(engine_urls: Sequence[str], seed: int = 0, timeout_s: float = 120.0) -> None:
-    """Fill every weight of every engine with seeded noise (`POST /weights_randomize`)."""
+def randomize_engines(engine_urls: Sequence[str], seed: int = 0, timeout_s: float = 120.0,
+                      prefix: str | None = None) -> None:
+    """Fill every weight of every engine (those named `prefix...` only, when given) with seeded
+    noise (`POST /weights_randomize`)."""
+    body = {"seed": seed} if prefix is None else {"seed": seed, "prefix": prefix}
     for url in engine_urls:
         try:
-            r = httpx.post(f"{url.rstrip('/')}/weights_randomize", json={"seed": seed},
+            r = httpx.post(f"{url.rstrip('/')}/weights_randomize", json=body,
                            timeout=timeout_s, headers=client_headers())
         except httpx.HTTPError as e:
             raise WeightMismatchError(f"engine {url}: POST /weights_randomize failed ({e})") from e
@@ -140,7 +143,7 @@ def _skipped(name: str, skip: Sequence[str]) -> bool:
 def compare_digests(
     expected: Mapping[str, str], engine_urls: Sequence[str], timeout_s: float = 120.0,
     *, require_all: bool = False, skip: Sequence[str] = (),
-    values: Mapping[str, torch.Tensor] | None = None,
+    values: Mapping[str, torch.Tensor] | None = None, scope: str | None = None,
 ) -> int:
     """Check every engine against `expected` ({name: digest}); returns how many tensors matched
     per engine. Raises WeightMismatchError naming each engine at fault and its first tensors.
@@ -149,6 +152,8 @@ def compare_digests(
     `expected`, so a tensor the update never wrote is a failure, not a silent omission.
     values: what was sent for the names an engine stores quantized (`quantized_names`); those
     are compared within their format's error bound instead of by digest.
+    scope: with require_all, only the engine's tensors named `scope...` must all be in `expected`
+    (a LoRA run updates its adapter, "policy/", and never the base).
     """
     if not expected:
         raise ValueError("compare_digests: nothing to compare (expected is empty)")
@@ -170,8 +175,8 @@ def compare_digests(
                    for n, v in by_value.items() if v is None]
         differ += check_quantized(url, {n: v for n, v in by_value.items() if v is not None},
                                   timeout_s)
-        unsent = ([n for n in [*held, *quantized] if n not in expected and not _skipped(n, skip)]
-                  if require_all else [])
+        unsent = ([n for n in [*held, *quantized] if n not in expected and not _skipped(n, skip)
+                   and n.startswith(scope or "")] if require_all else [])
         if missing or differ or unsent:
             parts = []
             if unsent:

@@ -94,7 +94,8 @@ def test_two_ranks_train_resume_and_export_loads_in_peft(tmp_path: Path) -> None
     assert r["base_unchanged"]
     assert r["optimized"] and all(".lora_A." in n or ".lora_B." in n for n in r["optimized"])
     assert len(r["optimized"]) == 2 * 5 * 2  # A and B, 5 modules, 2 layers
-    assert r["weights"] == sorted(r["optimized"])  # a weight update moves the adapter only
+    # A weight update moves the adapter only, addressed as the engines' adapter "policy".
+    assert r["weights"] == sorted(f"policy/{n}" for n in r["optimized"])
     assert r["continued"] == r["resumed"]  # exact resume: same losses, bit for bit
     for n, t in r["adapter_continued"].items():
         assert torch.equal(t, r["adapter_resumed"][n]), n
@@ -103,12 +104,12 @@ def test_two_ranks_train_resume_and_export_loads_in_peft(tmp_path: Path) -> None
 
     settings, tensors = read_peft_adapter(tmp_path / "run" / "adapter")
     assert settings == LoraSettings(4, 8.0, LORA["lora_target_modules"])
-    assert sorted(tensors) == r["weights"]
+    assert sorted(tensors) == sorted(r["optimized"])
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model = peft.PeftModel.from_pretrained(base, tmp_path / "run" / "adapter").eval()
     loaded = {n.replace(".default", "").removeprefix("base_model.model."): p
               for n, p in model.named_parameters() if "lora_" in n}
-    assert sorted(loaded) == r["weights"]  # every exported tensor reached a peft module, none missing
+    assert sorted(loaded) == sorted(r["optimized"])  # every exported tensor reached a peft module
     tokens = torch.tensor(PROBE[0].tokens)
     with torch.no_grad():
         logits = model(input_ids=tokens[None]).logits[0].float()
