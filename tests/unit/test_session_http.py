@@ -71,3 +71,29 @@ def test_openai_fields_are_honoured_or_refused_by_name() -> None:
                               "response_format": {"type": "text"}, "top_logprobs": 0,
                               "top_k": 5, "seed": 1, "chat_template_kwargs": {"x": 1}})
         assert r.status_code == 503, r.text
+
+
+def test_malformed_messages_are_400_naming_the_message_and_field() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    ask = {"role": "user", "content": "Weather?"}
+    with SessionServerThread(build_tiny_tokenizer(), dead, family="qwen3") as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        sid = c.post("/sessions").json()["session_id"]
+        url = f"/sessions/{sid}/v1/chat/completions"
+        for messages, needles in [
+            ([ask, {"role": "assistant", "content": "", "tool_calls": [call]}, ask],
+             ["messages.1.tool_calls.0.id"]),
+            ([ask, {"role": "assistant", "content": "", "tool_calls": [
+                {**call, "id": "c1", "function": {"arguments": "{}"}}]}, ask],
+             ["messages.1.tool_calls.0.function.name"]),
+            ([{"role": "developer-ish", "content": "x"}], ["messages.0.role"]),
+            ([ask, {"role": "assistant", "tool_calls": "get_weather"}, ask],
+             ["messages.1.tool_calls"]),
+            ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+             ["messages.0.content"]),
+        ]:
+            r = c.post(url, json={"messages": messages})
+            assert r.status_code == 400, (messages, r.text)
+            assert all(n in r.json()["error"]["message"] for n in needles), r.json()
+        assert c.get(f"/sessions/{sid}").json()["turns"] == []
