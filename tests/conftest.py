@@ -18,3 +18,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist (the README's command runs `-n 2`), the workers share the cores: each test
+# process computes with its share of them, not with every core (4 threads on 2 cores thrash).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))

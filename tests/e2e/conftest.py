@@ -54,11 +54,14 @@ def _uses_demo_dir(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that uses `demo_dir` may pay for building it (the first one does) and then trains:
-    its pytest timeout is the sum of both allowances, not the suite's fixed default."""
+    its pytest timeout is the sum of both allowances, not the suite's fixed default. Under xdist
+    these tests share one worker, so the base model is built once, not once per worker."""
     limit = _demo_prepare_timeout_s() + _demo_train_timeout_s(DEMO_TEST_ROLLOUTS)
     for item in items:
         if _uses_demo_dir(item):
             item.add_marker(pytest.mark.timeout(limit))
+            # under `pytest -n N --dist loadgroup` they all run in one worker: one prepare
+            item.add_marker(pytest.mark.xdist_group("demo_dir"))
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ weights after the first update. Then a fresh engine replays the run's store: ver
 are accepted, an XOR version applied twice and a version on the wrong base are refused with a
 message, and the engine keeps serving the weights it had. Two models: a tiny random Qwen3 with a
 reward that varies within groups (default suite), and the demo model on its task (slow: the
-session's shared `demo_dir`, built once for every demo test).
+session's shared `demo_dir`, built once for every demo test; opt-in, `-m optin`: the tiny case
+covers the same path in the default suite).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def generate(url: str) -> dict:
     return r.json()[0]
 
 
-@pytest.mark.parametrize("source", ["tiny", pytest.param("demo", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("source", ["tiny", pytest.param("demo", marks=pytest.mark.optin)])
 def test_disk_delta_after_real_rl_steps(tmp_path: Path, source: str, request: pytest.FixtureRequest) -> None:
     # The demo's base model is the session's (tests/e2e/conftest.py gives this case its time limit).
     model, args, env = tiny_run(tmp_path) if source == "tiny" else demo_run(request.getfixturevalue("demo_dir"))
