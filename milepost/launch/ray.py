@@ -45,6 +45,7 @@ class _Hosted:
     name: str
     actor: Any
     node_ip: str
+    node_id: str
     log_path: Path
     url: str | None = None
     echo: bool = False  # copy its output to the driver's stdout (trainer ranks, as locally)
@@ -134,7 +135,7 @@ class RayLauncher(LocalLauncher):
             name=f"{self.tag}/{name.replace(' ', '-')}", num_cpus=cpus, num_gpus=gpus,
             max_restarts=0, scheduling_strategy=strategy).remote(name)
         ip, node_id = self._call(actor, "node", what=name)
-        h = _Hosted(name, actor, ip, self.logs / f"{name.replace(' ', '-')}.log", echo=echo)
+        h = _Hosted(name, actor, ip, node_id, self.logs / f"{name.replace(' ', '-')}.log", echo=echo)
         self.hosted.append(h)
         unseen = self._call(actor, "check_paths", [str(self.run_dir), str(self.cfg.hf_checkpoint)], what=name)
         if unseen:
@@ -154,7 +155,8 @@ class RayLauncher(LocalLauncher):
         h.started_at = time.monotonic()
         if h.url:
             self.urls[h.name] = h.url
-        log.info("%s started on node %s%s", h.name, h.node_ip, f" at {h.url}" if h.url else "")
+        log.info("%s started on node %s (ray node %s)%s", h.name, h.node_ip, h.node_id,
+                 f" at {h.url}" if h.url else "")
 
     # ---- engines and router ------------------------------------------------------------------
     def start_engines(self, wait: bool = True) -> list[str]:

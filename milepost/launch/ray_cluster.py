@@ -1,10 +1,11 @@
 """A Ray cluster of several "nodes" on this host, for tests, benchmarks and trying `--launcher ray`.
 
 `ray start --head` plus one `ray start --address` per extra node, each raylet with its own custom
-resource (`node0`, `node1`, ...) so placement can be steered onto a chosen "node". Everything
-binds 127.0.0.1, every port is picked free at start (Ray's defaults are fixed ports: two clusters
-on one host would collide), the dashboard is off, and `close()` runs `ray stop` on this cluster's
-own temp dir only.
+resource (`node0`, `node1`, ...) so placement can be steered onto a chosen "node". Every port is
+picked free at start (Ray's defaults are fixed ports: two clusters on one host would collide),
+the dashboard is off, and `close()` stops this cluster's processes only (`ray stop` would stop
+every Ray on the host). Ray 2.60 takes the host's address as the nodes' address even when asked
+for 127.0.0.1, so the components bind that address, as on a real cluster.
 """
 
 from __future__ import annotations
@@ -38,21 +39,29 @@ class LocalRayCluster:
         self.address = ""
         self._env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
         try:
-            port = free_port()
-            self._start(["--head", "--port", str(port), "--include-dashboard=false",
-                         "--ray-client-server-port", str(free_port())], 0, cpus_per_node, timeout_s)
-            self.address = f"127.0.0.1:{port}"
+            ports = self._start(["--head", "--include-dashboard=false"], ("--port", "--ray-client-server-port"),
+                                0, cpus_per_node, timeout_s)
+            self.address = f"127.0.0.1:{ports['--port']}"
             for i in range(1, nodes):
-                self._start(["--address", self.address], i, cpus_per_node, timeout_s)
+                self._start(["--address", self.address], (), i, cpus_per_node, timeout_s)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, role: list[str], index: int, cpus: int, timeout_s: float) -> None:
-        ports = [x for flag in _PORT_FLAGS for x in (flag, str(free_port()))]
-        low = free_port()  # a small range of worker ports near one the OS just gave out
+    def _start(self, role: list[str], port_flags: tuple[str, ...], index: int, cpus: int,
+               timeout_s: float) -> dict[str, int]:
+        """`ray start` one raylet; the ports given to `port_flags` and _PORT_FLAGS."""
+        low = free_port()  # a small range of worker ports from one the OS just gave out
+        workers = range(low, min(65535, low + 200) + 1)
+        chosen: dict[str, int] = {}
+        for flag in (*port_flags, *_PORT_FLAGS):  # each outside the workers' range: Ray
+            port = free_port()                     # refuses an overlap
+            while port in workers or port in chosen.values():
+                port = free_port()
+            chosen[flag] = port
+        ports = [x for flag, port in chosen.items() for x in (flag, str(port))]
         cmd = [_ray_cli(), "start", *role, "--node-ip-address", "127.0.0.1", *ports,
-               "--min-worker-port", str(low), "--max-worker-port", str(min(65535, low + 200)),
+               "--min-worker-port", str(workers.start), "--max-worker-port", str(workers.stop - 1),
                "--num-cpus", str(cpus), "--num-gpus", "0", "--resources", f'{{"node{index}": 100}}',
                "--object-store-memory", str(_OBJECT_STORE_BYTES), "--temp-dir", str(self.temp_dir),
                "--disable-usage-stats"]
@@ -60,6 +69,7 @@ class LocalRayCluster:
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed ({done.returncode}):\n"
                                f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        return chosen
 
     def close(self, grace_s: float = 10.0) -> None:
         """Stop every process of this cluster (SIGTERM, SIGKILL after grace_s), remove its dir."""
