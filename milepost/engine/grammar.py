@@ -181,7 +181,9 @@ def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> N
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
         logits.masked_fill_(~allowed, float("-inf"))
         return
-    index = torch.tensor(rows, device=dev)
+    index = torch.tensor(rows)
+    if dev.type == "cuda":
+        index = index.pin_memory().to(dev, non_blocking=True)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
 
 

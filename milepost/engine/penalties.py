@@ -30,9 +30,19 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                 c_idx.append(int(key))
                 vals.append(value)
         dev = logits.device
-        logits.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(c_idx, device=dev)),
-                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+        logits.index_put_((to_device(r_idx, dev), to_device(c_idx, dev)),
+                          to_device(vals, dev, logits.dtype), accumulate=True)
     return logits
+
+
+def to_device(values: list | torch.Tensor, device: torch.device,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host tensor on `device`. On CUDA through pinned memory, queued like a kernel: a
+    copy from pageable memory would first wait for the forward still running on the device."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
@@ -44,17 +54,17 @@ def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
     for j, out in enumerate(outputs):
         if out:
             ids[j, : len(out)] = torch.tensor(list(out), dtype=torch.long)
-    ids = ids.to(dev)
+    ids = to_device(ids, dev)
     counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype, device=dev)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
     counts = counts[:, :vocab]
     seen = counts > 0
-    index = torch.tensor(rows, device=dev)
+    index = to_device(rows, dev)
     sub = logits.index_select(0, index)  # [r, V]
-    rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+    rep = to_device([p.repetition_penalty for p in params], dev, logits.dtype)[:, None]
     if any(p.repetition_penalty != 1.0 for p in params):
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+    freq = to_device([p.frequency_penalty for p in params], dev, logits.dtype)[:, None]
+    pres = to_device([p.presence_penalty for p in params], dev, logits.dtype)[:, None]
     sub = sub - freq * counts - pres * seen.to(logits.dtype)
     logits.index_copy_(0, index, sub)
