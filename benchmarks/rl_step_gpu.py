@@ -40,6 +40,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer and print the ratio")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384,
+                   help="--max-tokens-per-micro-batch of the run (16384: the whole rollout in two passes)")
     p.add_argument("--colocate", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", default=None, help="copy metrics.jsonl here")
     p.add_argument("extra", nargs=argparse.REMAINDER,
@@ -65,7 +67,7 @@ def main() -> None:
            "--reward-fn", "milepost.testing.rewards:token_parity_reward", "--lr", "1e-6",
            "--run-dir", str(run_dir), "--engine-mem-fraction-static", "0.3",
            "--engine-max-total-tokens", str(64 * (128 + 256 + 32)),
-           "--max-tokens-per-micro-batch", "8192", "--save-hf-at-end", "false"]
+           "--max-tokens-per-micro-batch", str(a.micro_batch_tokens), "--save-hf-at-end", "false"]
     cmd += ["--colocate"] if a.colocate else []
     cmd += [x for x in a.extra if x != "--"]
     print(" ".join(cmd), flush=True)

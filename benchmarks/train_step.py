@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=512)
-    ap.add_argument("--micro-batch-tokens", type=int, default=8192)
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--activation-checkpointing", choices=("none", "layer"), default="none")
     ap.add_argument("--compile-layers", action="store_true", help="TrainerSettings.compile_layers")
     ap.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens per sample")
     p.add_argument("--response", type=int, default=512, help="response (trained) tokens per sample")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (median)")
-    p.add_argument("--micro-batch-tokens", type=int, default=8192,
+    p.add_argument("--micro-batch-tokens", type=int, default=16384,
                    help="milepost's max_tokens_per_micro_batch; the HF loop uses as many samples per "
                    "micro-batch as fit in it")
     p.add_argument("--activation-checkpointing", choices=("none", "layer"), default="none",

@@ -93,14 +93,19 @@ def test_linear_token_logprobs() -> None:
     assert torch.cuda.max_memory_allocated() - base < 0.5 * n * vocab * 4
 
 
-def _model(path: Path, fused: bool):
+def _model(path: Path, fused: bool, forced: bool = False):
     lm = load_model(path, BF16, "cuda").train()
     lm.requires_grad_(True)
     set_fused_training(lm, fused)
     g = torch.Generator().manual_seed(0)
     lens = [7, 1, 300, 64, 129]
     b = pack([torch.randint(3, 512, (n + 2,), generator=g) for n in lens], [n + 1 for n in lens], "cuda")
-    hidden = lm(b.input_ids, b.positions, ForwardContext(VarlenCausalAttention(b.cu_seqlens)))
+    experts = None
+    if forced:  # the same experts on both sides: a near-tie in the router flips with bf16 rounding
+        scores = torch.rand(b.num_tokens, lm.num_layers, lm.num_experts, generator=g)
+        experts = scores.argsort(-1)[..., : lm.moe_top_k].to("cuda")
+    ctx = ForwardContext(VarlenCausalAttention(b.cu_seqlens), forced_experts=experts)
+    hidden = lm(b.input_ids, b.positions, ctx)
     logp, ent = token_logprobs(lm, hidden, b.rows, b.targets, fused=fused, chunk_size=128)
     (logp.sum() + 0.1 * ent.sum()).backward()
     return logp.detach(), ent.detach(), {n: p.grad.float() for n, p in lm.named_parameters()}
@@ -120,8 +125,8 @@ def test_model_with_fused_kernels_matches_the_torch_ops(tmp_path: Path) -> None:
 def test_moe_model_with_grouped_experts_matches_the_expert_loop(tmp_path: Path) -> None:
     """Training a Qwen3-MoE: grouped GEMMs (with backward) + fused kernels vs the per-expert loop."""
     path = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", with_tokenizer=False)
-    fast_lp, _, fast_g = _model(path, True)
-    ref_lp, _, ref_g = _model(path, False)
+    fast_lp, _, fast_g = _model(path, True, forced=True)
+    ref_lp, _, ref_g = _model(path, False, forced=True)
     assert (fast_lp - ref_lp).abs().mean() < 2e-2
     for name, grad in ref_g.items():
         assert _rel(fast_g[name], grad) < 5e-2, (name, _rel(fast_g[name], grad))

@@ -91,13 +91,17 @@ def _train(rank: int, world: int, path: str, overrides: dict) -> dict:
 
 
 @pytest.mark.parametrize("overrides", [{"separate_old_logprob_pass": True}, {"activation_checkpointing": "layer"},
-                                       {"compile_layers": True}, {"fused_kernels": False}])
+                                       {"compile_layers": True}, {"fused_kernels": False}],
+                         ids=["separate_pass", "layer_ckpt", "compile_layers", "no_fused_kernels"])
 def test_fast_trainer_step_matches_the_reference_step(tmp_path: Path, overrides: dict) -> None:
     path = str(make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False))
     [fast] = run_ranks(_train, 1, path, {}, backend="nccl", timeout_s=300)
     [ref] = run_ranks(_train, 1, path, overrides, backend="nccl", timeout_s=300)
+    # The same kernels on both sides agree to summation order; the torch ops round differently
+    # (bf16), which the TIS weights exp(old - rollout) carry into the loss.
+    rel = 3e-2 if "fused_kernels" in overrides else 1e-3
     for key in ("pg_loss", "entropy", "train_rollout_logprob_abs_diff", "rollout_ratio", "grad_norm"):
-        assert fast["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-3, abs=1e-4), key
+        assert fast["metrics"][key] == pytest.approx(ref["metrics"][key], rel=rel, abs=1e-4), key
     initial = load_model(path, torch.float32, "cpu")
     moved = torch.cat([(p - initial.get_parameter(n).detach()).abs().flatten() for n, p in ref["params"].items()])
     apart = torch.cat([(fast["params"][n] - p).abs().flatten() for n, p in ref["params"].items()])
