@@ -20,7 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from milepost.session.family_templates import DEEPSEEK_V3_TITO, MISTRAL_TITO
+from milepost.session.family_templates import (
+    DEEPSEEK_V3_TITO,
+    GPT_OSS_TITO,
+    MISTRAL_TITO,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +135,15 @@ class Family:
     # <|observation|>, which the template writes only when a message follows): (role of the next
     # message, its header) pairs, role "" for any other. Each header is an end-of-turn token.
     turn_end_by_next: tuple[tuple[str, str], ...] = ()
+    # Other tokens that end an assistant turn, written by the template too (gpt-oss: <|call|>
+    # after a tool call, end_of_turn <|return|> after a final answer).
+    more_turn_ends: tuple[str, ...] = ()
 
     @property
     def turn_ends(self) -> tuple[str, ...]:
         """Every token text that ends an assistant turn (end_of_turn first)."""
         more = [m for _, m in self.turn_end_by_next if m != self.end_of_turn]
+        more += [m for m in self.more_turn_ends if m != self.end_of_turn]
         return (self.end_of_turn, *dict.fromkeys(more)) if self.end_of_turn else tuple(more)
 
     def turn_end_before(self, next_role: str | None) -> str:
@@ -293,6 +301,49 @@ def _parse_glm4(text: str) -> ParsedOutput:
                         tool_calls=calls, unparsed_tool_calls=bad)
 
 
+_HARMONY_HEADER = re.compile(r"<\|channel\|>\s*(\w+)")
+_HARMONY_TO = re.compile(r"to=([^\s<]+)")
+
+
+def _parse_harmony(text: str) -> ParsedOutput:
+    """gpt-oss's messages after `<|start|>assistant`: analysis -> reasoning, final (and a
+    commentary preamble) -> content, commentary to=functions.NAME -> a tool call (its JSON body
+    the arguments; the recipient may stand before or after the channel). Text without a channel
+    header is content as written."""
+    if "<|channel|>" not in text:
+        return ParsedOutput(content=text)
+    reasoning: list[str] = []
+    content: list[str] = []
+    calls: list[dict[str, Any]] = []
+    bad = 0
+    for message in text.split("<|start|>"):
+        header, sep, body = message.partition("<|message|>")
+        body = re.split(r"<\|end\|>|<\|call\|>|<\|return\|>", body, maxsplit=1)[0]
+        channel = _HARMONY_HEADER.search(header)
+        to = _HARMONY_TO.search(header)
+        if not sep or channel is None:
+            if message.strip() and message.strip() != "assistant":
+                content.append(message)  # not a harmony message: kept as written
+            continue
+        if to is not None and to.group(1).startswith("functions."):
+            try:
+                json.loads(body)
+            except json.JSONDecodeError:
+                bad += 1
+                content.append(message)
+                continue
+            calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                          "function": {"name": to.group(1).removeprefix("functions."),
+                                       "arguments": body}})
+        elif channel.group(1) == "analysis":
+            reasoning.append(body)
+        else:
+            content.append(body)
+    return ParsedOutput(content="".join(content),
+                        reasoning_content="\n".join(reasoning) if reasoning else None,
+                        tool_calls=calls, unparsed_tool_calls=bad)
+
+
 def _parse_plain(text: str) -> ParsedOutput:
     return ParsedOutput(content=text)
 
@@ -361,6 +412,15 @@ register_family(Family("glm4", "<|user|>", _parse_glm4,
                        think_markers=("<think>", "</think>"), tool_call_open="<tool_call>",
                        rewrites_reasoning=True, tool_args_as_objects=True,
                        turn_end_by_next=(("tool", "<|observation|>"), ("", "<|user|>"))))
+register_family(Family("gpt-oss", "<|return|>", _parse_harmony,
+                       description="gpt-oss (harmony): analysis / final / commentary channels, one "
+                       "tool call per turn ending on <|call|>; renders with its own TITO-safe "
+                       "template (the published one rewrites <|return|> to <|end|> and drops "
+                       "analysis in history)",
+                       think_markers=("<|channel|>analysis<|message|>", "<|end|>"),
+                       # every later harmony header holds the content back until the turn ends
+                       tool_call_open="<|", tool_args_as_objects=True, parallel_tool_calls=False,
+                       more_turn_ends=("<|call|>",), chat_template=GPT_OSS_TITO))
 register_family(Family("chatml", "<|im_end|>", _parse_chatml,
                        description="ChatML (SmolLM2): <tool_call> JSON in the text",
                        tool_call_open="<tool_call>"))

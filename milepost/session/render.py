@@ -105,12 +105,12 @@ class Renderer:
         message of `next_role`)."""
         if self.family.turn_end_by_next:
             return rendered + self.family.turn_end_before(next_role)
-        at = rendered.rfind(self.eot)
+        at, marker = max((rendered.rfind(m), m) for m in self.markers)
         if at < 0:
             raise RenderError(f"the template rendered an assistant turn without its end-of-turn "
                               f"marker {self.eot!r}; model family {self.family.name!r} does not "
                               f"fit this template")
-        return rendered[: at + len(self.eot)]
+        return rendered[: at + len(marker)]
 
     def prompt_text(self, messages: list[Message], tools: list[dict] | None,
                     template_kwargs: dict[str, Any] | None = None) -> str:

@@ -1,4 +1,4 @@
-"""Published chat templates of the kimi-k2, mistral and glm4 families, written here from their public
+"""Published chat templates of the kimi-k2, mistral, glm4 and gpt-oss families, written here from their public
 definitions (the checkpoints' `tokenizer_config.json`), for the session server's family checks.
 chat_templates.py holds the Qwen, Llama 3 and DeepSeek ones; both files keep the layout as shipped:
 a family must work with what a user's checkpoint carries, or carry a TITO-safe template of its own
@@ -6,6 +6,8 @@ a family must work with what a user's checkpoint carries, or carry a TITO-safe t
 """
 
 from __future__ import annotations
+
+from milepost.session.family_templates import GPT_OSS_HEAD, GPT_OSS_TOOLS
 
 # Kimi K2 Instruct: role headers <|im_user|>user<|im_middle|>, every message closed by <|im_end|>
 # with nothing after it, a default system prompt when there is none, the tool list declared
@@ -261,3 +263,64 @@ GLM4_SPECIALS = ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", 
                  "<|observation|>")
 GLM4_NOT_SPECIAL = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
                     "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>")
+
+# gpt-oss (harmony), as published, less its built-in tools (browser, python): the system and
+# developer messages and the tool namespace are the ones milepost/session/family_templates.py
+# shares; the messages below are the published loop (analysis kept only before a pending tool call,
+# a final answer in history closed by <|end|>, by <|return|> only as the last message of a
+# training rendering).
+GPT_OSS = GPT_OSS_TOOLS + GPT_OSS_HEAD + r'''{%- for message in loop_messages -%}
+    {%- if message.role == 'assistant' -%}
+        {%- if "content" in message %}
+            {%- if "<|channel|>analysis<|message|>" in message.content or "<|channel|>final<|message|>" in message.content %}
+                {{- raise_exception("You have passed a message containing <|channel|> tags in the content field.") }}
+            {%- endif %}
+        {%- endif %}
+        {%- if "tool_calls" in message %}
+            {%- set future_final_message = namespace(found=false) %}
+            {%- for future_message in loop_messages[loop.index:] %}
+                {%- if future_message.role == 'assistant' and "tool_calls" not in future_message %}
+                    {%- set future_final_message.found = true %}
+                {%- endif %}
+            {%- endfor %}
+            {%- set tool_call = message.tool_calls[0] %}
+            {%- if tool_call.function %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {%- if message.content and message.thinking %}
+                {{- raise_exception("Cannot pass both content and thinking in an assistant message with tool calls! Put the analysis message in one or the other, but not both.") }}
+            {%- elif message.content and not future_final_message.found %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.content + "<|end|>" }}
+            {%- elif message.thinking and not future_final_message.found %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant to=" }}
+            {{- "functions." + tool_call.name + "<|channel|>commentary " }}
+            {{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}
+            {{- tool_call.arguments|tojson }}
+            {{- "<|call|>" }}
+            {%- set last_tool_call.name = tool_call.name %}
+        {%- elif loop.last and not add_generation_prompt %}
+            {%- if "thinking" in message %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
+        {%- else %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+            {%- set last_tool_call.name = none %}
+        {%- endif %}
+    {%- elif message.role == 'tool' -%}
+        {%- if last_tool_call.name is none %}
+            {{- raise_exception("Message has tool role, but there was no previous assistant message with a tool call!") }}
+        {%- endif %}
+        {{- "<|start|>functions." + last_tool_call.name }}
+        {{- " to=assistant<|channel|>commentary<|message|>" + message.content|tojson + "<|end|>" }}
+    {%- elif message.role == 'user' -%}
+        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|start|>assistant
+{%- endif -%}'''
+GPT_OSS_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>",
+                    "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")

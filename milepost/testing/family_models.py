@@ -31,6 +31,8 @@ from milepost.testing.family_chat_templates import (
     GLM4_5,
     GLM4_NOT_SPECIAL,
     GLM4_SPECIALS,
+    GPT_OSS,
+    GPT_OSS_SPECIALS,
     KIMI_K2,
     KIMI_K2_SPECIALS,
     MISTRAL_SPECIALS,
@@ -56,6 +58,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str, str | None]] = {
     "mistral": (MISTRAL_V3, MISTRAL_SPECIALS, "</s>", "<s>"),
     # GLM's checkpoints stop on <|endoftext|>, <|user|> and <|observation|> (config eos ids).
     "glm4": (GLM4_5, GLM4_SPECIALS, "<|endoftext|>", None),
+    # gpt-oss stops on <|return|> and <|call|>; trains and serves with the family's template.
+    "gpt-oss": (GPT_OSS, GPT_OSS_SPECIALS, "<|return|>", None),
 }
 NOT_SPECIAL = {"glm4": GLM4_NOT_SPECIAL}
 # The tool-call ids each family's models write (Kimi K2 names the function in its ids; Mistral's

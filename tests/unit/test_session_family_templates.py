@@ -171,3 +171,63 @@ def test_glm4_parser_reads_reasoning_and_arg_pairs() -> None:
     assert json.loads(out.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo", "days": 3}
     bad = fam.parse("\n<think></think>\n<tool_call>get_weather\nnot pairs</tool_call>")
     assert bad.tool_calls == [] and bad.unparsed_tool_calls == 1
+
+
+@pytest.fixture(scope="module")
+def harmony():
+    from milepost.testing.family_chat_templates import GPT_OSS, GPT_OSS_SPECIALS
+    from milepost.testing.qwen_tokenizer import bpe_tokenizer
+
+    return bpe_tokenizer(GPT_OSS, GPT_OSS_SPECIALS, eos="<|return|>")
+
+
+def test_gpt_oss_renders_with_its_own_template_because_the_published_one_rewrites_turns(harmony):
+    from dataclasses import replace
+
+    fam = get_family("gpt-oss")
+    published = Renderer(harmony, replace(fam, chat_template=None))
+    failed = [c.name for c in check_append_only(published) if not c.ok]
+    # A final answer in history is closed by <|end|> where the model wrote <|return|>.
+    assert "multi-turn chat" in failed and "no system prompt" in failed
+    ours = Renderer(harmony, fam)
+    results = check_append_only(ours)
+    assert len(results) == len(BATTERY) and all(c.ok for c in results), results
+    assert [c.name for c in results if c.detail.startswith("skipped")] == [
+        "tools, parallel calls and results"]  # one call per assistant message
+    _, messages, tools = next(b for b in BATTERY if b[0] == "tools, one call per turn")
+    pieces = incremental_text(ours, messages, tools)
+    assert "namespace functions {\n\n// Weather of a city\ntype get_weather = (_: {\ncity: " \
+        "string,\n}) => any;\n\n} // namespace functions<|end|>" in pieces[0]
+    assert pieces[0].endswith("<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant")
+    # The model's turn continues the generation prompt's header with the recipient.
+    assert pieces[1] == (' to=functions.get_weather<|channel|>commentary json<|message|>'
+                         '{"city": "Paris"}<|call|>')
+    out = get_family("gpt-oss").parse(pieces[1].removesuffix("<|call|>"))
+    assert out.tool_calls[0]["function"]["name"] == "get_weather"
+    assert pieces[2] == ('<|start|>functions.get_weather to=assistant<|channel|>commentary'
+                         '<|message|>"sunny"<|end|><|start|>assistant')
+    assert pieces[3] == "<|channel|>final<|message|>It is sunny in Paris.<|return|>"
+    _, messages, tools = next(b for b in BATTERY if b[0] == "reasoning every turn")
+    text = "".join(incremental_text(ours, messages, tools))
+    assert text.count("<|channel|>analysis<|message|>") == 2 and text.count("<|return|>") == 3
+
+
+def test_gpt_oss_parser_reads_channels_and_recipients() -> None:
+    fam = get_family("gpt-oss")
+    out = fam.parse("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant"
+                    "<|channel|>final<|message|>It snows.")
+    assert out.reasoning_content == "Need weather." and out.content == "It snows."
+    assert out.tool_calls == []
+    recipient_first = ('<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant '
+                       'to=functions.get_weather<|channel|>commentary json<|message|>'
+                       '{"city": "Oslo"}')
+    channel_first = ('<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                     '<|message|>{"city": "Oslo"}')
+    for call in (recipient_first, channel_first):
+        out = fam.parse(call)
+        assert [c["function"]["name"] for c in out.tool_calls] == ["get_weather"]
+        assert json.loads(out.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+        assert out.content == "" and out.unparsed_tool_calls == 0
+    bad = fam.parse("<|channel|>commentary to=functions.get_weather<|message|>{city")
+    assert bad.tool_calls == [] and bad.unparsed_tool_calls == 1 and "{city" in bad.content
+    assert fam.parse("plain words").content == "plain words"
