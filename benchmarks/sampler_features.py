@@ -5,9 +5,10 @@ One engine in-process (no HTTP), random weights of a real shape, one workload pe
 (frequency + presence + repetition on every request), `bias` (16 biased ids on every request),
 `json` (a JSON-schema grammar on every request, one that cannot complete within the output
 length, so every request decodes to the end), `json-half` (the grammar on every other request:
-a mixed batch). `plain` runs first and last, to bound drift within the process. Only `plain` uses
-nothing new, so the script also runs on trees from before these features (a folder holding an old
-`milepost/` first on PYTHONPATH): old `plain` vs HEAD `plain` is the cost when unused.
+a mixed batch). `plain` runs first and last, to bound drift within the process; warm-ups of
+`plain` (and `json`: its first masks build the grammar's lexer states) run before. Only `plain`
+uses nothing new, so the script also runs on trees from before these features (a folder holding
+an old `milepost/` first on PYTHONPATH): old `plain` vs HEAD `plain` is the cost when unused.
 
     python benchmarks/sampler_features.py --shape qwen3-0.6b --tokenizer DIR --json-out out.json
 """
@@ -139,6 +140,8 @@ def main() -> int:
     try:
         print(f"{args.label}: warm-up", flush=True)
         run(engine, info.vocab_size, compiler, "plain", args, seed=999)
+        if compiler is not None:  # the grammar's first masks build its lexer states: once
+            run(engine, info.vocab_size, compiler, "json", args, seed=998)
         for k, v in enumerate(variants):
             rows.append(run(engine, info.vocab_size, compiler, v, args, seed=k))
     finally:
