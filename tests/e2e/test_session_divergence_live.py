@@ -8,8 +8,6 @@ recorded rollback (header, response field, sample metadata) - never silent."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +16,6 @@ from milepost.session.divergence import HEADER
 from milepost.session.runner import SessionServerThread
 from milepost.session.service import SessionSettings
 from milepost.testing.agent_harness import WEATHER, RecordingTransport
-from milepost.testing.agent_model import make_agent_model
 from milepost.testing.server_process import ServerProcess
 
 openai = pytest.importorskip("openai")
@@ -27,14 +24,8 @@ USER_TURNS = ["Weather in Oslo?", "Thanks!", "Weather in Rome?"]
 
 
 @pytest.fixture(scope="module")
-def agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_agent_model(tmp_path_factory.getbasetemp() / "agent_model_shared")
-
-
-@pytest.fixture(scope="module")
-def engine(agent_dir: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(agent_dir, "--max-total-tokens", "16384") as srv:
-        yield srv
+def engine(agent_engine: ServerProcess) -> ServerProcess:
+    return agent_engine  # one engine for every session test (tests/e2e/conftest.py)
 
 
 def _replay(message) -> dict:

@@ -5,27 +5,17 @@ block) while the session stays token-exact across turns."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 
 from milepost.session.runner import SessionServerThread
 from milepost.testing.agent_harness import RecordingTransport
-from milepost.testing.agent_model import make_agent_model
 from milepost.testing.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_agent_model(tmp_path_factory.getbasetemp() / "agent_model_shared")
-
-
-@pytest.fixture(scope="module")
-def engine(agent_dir: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(agent_dir, "--max-total-tokens", "8192") as srv:
-        yield srv
+def engine(agent_engine: ServerProcess) -> ServerProcess:
+    return agent_engine  # one engine for every session test (tests/e2e/conftest.py)
 
 
 def test_sampling_fields_logprobs_and_template_kwargs(agent_dir, engine) -> None:

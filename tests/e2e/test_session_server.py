@@ -5,8 +5,6 @@ streaming, and bad input (4xx with a message; stored history unchanged)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,19 +12,12 @@ import pytest
 from milepost.session.runner import SessionServerThread
 from milepost.session.service import SessionSettings
 from milepost.testing.agent_harness import RecordingTransport, WeatherAgent
-from milepost.testing.agent_model import make_agent_model
 from milepost.testing.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_agent_model(tmp_path_factory.getbasetemp() / "agent_model_shared")
-
-
-@pytest.fixture(scope="module")
-def engine(agent_dir: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(agent_dir, "--max-total-tokens", "16384") as srv:
-        yield srv
+def engine(agent_engine: ServerProcess) -> ServerProcess:
+    return agent_engine  # one engine for every session test (tests/e2e/conftest.py)
 
 
 def _server(agent_dir, engine, matcher="strict", mode="linear", recorder=None):
