@@ -161,6 +161,8 @@ def resolve_defaults(c: TrainConfig) -> None:
         put("device", "cuda" if _cuda_available() else "cpu")
     if c.dtype == "auto":
         put("dtype", "bfloat16" if c.device == "cuda" else "float32")
+    if c.max_tokens_per_micro_batch is None:  # measured: docs/training_speed.md
+        put("max_tokens_per_micro_batch", 16384 if c.device == "cuda" else 4096)
     if c.rollout_num_engines is None:
         put("rollout_num_engines", len(c.engine_urls) if c.engine_urls else 1)
     if c.router is None:

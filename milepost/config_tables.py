@@ -353,10 +353,12 @@ class OptimizerTable(_Table):
         description="Samples per optimizer step; default rollout_batch_size * "
         "n_samples_per_prompt (one step per rollout).",
     )
-    max_tokens_per_micro_batch: int = Field(
-        4096,
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
         ge=1,
-        description="Token budget of one micro-batch of a trainer rank (dynamic batching).",
+        description="Token budget of one micro-batch of a trainer rank (dynamic batching); default "
+        "16384 on CUDA (one 16k-token micro-batch instead of two of 8k nearly halved a Qwen3-0.6B "
+        "step on the H200: docs/training_speed.md), 4096 on CPU.",
         json_schema_extra={"flags": ["--max-tokens-per-gpu"]},
     )
     activation_checkpointing: Literal["none", "layer"] = Field(
@@ -368,7 +370,14 @@ class OptimizerTable(_Table):
     compile_layers: bool = Field(
         False,
         description="torch.compile each decoder layer's forward (dense models; attention stays eager). "
-        "Opt-in: not yet measured on a GPU; refused with --activation-checkpointing layer.",
+        "Opt-in: slower than eager layers on the H200 (docs/training_speed.md); refused with "
+        "--activation-checkpointing layer.",
+    )
+    fused_kernels: bool = Field(
+        True,
+        description="On CUDA, the trainer's Triton kernels with backward: RMSNorm, RoPE, SiLU-and-mul, "
+        "LM-head log-prob + entropy without fp32 [tokens, vocab] logits, grouped-GEMM MoE experts "
+        "(docs/training_speed.md); off = the torch ops. No effect on CPU.",
     )
     separate_old_logprob_pass: bool = Field(
         False,

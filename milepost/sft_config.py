@@ -102,6 +102,8 @@ class SFTConfig(SFTCheckpointTable, _SFTOptimizer, SFTTrainingTable, SFTDataTabl
             put("device", "cuda" if torch.cuda.is_available() else "cpu")
         if self.dtype == "auto":
             put("dtype", "bfloat16" if self.device == "cuda" else "float32")
+        if self.max_tokens_per_micro_batch is None:  # as milepost train: docs/training_speed.md
+            put("max_tokens_per_micro_batch", 16384 if self.device == "cuda" else 4096)
         put("run_dir", (self.run_dir or default_run_dir("sft")).expanduser().absolute())
         return self
 

@@ -399,6 +399,7 @@ def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
         adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, global_batch_size=cfg.global_batch_size,
         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
         activation_checkpointing=cfg.activation_checkpointing, compile_layers=cfg.compile_layers,
+        fused_kernels=cfg.fused_kernels,
         separate_old_logprob_pass=cfg.separate_old_logprob_pass, eps_clip=cfg.eps_clip,
         eps_clip_high=cfg.eps_clip_high, use_kl_loss=cfg.use_kl_loss,
         kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,

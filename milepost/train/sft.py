@@ -34,7 +34,7 @@ def sft_trainer_settings(cfg: SFTConfig, total_steps: int) -> TrainerSettings:
         adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
         global_batch_size=cfg.global_batch_size, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
         loss_type="sft_loss", loss_aggregation=cfg.loss_aggregation, seed=cfg.seed, dtype=cfg.dtype,
-        device=cfg.device,
+        device=cfg.device, fused_kernels=cfg.fused_kernels,
     )
 
 
