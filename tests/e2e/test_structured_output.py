@@ -150,3 +150,20 @@ def test_openai_response_format_on_chat_and_completions(qwen3_server: ServerProc
         "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "nonsense"}}}},
         "/v1/completions")
     assert bad.status_code == 400 and "response_format.json_schema" in bad.text, bad.text
+
+
+def test_a_streamed_grammar_request(qwen3_server: ServerProcess) -> None:
+    regex = r"(ab|cd){2,6}!"
+    with httpx.stream("POST", f"{qwen3_server.url}/generate", timeout=300, json={
+            "text": "go", "stream": True, "sampling_params": {
+                "regex": regex, "max_new_tokens": 40, "n": 2, "sampling_seed": 1}}) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    last = {}
+    for c in chunks:
+        last[c["index"]] = c
+    assert sorted(last) == [0, 1]
+    for c in last.values():
+        assert c["meta_info"]["finish_reason"]["type"] == "stop"
+        assert re.fullmatch(regex, c["text"]), c["text"]
