@@ -123,7 +123,8 @@ class GrammarCompiler:
             # n_vocab: the logits' width (often padded past the tokenizer's last id); the extra
             # ids are never allowed. Every id the engine stops on ends an accepted grammar.
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self.eos_ids))
+                self.tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self.eos_ids) or None)
+            self.eos_ids = frozenset(self._ll_tokenizer.eos_tokens)  # the tokenizer's, if none given
         return self._ll_tokenizer
 
 
