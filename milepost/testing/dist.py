@@ -9,8 +9,10 @@ raises with that rank's traceback.
 from __future__ import annotations
 
 import io
+import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -19,6 +21,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def _load_per_core() -> float:
+    """The 1-minute load average per core, at least 1 (how many times slower than idle)."""
+    try:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    except OSError:
+        return 1.0
 
 
 def free_port() -> int:
@@ -67,12 +77,27 @@ def run_ranks(
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
+    start, slowest = time.monotonic(), 1.0
     try:
-        for _ in range(world_size):
+        while len(out) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout_s)
+                rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} gave no result in {timeout_s}s") from None
+                # timeout_s is for an idle machine: on a loaded one the ranks get their share of
+                # the cores, so the limit stretches with the load per core (the highest seen).
+                slowest = max(slowest, _load_per_core())
+                waited = time.monotonic() - start
+                if waited > timeout_s * slowest:
+                    missing = sorted(set(range(world_size)) - set(out))
+                    raise TimeoutError(f"ranks {missing} gave no result in {waited:.0f}s "
+                                       f"({timeout_s}s x load per core {slowest:.1f})") from None
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                if dead and results.empty():
+                    time.sleep(1.0)  # a result put just before exiting may still be in the pipe
+                    if results.empty():
+                        raise RuntimeError(f"ranks {dead} exited (codes "
+                                           f"{[procs[r].exitcode for r in dead]}) with no result")
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
