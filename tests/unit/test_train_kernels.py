@@ -100,3 +100,36 @@ def test_fused_training_is_off_unless_switched_on() -> None:
     block = torch.nn.Sequential(norm, torch.nn.Linear(8, 8))
     assert set_fused_training(block, True) == 1 and norm.fused_train
     assert not fused_training(norm, x)  # a CPU tensor: never the kernels
+
+
+def test_grouped_experts_with_backward_match_the_expert_loop() -> None:
+    """The trainer's MoE path on CUDA (grouped GEMMs, differentiated by autograd) against the
+    per-expert loop, in fp32 on CPU where torch's grouped GEMM also runs."""
+    from milepost.kernels.grouped_experts import grouped_expert_mlp
+    from milepost.models.qwen3_moe import StackedExperts
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch has no _grouped_mm")
+    g = torch.Generator().manual_seed(0)
+    experts = StackedExperts(num_experts=6, hidden=16, intermediate=8)
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(experts.w13.shape, generator=g) * 0.3)
+        experts.w2.copy_(torch.randn(experts.w2.shape, generator=g) * 0.3)
+    x = torch.randn(23, 16, generator=g)
+    ids = torch.rand(23, 6, generator=g).argsort(-1)[:, :2]  # expert 5 may get no token: an empty group
+    ids[ids == 5] = 4
+    ids[:, 1] = torch.where(ids[:, 0] == ids[:, 1], (ids[:, 0] + 1) % 5, ids[:, 1])
+    weights = torch.rand(23, 2, generator=g)
+
+    def grouped(x, w):
+        return grouped_expert_mlp(x, ids, w, experts.w13, experts.w2, act=lambda a, b: F.silu(a) * b)
+
+    def loop(x, w):
+        return experts(x, ids, w)
+
+    results = []
+    for fn in (grouped, loop):
+        experts.zero_grad()
+        out, grads = _grads(fn, x, weights)
+        results.append(out + grads + [experts.w13.grad.clone(), experts.w2.grad.clone()])
+    _close(results[0], results[1], "grouped experts")
