@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from milepost.kernels.grouped_experts import grouped_available, grouped_expert_mlp, grouped_train_available
+from milepost.kernels.grouped_experts import (
+    grouped_available,
+    grouped_expert_mlp,
+    grouped_train_available,
+)
 from milepost.models.base import ForwardContext
 from milepost.models.layers import GatedMLP
 from milepost.models.qwen3 import Qwen3ForCausalLM
