@@ -22,8 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-# SGLang's forms, in the order it checks them; structural_tag stays refused (sampling_params.py).
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 ANY_JSON = "$$ANY$$"  # SGLang's json_schema value for "any JSON value"
 CACHE_SIZE = 64  # compiled grammars kept (a rollout repeats one schema for every request)
 
@@ -60,7 +58,7 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = frozenset(eos_ids)
-        self._ll_tokenizer: object | None = None  # built on the first grammar (about 1 s for 150k)
+        self._ll_tokenizer: object | None = None  # built on the first grammar (3 s for 151k here)
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         # One thread: compiles are serialized (a burst of one schema compiles it once) and the
         # event loop never waits on one.
