@@ -19,14 +19,9 @@ from starlette.responses import StreamingResponse
 
 from milepost.engine.generate_service import OPENAI_NAMES, BadRequest, GenerateService
 from milepost.engine.protocol import GenerateReqInput
-from milepost.session.families import (
-    Family,
-    FamilyError,
-    family_names,
-    get_family,
-    parse_think,
-)
+from milepost.session.families import Family, FamilyError, family_names, get_family
 from milepost.session.openai_chat import IncrementalText
+from milepost.session.parsers import parse_think
 from milepost.session.render import args_as_objects
 from milepost.session.streaming import DeltaStream
 
