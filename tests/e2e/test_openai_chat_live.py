@@ -142,6 +142,12 @@ def test_max_completion_tokens_directly_and_through_sglang_router(engine, tmp_pa
         r = chat(f"http://127.0.0.1:{port}", messages=ASK, temperature=0, max_tokens=3)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
+        # /v1/completions gets SGLang's flags too (echo, no_stop_trim, ...): accepted.
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                       headers={"X-SMG-Routing-Key": "k"},
+                       json={"model": "default", "prompt": "Weather in Oslo?", "max_tokens": 3,
+                             "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
         r = chat(f"http://127.0.0.1:{port}", messages=ASK, tools=[WEATHER_TOOL], **GREEDY)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == \
