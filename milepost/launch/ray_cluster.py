@@ -71,7 +71,7 @@ class LocalRayCluster:
                                f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
         return chosen
 
-    def close(self, grace_s: float = 10.0) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
         """Stop every process of this cluster (SIGTERM, SIGKILL after grace_s), remove its dir."""
         pids = self.pids()  # taken once: the agents lose their parent (and so our trace) first
         for pid in pids:
