@@ -14,6 +14,16 @@ from milepost.session.streaming import DeltaStream
 from milepost.testing.tokenizer import build_tiny_tokenizer
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+KIMI_CALL = ("Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+             '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
+             "<|tool_calls_section_end|>")
+MISTRAL_CALL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "a1b2c3d4e"}]'
+GLM_CALL = ("\n<think>Need it.</think>\nChecking.\n<tool_call>get_weather\n<arg_key>city</arg_key>"
+            "\n<arg_value>Oslo</arg_value>\n</tool_call>")
+HARMONY_ANSWER = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>"
+                  "final<|message|>It snows.")
+HARMONY_CALL = ("<|channel|>analysis<|message|>Call.<|end|><|start|>assistant to=functions."
+                'get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}')
 OUTPUTS = [
     ("qwen3", "<think>\nneed the weather\n</think>\n\nLet me check.\n" + CALL),
     ("qwen3", "\n<think>\nhmm\n\n</think>\nIt is sunny in Oslo today.\n\n"),
@@ -24,6 +34,14 @@ OUTPUTS = [
     ("chatml", 'Sure.\n<tool_call>[{"name": "a", "arguments": {"x": 1}}]</tool_call>'),
     ("chatml", "<think>not special here</think> text \u00e9\u4e2d"),
     ("generic", "anything <tool_call> goes\n\n"),
+    ("kimi-k2", KIMI_CALL),
+    ("mistral", " It is sunny in Oslo."),
+    ("mistral", MISTRAL_CALL),
+    ("glm4", GLM_CALL),
+    ("glm4", "\n<think></think>\nIt is sunny."),
+    ("gpt-oss", HARMONY_ANSWER),
+    ("gpt-oss", HARMONY_CALL),
+    ("gpt-oss", "<|channel|>final<|message|>Direct answer."),
 ]
 
 
