@@ -26,7 +26,8 @@ from milepost.engine.request import ReqState, Request, RequestOutput
 from milepost.engine.runner import ModelRunner
 from milepost.engine.scheduler import Chunk, Scheduler
 from milepost.engine.stats import EngineStats
-from milepost.engine.stepping import Stepper, LaunchedStep
+from milepost.engine.stepping import LaunchedStep, Stepper
+from milepost.onpolicy.contract import rescore_request as rescore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,6 +45,7 @@ class EngineConfig:
     weight_version: str = "default"
     random_seed: int = 0
     overlap_schedule: bool = False  # leave decode steps queued; read them back behind the next
+    true_on_policy: bool = False  # re-score finished sequences with the trainer's computation
 
 
 class Engine(Stepper):
@@ -221,6 +223,8 @@ class Engine(Stepper):
 
     def _finish(self, req: Request, reason: dict) -> None:
         req.finish_reason = reason
+        if self.cfg.true_on_policy and req.return_logprob and reason.get("type") != "abort":
+            rescore(self.runner.model, req)
         routed = self.runner.routed_experts(req) if req.return_routed_experts else None
         self.scheduler.finish(req)
         self._by_rid.pop(req.rid, None)

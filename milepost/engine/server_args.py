@@ -130,6 +130,10 @@ class ServerArgs(BaseModel):
     lora_paths: str | None = Field(
         None, description="--enable-lora: adapters to load at start, NAME=PATH[,NAME=PATH...], each "
         "PATH a PEFT adapter directory.")
+    true_on_policy: bool = Field(
+        False, description="Re-score every finished sequence with the trainer's computation "
+        "(milepost/onpolicy/contract.py) and report those log-probs: bitwise equal to a trainer run "
+        "with --true-on-policy (docs/true_on_policy.md). Dense Qwen3 / Llama; no fp8, no LoRA.")
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
         "default", description="Weight version reported before the first weight update."
@@ -242,6 +246,9 @@ class ServerArgs(BaseModel):
                 or self.max_lora_rank != 16) and not self.enable_lora:
             raise ValueError("--lora-paths / --max-lora-rank / --lora-target-modules / "
                              "--max-loras-per-batch need --enable-lora")
+        if self.true_on_policy and (self.quantization or self.enable_lora):
+            raise ValueError("--true-on-policy re-scores with the trainer's unquantized, adapter-free "
+                             "computation: drop --quantization / --enable-lora")
         specs = self.lora_paths.split(",") if self.lora_paths else []
         bad = [p for p in specs if "=" not in p or not p.split("=", 1)[0]]
         if bad:

@@ -52,8 +52,17 @@ def build_engine(
                                trust_remote_code=args.trust_remote_code)
         except torch.OutOfMemoryError as e:
             raise RuntimeError(out_of_memory_message("the weights", None, args.mem_fraction_static)) from e
+    if args.true_on_policy:  # refused before any request: no profile, no bitwise promise
+        from milepost.onpolicy.profiles import profile_refusals
+
+        arch = type(model).__name__ if getattr(model, "native", True) else "a transformers-fallback model"
+        why = profile_refusals(arch, moe=model.moe_top_k > 0, device=device.type, dtype=args.dtype)
+        if why:
+            raise ValueError("; ".join(why))
     fuse = getattr(model, "fuse_projections", None)
-    if fuse is not None:  # one GEMM for q/k/v and one for gate/up; HF names still address slices
+    # one GEMM for q/k/v and one for gate/up; HF names still address slices. Not under
+    # --true-on-policy: the re-score must run the trainer's separate projections.
+    if fuse is not None and not args.true_on_policy:
         fuse()
     native = getattr(model, "native", True)
     if args.quantization == "fp8" and not native:
@@ -128,7 +137,7 @@ def build_engine(
             max_running_requests=args.max_running_requests, context_length=context_length,
             enable_prefix_cache=not args.disable_radix_cache,
             weight_version=args.weight_version, random_seed=args.random_seed,
-            overlap_schedule=args.overlap_schedule == "on",
+            overlap_schedule=args.overlap_schedule == "on", true_on_policy=args.true_on_policy,
         ),
     )
     info = ServerInfo(

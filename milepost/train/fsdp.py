@@ -27,6 +27,7 @@ from milepost.lora.peft_format import write_peft_adapter
 from milepost.lora.settings import ADAPTER_SEP, POLICY_ADAPTER
 from milepost.models.layers import set_fused_training
 from milepost.models.registry import load_model
+from milepost.onpolicy.contract import LOGPROB_CHUNK
 from milepost.train import checkpoint as ckpt
 from milepost.train import micro
 from milepost.train.batch import TrainBatch, split_for_rank
@@ -70,8 +71,9 @@ def _shard(model_path: Path, s: TrainerSettings, device: torch.device, trainable
     lm = load_model(model_path, torch.float32, "cpu")  # fp32 master weights; fully_shard moves each shard
     if trainable and s.lora is not None:
         attach_lora(lm, s.lora)  # the reference / teacher stay the plain base
-    fused = s.fused_kernels and device.type == "cuda"
-    scorer = TokenScorer(lm, s.temperature, s.logprob_chunk_size, fused=fused)
+    fused = s.fused_kernels and device.type == "cuda" and not s.true_on_policy
+    chunk = LOGPROB_CHUNK if s.true_on_policy else s.logprob_chunk_size  # the engine re-scores with it
+    scorer = TokenScorer(lm, s.temperature, chunk, fused=fused)
     mp = MixedPrecisionPolicy(param_dtype=s.torch_dtype, reduce_dtype=torch.float32)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if s.compile_layers and trainable:
@@ -181,9 +183,11 @@ class FSDPBackend:
 
     def _aligned_plan(self, lengths: list[int]) -> list[list[int]]:
         """Micro-batches of these samples, as many as the busiest rank has (collective)."""
-        local = plan_micro_batches(lengths, self.settings.max_tokens_per_micro_batch)
+        # --true-on-policy: a budget of 1 token puts every sample alone (batch-invariant forward)
+        budget = 1 if self.settings.true_on_policy else self.settings.max_tokens_per_micro_batch
+        local = plan_micro_batches(lengths, budget)
         count = int(self._all_reduce([len(local)], dist.ReduceOp.MAX)[0])
-        return plan_micro_batches(lengths, self.settings.max_tokens_per_micro_batch, count)
+        return plan_micro_batches(lengths, budget, count)
 
     def _require_onloaded(self, what: str, model: str = "actor") -> None:
         if self.residency.offloaded:

@@ -69,6 +69,9 @@ class TrainerSettings:
         step (--offload-actor-for-critic): one is evicted while the other computes or trains.
     optimizer_state_dir: set = stream the Adam moments from per-rank files there (bucketed by
         optimizer_bucket_bytes; moments in optimizer_moment_dtype, float32 = bitwise AdamW).
+    true_on_policy: the kernel contract of milepost/onpolicy/contract.py: one sample per
+        micro-batch, the torch ops (no fused kernels), LOGPROB_CHUNK rows per LM-head chunk, so
+        the log-probs equal the engine's re-score of the same sequence bit for bit.
     seed: seeds torch / python / numpy at creation.
     dtype: compute dtype ("float32" | "bfloat16"); master weights and optimizer state stay fp32,
         exported weights are in this dtype.
@@ -111,6 +114,7 @@ class TrainerSettings:
     use_rollout_routing_replay: bool = False
     temperature: float = 1.0
     logprob_chunk_size: int = 1024
+    true_on_policy: bool = False
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
