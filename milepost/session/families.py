@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from milepost.session.family_templates import (
     DEEPSEEK_V3_TITO,
     GPT_OSS_TITO,
+    MISTRAL_TEKKEN_TITO,
     MISTRAL_TITO,
 )
 from milepost.session.parsers import (  # noqa: F401 - Message, ParsedOutput, parse_* re-exported
@@ -153,6 +154,11 @@ register_family(Family("mistral", "</s>", parse_mistral,
                        "published one moves the system prompt and tools to the last user turn)",
                        tool_call_open="[TOOL_CALLS]", tool_args_as_objects=True,
                        chat_template=MISTRAL_TITO))
+register_family(Family("mistral-tekken", "</s>", parse_mistral,
+                       description="Mistral tekken checkpoints (Nemo and later, v3 layout without "
+                       "the spaces after control tokens): as mistral, with its own TITO-safe "
+                       "template", tool_call_open="[TOOL_CALLS]", tool_args_as_objects=True,
+                       chat_template=MISTRAL_TEKKEN_TITO))
 register_family(Family("glm4", "<|user|>", parse_glm4,
                        description="GLM-4.5 / 4.6: turns end on the next message's header "
                        "(<|user|> or <|observation|>); <think> reasoning shown only after the last "

@@ -10,7 +10,8 @@ round of outputs its `<｜tool▁outputs▁begin｜>`), and a tool-calling turn 
 Here every assistant turn closes its calls and itself, each round of outputs opens and closes its
 own section, and content and calls may come together.
 
-Mistral (Instruct v0.3, v3 control tokens): the system prompt joins the last user message and the
+Mistral (Instruct v0.3 with v3 control tokens, and tekken checkpoints such as Nemo, which differ
+only in the spaces after control tokens): the system prompt joins the last user message and the
 tool list sits right before it, so each new user turn moves both and the rendering of turn n + 1
 does not begin with turn n's. Here both go with the first user message, where they stay; the
 9-character id check is left out (the ids are the model's own, or the parser's). The rest of the
@@ -86,6 +87,20 @@ MISTRAL_TITO = (
     "an initial optional system message') }}{%- endif %}"
     "{%- endfor %}"
 )
+
+
+def _tekken(v3: str) -> str:
+    """Mistral's tekken layout (Nemo and later) from the v3 one: the published templates differ
+    only in the space after each control token (and v3 trims an answer and prefixes a space)."""
+    for a, b in (("[AVAILABLE_TOOLS] [", "[AVAILABLE_TOOLS]["), ("'[INST] '", "'[INST]'"),
+                 ("[TOOL_CALLS] [", "[TOOL_CALLS]["), ("[TOOL_RESULTS] {", "[TOOL_RESULTS]{"),
+                 ("' ' + message['content']|trim + eos_token", "message['content'] + eos_token")):
+        assert a in v3, a
+        v3 = v3.replace(a, b)
+    return v3
+
+
+MISTRAL_TEKKEN_TITO = _tekken(MISTRAL_TITO)
 
 # gpt-oss (harmony). The published template (milepost/testing/family_chat_templates.py) renders a
 # final answer in history with <|end|> where the model wrote <|return|>, and drops every analysis

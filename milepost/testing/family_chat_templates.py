@@ -254,6 +254,22 @@ For each function call, output the function name and arguments within the follow
     <|assistant|>{{- '\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}}
 {%- endif -%}'''
 
+
+
+def _nemo(v3: str) -> str:
+    """Mistral Nemo's (tekken) published template: v0.3's without the space after each control
+    token, and the answer written as is."""
+    for a, b in (('"[AVAILABLE_TOOLS] ["', '"[AVAILABLE_TOOLS]["'), ('"[INST] "', '"[INST]"'),
+                 ('"[TOOL_CALLS] ["', '"[TOOL_CALLS]["'),
+                 ("""'[TOOL_RESULTS] {"content": '""", """'[TOOL_RESULTS]{"content": '"""),
+                 ('" " + message["content"]|trim + eos_token', 'message["content"] + eos_token')):
+        assert a in v3, a
+        v3 = v3.replace(a, b)
+    return v3
+
+
+MISTRAL_NEMO = _nemo(MISTRAL_V3)
+
 KIMI_K2_SPECIALS = ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
                     "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                     "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")

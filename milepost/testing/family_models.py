@@ -35,6 +35,7 @@ from milepost.testing.family_chat_templates import (
     GPT_OSS_SPECIALS,
     KIMI_K2,
     KIMI_K2_SPECIALS,
+    MISTRAL_NEMO,
     MISTRAL_SPECIALS,
     MISTRAL_V3,
 )
@@ -56,6 +57,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str, str | None]] = {
                     "<｜begin▁of▁sentence｜>"),
     "kimi-k2": (KIMI_K2, KIMI_K2_SPECIALS, "<|im_end|>", None),
     "mistral": (MISTRAL_V3, MISTRAL_SPECIALS, "</s>", "<s>"),
+    "mistral-tekken": (MISTRAL_NEMO, MISTRAL_SPECIALS, "</s>", "<s>"),
     # GLM's checkpoints stop on <|endoftext|>, <|user|> and <|observation|> (config eos ids).
     "glm4": (GLM4_5, GLM4_SPECIALS, "<|endoftext|>", None),
     # gpt-oss stops on <|return|> and <|call|>; trains and serves with the family's template.
@@ -64,7 +66,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str, str | None]] = {
 NOT_SPECIAL = {"glm4": GLM4_NOT_SPECIAL}
 # The tool-call ids each family's models write (Kimi K2 names the function in its ids; Mistral's
 # templates want 9 alphanumeric characters).
-CALL_IDS = {"kimi-k2": "functions.get_weather:0", "mistral": "a1b2c3d4e"}
+CALL_IDS = {"kimi-k2": "functions.get_weather:0", "mistral": "a1b2c3d4e",
+            "mistral-tekken": "a1b2c3d4e"}
 BASE_VOCAB = 512
 
 

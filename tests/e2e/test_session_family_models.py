@@ -1,5 +1,5 @@
-"""Live family checks (report 2.4.3) for qwen2.5, llama3, deepseek-v3, kimi-k2, mistral, glm4
-and gpt-oss: a tiny checkpoint taught the weather conversation in the family's template
+"""Live family checks (report 2.4.3) for qwen2.5, llama3, deepseek-v3, kimi-k2, mistral (v3 and
+tekken), glm4 and gpt-oss: a tiny checkpoint taught the weather conversation in the family's template
 (milepost/testing/family_models.py) behind a real engine, checked by `milepost check-family
 --serve`: the CPU battery, then real turns whose prompts extend each other token for token, real
 stop tokens, and the family's tool-call parser."""
@@ -17,7 +17,7 @@ from milepost.testing.family_models import make_family_agent_model
 
 
 @pytest.mark.parametrize("family", ["qwen2.5", "llama3", "deepseek-v3", "kimi-k2", "mistral",
-                                    "glm4", "gpt-oss"])
+                                    "mistral-tekken", "glm4", "gpt-oss"])
 def test_live_family_check(tmp_path_factory, family) -> None:
     model = make_family_agent_model(tmp_path_factory.mktemp(family.replace(".", "_")), family)
     proc = subprocess.run(

@@ -231,3 +231,25 @@ def test_gpt_oss_parser_reads_channels_and_recipients() -> None:
     bad = fam.parse("<|channel|>commentary to=functions.get_weather<|message|>{city")
     assert bad.tool_calls == [] and bad.unparsed_tool_calls == 1 and "{city" in bad.content
     assert fam.parse("plain words").content == "plain words"
+
+
+def test_mistral_tekken_has_the_same_fix_without_the_spaces() -> None:
+    from dataclasses import replace
+
+    from milepost.testing.family_chat_templates import MISTRAL_NEMO
+    from milepost.testing.qwen_tokenizer import bpe_tokenizer
+
+    tok = bpe_tokenizer(MISTRAL_NEMO, MISTRAL_SPECIALS, eos="</s>", bos="<s>")
+    fam = get_family("mistral-tekken")
+    failed = [c.name for c in check_append_only(Renderer(tok, replace(fam, chat_template=None)))
+              if not c.ok]
+    assert "multi-turn chat" in failed and "tools, one call per turn" in failed
+    ours = Renderer(tok, fam)
+    assert all(c.ok for c in check_append_only(ours))
+    plain = next(b for b in BATTERY if b[0] == "no system prompt")[1]
+    assert ours.render(plain, None, False) == tok.apply_chat_template(plain, tokenize=False) == \
+        "<s>[INST]One[/INST]Two</s>[INST]Three[/INST]Four</s>"
+    _, messages, tools = next(b for b in BATTERY if b[0] == "tools, one call per turn")
+    text = "".join(incremental_text(ours, messages, tools))
+    assert text.startswith("<s>[AVAILABLE_TOOLS][{") and '[TOOL_CALLS][{"name": "get_weather"' in text
+    assert '[TOOL_RESULTS]{"content": sunny, "call_id": "call_1"}[/TOOL_RESULTS]' in text
