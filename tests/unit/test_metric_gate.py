@@ -73,3 +73,31 @@ def test_the_ci_standard_is_committed_and_registers_the_loss() -> None:
     assert not RUNS["pipeline"].opt_in
     assert {"train/loss", "rollout/reward_mean", "train/kl", "eval/reward_mean"} <= set(std.exact)
     assert len(std.steps) == 4 and all("train/loss" in s for s in std.steps)
+
+
+def _run_flags(tmp_path: Path) -> list[str]:
+    import json
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(tmp_path / "p.jsonl"),
+            "--device", "cpu", "--run-dir", str(tmp_path / "run"), "--num-rollout", "2",
+            "--rollout-batch-size", "2"]
+
+
+def test_deterministic_mode_settings(tmp_path: Path) -> None:
+    import pytest
+
+    from milepost.config import ConfigError, load_config
+    from milepost.rollout.generate import request_seed
+
+    flags = _run_flags(tmp_path)
+    assert load_config(None, [*flags, "--deterministic"]).trainer_cpu_threads == 1
+    assert load_config(None, [*flags, "--deterministic", "--trainer-cpu-threads", "2"]).trainer_cpu_threads == 2
+    assert load_config(None, flags).trainer_cpu_threads is None
+    with pytest.raises(ConfigError, match="--deterministic needs the synchronous loop"):
+        load_config(None, [*flags, "--deterministic", "--fully-async"])
+    # Each (group, sample) of a run gets its own seed, and another --seed gives other seeds.
+    seeds = {request_seed(7, g, k) for g in range(64) for k in range(16)}
+    assert len(seeds) == 64 * 16 and request_seed(8, 0, 0) not in seeds
