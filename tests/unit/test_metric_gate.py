@@ -9,7 +9,14 @@ from pathlib import Path
 
 from milepost.gate_runs import RUNS, registrable
 from milepost.metric_gate import (
-    Standard, compare, format_diff, read_standard, registered_steps, standard_path, write_standard)
+    Standard,
+    compare,
+    format_diff,
+    read_standard,
+    registered_steps,
+    standard_path,
+    write_standard,
+)
 
 RECORDS = [
     {"step": 0, "time": 1.0, "train/loss": 0.125, "rollout/reward_mean": 0.5,
