@@ -18,7 +18,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from milepost.lora.serving import AdapterError, AdapterPool
-from milepost.lora.settings import ADAPTER_SEP as SEP  # "/" never occurs in a Hugging Face tensor name
+from milepost.lora.settings import (
+    ADAPTER_SEP as SEP,  # "/" never occurs in a Hugging Face tensor name
+)
 
 
 class LoadLoRAAdapterReqInput(BaseModel):

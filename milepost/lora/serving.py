@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from milepost.lora.peft_format import read_peft_adapter
-from milepost.lora.settings import ATTENTION_MODULES, MLP_MODULES, LoraSettings
+from milepost.lora.settings import ATTENTION_MODULES, LoraSettings
 
 
 class AdapterError(ValueError):

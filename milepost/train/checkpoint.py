@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -83,11 +84,18 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(dirpath))
 
 
+def _options(model: nn.Module) -> StateDictOptions:
+    """A model with frozen parameters (a LoRA adapter on its base) saves and loads only the
+    trained ones: the frozen base is the checkpoint it was loaded from, never changed."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What DCP saves: the model, and the optimizer unless its state streams from its own files."""
     if isinstance(optimizer, StreamingAdamW):
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=_options(model))}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -166,10 +174,10 @@ def load_checkpoint(
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=path)
     if isinstance(optimizer, StreamingAdamW):
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=_options(model))
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=_options(model))
     own = torch.load(path / f"rank_{rank if same_layout else 0}.pt", weights_only=False)
     scheduler.load_state_dict(own["scheduler"])
     if same_layout:

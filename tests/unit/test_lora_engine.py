@@ -71,8 +71,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def make_engine(path: Path, **flags: object) -> Engine:
-    settings = dict(device="cpu", dtype="float32", page_size=4, chunked_prefill_size=8,
-                    max_total_tokens=1024) | flags
+    settings = {"device": "cpu", "dtype": "float32", "page_size": 4, "chunked_prefill_size": 8,
+                "max_total_tokens": 1024} | flags
     return build_engine(ServerArgs(model_path=path, **settings).resolved())[0]
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
 from milepost.lora.adapters import attach_lora, freeze_base
@@ -19,7 +20,7 @@ from milepost.train.batch import split_for_rank
 from milepost.train.fsdp import FSDPBackend, TrainerSettings
 from milepost.types import Sample
 
-LORA = dict(lora_rank=4, lora_alpha=8.0, lora_target_modules="q_proj,v_proj,o_proj,gate_proj,down_proj")
+LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_target_modules": "q_proj,v_proj,o_proj,gate_proj,down_proj"}
 PROBE = [Sample(0, 0, tokens=[1, 40, 41, 42, 43, 44, 45, 46, 47], response_length=6)]
 
 
@@ -65,6 +66,7 @@ def lora_worker(rank: int, world: int, path: str, run_dir: str) -> dict:
     for b in mine[:2]:
         backend.train_step(b)
     backend.save_checkpoint(Path(run_dir) / "ckpt", {"step": 2})
+    saved = list(FileSystemReader(str(Path(run_dir) / "ckpt")).read_metadata().state_dict_metadata)
     continued = [backend.train_step(b)["loss"] for b in mine[2:]]
     adapter_continued = _adapter(backend)
     assert backend.load_checkpoint(Path(run_dir) / "ckpt") == {"step": 2}
@@ -76,7 +78,7 @@ def lora_worker(rank: int, world: int, path: str, run_dir: str) -> dict:
     names = {id(p): n for n, p in backend.policy.lm.named_parameters()}
     return {
         "before": before, "after": backend.compute_logprobs(PROBE)[0],
-        "continued": continued, "resumed": resumed,
+        "continued": continued, "resumed": resumed, "saved": saved,
         "adapter_continued": adapter_continued, "adapter_resumed": _adapter(backend),
         "base_unchanged": all(torch.equal(base_before[n], base_after[n]) for n in base_before),
         "optimized": sorted(names[i] for i in optimized),
@@ -97,6 +99,9 @@ def test_two_ranks_train_resume_and_export_loads_in_peft(tmp_path: Path) -> None
     # A weight update moves the adapter only, addressed as the engines' adapter "policy".
     assert r["weights"] == sorted(f"policy/{n}" for n in r["optimized"])
     assert r["continued"] == r["resumed"]  # exact resume: same losses, bit for bit
+    # The checkpoint holds the adapter and its Adam moments, not the frozen base's projections.
+    assert any(".q_proj.lora_A.weight" in k for k in r["saved"])
+    assert not any(k.endswith(("q_proj.weight", "down_proj.weight", "norm.weight")) for k in r["saved"]), r["saved"]
     for n, t in r["adapter_continued"].items():
         assert torch.equal(t, r["adapter_resumed"][n]), n
     assert (r["after"] - r["before"]).abs().max() > 1e-3  # the adapter changed the policy
