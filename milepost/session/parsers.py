@@ -230,44 +230,48 @@ def parse_glm4(text: str) -> ParsedOutput:
                         tool_calls=calls, unparsed_tool_calls=bad)
 
 
-_HARMONY_HEADER = re.compile(r"<\|channel\|>\s*(\w+)")
-_HARMONY_TO = re.compile(r"to=([^\s<]+)")
+_HARMONY_HEADER = re.compile(r"(?:assistant)?\s*(?:to=([^\s<]+))?\s*<\|channel\|>\s*(\w+)"
+                             r"(?:\s*to=([^\s<]+))?(?:\s*(?:<\|constrain\|>)?\s*\w+)?\s*")
+_HARMONY_END = re.compile(r"(<\|end\|>|<\|call\|>|<\|return\|>)")
 
 
 def parse_harmony(text: str) -> ParsedOutput:
     """gpt-oss's messages after `<|start|>assistant`: analysis -> reasoning, final (and a
     commentary preamble) -> content, commentary to=functions.NAME -> a tool call (its JSON body
-    the arguments; the recipient may stand before or after the channel). Text without a channel
-    header is content as written."""
+    the arguments; the recipient may stand before or after the channel). Anything that is not a
+    harmony message (no header, text after a message's end) is content as written."""
     if "<|channel|>" not in text:
         return ParsedOutput(content=text)
     reasoning: list[str] = []
     content: list[str] = []
     calls: list[dict[str, Any]] = []
     bad = 0
-    for message in text.split("<|start|>"):
-        header, sep, body = message.partition("<|message|>")
-        body = re.split(r"<\|end\|>|<\|call\|>|<\|return\|>", body, maxsplit=1)[0]
-        channel = _HARMONY_HEADER.search(header)
-        to = _HARMONY_TO.search(header)
-        if not sep or channel is None:
-            if message.strip() and message.strip() != "assistant":
-                content.append(message)  # not a harmony message: kept as written
+    for i, message in enumerate(text.split("<|start|>")):
+        raw = message if i == 0 else "<|start|>" + message
+        header, sep, rest = message.partition("<|message|>")
+        head = _HARMONY_HEADER.fullmatch(header) if sep else None
+        if head is None:
+            if raw:
+                content.append(raw)
             continue
-        if to is not None and to.group(1).startswith("functions."):
+        body, *end = _HARMONY_END.split(rest, maxsplit=1)
+        tail = end[1] if end else ""
+        to = head.group(1) or head.group(3)
+        if to is not None and to.startswith("functions."):
             try:
                 json.loads(body)
             except json.JSONDecodeError:
                 bad += 1
-                content.append(message)
+                content.append(raw)
                 continue
             calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                          "function": {"name": to.group(1).removeprefix("functions."),
-                                       "arguments": body}})
-        elif channel.group(1) == "analysis":
+                          "function": {"name": to.removeprefix("functions."), "arguments": body}})
+        elif head.group(2) == "analysis":
             reasoning.append(body)
         else:
             content.append(body)
+        if tail:
+            content.append(tail)
     return ParsedOutput(content="".join(content),
                         reasoning_content="\n".join(reasoning) if reasoning else None,
                         tool_calls=calls, unparsed_tool_calls=bad)
