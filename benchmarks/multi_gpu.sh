@@ -9,6 +9,7 @@
 #   3 p2p vs broadcast weight updates, 2 trainer + 2 engine GPUs                     (4 GPUs)
 #   4 fully async vs sync, 2 engines + 2 trainer ranks, long-tailed lengths          (4 GPUs)
 #   5 two engines behind sglang-router on 2 GPUs: multi-turn prefix-cache hit rate   (2 GPUs)
+#   6 run 3 (p2p) under --launcher ray on a one-node Ray cluster (needs milepost[ray]) (4 GPUs)
 set -u
 OUT_DIR=${1:-multi_gpu_out}
 mkdir -p "$OUT_DIR"
@@ -45,3 +46,11 @@ run 4-async-vs-sync 4 1800 python3 "$HERE/async_vs_sync.py" --model qwen3-0.6b -
   --prompts 256 --kv-tokens 65536 --micro-batch-tokens 8192 --repeats 2
 run 5-session-affinity 2 900 python3 "$HERE/session_affinity.py" --device cuda --sessions 32 \
   --turns 10 --concurrency 16
+if python3 -c "import ray" 2>/dev/null; then
+  run 6-ray-launcher 4 900 python3 -m milepost.launch.ray_cluster --nodes 1 --gpus-per-node "$GPUS" -- \
+    python3 "$HERE/rl_step_gpu.py" --steps 3 --no-colocate --out "$OUT_DIR/6-ray-metrics.jsonl" -- \
+    --launcher ray --actor-num-gpus-per-node 2 --rollout-num-engines 2 \
+    --update-weight-transfer-mode p2p --check-weight-update-equal
+else
+  echo "6-ray-launcher: skipped, Ray is not installed (pip install 'milepost[ray]')" | tee "$OUT_DIR/6-ray-launcher.txt"
+fi

@@ -65,10 +65,10 @@ class RayLauncher(LocalLauncher):
         self.hosted: list[_Hosted] = []
         self.tag = f"milepost-{self.run_dir.name}-{uuid.uuid4().hex[:6]}"
         self._groups: list[Any] = []
-        self._connect()
         try:
+            self._connect()
             self._place()
-        except BaseException:
+        except BaseException:  # a refusal: leave the cluster as it was
             self.close()
             raise
 
@@ -302,7 +302,7 @@ class RayLauncher(LocalLauncher):
             try:
                 ray.get(ref, timeout=60)
                 self._poll([h])
-                h.actor.remove_log.remote()
+                ray.get(h.actor.remove_log.remote(), timeout=30)  # the node's copy
             except Exception as e:  # noqa: BLE001 (dead or stuck actor: ray.kill below)
                 log.debug("stopping %s: %s", h.name, e)
         for h in self.hosted:

@@ -10,6 +10,7 @@ for 127.0.0.1, so the components bind that address, as on a real cluster.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -31,8 +32,9 @@ _OBJECT_STORE_BYTES = 100 * (1 << 20)  # the components pass no objects bigger t
 class LocalRayCluster:
     """`with LocalRayCluster(nodes=2, cpus_per_node=4) as c: ... c.address ...`."""
 
-    def __init__(self, nodes: int = 2, cpus_per_node: int = 4, timeout_s: float = 180.0) -> None:
-        self.nodes = nodes
+    def __init__(self, nodes: int = 2, cpus_per_node: int = 4, timeout_s: float = 180.0,
+                 gpus_per_node: int = 0) -> None:
+        self.nodes, self.gpus_per_node = nodes, gpus_per_node
         # AF_UNIX socket paths are limited to 107 bytes: Ray puts its sockets under the temp
         # dir, so it must be short (pytest's tmp_path is too long).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="mpray-", dir="/tmp"))
@@ -62,7 +64,7 @@ class LocalRayCluster:
         ports = [x for flag, port in chosen.items() for x in (flag, str(port))]
         cmd = [_ray_cli(), "start", *role, "--node-ip-address", "127.0.0.1", *ports,
                "--min-worker-port", str(workers.start), "--max-worker-port", str(workers.stop - 1),
-               "--num-cpus", str(cpus), "--num-gpus", "0", "--resources", f'{{"node{index}": 100}}',
+               "--num-cpus", str(cpus), "--num-gpus", str(self.gpus_per_node), "--resources", f'{{"node{index}": 100}}',
                "--object-store-memory", str(_OBJECT_STORE_BYTES), "--temp-dir", str(self.temp_dir),
                "--disable-usage-stats"]
         done = subprocess.run(cmd, check=False, env=self._env, capture_output=True, text=True, timeout=timeout_s)
@@ -138,3 +140,23 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m milepost.launch.ray_cluster [--nodes N] [--gpus-per-node G] -- CMD ...`: run CMD
+    with RAY_ADDRESS set to a fresh local cluster (`--launcher ray` finds it), then stop it."""
+    p = argparse.ArgumentParser(prog="python -m milepost.launch.ray_cluster", description=main.__doc__)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--cpus-per-node", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd  # only the separator: CMD may use -- too
+    if not cmd:
+        p.error("give the command to run after --")
+    with LocalRayCluster(a.nodes, a.cpus_per_node, gpus_per_node=a.gpus_per_node) as cluster:
+        return subprocess.run(cmd, check=False, env={**os.environ, "RAY_ADDRESS": cluster.address}).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -140,17 +140,23 @@ def test_a_killed_engine_stops_the_run_naming_it(
     _assert_no_leftovers(cluster)
 
 
-def test_a_killed_driver_leaves_no_actor_or_process(
-    cluster: LocalRayCluster, demo_dir: Path, tmp_path: Path,
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+def test_a_stopped_driver_leaves_no_actor_or_process(
+    cluster: LocalRayCluster, demo_dir: Path, tmp_path: Path, sig: signal.Signals,
     demo_train_timeout_s: Callable[[int], float],
 ) -> None:
-    """SIGKILL: no cleanup code of the driver runs; Ray removes the actors the dead driver owned,
-    and each component dies with its actor."""
+    """Ctrl-C: the launcher stops everything before it exits. SIGKILL: no code of the driver
+    runs; Ray removes the actors the dead driver owned, and each component dies with its actor."""
     proc = _start_then(cluster, _train_cmd(cluster, demo_dir, tmp_path / "run", 20, "broadcast"),
                        tmp_path / "train.out", demo_train_timeout_s(1))
     assert _leftovers(cluster)[1], "the run's components should be up"
-    proc.kill()
-    proc.wait()
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=120)
+    assert rc != 0
+    if sig == signal.SIGINT:
+        assert "interrupted (Ctrl-C)" in (tmp_path / "train.out").read_text()
+        _assert_no_leftovers(cluster)  # at once: the driver cleaned up before exiting
+        return
     deadline = time.monotonic() + 120
     while (left := _leftovers(cluster)) != ([], []):
         assert time.monotonic() < deadline, left
