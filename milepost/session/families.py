@@ -62,7 +62,7 @@ class Family:
     # block's (open, close) markers, and the text that opens a tool call. The stream holds back
     # text from the tool-call marker on, so streamed deltas always add up to the parsed reply.
     think_markers: tuple[str, str] | None = None
-    tool_call_open: str | None = None
+    tool_call_open: str | tuple[str, ...] | None = None
     # The template drops earlier turns' reasoning (Qwen3: before the last user message) and writes
     # an empty think block only on the last turn: the server keeps what the model saw and takes
     # each suffix from the template's text after the stored turns (render.py).
@@ -137,7 +137,8 @@ register_family(Family("qwen2.5", "<|im_end|>", parse_chatml,
 register_family(Family("llama3", "<|eot_id|>", parse_llama3,
                        description="Llama 3.1 / 3.2 Instruct: header-id turns; a tool call is "
                        "the whole reply as JSON {name, parameters}; tool results as ipython; "
-                       "one call per turn", tool_call_open='{"name"', tool_args_as_objects=True,
+                       "one call per turn", tool_call_open=('{"name"', "<|python_tag|>"),
+                       tool_args_as_objects=True,
                        parallel_tool_calls=False))
 register_family(Family("deepseek-v3", "<｜end▁of▁sentence｜>", parse_deepseek_v3,
                        description="DeepSeek-V3 (0324): <｜tool▁calls▁begin｜> sections; renders "

@@ -54,8 +54,8 @@ class DeltaStream:
                     return body[:cut].strip("\n"), ""
                 reasoning, rest = body.split(closer, 1)
                 reasoning, rest = reasoning.strip("\n"), rest.lstrip("\n")
-        opener = self.family.tool_call_open
-        if opener is not None:
+        openers = self.family.tool_call_open
+        for opener in (openers,) if isinstance(openers, str) else openers or ():
             at = rest.find(opener)
             rest = rest[:at] if at >= 0 else rest[:len(rest) - _partial_marker_len(rest, opener)]
         return reasoning, rest.rstrip("\n")

@@ -110,11 +110,12 @@ PIECES = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</
           "<|channel|>", "analysis", "final", "commentary", "<|message|>", "<|end|>", "<|start|>",
           "assistant", " to=functions.get_weather", "<|call|>", "<|constrain|>json", "\n", " ",
           "text", "\u00e9", '{"name": "f"}', "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
-          "<｜tool▁sep｜>", "\n```json\n", "\n```", "<｜tool▁call▁end｜>")
+          "<｜tool▁sep｜>", "\n```json\n", "\n```", "<｜tool▁call▁end｜>", "<|python_tag|>",
+          '{"name": "f", "parameters": {}}')
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2.5", "deepseek-v3", "kimi-k2", "mistral",
-                                    "glm4", "gpt-oss", "chatml"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2.5", "llama3", "deepseek-v3", "kimi-k2",
+                                    "mistral", "glm4", "gpt-oss", "chatml"])
 def test_random_marker_soup_never_breaks_a_parser_or_its_stream(family: str) -> None:
     import json
     import random
