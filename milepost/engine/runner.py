@@ -120,7 +120,7 @@ class ModelRunner:
         if feed is not None:
             fed_tokens(ids, feed, self.device)
         if self.lora is not None:
-            self.lora.set_batch([self.lora.slot_of(c.req.lora_name) for c in chunks for _ in range(c.length)])
+            self.lora.set_batch([self.lora.slot_of(c.req.lora_name) for c in chunks], flat.query_lens)
         hidden = self.model.forward(ids, put(flat.positions), ctx)
         if routed is not None:
             self._record_routed(slot_t, routed)

@@ -204,9 +204,12 @@ class AdapterPool:
 
     # -- forwards ------------------------------------------------------------------------------
 
-    def set_batch(self, token_slots: Sequence[int]) -> None:
-        """Adapter slot of every token of the next forward, in flat-batch order."""
-        slots = torch.as_tensor(token_slots, dtype=torch.long)
+    def set_batch(self, chunk_slots: Sequence[int], chunk_lengths: Sequence[int]) -> None:
+        """Adapter slot and token count of each chunk of the next forward, in flat-batch order."""
+        if not any(chunk_slots):  # base only: the hooks add nothing
+            self._segments = []
+            return
+        slots = torch.repeat_interleave(torch.tensor(chunk_slots), torch.tensor(chunk_lengths))
         device = next(iter(self.A.values())).device
         self._segments = [(int(s), (slots == s).nonzero()[:, 0].to(device))
                           for s in torch.unique(slots).tolist() if s != 0]

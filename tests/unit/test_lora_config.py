@@ -1,0 +1,51 @@
+"""LoRA run settings: defaults reach the trainer and the engine command; bad combinations refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from milepost.config import ConfigError, load_config
+from milepost.driver.runtime import trainer_settings
+from milepost.launch.local import LocalLauncher
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> list[str]:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--num-rollout", "2",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--device", "cpu",
+            "--run-dir", str(tmp_path / "run")]
+
+
+def test_lora_settings_reach_trainer_and_engines(base: list[str]) -> None:
+    cfg = load_config(None, [*base, "--lora-rank", "8", "--lora-alpha", "16",
+                             "--lora-target-modules", "q_proj,v_proj"])
+    lora = trainer_settings(cfg).lora
+    assert lora is not None and (lora.rank, lora.alpha, lora.target_modules) == (8, 16.0, ("q_proj", "v_proj"))
+    cmd = LocalLauncher(cfg, cfg.run_dir)._engine_cmd(12345)
+    i = cmd.index("--enable-lora")
+    assert cmd[i + 1 : i + 5] == ["--max-lora-rank", "8", "--lora-target-modules", "q_proj,v_proj"]
+    assert trainer_settings(load_config(None, base)).lora is None  # rank 0: full training
+    assert "--enable-lora" not in LocalLauncher(load_config(None, base), Path("unused"))._engine_cmd(12345)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lora-target-modules", "q_proj,lm_head"], r"unknown module\(s\) \['lm_head'\]"),
+    (["--update-weight-transfer-mode", "p2p"], "p2p does not carry LoRA adapters"),
+    (["--update-weight-transfer-mode", "disk-delta"], "disk-delta does not carry LoRA adapters"),
+    (["--fully-async"], "--lora-rank with --fully-async is not supported yet"),
+    (["--engine-quantization", "fp8"], "adapters on a quantized base are not served yet"),
+    (["--use-session-server", "--session-model-family", "qwen3"], "session server is not supported yet"),
+])
+def test_lora_refusals_name_the_setting(base: list[str], flags: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*base, "--lora-rank", "4", *flags])
+    with pytest.raises(ConfigError, match="--lora-rank"):
+        load_config(None, [*base, "--lora-rank", "-1"])
