@@ -28,7 +28,7 @@ from milepost.session.streaming import DeltaStream
 # SGLang's --tool-call-parser names -> milepost's families (either name works).
 SGLANG_PARSERS = {"qwen": "qwen3", "qwen25": "qwen2.5", "llama3": "llama3",
                   "deepseekv3": "deepseek-v3", "kimi_k2": "kimi-k2", "glm45": "glm4",
-                  "glm": "glm4", "mistral": "mistral", "gpt-oss": "gpt-oss"}
+                  "mistral": "mistral", "gpt-oss": "gpt-oss"}
 # apply_chat_template's own arguments: chat_template_kwargs must not set them.
 _RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
              "add_generation_prompt", "continue_final_message", "return_dict", "padding",
