@@ -9,7 +9,6 @@ import torch
 
 from milepost.launch.rendezvous import NODE_ADDRESS_ENV
 from milepost.lora.settings import ADAPTER_SEP, POLICY_ADAPTER
-from milepost.lora.settings import ADAPTER_SEP, POLICY_ADAPTER
 from milepost.weights.disk_transport import DiskDeltaTransport
 from milepost.weights.p2p import P2PTransport
 from milepost.weights.sync import WeightSync
