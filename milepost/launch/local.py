@@ -80,9 +80,6 @@ class LocalLauncher:
         if cfg.lora_rank:  # the engines serve the trained adapter beside the base (docs/lora.md)
             common += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank),
                        "--lora-target-modules", cfg.lora_target_modules]
-        if cfg.lora_rank:  # the engines serve the trained adapter beside the base (docs/lora.md)
-            common += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank),
-                       "--lora-target-modules", cfg.lora_target_modules]
         if cfg.api_key:  # the same flag on SGLang's server and ours (milepost/auth.py)
             common += ["--api-key", cfg.api_key]
         if cfg.engine_backend == "sglang":  # the real SGLang server takes the same flags

@@ -30,6 +30,7 @@ def test_lora_settings_reach_trainer_and_engines(base: list[str]) -> None:
     lora = trainer_settings(cfg).lora
     assert lora is not None and (lora.rank, lora.alpha, lora.target_modules) == (8, 16.0, ("q_proj", "v_proj"))
     cmd = LocalLauncher(cfg, cfg.run_dir)._engine_cmd(12345)
+    assert cmd.count("--enable-lora") == 1
     i = cmd.index("--enable-lora")
     assert cmd[i + 1 : i + 5] == ["--max-lora-rank", "8", "--lora-target-modules", "q_proj,v_proj"]
     assert trainer_settings(load_config(None, base)).lora is None  # rank 0: full training
