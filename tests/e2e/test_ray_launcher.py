@@ -3,8 +3,9 @@
 A head and a second raylet (milepost/launch/ray_cluster.py), each with its own custom resource,
 so `--ray-engine-resources node0 --ray-trainer-resources node1` puts the engine on one node and
 the 2 trainer ranks on the other. The default tests are short (placement, wiring over the
-nodes' address with the run's key, both weight transports, a killed engine named, no actor or
-process left); the learning runs (20 rollouts each, minutes on 2 cores) are opt-in.
+nodes' address with the run's key, a killed engine named, Ctrl-C and a killed driver leaving no
+actor or process, a too-big run refused); the learning runs (20 rollouts each, broadcast and p2p)
+and resume on a new cluster plus a colocated run (minutes on 2 cores) are opt-in.
 """
 
 from __future__ import annotations
@@ -190,6 +191,34 @@ def test_the_demo_learns_under_ray_as_under_the_local_launcher(
                for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rewards) == 20 and rewards[0] <= 0.5, rewards
     assert sum(rewards[-5:]) / 5 >= 0.85, rewards
+    _assert_no_leftovers(cluster)
+
+
+@pytest.mark.optin
+def test_resume_auto_continues_on_a_new_cluster_and_colocated_runs(
+    cluster: LocalRayCluster, demo_dir: Path, tmp_path: Path,
+    demo_train_timeout_s: Callable[[int], float],
+) -> None:
+    """2 rollouts saved at every step on this cluster; `--resume auto` on a fresh cluster
+    continues at step 2. Then a colocated run (rank r and engine r share bundle r)."""
+    run_dir = tmp_path / "resumed"
+    first = _train_cmd(cluster, demo_dir, run_dir, 2, "broadcast", "--save-interval", "1")
+    assert subprocess.run(first, timeout=demo_train_timeout_s(2), check=False).returncode == 0
+    with LocalRayCluster(nodes=2, cpus_per_node=4) as fresh:
+        again = _train_cmd(fresh, demo_dir, run_dir, 3, "broadcast", "--save-interval", "1",
+                           "--resume", "auto")
+        done = subprocess.run(again, capture_output=True, text=True,
+                              timeout=demo_train_timeout_s(1), check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "continuing at step 2" in done.stdout + done.stderr  # rank output: stdout
+        steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [0, 1, 2]
+        _assert_no_leftovers(fresh)
+    coloc = _train_cmd(cluster, demo_dir, tmp_path / "coloc", 1, "tensor", "--colocate")
+    for flag in ("--ray-engine-resources", "--ray-trainer-resources"):  # one bundle: either node
+        i = coloc.index(flag)
+        del coloc[i:i + 2]
+    assert subprocess.run(coloc, timeout=demo_train_timeout_s(1), check=False).returncode == 0
     _assert_no_leftovers(cluster)
 
 
