@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("ray")
@@ -127,6 +128,18 @@ def test_a_killed_engine_stops_the_run_naming_it(
     proc = _start_then(cluster, _train_cmd(cluster, demo_dir, run_dir, 20, "broadcast"), out_path,
                        demo_train_timeout_s(1))
     try:
+        # The engine listens on its node's address and answers nothing but /health without the
+        # run's key.
+        url = _STARTED.search(out_path.read_text()).group(4)
+        key = re.search(r'^api_key = "(.+)"$', (run_dir / "config.resolved.toml").read_text(),
+                        re.MULTILINE).group(1)
+        deadline = time.monotonic() + demo_train_timeout_s(1)
+        while not _answers(f"{url}/health"):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.5)
+        assert httpx.get(f"{url}/get_weight_version", timeout=30).status_code == 401
+        authorized = {"Authorization": f"Bearer {key}"}
+        assert httpx.get(f"{url}/get_weight_version", headers=authorized, timeout=30).status_code == 200
         engine = [p for p in cluster.pids() if b"milepost\0serve" in _cmdline(p)
                   and str(demo_dir).encode() in _cmdline(p)]
         assert len(engine) == 1
@@ -220,6 +233,13 @@ def test_resume_auto_continues_on_a_new_cluster_and_colocated_runs(
         del coloc[i:i + 2]
     assert subprocess.run(coloc, timeout=demo_train_timeout_s(1), check=False).returncode == 0
     _assert_no_leftovers(cluster)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _cmdline(pid: int) -> bytes:
