@@ -11,14 +11,19 @@ import types
 import pytest
 
 from milepost.launch import ray_placement
-from milepost.launch.ray import RayLaunchError, _check_reachable, _with_host, with_run_api_key
+from milepost.launch.ray import (
+    RayLaunchError,
+    _check_reachable,
+    _with_host,
+    with_run_api_key,
+)
 
 
 def _cfg(**over: object) -> types.SimpleNamespace:
-    base = dict(actor_num_gpus_per_node=2, rollout_num_engines=1, rollout_num_gpus_per_engine=1,
-                colocate=False, engine_backend="embedded", load_rollouts=None,
-                ray_cpus_per_component=1.0, ray_placement_strategy="PACK",
-                ray_trainer_resources=None, ray_engine_resources=None)
+    base = {"actor_num_gpus_per_node": 2, "rollout_num_engines": 1, "rollout_num_gpus_per_engine": 1,
+            "colocate": False, "engine_backend": "embedded", "load_rollouts": None,
+            "ray_cpus_per_component": 1.0, "ray_placement_strategy": "PACK",
+            "ray_trainer_resources": None, "ray_engine_resources": None}
     return types.SimpleNamespace(**{**base, **over})
 
 
@@ -112,3 +117,16 @@ def test_components_bind_the_node_address() -> None:
     cmd = ["python", "-m", "milepost", "serve", "--host", "127.0.0.1", "--port", "5"]
     assert _with_host(cmd, "10.0.0.7") == ["python", "-m", "milepost", "serve", "--host", "10.0.0.7",
                                            "--port", "5"]
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "p2p"])
+def test_weight_groups_listen_on_the_node_address_the_launcher_gives(
+        monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    from milepost.launch.rendezvous import NODE_ADDRESS_ENV
+    from milepost.weights.factory import make_transport
+
+    cfg = types.SimpleNamespace(update_weight_transfer_mode=mode, device="cpu")
+    monkeypatch.delenv(NODE_ADDRESS_ENV, raising=False)
+    assert make_transport(cfg, ["http://10.0.0.9:1"]).master_address == "127.0.0.1"  # local
+    monkeypatch.setenv(NODE_ADDRESS_ENV, "10.0.0.7")  # what the Ray launcher sets on a rank
+    assert make_transport(cfg, ["http://10.0.0.9:1"]).master_address == "10.0.0.7"
