@@ -15,6 +15,7 @@ from collections.abc import Callable
 from milepost.cli_models import add_models_command
 from milepost.engine.server_args import ServerArgs
 from milepost.flags import add_model_flags, model_from_namespace
+from milepost.onpolicy.diagnose_cli import add_diagnose_command
 from milepost.recipes_cli import add_recipes_command
 from milepost.session.check_family import add_check_family_command
 
@@ -228,7 +229,7 @@ def _bench_train(argv: list[str]) -> int:
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_train, _add_sft, _add_report, _add_serve, _add_tiny_model, _add_smollm2, _add_bench,
-    add_models_command, add_check_family_command, add_recipes_command,
+    add_models_command, add_check_family_command, add_recipes_command, add_diagnose_command,
 )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from milepost.lora.rules import lora_refusals
+from milepost.onpolicy.rules import true_on_policy_refusals
 from milepost.opd_rules import opd_coef_default, opd_refusals
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ def refusals(c: TrainConfig) -> list[str]:
     p += agent_refusals(c)
     p += opd_refusals(c)
     p += lora_refusals(c)
+    p += true_on_policy_refusals(c)
     if c.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
         p.append("--use-tensorboard needs the tensorboard package: pip install tensorboard")
     if c.use_wandb and importlib.util.find_spec("wandb") is None:
@@ -189,7 +191,7 @@ def resolve_defaults(c: TrainConfig) -> None:
         put("offload_train_dir", c.run_dir / "offload")
     if c.optimizer_state_dir is None and c.stream_optimizer_state_to_disk:
         put("optimizer_state_dir", c.run_dir / "optimizer_state")
-    if c.deterministic and c.trainer_cpu_threads is None:
+    if (c.deterministic or c.true_on_policy) and c.trainer_cpu_threads is None:
         put("trainer_cpu_threads", 1)  # a reduction's order depends on the thread count
     if c.fully_async and c.max_inflight is None:
         put("max_inflight", c.samples_per_rollout)

@@ -164,6 +164,13 @@ class EngineTable(_Table):
         "admits the format's rounding error for those tensors.",
         json_schema_extra={"flags": ["--sglang-quantization"]},
     )
+    true_on_policy: bool = Field(
+        False,
+        description="Engine and trainer assign bitwise-equal log-probs (report 5.3): the engines "
+        "re-score each finished sequence with the trainer's computation and the trainer runs one "
+        "sample per micro-batch (docs/true_on_policy.md). Dense Qwen3 / Llama on CPU (fp32, bf16) "
+        "and CUDA bf16; refused otherwise.",
+    )
     router: bool | None = Field(
         None,
         description="Put the engines behind sglang-router (sessions stick to one engine); "

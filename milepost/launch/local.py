@@ -80,6 +80,8 @@ class LocalLauncher:
         if cfg.lora_rank:  # the engines serve the trained adapter beside the base (docs/lora.md)
             common += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank),
                        "--lora-target-modules", cfg.lora_target_modules]
+        if cfg.true_on_policy:  # re-score finished sequences with the trainer's computation
+            common += ["--true-on-policy"]
         if cfg.api_key:  # the same flag on SGLang's server and ours (milepost/auth.py)
             common += ["--api-key", cfg.api_key]
         if cfg.engine_backend == "sglang":  # the real SGLang server takes the same flags
@@ -90,6 +92,8 @@ class LocalLauncher:
     def _engine_env(self, i: int) -> dict[str, str]:
         cfg = self.cfg
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **_loopback_sockets()}
+        if cfg.true_on_policy and not self.on_gpu:  # the re-score's reductions split like the trainer's
+            env["OMP_NUM_THREADS"] = str(cfg.trainer_cpu_threads or 1)
         if self.on_gpu:
             n = cfg.rollout_num_gpus_per_engine
             if cfg.colocate:

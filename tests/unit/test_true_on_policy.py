@@ -9,6 +9,7 @@ equality is the contract's doing. Refusals of runs without a profile are checked
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,38 @@ def test_runs_without_a_profile_are_refused(tmp_path: Path) -> None:
         _engine(str(moe), "float32", True)
     with pytest.raises(ValueError, match="--true-on-policy re-scores"):
         ServerArgs(model_path=moe, true_on_policy=True, quantization="fp8")
+
+
+def _config_base(tmp_path: Path, architecture: str) -> list[str]:
+    model = tmp_path / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--num-rollout", "3",
+            "--rollout-batch-size", "4", "--device", "cpu", "--run-dir", str(tmp_path / "run")]
+
+
+def test_run_config_passes_the_flag_and_refuses_at_start(tmp_path: Path) -> None:
+    from milepost.config import ConfigError, load_config
+    from milepost.driver.runtime import trainer_settings
+    from milepost.launch.local import LocalLauncher
+
+    base = _config_base(tmp_path / "dense", "Qwen3ForCausalLM")
+    cfg = load_config(None, [*base, "--true-on-policy", "--dtype", "bfloat16"])
+    assert cfg.trainer_cpu_threads == 1  # the engines get the same thread count (reduction order)
+    launcher = LocalLauncher(cfg, cfg.run_dir)
+    assert "--true-on-policy" in launcher._engine_cmd(30000)
+    assert launcher._engine_env(0)["OMP_NUM_THREADS"] == "1"
+    assert trainer_settings(cfg).true_on_policy
+    assert "--true-on-policy" not in LocalLauncher(load_config(None, base), cfg.run_dir)._engine_cmd(1)
+    for extra, needle in (
+        (["--engine-quantization", "fp8"], "fp8 serving"),
+        (["--engine-backend", "external", "--engine-urls", "http://127.0.0.1:1"], "--engine-backend external"),
+        (["--compile-layers"], "--compile-layers"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, [*base, "--true-on-policy", *extra])
+    moe = _config_base(tmp_path / "moe", "Qwen3MoeForCausalLM")
+    with pytest.raises(ConfigError, match="MoE model"):
+        load_config(None, [*moe, "--true-on-policy"])
