@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 _MIB = 1 << 20
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-BUILTIN_REWARDS = ("exact_match", "math")
+BUILTIN_REWARDS = ("exact_match", "math", "math_verify")  # math_verify: milepost[math]
 BUILTIN_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 RESOLVED_NAME = "config.resolved.toml"
 

@@ -1,4 +1,4 @@
-"""Reward functions: builtins by name (`exact_match`, `math`) or any callable by import path.
+"""Reward functions: builtins by name (`exact_match`, `math`, `math_verify`) or any callable by path.
 
 A reward function scores one sample (`RewardFn`); a group reward function scores a whole group at
 once (`GroupRewardFn`, e.g. ranking the attempts against each other). Either may be async.
@@ -157,9 +157,14 @@ def load_reward_fn(name: str, setting: str = "reward_fn") -> RewardFn:
     """A builtin reward function by name, or any callable by import path `module.sub:function`."""
     if ":" in name:
         return load_callable(name, setting)
+    if name == "math_verify":  # an optional package (milepost[math]): checked here, at start
+        from milepost.connectors.math_verify_reward import _module, math_verify_reward
+        _module()
+        return math_verify_reward
     if name not in BUILTIN_REWARDS:
         raise ValueError(f"{setting}: unknown reward function {name!r}; builtins are "
-                         f"{sorted(BUILTIN_REWARDS)}, or give an import path 'module.sub:function'")
+                         f"{sorted([*BUILTIN_REWARDS, 'math_verify'])}, or give an import path "
+                         "'module.sub:function'")
     return BUILTIN_REWARDS[name]
 
 
