@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
-from milepost.connectors.extras import require
+from milepost.connectors.extras import MissingExtraError, require
 from milepost.rollout.rewards import final_text
 from milepost.types import Sample
 
 META_KEY = "reasoning_gym"
+
+# Checked at import, which `--reward-fn milepost.connectors.reasoning_gym:reward` does at start:
+# a run without the package is refused then, naming the extra (the package loads on first use).
+if importlib.util.find_spec("reasoning_gym") is None:
+    raise MissingExtraError("the reasoning-gym connector needs the 'reasoning_gym' package; "
+                            "install it with: pip install 'milepost[reasoning-gym]'")
 
 
 def _rg() -> Any:

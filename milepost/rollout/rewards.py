@@ -159,7 +159,10 @@ def load_reward_fn(name: str, setting: str = "reward_fn") -> RewardFn:
         return load_callable(name, setting)
     if name == "math_verify":  # an optional package (milepost[math]): checked here, at start
         from milepost.connectors.math_verify_reward import _module, math_verify_reward
-        _module()
+        try:
+            _module()
+        except ImportError as e:  # MissingExtraError: its message names the extra
+            raise ValueError(f"{setting}: {e}") from e
         return math_verify_reward
     if name not in BUILTIN_REWARDS:
         raise ValueError(f"{setting}: unknown reward function {name!r}; builtins are "

@@ -18,8 +18,8 @@ import pytest
 
 from milepost.data.rollout_io import load_rollout
 
-rgc = pytest.importorskip("milepost.connectors.reasoning_gym")
 pytest.importorskip("reasoning_gym", reason="needs milepost[reasoning-gym]")
+rgc = pytest.importorskip("milepost.connectors.reasoning_gym")
 
 STEPS = 2
 CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from milepost.connectors import reasoning_gym as rgc
 from milepost.connectors.extras import MissingExtraError
-from milepost.rollout.rewards import score_group
+from milepost.rollout.rewards import load_reward_fn, score_group
 from milepost.types import Sample
 
 pytest.importorskip("reasoning_gym", reason="needs milepost[reasoning-gym]")
+from milepost.connectors import reasoning_gym as rgc  # after the skip
 
 
 def _sample(row: dict, response: str) -> Sample:
@@ -70,6 +70,10 @@ def test_sample_without_its_metadata_is_an_error_not_a_zero() -> None:
 
 
 def test_missing_package_names_the_extra(monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "reasoning_gym", None)
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # None in sys.modules: not there
     with pytest.raises(MissingExtraError, match=r"pip install 'milepost\[reasoning-gym\]'"):
         rgc.prompt_rows("basic_arithmetic", size=1, seed=0)
+    # A run is refused at start: preflight loads the reward fn, which imports the connector.
+    monkeypatch.delitem(sys.modules, "milepost.connectors.reasoning_gym")
+    with pytest.raises(ValueError, match=r"reward_fn: .*pip install 'milepost\[reasoning-gym\]'"):
+        load_reward_fn("milepost.connectors.reasoning_gym:reward")

@@ -79,5 +79,6 @@ def test_setting_accepts_the_name(tmp_path) -> None:
 
 def test_missing_package_names_the_extra(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "math_verify", None)  # None in sys.modules: ImportError
-    with pytest.raises(MissingExtraError, match=r"pip install 'milepost\[math\]'"):
+    with pytest.raises(ValueError, match=r"reward_fn: .*pip install 'milepost\[math\]'") as e:
         load_reward_fn("math_verify")
+    assert isinstance(e.value.__cause__, MissingExtraError)
