@@ -36,7 +36,7 @@ def run(ns: argparse.Namespace) -> int:
         print(f"{'architecture':22} {'path':13} {'R3':13} {'fp8':13} notes")
         for a in ARCHS:
             print(f"{a.name:22} {a.path:13} {a.r3:13} {a.fp8:13} {a.notes}")
-        print(f"true on-policy, LoRA: {NOT_YET}. Any other transformers causal LM: {FALLBACK} (untested); "
+        print(f"true on-policy: Qwen3, Llama (docs/true_on_policy.md). LoRA: {NOT_YET}. Any other transformers causal LM: {FALLBACK} (untested); "
               "`milepost models --check DIR` for a checkpoint")
     if ns.all:
         known = {a.name for a in ARCHS}

@@ -31,6 +31,13 @@ class Arch:
         return "yes" if self.name in _R3_TESTED else "yes (untested in a run)"
 
     @property
+    def true_on_policy(self) -> str:
+        """--true-on-policy profiles (milepost/onpolicy/profiles.py, docs/true_on_policy.md)."""
+        from milepost.onpolicy.profiles import ARCHITECTURES
+
+        return "yes (CPU; CUDA bf16 untested)" if self.name in ARCHITECTURES else "no (refused)"
+
+    @property
     def fp8(self) -> str:
         if self.path != NATIVE:
             return "no (refused)"
@@ -74,7 +81,7 @@ ARCHS: tuple[Arch, ...] = (
     Arch("CohereForCausalLM", FALLBACK, False, "scaled logits", _FB),
 )
 BY_NAME = {a.name: a for a in ARCHS}
-NOT_YET = "not in milepost yet"  # true on-policy and LoRA: no architecture has them today
+NOT_YET = "not in milepost yet"  # LoRA: no architecture has it in this table today
 
 
 def lookup(architecture: str) -> Arch:
@@ -94,6 +101,6 @@ def markdown_table() -> str:
     """The README / docs table (what `milepost models --markdown` prints)."""
     head = ("| architecture | path | R3 | fp8 (engine) | true on-policy | LoRA | notes | tests |\n"
             "|---|---|---|---|---|---|---|---|\n")
-    rows = [f"| {a.name} | {a.path} | {a.r3} | {a.fp8} | {NOT_YET} | {NOT_YET} | {a.notes} | "
+    rows = [f"| {a.name} | {a.path} | {a.r3} | {a.fp8} | {a.true_on_policy} | {NOT_YET} | {a.notes} | "
             f"{', '.join(f'`{t}`' for t in a.tests)} |" for a in ARCHS]
     return head + "\n".join(rows) + "\n"
