@@ -160,3 +160,36 @@ def test_run_config_passes_the_flag_and_refuses_at_start(tmp_path: Path) -> None
     moe = _config_base(tmp_path / "moe", "Qwen3MoeForCausalLM")
     with pytest.raises(ConfigError, match="MoE model"):
         load_config(None, [*moe, "--true-on-policy"])
+
+
+def test_diagnose_mismatch_attributes_a_saved_batch(tmp_path: Path) -> None:
+    """A run directory by hand: a qwen3 checkpoint, a saved rollout whose log-probs are the
+    engine's sampler's (mode off, bf16), the resolved config. The diagnosis re-creates the gap
+    and splits it; with the contract's own numbers as 'saved' the chain up to 'alone' is 0."""
+    from milepost.data.rollout_io import save_rollout
+    from milepost.models.registry import load_model
+    from milepost.onpolicy.contract import sequence_logprobs
+    from milepost.onpolicy.mismatch import diagnose
+    from milepost.types import Sample
+
+    torch.set_num_threads(1)
+    path = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", with_tokenizer=False)
+    seqs = _generate(_engine(str(path), "bfloat16", False), [(PROMPT_A, 1.0, 1), (PROMPT_B, 1.0, 2)])
+    samples = [Sample(0, i, tokens=t, response_length=len(lp), rollout_logprobs=lp) for i, (t, lp, _) in enumerate(seqs)]
+    run = tmp_path / "run"
+    save_rollout(run / "rollouts", 0, [samples])
+    (run / "config.resolved.toml").write_text(
+        f'[model]\nhf_checkpoint = "{path}"\ndtype = "bfloat16"\n[rollout]\nrollout_temperature = 1.0\n'
+        f'[debug]\nsave_rollouts = "{run / "rollouts"}"\n')
+    result = diagnose(run)
+    assert result.tokens == sum(len(lp) for _, lp, _ in seqs)
+    assert result.mean_abs("saved", "trainer") > 0.0  # bf16 without the mode: a gap
+    assert result.mean_abs("trainer", "fp32") > 0.0  # and precision shows up as its own link
+    chain = sum(result.mean_abs(a, b) for a, b in (("saved", "decode"), ("decode", "prefill"), ("prefill", "trainer")))
+    assert chain >= result.mean_abs("saved", "trainer") * (1 - 1e-6)
+    assert "decode -> prefill" in result.table() and "batch composition" in result.table()
+    lm = load_model(path, torch.bfloat16, "cpu")  # the contract's numbers equal the 'alone' row bit for bit
+    alone = torch.cat([sequence_logprobs(lm, t, len(lp)) for t, lp, _ in seqs])
+    assert torch.equal(alone, result.scores["alone"])
+    with pytest.raises(FileNotFoundError, match="config.resolved.toml"):
+        diagnose(tmp_path)
