@@ -42,6 +42,7 @@ from milepost.config_tables import (
     RolloutTable,
     WeightsTable,
 )
+from milepost.connectors.env import check_env
 from milepost.flags import flag_name
 from milepost.recipe import (
     ConfigError,
@@ -147,6 +148,11 @@ class TrainConfig(
                 "nor an import path module.sub:function"
             )
         return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: str | None) -> str | None:
+        return None if v is None else check_env(v)
 
     @field_validator("advantage_estimator")
     @classmethod

@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from milepost.connectors.env import env_refusals
 from milepost.lora.rules import lora_refusals
 from milepost.onpolicy.rules import true_on_policy_refusals
 from milepost.opd_rules import opd_coef_default, opd_refusals
@@ -29,11 +30,13 @@ def refusals(c: TrainConfig) -> list[str]:
     p: list[str] = []
     if c.device == "cuda" and not _cuda_available():
         p.append("--device cuda was given but CUDA is not available; use --device cpu or auto")
-    if c.prompt_data is None and c.load_rollouts is None:
+    if c.prompt_data is None and c.load_rollouts is None and c.env is None:
         p.append(
             "--prompt-data is required (a JSONL or Parquet file of prompts), unless --load-rollouts "
-            "trains on saved rollouts"
+            "trains on saved rollouts or --env makes them"
         )
+    p += env_refusals(c.env, prompt_data=c.prompt_data, reward_fn=c.reward_fn,
+                      load_rollouts=c.load_rollouts)
     if c.compile_layers and c.activation_checkpointing != "none":
         p.append("--compile-layers with --activation-checkpointing layer is not supported yet: "
                  "drop one of them")

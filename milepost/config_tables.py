@@ -194,6 +194,13 @@ class DataTable(_Table):
     rollout_seed: int = Field(
         42, ge=0, description="Seed of the prompt shuffle and of rollout sampling seeds."
     )
+    env: str | None = Field(
+        None,
+        description="An environment's prompts and grader as one setting, in place of "
+        "--prompt-data and --reward-fn: reasoning_gym:TASK (docs/environments.md). Its "
+        "--env-size prompts, made from --rollout-seed, are written into the run directory.",
+    )
+    env_size: int = Field(1000, ge=1, description="Number of prompts --env makes.")
 
 
 class RolloutTable(_Table):

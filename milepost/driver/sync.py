@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from milepost.config import TrainConfig
+from milepost.connectors.env import resolve_env
 from milepost.driver.preflight import RunError, preflight
 from milepost.launch.local import LocalLauncher
 from milepost.launch.process import ComponentStartError
@@ -31,6 +32,11 @@ def run(cfg: TrainConfig) -> int:
     """Start everything, train, stop everything; the exit code (0 = every step done)."""
     if cfg.launcher == "ray":  # servers bind node addresses: never without a key
         cfg = with_run_api_key(cfg)
+    try:  # --env: its prompts into the run directory, then ordinary --prompt-data / --reward-fn
+        cfg = resolve_env(cfg)
+    except (ValueError, ImportError) as e:
+        log.error("%s", e)
+        return 1
     config_path = cfg.write_resolved()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls would flood the log
     try:

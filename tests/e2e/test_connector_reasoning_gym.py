@@ -67,3 +67,16 @@ def test_scorer_rewards_flow_into_training(qwen3_dir: Path, tmp_path: Path) -> N
         assert metrics[step]["step"] == step
         assert metrics[step]["rollout/reward_mean"] == pytest.approx(
             sum(s.reward for s in samples) / len(samples))
+
+
+def test_env_with_an_unknown_task_stops_before_anything_starts(qwen3_dir: Path,
+                                                               tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "milepost", "train", "--hf-checkpoint", str(qwen3_dir),
+           "--env", "reasoning_gym:no_such_task", "--num-rollout", "1", "--rollout-batch-size",
+           "2", "--device", "cpu", "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "--env reasoning_gym:no_such_task" in out and "not registered" in out, out[-4000:]
+    assert not list((tmp_path / "run").glob("*.jsonl"))  # no prompts, no metrics
