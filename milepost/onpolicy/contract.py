@@ -28,8 +28,9 @@ def sequence_logprobs(
 ) -> torch.Tensor:
     """log p(token) of the last `response_length` tokens of `tokens`, alone in its forward: [R] fp32.
 
-    Runs under no_grad (not inference_mode: on CUDA that would select the engine's fused
-    inference kernels, which the trainer does not run).
+    Runs under no_grad with inference mode switched off even when the caller (an engine step)
+    has it on: on CUDA inference mode selects the engine's fused inference kernels, which the
+    trainer does not run.
     """
     device = next(lm.parameters()).device
     ids = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
@@ -38,7 +39,7 @@ def sequence_logprobs(
         raise ValueError(f"need 1 <= response_length ({response_length}) < sequence length ({n})")
     rows = torch.arange(n - response_length - 1, n - 1, dtype=torch.int64)
     targets = ids[rows + 1]
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
         ctx = ForwardContext(VarlenCausalAttention(torch.tensor([0, n], dtype=torch.int64)))
         hidden = lm(ids.to(device), torch.arange(n, dtype=torch.int64, device=device), ctx)
         logp, _ = token_logprobs(lm, hidden, rows.to(device), targets.to(device), temperature=temperature,
