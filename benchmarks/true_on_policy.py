@@ -9,6 +9,8 @@ projections; the trainer's is one micro-batch per sample. It also checks the mod
 the batch: the trainer's log-probs equal the engine's (torch.equal) with the mode on.
 
     python benchmarks/true_on_policy.py --dtype float32 --requests 32
+    python benchmarks/true_on_policy.py --device cuda --dtype bfloat16 --shape qwen3-0.6b --requests 64 \
+        --prompt-len 128 --output-len 256      # the GPU profile: not run yet (docs/true_on_policy.md)
 """
 
 from __future__ import annotations
@@ -25,19 +27,21 @@ import torch
 
 from milepost.testing.dist import run_ranks
 
+QWEN3_06B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096}
 SHAPE = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
              "num_key_value_heads": 4, "head_dim": 32}
 
 
-def _engine_runner(path: str, dtype: str, on: bool, prompts: list[list[int]], output_len: int):
+def _engine_runner(path: str, device: str, dtype: str, on: bool, prompts: list[list[int]], output_len: int):
     """A function that serves every prompt once (one batch) -> (seconds, [(tokens, logprobs)])."""
     from milepost.engine.request import Request
     from milepost.engine.sampling import SamplingParams
     from milepost.engine.server_args import ServerArgs
     from milepost.engine.setup import build_engine
 
-    args = ServerArgs(model_path=Path(path), device="cpu", dtype=dtype, max_total_tokens=65536,
-                      true_on_policy=on, disable_radix_cache=True).resolved()
+    args = ServerArgs(model_path=Path(path), device=device, dtype=dtype, max_total_tokens=65536,
+                      mem_fraction_static=0.3, true_on_policy=on, disable_radix_cache=True).resolved()
     engine = build_engine(args)[0]
 
     def run() -> tuple[float, list]:
@@ -51,6 +55,8 @@ def _engine_runner(path: str, dtype: str, on: bool, prompts: list[list[int]], ou
         engine._drain_inbox(block=False)
         while engine.scheduler.has_work:
             engine.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         return seconds, [(prompts[i] + [t for o in outs[i] for t in o.new_token_ids],
                           [x for o in outs[i] for x in o.new_logprobs]) for i in range(len(prompts))]
@@ -58,7 +64,7 @@ def _engine_runner(path: str, dtype: str, on: bool, prompts: list[list[int]], ou
     return run
 
 
-def worker(rank: int, world: int, path: str, dtype: str, requests: int, prompt_len: int,
+def worker(rank: int, world: int, path: str, device: str, dtype: str, requests: int, prompt_len: int,
            output_len: int, repeats: int) -> dict:
     """Both modes in one process, timed alternately, best of `repeats` each (a busy machine's
     load moves between runs; the best time is the least disturbed one)."""
@@ -68,7 +74,7 @@ def worker(rank: int, world: int, path: str, dtype: str, requests: int, prompt_l
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 2000, (prompt_len,), generator=g).tolist() for _ in range(requests)]
-    engines = {on: _engine_runner(path, dtype, on, prompts, output_len) for on in (False, True)}
+    engines = {on: _engine_runner(path, device, dtype, on, prompts, output_len) for on in (False, True)}
     best = {("engine", on): float("inf") for on in (False, True)}
     seqs: dict[bool, list] = {}
     for r in range(repeats + 1):  # round 0 warms up
@@ -82,7 +88,7 @@ def worker(rank: int, world: int, path: str, dtype: str, requests: int, prompt_l
         ones = [torch.ones(len(lp)) for _, lp in seqs[on]]
         rollout = [torch.tensor(lp, dtype=torch.float32) for _, lp in seqs[on]]
         batch = TrainBatch(tokens, [len(lp) for _, lp in seqs[on]], ones, ones, rollout_logprobs=rollout)
-        backend = FSDPBackend.create(path, TrainerSettings(global_batch_size=requests, dtype=dtype, lr=1e-5,
+        backend = FSDPBackend.create(path, TrainerSettings(global_batch_size=requests, dtype=dtype, lr=1e-5, device=device,
                                                            true_on_policy=on, max_tokens_per_micro_batch=16384))
         gap = backend.train_step(batch)["train_rollout_logprob_abs_diff"]  # warm-up; vs the engine's
         rows[on] = (backend, batch, sum(t.numel() for t in tokens), gap)
@@ -90,7 +96,7 @@ def worker(rank: int, world: int, path: str, dtype: str, requests: int, prompt_l
     for _ in range(repeats):
         for on, (backend, batch, _, _) in rows.items():
             t0 = time.perf_counter()
-            backend.train_step(batch)
+            backend.train_step(batch)  # ends with a host sync (metrics), so the time is complete
             best["trainer", on] = min(best["trainer", on], time.perf_counter() - t0)
     return {("off", "on")[on]: {"engine_tok_s": requests * output_len / best["engine", on],
                                 "trainer_tok_s": rows[on][2] / best["trainer", on],
@@ -101,6 +107,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="qwen3", choices=["qwen3", "llama"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--shape", default="small", choices=["small", "qwen3-0.6b"],
+                    help="random weights: the small CPU shape or the Qwen3-0.6B shape (GPU)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
@@ -109,12 +118,14 @@ def main() -> None:
     from milepost.testing.checkpoints import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(make_tiny_checkpoint(Path(tmp) / "m", ns.arch, vocab_size=2048, with_tokenizer=False, **SHAPE))
-        [res] = run_ranks(worker, 1, path, ns.dtype, ns.requests, ns.prompt_len, ns.output_len, ns.repeats,
-                          timeout_s=1800)
+        shape = SHAPE if ns.shape == "small" else QWEN3_06B
+        vocab = 2048 if ns.shape == "small" else 151936
+        path = str(make_tiny_checkpoint(Path(tmp) / "m", ns.arch, vocab_size=vocab, with_tokenizer=False, **shape))
+        [res] = run_ranks(worker, 1, path, ns.device, ns.dtype, ns.requests, ns.prompt_len, ns.output_len, ns.repeats,
+                          timeout_s=1800, backend="nccl" if ns.device == "cuda" else "gloo")
         rows = {False: res["off"], True: res["on"]}
     print(json.dumps({"machine": f"{platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
-                      "torch": torch.__version__, "args": vars(ns), "shape": SHAPE,
+                      "torch": torch.__version__, "args": vars(ns), "shape": shape,
                       "off": rows[False], "on": rows[True]}, indent=1))
     for key in ("engine_tok_s", "trainer_tok_s"):
         print(f"{key}: off {rows[False][key]:.0f}  on {rows[True][key]:.0f}  "
