@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -54,8 +55,29 @@ def die_with_parent() -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on host (the OS picks it; a tiny race remains until it is bound)."""
+    """A port free right now on host, chosen at random below the kernel's ephemeral range: a port
+    the OS picks (bind to 0) can be handed to an outgoing connection before our server binds it
+    (seen in CI under load: "address already in use"); one outside that range can be taken only
+    by another explicit bind. A race with those remains until the server binds."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low) if low > 2048 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -22,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from milepost.launch.process import free_port  # below the ephemeral range (why: there)
+
 
 def _load_per_core() -> float:
     """The 1-minute load average per core, at least 1 (how many times slower than idle)."""
@@ -29,12 +30,6 @@ def _load_per_core() -> float:
         return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     except OSError:
         return 1.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(
