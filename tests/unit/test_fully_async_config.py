@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from milepost.config import ConfigError, load_config
+from milepost.testing.run_args import stub_run_args
 
 
 @pytest.fixture
 def base(tmp_path: Path) -> list[str]:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--device", "cpu",
-            "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-            "--run-dir", str(tmp_path / "run")]
+    return stub_run_args(tmp_path, "--device", "cpu", "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2")
 
 
 def test_defaults_under_fully_async(base: list[str]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -10,18 +9,12 @@ import pytest
 from milepost.config import ConfigError, load_config
 from milepost.driver.runtime import trainer_settings
 from milepost.launch.local import LocalLauncher
+from milepost.testing.run_args import stub_run_args
 
 
 @pytest.fixture
 def base(tmp_path: Path) -> list[str]:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--num-rollout", "2",
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--device", "cpu",
-            "--run-dir", str(tmp_path / "run")]
+    return stub_run_args(tmp_path, "--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--device", "cpu")
 
 
 def test_lora_settings_reach_trainer_and_engines(base: list[str]) -> None:

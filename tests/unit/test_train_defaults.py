@@ -15,18 +15,13 @@ import pytest
 import milepost.config_rules as rules
 from milepost.config import load_config
 from milepost.driver.runtime import trainer_settings
+from milepost.testing.run_args import stub_run_args
 from milepost.train.settings import TrainerSettings
 
 
 @pytest.fixture
 def base(tmp_path: Path) -> list[str]:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--num-rollout", "1",
-            "--rollout-batch-size", "4", "--run-dir", str(tmp_path / "run")]
+    return stub_run_args(tmp_path, "--num-rollout", "1", "--rollout-batch-size", "4")
 
 
 def test_micro_batch_budget_follows_the_device(base: list[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from milepost.config import ConfigError, TrainConfig, load_config
+from milepost.testing.run_args import stub_run_args
 
 
 @pytest.fixture
 def base(tmp_path: Path) -> list[str]:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    return ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--num-rollout", "3",
-            "--rollout-batch-size", "4", "--device", "cpu", "--run-dir", str(tmp_path / "run")]
+    return stub_run_args(tmp_path, "--num-rollout", "3", "--rollout-batch-size", "4", "--device", "cpu")
 
 
 @pytest.mark.parametrize("mode", ["tensor", "broadcast", "p2p", "disk-delta"])
