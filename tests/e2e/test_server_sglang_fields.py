@@ -97,7 +97,8 @@ def test_prompt_top_logprobs_and_token_ids_logprob(qwen3_server: ServerProcess, 
 
 def test_default_logprob_start_returns_no_prompt_logprobs(qwen3_server: ServerProcess) -> None:
     out = post(qwen3_server, "/generate", {"input_ids": [1, 2, 3], "return_logprob": True,
-                                           "sampling_params": {"max_new_tokens": 2}})
+                                           "sampling_params": {"max_new_tokens": 2,
+                                                               "ignore_eos": True}})
     assert out["meta_info"]["input_token_logprobs"] == []
     assert len(out["meta_info"]["output_token_logprobs"]) == 2
 
@@ -144,7 +145,7 @@ def test_slime_and_router_shaped_requests(qwen3_server: ServerProcess) -> None:
                             "custom_params": {"max_top_p": 0.9}, "frequency_penalty": 0.0,
                             "presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None,
                             "json_schema": None, "regex": None, "ebnf": None, "stream_interval": None,
-                            "sampling_seed": 5},
+                            "sampling_seed": 5, "ignore_eos": True},
         "model": "default", "log_metrics": True, "no_logs": False, "return_hidden_states": False,
         "return_entropy": False, "return_bytes": False, "background": False, "session_id": "s1",
         "routing_key": "rk", "priority": 0, "extra_key": None, "lora_path": None,
