@@ -18,9 +18,9 @@ from pydantic import ConfigDict, ValidationError, field_validator, model_validat
 
 from milepost.config_rules import default_run_dir, refusals, resolve_defaults
 from milepost.config_tables import (
-    _IMPORT_PATH,
     BUILTIN_ESTIMATORS,
     BUILTIN_REWARDS,
+    IMPORT_PATH,
     RESOLVED_NAME,
     TABLE_OF,
     TABLES,
@@ -142,7 +142,7 @@ class TrainConfig(
     @field_validator("reward_fn")
     @classmethod
     def _reward(cls, v: str) -> str:
-        if v not in BUILTIN_REWARDS and not _IMPORT_PATH.match(v):
+        if v not in BUILTIN_REWARDS and not IMPORT_PATH.match(v):
             raise ValueError(
                 f"--reward-fn {v!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) "
                 "nor an import path module.sub:function"
@@ -157,7 +157,7 @@ class TrainConfig(
     @field_validator("advantage_estimator")
     @classmethod
     def _estimator(cls, v: str) -> str:
-        if v not in BUILTIN_ESTIMATORS and not _IMPORT_PATH.match(v):
+        if v not in BUILTIN_ESTIMATORS and not IMPORT_PATH.match(v):
             raise ValueError(
                 f"unknown advantage estimator {v!r}; use one of {', '.join(BUILTIN_ESTIMATORS)} "
                 "or an import path module.sub:function"
@@ -174,7 +174,7 @@ class TrainConfig(
     @field_validator("group_reward_fn")
     @classmethod
     def _group_reward(cls, v: str | None) -> str | None:
-        if v is not None and not _IMPORT_PATH.match(v):
+        if v is not None and not IMPORT_PATH.match(v):
             raise ValueError(f"--group-reward-fn {v!r} is not an import path module.sub:function")
         return v
 
