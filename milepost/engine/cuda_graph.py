@@ -65,6 +65,7 @@ class DecodeGraphs:
             self.routed = torch.full((mb, model.num_layers, model.moe_top_k), -1, dtype=torch.int32,
                                      device=device)
         self._copied = torch.cuda.Event()
+        self.lora = None  # an AdapterPool (stacked kernel): set by the runner before capture
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
 
@@ -82,6 +83,8 @@ class DecodeGraphs:
     def _forward(self, bs: int) -> torch.Tensor:
         routed = self.routed[:bs] if self.routed is not None else None
         ctx = ForwardContext(attention=self.attention, routed_experts=routed)
+        if self.lora is not None:
+            self.lora.capturing(bs)
         hidden = self.model.forward(self.ids[:bs], self.positions[:bs], ctx)
         return self.model.compute_logits(hidden)
 

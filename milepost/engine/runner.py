@@ -72,6 +72,9 @@ class ModelRunner:
         """Capture (again) the decode graphs; call after the KV cache or weights were reallocated."""
         if self.graphs is not None:
             self.graphs.reset()
+            if self.lora is not None:  # adapters in the graphs: their per-row weights sit in a static buffer
+                self.lora.prepare_graphs(self.graphs.max_bs)
+                self.graphs.lora = self.lora
             self.graphs.capture()
 
     def forward(self, chunks: list[Chunk], feed: Feed | None = None) -> torch.Tensor:
@@ -88,6 +91,8 @@ class ModelRunner:
 
     def _forward(self, chunks: list[Chunk], feed: Feed | None) -> torch.Tensor:
         if self.graphs is not None and all(c.length == 1 for c in chunks):
+            if self.lora is not None and len(chunks) <= self.graphs.max_bs:  # the graphs' static LoRA rows
+                self.lora.set_graph_batch([self.lora.slot_of(c.req.lora_name) for c in chunks])
             logits = self.graphs.run(chunks, self._record_routed, feed)
             if logits is not None:
                 return logits

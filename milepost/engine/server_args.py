@@ -119,7 +119,8 @@ class ServerArgs(BaseModel):
         "kimi_k2, glm45, ...); without it a request with tools is refused.")
     enable_lora: bool = Field(
         False, description="Serve LoRA adapters beside the base (requests pick one with lora_path; "
-        "/load_lora_adapter, /unload_lora_adapter; docs/lora.md). CPU reference path; no CUDA graphs.")
+        "/load_lora_adapter, /unload_lora_adapter; docs/lora.md). CPU: per-adapter segments; CUDA: "
+        "stacked matmuls, decode CUDA graphs kept.")
     max_lora_rank: int = Field(16, ge=1, description="--enable-lora: the largest adapter rank served.")
     lora_target_modules: str = Field(
         "all-linear", description="--enable-lora: projections adapters may target, comma-separated "

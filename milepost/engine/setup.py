@@ -117,9 +117,6 @@ def build_engine(
         log.warning("decode CUDA graphs are off: MoE experts are graph-safe only in bfloat16 (dtype %s)",
                     args.dtype)
         graph_bs = 0
-    if graph_bs and args.enable_lora:  # the reference LoRA path picks rows per adapter on the host
-        log.warning("decode CUDA graphs are off: --enable-lora serves adapters on the eager path")
-        graph_bs = 0
     runner = ModelRunner(model, kv, device, attention_backend=args.attention_backend,
                          cuda_graph_max_bs=graph_bs, context_length=context_length,
                          record_routed_experts=record_routed_experts)

@@ -1,11 +1,11 @@
 """Serving LoRA adapters beside one resident base model, without merging (SGLang's multi-LoRA).
 
 `AdapterPool` keeps every loaded adapter in fixed slots of stacked tensors per projection
-(A: [slots, max_rank, in], B: [slots, out, max_rank]; slot 0 is all zeros = the base model; a
-smaller rank is zero-padded, which adds exact zeros). Before each forward the runner gives each
+(A: [slots, max_rank, in], B: [out, slots, max_rank]; a smaller rank is zero-padded, which adds
+exact zeros; slot 0 = the base model has no storage). Before each forward the runner gives each
 token its adapter's slot; a forward hook on every projection (q/k/v/o, gate/up/down, fused or
-not) then adds x A^T B^T * scaling for the tokens of each adapter in the batch. This is the
-reference path (CPU first): one gathered pair of matmuls per adapter present, not a fused kernel.
+not) adds x A^T B^T * scaling for the tokens of each adapter, by one of the two paths of
+milepost/lora/kernels.py: `segment` (CPU) or `stacked` (CUDA, capturable in decode CUDA graphs).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from milepost.lora.kernels import KERNELS, segment_delta, stacked_delta
 from milepost.lora.peft_format import read_peft_adapter
 from milepost.lora.settings import ATTENTION_MODULES, LoraSettings
 
@@ -67,7 +68,7 @@ class AdapterPool:
     """
 
     def __init__(self, model: nn.Module, target_modules: Sequence[str], max_rank: int,
-                 max_loras: int, device: torch.device, dtype: torch.dtype) -> None:
+                 max_loras: int, device: torch.device, dtype: torch.dtype, kernel: str | None = None) -> None:
         if max_rank <= 0 or max_loras <= 0:
             raise ValueError(f"--max-lora-rank ({max_rank}) and --max-loras-per-batch ({max_loras}) must be > 0")
         self.max_rank, self.max_loras = max_rank, max_loras
@@ -75,8 +76,15 @@ class AdapterPool:
         self.loaded: dict[str, _Loaded] = {}
         self.A: dict[str, torch.Tensor] = {}
         self.B: dict[str, torch.Tensor] = {}
-        self.scaling = torch.zeros(max_loras + 1, dtype=torch.float32)
-        self._segments: list[tuple[int, torch.Tensor]] = []  # (slot, token rows) of the current forward
+        self.scaling = torch.zeros(max_loras + 1, dtype=torch.float32)  # [slot]; slot 0 = the base
+        # The reference path on CPU; on CUDA the stacked one (no host syncs, CUDA-graph safe).
+        self.kernel = kernel or ("stacked" if device.type == "cuda" else "segment")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"LoRA kernel {self.kernel!r}: choose one of {list(KERNELS)}")
+        self.device, self.dtype = device, dtype
+        self._segments: list[tuple[int, torch.Tensor, float]] = []  # segment: (index, token rows, scaling)
+        self._weights: torch.Tensor | None = None  # stacked: [tokens, slots] scaling of each token's slot
+        self._graph_weights: torch.Tensor | None = None  # stacked, decode graphs: [max graph bs, slots]
         self._hooks = []
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None or not getattr(model, "native", False):
@@ -91,9 +99,8 @@ class AdapterPool:
                                      "supported yet: target attention only)")
                 linear, part = found
                 by_module.setdefault(id(linear), (linear, []))[1].append(part)
-                slots = max_loras + 1
-                self.A[part.key] = torch.zeros(slots, max_rank, linear.in_features, device=device, dtype=dtype)
-                self.B[part.key] = torch.zeros(slots, part.end - part.start, max_rank, device=device, dtype=dtype)
+                self.A[part.key] = torch.zeros(max_loras, max_rank, linear.in_features, device=device, dtype=dtype)
+                self.B[part.key] = torch.zeros(part.end - part.start, max_loras, max_rank, device=device, dtype=dtype)
         for linear, parts in by_module.values():
             self._hooks.append(linear.register_forward_hook(self._hook(parts)))
 
@@ -127,12 +134,14 @@ class AdapterPool:
                                f"(--lora-target-modules {','.join(self.target_modules)})")
         staged = self._stage(name, settings, tensors)
         slot = free[0]
+        i = slot - 1
         with torch.no_grad():
+            for key in self.A:  # projections it does not target stay exact zeros
+                self.A[key][i].zero_()
+                self.B[key][:, i].zero_()
             for key, a, b in staged:
-                self.A[key][slot].zero_()
-                self.B[key][slot].zero_()
-                self.A[key][slot, : settings.rank].copy_(a)
-                self.B[key][slot, :, : settings.rank].copy_(b)
+                self.A[key][i, : settings.rank].copy_(a)
+                self.B[key][:, i, : settings.rank].copy_(b)
         self.scaling[slot] = settings.scaling
         self.loaded[name] = _Loaded(slot, settings, path, sorted(tensors))
 
@@ -153,7 +162,7 @@ class AdapterPool:
             if a is None or b is None:
                 continue
             want_a = (settings.rank, self.A[key].shape[2])
-            want_b = (self.B[key].shape[1], settings.rank)
+            want_b = (self.B[key].shape[0], settings.rank)
             if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
                 problems.append(f"{key}: lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected "
                                 f"{list(want_a)} / {list(want_b)} (rank {settings.rank} on this base)")
@@ -172,8 +181,8 @@ class AdapterPool:
             raise AdapterError(f"lora_name: adapter {name!r} is not loaded; loaded: {sorted(self.loaded)}")
         with torch.no_grad():
             for key in self.A:
-                self.A[key][entry.slot].zero_()
-                self.B[key][entry.slot].zero_()
+                self.A[key][entry.slot - 1].zero_()
+                self.B[key][:, entry.slot - 1].zero_()
         self.scaling[entry.slot] = 0.0
 
     def slot_of(self, name: str | None) -> int:
@@ -200,31 +209,56 @@ class AdapterPool:
         entry = self.loaded[adapter]
         key, which = name.rsplit(".lora_", 1)
         r = entry.settings.rank
-        return self.A[key][entry.slot, :r] if which == "A.weight" else self.B[key][entry.slot, :, :r]
+        i = entry.slot - 1
+        return self.A[key][i, :r] if which == "A.weight" else self.B[key][:, i, :r]
 
     # -- forwards ------------------------------------------------------------------------------
 
     def set_batch(self, chunk_slots: Sequence[int], chunk_lengths: Sequence[int]) -> None:
-        """Adapter slot and token count of each chunk of the next forward, in flat-batch order."""
+        """Adapter slot and token count of each chunk of the next (eager) forward, in flat-batch order."""
+        self._segments, self._weights = [], None
         if not any(chunk_slots):  # base only: the hooks add nothing
-            self._segments = []
             return
         slots = torch.repeat_interleave(torch.tensor(chunk_slots), torch.tensor(chunk_lengths))
-        device = next(iter(self.A.values())).device
-        self._segments = [(int(s), (slots == s).nonzero()[:, 0].to(device))
+        if self.kernel == "stacked":
+            self._weights = self._slot_weights(slots).to(self.device, non_blocking=True)
+            return
+        self._segments = [(s - 1, (slots == s).nonzero()[:, 0].to(self.device), float(self.scaling[s]))
                           for s in torch.unique(slots).tolist() if s != 0]
+
+    def _slot_weights(self, slots: torch.Tensor) -> torch.Tensor:
+        """[tokens, max_loras] fp32: the scaling of each token's slot in its column, zeros elsewhere."""
+        one_hot = torch.nn.functional.one_hot(slots.long(), self.max_loras + 1).float()
+        return (one_hot * self.scaling)[:, 1:]
+
+    # -- decode CUDA graphs (stacked path): the weights live in a static buffer the graphs read --
+
+    def prepare_graphs(self, max_bs: int) -> None:
+        if self.kernel != "stacked":
+            raise ValueError(f"LoRA kernel {self.kernel!r} cannot run in CUDA graphs; use 'stacked'")
+        self._graph_weights = torch.zeros(max_bs, self.max_loras, device=self.device, dtype=torch.float32)
+
+    def capturing(self, bs: int) -> None:
+        """The next forward is captured at batch size bs: the hooks read the static buffer."""
+        self._segments, self._weights = [], self._graph_weights[:bs]
+
+    def set_graph_batch(self, row_slots: Sequence[int]) -> None:
+        """Before a replay: row i of the decode batch uses slot row_slots[i]; padding rows none."""
+        w = self._slot_weights(torch.tensor(row_slots, dtype=torch.long))
+        self._graph_weights.zero_()
+        self._graph_weights[: len(row_slots)].copy_(w, non_blocking=True)
 
     def _hook(self, parts: list[_Part]):
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-            if not self._segments:
-                return out
             x = inputs[0]
-            for slot, rows in self._segments:
-                xs = x.index_select(0, rows)  # [n, in]
-                scale = float(self.scaling[slot])
+            if self._weights is not None:
                 for p in parts:
-                    delta = (xs @ self.A[p.key][slot].T) @ self.B[p.key][slot].T  # [n, out_part]
-                    out[rows, p.start : p.end] += (delta * scale).to(out.dtype)
+                    delta = stacked_delta(x, self.A[p.key], self.B[p.key], self._weights)
+                    out[:, p.start : p.end] += delta.to(out.dtype)
+                return out
+            for p in parts:
+                for rows, delta in segment_delta(x, self.A[p.key], self.B[p.key], self._segments):
+                    out[rows, p.start : p.end] += delta.to(out.dtype)
             return out
 
         return hook

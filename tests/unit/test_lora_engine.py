@@ -99,9 +99,12 @@ def flat(outputs: list[RequestOutput]) -> tuple[list[int], list[float]]:
 PROMPTS = [[5, 9, 33, 71, 12, 4, 90, 11, 3, 8, 15], [7, 7, 21, 300, 5], [44, 45, 46, 47, 48, 49, 50, 51, 52]]
 
 
-def test_mixed_batch_equals_merged_models(setup: dict) -> None:
+@pytest.mark.parametrize("kernel", ["segment", "stacked"])
+def test_mixed_batch_equals_merged_models(setup: dict, kernel: str) -> None:
     specs = ",".join(f"{n}={d}" for n, d in setup["dirs"].items())
     engine = make_engine(setup["base"], enable_lora=True, max_lora_rank=4, lora_paths=specs)
+    assert engine.runner.lora.kernel == "segment"  # the CPU default; the GPU's is 'stacked'
+    engine.runner.lora.kernel = kernel
     jobs = [(f"{lora or 'base'}-{i}", p, lora) for i, p in enumerate(PROMPTS) for lora in ("math", None, "chat")]
     got = run(engine, jobs)
     for lora, path in [("math", setup["merged"]["math"]), ("chat", setup["merged"]["chat"]), (None, setup["base"])]:
@@ -141,6 +144,8 @@ def test_bad_adapters_refused_and_weights_addressable(setup: dict) -> None:
     assert name in model.hf_weight_names()
     view = model.weight_view(name)
     assert view.shape == (2 * 16, 2) and view.abs().sum() > 0
+    # A view, not a copy: what an update writes there is what the next forward uses.
+    assert view.untyped_storage().data_ptr() == pool.B["model.layers.1.self_attn.v_proj"].untyped_storage().data_ptr()
     with pytest.raises(KeyError, match="'math' is not loaded"):
         model.weight_view(f"math{SEP}model.layers.1.self_attn.v_proj.lora_B.weight")
     # A request naming an adapter that went away is aborted, naming it; the base still serves.
@@ -148,3 +153,22 @@ def test_bad_adapters_refused_and_weights_addressable(setup: dict) -> None:
     out = run(engine, [("gone", PROMPTS[0], "chat"), ("fine", PROMPTS[0], None)])
     assert out["gone"][-1].finish_reason == {"type": "abort", "message": "LoRA adapter 'chat' is not loaded"}
     assert len(flat(out["fine"])[0]) == 6
+
+
+def test_graph_rows_weight_each_decode_row_by_its_adapter(setup: dict) -> None:
+    """The decode CUDA graphs read per-row adapter weights from one static buffer (stacked path):
+    each row gets its adapter's scaling in its slot's column, padding rows and base rows zeros."""
+    specs = ",".join(f"{n}={d}" for n, d in setup["dirs"].items())
+    engine = make_engine(setup["base"], enable_lora=True, max_lora_rank=4, max_loras_per_batch=3, lora_paths=specs)
+    pool = engine.runner.lora
+    with pytest.raises(ValueError, match="cannot run in CUDA graphs"):
+        pool.prepare_graphs(8)
+    pool.kernel = "stacked"
+    pool.prepare_graphs(8)
+    pool.capturing(8)
+    math, chat = pool.slot_of("math"), pool.slot_of("chat")
+    pool.set_graph_batch([chat, 0, math])
+    expected = torch.zeros(8, 3)
+    expected[0, chat - 1] = ADAPTERS["chat"][0].scaling
+    expected[2, math - 1] = ADAPTERS["math"][0].scaling
+    torch.testing.assert_close(pool._weights, expected, rtol=0, atol=0)  # the captured view sees it
