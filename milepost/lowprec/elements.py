@@ -1,0 +1,87 @@
+"""Element formats: E4M3 (OCP FP8, "fn": no infinities, one NaN code per sign), E2M1 (FP4: no
+NaN or infinity) and UE8M0 (an 8-bit power of two, 0xFF = NaN, the MX shared scale).
+
+Rounding is to nearest, ties to even, saturating at the largest finite value (what the OCP MX
+spec prescribes for element conversion; our block quantizers never feed an out-of-range value).
+NaN stays NaN where the format has one; E2M1 has none, so its callers handle NaN at block level.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+E8M0_NAN = 255
+E8M0_BIAS = 127
+# The eight E2M1 magnitudes in code order (code = sign << 3 | index).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def round_minifloat(x: torch.Tensor, mantissa_bits: int, min_exponent: int, max_value: float
+                    ) -> torch.Tensor:
+    """float32 `x` rounded to a binary float with `mantissa_bits` stored mantissa bits, smallest
+    normal exponent `min_exponent` (below it: subnormals of the same step) and largest finite
+    `max_value` (saturating). Ties to even; NaN stays NaN."""
+    x = x.float()
+    a = x.abs()
+    _, exp = torch.frexp(a)  # a = m * 2^exp, m in [0.5, 1): floor(log2 a) = exp - 1, exactly
+    e = (exp - 1).clamp(min=min_exponent)
+    step = torch.ldexp(torch.ones_like(a), e - mantissa_bits)
+    q = torch.round(a / step) * step  # power-of-two step: exact; torch.round ties to even
+    q = torch.minimum(q, torch.tensor(max_value))
+    return torch.where(torch.isnan(x), x, torch.copysign(q, x))
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float32 values of `x` rounded to E4M3 (saturating at 448)."""
+    return round_minifloat(x, 3, -6, E4M3_MAX)
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """`x` as float8_e4m3fn, saturating at +-448 (torch's cast alone is not specified there)."""
+    x = x.float()
+    return torch.where(torch.isnan(x), x, x.clamp(-E4M3_MAX, E4M3_MAX)).to(E4M3)
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """float32 values of `x` rounded to E2M1 (saturating at 6). NaN input stays NaN here; the
+    NVFP4 quantizer marks such blocks through their scale, since E2M1 has no NaN code."""
+    return round_minifloat(x, 1, 0, E2M1_MAX)
+
+
+def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8, 0..15) of E2M1-representable float32 `values` (NaN -> +0)."""
+    table = torch.tensor(E2M1_VALUES)
+    mag = torch.nan_to_num(values.abs(), nan=0.0)
+    index = torch.searchsorted(table, mag.contiguous())
+    sign = (torch.signbit(values) & (mag > 0)).to(torch.uint8) << 3
+    return index.to(torch.uint8) | sign
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of 4-bit E2M1 `codes`."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+    return table[codes.long() & 15]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last dim: element 2i in the low nibble, 2i+1 high."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+# UE8M0: code c means 2^(c - 127); the table is exact (Python's ldexp, float32 holds 2^-127).
+_E8M0_TABLE = torch.tensor([math.ldexp(1.0, c - E8M0_BIAS) for c in range(255)] + [math.nan],
+                           dtype=torch.float32)
+
+
+def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
+    """float32 scales of UE8M0 `codes` (uint8); 255 is NaN."""
+    return _E8M0_TABLE.to(codes.device)[codes.long()]
