@@ -85,9 +85,10 @@ def _block_amax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize(x: torch.Tensor, fmt: str, role: Role = "weight", *, four_over_six: bool = False,
-             name: str = "tensor") -> QTensor:
+             name: str = "tensor", outer_amax: torch.Tensor | None = None) -> QTensor:
     """Quantize `x` ([.., K]; fp8_block weights 2-d) in `fmt`. nvfp4 weights get one tensor
-    scale, activations one per token (row), so a token's values do not depend on its batch."""
+    scale, activations one per token (row), so a token's values do not depend on its batch;
+    `outer_amax` (nvfp4 weights) sets the tensor scale from several tensors' amax (gate + up)."""
     check_shape(fmt, tuple(x.shape), name)
     tile = block_shape(fmt, role)
     shape = tuple(x.shape)
@@ -106,13 +107,20 @@ def quantize(x: torch.Tensor, fmt: str, role: Role = "weight", *, four_over_six:
         codes = torch.where(bad, el.E8M0_NAN, e + el.E8M0_BIAS).to(torch.uint8)
         values = el.to_e4m3(t * el.e8m0_decode(codes).reciprocal()[..., None])  # 1/2^e: exact
         return QTensor(fmt, values.reshape(shape), codes.reshape(*shape[:-1], -1), tile, shape)
-    return _quantize_nvfp4(t, amax, bad, role, four_over_six, shape)
+    if outer_amax is None:
+        outer_amax = amax.amax() if role == "weight" else amax.amax(-1, keepdim=True)  # tensor | token
+    return _quantize_nvfp4(t, amax, bad, role, four_over_six, shape, outer_amax.float())
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest finite magnitude of `x` (float32 scalar; 0 for none)."""
+    x = x.detach().float()
+    return torch.where(torch.isfinite(x), x.abs(), 0.0).amax() if x.numel() else x.new_zeros(())
 
 
 def _quantize_nvfp4(t: torch.Tensor, amax: torch.Tensor, bad: torch.Tensor, role: Role,
-                    four_over_six: bool, shape: tuple[int, ...]) -> QTensor:
+                    four_over_six: bool, shape: tuple[int, ...], outer: torch.Tensor) -> QTensor:
     scale_max = _NVFP4_SCALE_MAX[four_over_six]
-    outer = amax.amax() if role == "weight" else amax.amax(-1, keepdim=True)  # tensor | token
     g = torch.where(outer > 0, outer / (el.E2M1_MAX * scale_max), 1.0)  # the FP32 outer scale
 
     def attempt(top: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

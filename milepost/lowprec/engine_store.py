@@ -1,0 +1,148 @@
+"""The engine's weights in a low-precision format (`--quantization fp8_block|mxfp8|nvfp4`).
+
+Each covered projection keeps, per Hugging Face tensor it holds (q/k/v inside a fused qkv_proj,
+gate/up inside gate_up_proj), that tensor's quantized values and scales (a QTensor from the one
+quantizer), quantized from what the sender sent on every update: a tensor's blocks never straddle
+another's rows. The forward quantizes its input per token in the same format and multiplies the
+dequantized operands (emulated GEMM; the H200 path is `linear.fp8_block_mm` where it runs).
+NVFP4 quantizes gate and up together (one outer scale for the fused GEMM): the first of the two
+to arrive in an update waits for the other. Registered as `model.fp8_weights`, the attribute the
+weight loader and the weight-check endpoints use.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from milepost.lowprec.contract import Contract
+from milepost.lowprec.linear import quantize_activation, quantize_weight_parts
+from milepost.lowprec.quantize import QTensor, dequantize, element_scale
+
+
+class QuantizedLinear(nn.Linear):
+    """nn.Linear whose `weight` holds the dequantized values of its parts (in the model dtype)."""
+
+    qparts: list[tuple[int, int, QTensor]]  # (first row, rows, quantized tensor) per HF tensor
+    qformat: str
+    qjoint: bool  # nvfp4 gate_up_proj: its parts share one outer scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(quantize_activation(x, self.qformat), self.weight, self.bias)
+
+
+class QuantizedWeights:
+    """Where each HF tensor's quantized values live; `write` re-quantizes on arrival."""
+
+    def __init__(self, modules: dict[int, QuantizedLinear], names: dict[tuple[int, int], str],
+                 contract: Contract, source_dtype: torch.dtype) -> None:
+        self.source_dtype = source_dtype
+        self.contract = contract
+        self.format = contract.rollout
+        self._modules = list(modules.values())
+        self._by_storage = modules
+        self._names = names  # (id(module), first row) -> HF name, for messages
+        self._pending: dict[int, dict[int, torch.Tensor]] = {}  # nvfp4 gate/up halves
+
+    def owner(self, view: torch.Tensor) -> QuantizedLinear | None:
+        ptr = view.untyped_storage().data_ptr()
+        module = self._by_storage.get(ptr)
+        if module is None or module.weight.untyped_storage().data_ptr() != ptr:
+            # Weights move (released to host and resumed: new storages): map them again.
+            self._by_storage = {m.weight.untyped_storage().data_ptr(): m for m in self._modules}
+            module = self._by_storage.get(ptr)
+        return module
+
+    def _part(self, view: torch.Tensor) -> tuple[QuantizedLinear, int]:
+        module = self.owner(view)
+        if module is None:
+            raise KeyError("not a view of a quantized linear weight")
+        row_bytes = module.weight.stride(0) * module.weight.element_size()
+        first = (view.data_ptr() - module.weight.data_ptr()) // row_bytes
+        for i, (row, rows, _) in enumerate(module.qparts):
+            if row == first and rows == view.shape[0]:
+                return module, i
+        raise KeyError(f"rows {first}..{first + view.shape[0]} are not one tensor of this linear")
+
+    @torch.no_grad()
+    def write(self, view: torch.Tensor, src: torch.Tensor) -> None:
+        """Quantize `src` (the HF tensor `view` holds) into its part and refresh the weights."""
+        module, i = self._part(view)
+        if module.qjoint:  # gate and up share one outer scale: wait until both halves arrived
+            pending = self._pending.setdefault(id(module), {})
+            pending[i] = src.detach().to(view.device, torch.float32, copy=True)
+            if len(pending) < len(module.qparts):
+                return
+            srcs = [pending[j] for j in range(len(module.qparts))]
+            del self._pending[id(module)]
+            indices = list(range(len(module.qparts)))
+        else:
+            srcs, indices = [src.to(view.device)], [i]
+        names = [self._names.get((id(module), module.qparts[j][0]), "weight") for j in indices]
+        for j, q in zip(indices, quantize_weight_parts(srcs, module.qformat, self.contract, names)):
+            row, rows, _ = module.qparts[j]
+            module.qparts[j] = (row, rows, q)
+            module.weight[row:row + rows].copy_(dequantize(q))
+
+    def dequantized(self, view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 values, float32 per-element dequantization scales) of the tensor `view`."""
+        module, i = self._part(view)
+        q = module.qparts[i][2]
+        return dequantize(q), element_scale(q)
+
+    def format_of(self, view: torch.Tensor) -> str:
+        return self._part(view)[0].qformat
+
+
+@torch.no_grad()
+def store_quantized(model: nn.Module, contract: Contract) -> QuantizedWeights:
+    """Quantize the covered linears of `model` (after fuse_projections) in place, per HF tensor,
+    in the format `contract` gives each (bf16 overrides stay as they are)."""
+    by_module: dict[int, list[tuple[int, int, str]]] = {}
+    modules: dict[int, nn.Linear] = {}
+    mod_of_param = {id(m.weight): m for m in model.modules() if type(m) is nn.Linear}
+    for name in model.hf_weight_names():
+        fmt = contract.tensor_format(name, "rollout")
+        if fmt == "bf16":
+            continue
+        view = model.weight_view(name)
+        module = next((m for m in mod_of_param.values()
+                       if m.weight.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()),
+                      None)
+        if module is None:
+            continue
+        row_bytes = module.weight.stride(0) * module.weight.element_size()
+        first = (view.data_ptr() - module.weight.data_ptr()) // row_bytes
+        by_module.setdefault(id(module), []).append((first, view.shape[0], name))
+        modules[id(module)] = module
+    if not modules:
+        raise ValueError(f"--quantization {contract.rollout}: {type(model).__name__} has no "
+                         "projection linears left to quantize (check --precision-override)")
+    dtype = next(iter(modules.values())).weight.dtype
+    store_modules: dict[int, QuantizedLinear] = {}
+    names: dict[tuple[int, int], str] = {}
+    for key, parts in by_module.items():
+        module = modules[key]
+        parts.sort()
+        covered = sum(rows for _, rows, _ in parts)
+        if covered != module.weight.shape[0]:
+            raise ValueError(f"{parts[0][2]}: its fused linear mixes quantized and bf16 tensors; "
+                             "override all tensors of one fused projection alike")
+        fmt = contract.tensor_format(parts[0][2], "rollout")
+        module.__class__ = QuantizedLinear
+        module.qformat = fmt
+        module.weight.requires_grad_(False)
+        srcs = [module.weight[row:row + rows].float() for row, rows, _ in parts]
+        joint = fmt == "nvfp4" and any(n.endswith("gate_proj.weight") for _, _, n in parts)
+        module.qjoint = joint
+        qs = (quantize_weight_parts(srcs, fmt, contract, [n for _, _, n in parts]) if joint else
+              [quantize_weight_parts([s], fmt, contract, [n])[0] for s, (_, _, n) in zip(srcs, parts)])
+        module.qparts = [(row, rows, q) for (row, rows, _), q in zip(parts, qs)]
+        for row, rows, q in module.qparts:
+            module.weight[row:row + rows].copy_(dequantize(q))
+        store_modules[module.weight.untyped_storage().data_ptr()] = module
+        names.update({(id(module), row): n for row, _, n in parts})
+    store = QuantizedWeights(store_modules, names, contract, dtype)
+    model.fp8_weights = store
+    return store
