@@ -50,11 +50,20 @@ class ServerArgs(BaseModel):
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="dtype of the KV pool; auto = the model's --dtype (bfloat16 on CUDA)."
     )
-    quantization: Literal["fp8"] | None = Field(
+    quantization: Literal["fp8", "fp8_block", "mxfp8", "nvfp4"] | None = Field(
         None, description="fp8 = store the projection weights (q/k/v/o, gate/up/down) as "
         "float8_e4m3fn with one scale per output row, quantized at load and on every weight "
-        "update; activations stay in --dtype (milepost/engine/weight_fp8.py)."
+        "update; activations stay in --dtype (milepost/engine/weight_fp8.py). fp8_block (128x128 "
+        "weight tiles, 1x128 activation blocks), mxfp8, nvfp4: weights and activations in that "
+        "format, each HF tensor quantized on arrival by the trainer's quantizer (docs/low_precision.md)."
     )
+    precision_override: str | None = Field(
+        None, description="With --quantization fp8_block|mxfp8|nvfp4: PATTERN=bf16[,...] keeps the "
+        "tensors whose HF name matches the glob PATTERN (or layers.A-B) unquantized; the trainer "
+        "passes its own --precision-override so both sides agree.")
+    nvfp4_four_over_six: bool = Field(
+        False, description="--quantization nvfp4: scale each block to 4 or 6, whichever quantizes "
+        "it with less error (four-over-six); must match the trainer's setting.")
     max_total_tokens: int | None = Field(
         None,
         description="KV pool size in tokens; default derived from --mem-fraction-static on CUDA "
@@ -247,6 +256,15 @@ class ServerArgs(BaseModel):
                 or self.max_lora_rank != 16) and not self.enable_lora:
             raise ValueError("--lora-paths / --max-lora-rank / --lora-target-modules / "
                              "--max-loras-per-batch need --enable-lora")
+        if (self.precision_override or self.nvfp4_four_over_six) and self.quantization in (None, "fp8"):
+            raise ValueError("--precision-override / --nvfp4-four-over-six need --quantization "
+                             "fp8_block, mxfp8 or nvfp4")
+        if self.nvfp4_four_over_six and self.quantization != "nvfp4":
+            raise ValueError("--nvfp4-four-over-six needs --quantization nvfp4")
+        if self.precision_override:
+            from milepost.lowprec.contract import parse_overrides
+
+            parse_overrides(self.precision_override.split(","))
         if self.true_on_policy and (self.quantization or self.enable_lora):
             raise ValueError("--true-on-policy re-scores with the trainer's unquantized, adapter-free "
                              "computation: drop --quantization / --enable-lora")

@@ -65,9 +65,13 @@ def build_engine(
     if fuse is not None and not args.true_on_policy:
         fuse()
     native = getattr(model, "native", True)
-    if args.quantization == "fp8" and not native:
-        raise ValueError("--quantization fp8 needs a native model; this one runs on the transformers "
-                         "fallback (docs/models.md): drop --quantization")
+    if args.quantization and not native:
+        raise ValueError(f"--quantization {args.quantization} needs a native model; this one runs "
+                         "on the transformers fallback (docs/models.md): drop --quantization")
+    if args.quantization in ("fp8_block", "mxfp8", "nvfp4"):  # per HF tensor, after fusing
+        from milepost.lowprec.engine_setup import store_engine_precision
+
+        store_engine_precision(model, args, device)
     if args.quantization == "fp8":  # after fusing: one scale per row of the fused weights too
         from milepost.engine.weight_fp8 import store_fp8
 

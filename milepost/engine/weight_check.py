@@ -52,8 +52,9 @@ def weight_check_router(engine: Engine) -> APIRouter:
             sums, quantized = {}, {}
             for name in model.hf_weight_names():
                 view = model.weight_view(name)
-                if fp8_owner(view) is not None:
-                    quantized[name] = FORMAT
+                store = fp8_owner(view)
+                if store is not None:
+                    quantized[name] = getattr(store, "format", FORMAT)
                 else:
                     sums[name] = tensor_digest(view)
             return {"weight_version": engine.weight_version, "algorithm": "sha256",
@@ -66,7 +67,8 @@ def weight_check_router(engine: Engine) -> APIRouter:
         def run() -> dict:  # names only, no pass over the bytes: the trainer asks before updates
             model = engine.runner.model
             names = [n for n in model.hf_weight_names() if fp8_owner(model.weight_view(n))]
-            return {"format": FORMAT if names else None, "names": names}
+            store = getattr(model, "fp8_weights", None)
+            return {"format": getattr(store, "format", FORMAT) if names else None, "names": names}
 
         return await asyncio.wrap_future(engine.call(run))
 
@@ -90,7 +92,8 @@ def weight_check_router(engine: Engine) -> APIRouter:
             if problems:
                 return JSONResponse(status_code=400, content={
                     "success": False, "message": "; ".join(problems)})
-            return JSONResponse({"success": True, "format": FORMAT,
+            store = getattr(model, "fp8_weights", None)
+            return JSONResponse({"success": True, "format": getattr(store, "format", FORMAT),
                                  "tensors": serialize_named_tensors(out)})
 
         return await asyncio.wrap_future(engine.call(run))

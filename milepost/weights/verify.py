@@ -22,6 +22,8 @@ import torch
 
 from milepost.auth import client_headers
 from milepost.weights.codec import deserialize_named_tensors
+from milepost.lowprec.quantize import FORMATS as LOWPREC_FORMATS
+from milepost.lowprec.quantize import error_bound as lowprec_bound
 from milepost.weights.fp8 import FORMAT, fp8_error_bound
 
 _LISTED = 10  # mismatching tensors named per engine; the count says the rest
@@ -103,9 +105,10 @@ def check_quantized(url: str, sent: Mapping[str, torch.Tensor], timeout_s: float
     if r.status_code != 200:
         raise WeightMismatchError(f"engine {url}: POST /weights_dequantized answered "
                                   f"{r.status_code}: {r.text}")
-    if r.json().get("format") != FORMAT:
-        raise WeightMismatchError(f"engine {url} stores format {r.json().get('format')!r}; "
-                                  f"this trainer checks {FORMAT!r} only")
+    fmt = r.json().get("format")
+    if fmt != FORMAT and fmt not in LOWPREC_FORMATS:
+        raise WeightMismatchError(f"engine {url} stores format {fmt!r}; this trainer checks "
+                                  f"{FORMAT!r} and {', '.join(LOWPREC_FORMATS)}")
     held = dict(deserialize_named_tensors(r.json()["tensors"]))
     off = []
     for name, x in sent.items():
@@ -113,9 +116,11 @@ def check_quantized(url: str, sent: Mapping[str, torch.Tensor], timeout_s: float
         if values.shape != x.shape:
             off.append(f"{name} (shape {list(values.shape)}, sent {list(x.shape)})")
             continue
-        ratio = ((values - x.float()).abs() / fp8_error_bound(x, scale)).max().item()
+        # Row format: one scale per row; the block formats: the scale of every element.
+        bound = fp8_error_bound(x, scale) if fmt == FORMAT else lowprec_bound(fmt, x, scale)
+        ratio = ((values - x.float()).abs() / bound).max().item()
         if not ratio <= 1.0:  # NaN fails too
-            off.append(f"{name} (error {ratio:.3g}x the {FORMAT} bound)")
+            off.append(f"{name} (error {ratio:.3g}x the {fmt} bound)")
     return off
 
 

@@ -1,0 +1,33 @@
+"""Engine start with `--quantization fp8_block|mxfp8|nvfp4`: the contract from the server's
+flags, the weights quantized, and a warning where the device has no native GEMM for the format
+(emulated: the values are the format's, the speed is not)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from milepost.lowprec.contract import Contract, native_support, parse_overrides
+from milepost.lowprec.engine_store import QuantizedWeights, store_quantized
+
+log = logging.getLogger(__name__)
+
+
+def engine_contract(quantization: str, precision_override: str | None,
+                    four_over_six: bool) -> Contract:
+    overrides = parse_overrides(precision_override.split(",")) if precision_override else ()
+    return Contract(quantization, quantization, overrides, four_over_six)
+
+
+def store_engine_precision(model: nn.Module, args: object, device: torch.device) -> QuantizedWeights:
+    fmt = args.quantization  # type: ignore[attr-defined]
+    contract = engine_contract(fmt, getattr(args, "precision_override", None),
+                               getattr(args, "nvfp4_four_over_six", False))
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if not native_support(fmt, cap):
+        log.warning("--quantization %s: %s has no native %s GEMM; emulated (quantize, "
+                    "dequantize, GEMM in the model dtype): the format's values, not its speed",
+                    fmt, f"compute capability {cap}" if cap else "the CPU", fmt)
+    return store_quantized(model, contract)

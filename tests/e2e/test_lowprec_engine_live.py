@@ -1,0 +1,72 @@
+"""Engines serving FP8 blockwise and NVFP4 (four-over-six, a layer kept in bf16) re-quantize
+every update, over every transport, and pass `--check-weight-update-equal` within the format's
+bound (bit-exact for the unquantized tensors); values off the bound fail it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors.torch import load_file
+
+from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.server_process import ServerProcess
+from milepost.weights.disk_transport import DiskDeltaTransport
+from milepost.weights.p2p import P2PTransport
+from milepost.weights.sync import WeightSync
+from milepost.weights.transport import BroadcastTransport, TensorTransport
+from milepost.weights.verify import WeightMismatchError, verify
+
+BUCKET_BYTES = 24_000  # small: gate and up of one layer land in different buckets
+UP = "model.layers.0.mlp.up_proj.weight"
+FLAGS = {"fp8_block": ["--quantization", "fp8_block"],
+         "nvfp4": ["--quantization", "nvfp4", "--nvfp4-four-over-six",
+                   "--precision-override", "layers.1-1=bf16"]}
+
+
+@pytest.fixture(scope="module", params=["fp8_block", "nvfp4"])
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("lowprec")
+    a = make_tiny_checkpoint(root / "a", "qwen3", seed=0, with_tokenizer=False)
+    b = make_tiny_checkpoint(root / "b", "qwen3", seed=1, with_tokenizer=False)
+    with ServerProcess(a, "--max-total-tokens", "1024", "--page-size", "4",
+                       *FLAGS[request.param]) as srv:
+        yield request.param, srv.url, list(load_file(b / "model.safetensors").items())
+
+
+def make(kind: str, url: str, store: Path):
+    return {"tensor": lambda: TensorTransport([url], timeout_s=30),
+            "broadcast": lambda: BroadcastTransport([url], "gloo", timeout_s=30),
+            "p2p": lambda: P2PTransport([url], "gloo", timeout_s=30),
+            "disk-delta": lambda: DiskDeltaTransport([url], store, timeout_s=30)}[kind]()
+
+
+@pytest.mark.parametrize("kind", ["tensor", "broadcast", "p2p", "disk-delta"])
+def test_every_transport_requantizes_and_passes_the_check(setup, kind, tmp_path) -> None:
+    fmt, url, named = setup
+    quantized = httpx.get(f"{url}/weights_quantized").json()
+    assert quantized["format"] == fmt and UP in quantized["names"]
+    # The override keeps layer 1 in bf16 on the engine, as the trainer would.
+    assert (fmt == "nvfp4") != any(".layers.1." in n for n in quantized["names"])
+    sync = WeightSync(make(kind, url, tmp_path / "store"), BUCKET_BYTES, check_equal_once=True,
+                      check_weight_update=True)
+    try:
+        assert sync.update(iter(named), f"{kind}-1").verified
+        assert sync.update(iter([(n, t * 1.5) for n, t in named]), f"{kind}-2").verified
+    finally:
+        sync.close()
+    r = httpx.post(f"{url}/generate", timeout=60, json={"input_ids": [5, 6, 7], "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}})
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
+
+
+def test_values_off_the_bound_fail_the_check(setup) -> None:
+    fmt, url, named = setup
+    with TensorTransport([url], timeout_s=30) as transport:
+        WeightSync(transport, BUCKET_BYTES).update(iter(named), "whole")
+    assert verify(named, [url]) == len(named)
+    # 60% off: more than E2M1's (25%) or E4M3's (6.25%) half-ulp on the largest elements.
+    off = [(n, t * 1.6 if n == UP else t) for n, t in named]
+    with pytest.raises(WeightMismatchError, match=f"{UP} \\(error .*x the {fmt} bound"):
+        verify(off, [url])
