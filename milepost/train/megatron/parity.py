@@ -1,0 +1,58 @@
+"""Rank functions that compare a Megatron model with transformers on the same checkpoint.
+
+Used by the CPU tests (gloo, through milepost.testing.dist.run_ranks) and by the GPU test (nccl):
+each rank builds its shard of the model, runs a packed forward of fixed token sequences, and
+returns the largest |logit difference| to transformers' forward of each sequence alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from milepost.train.megatron.cpu_shim import block_causal_mask
+from milepost.train.megatron.provider import init_parallel, load_hf_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def sequences(vocab_size: int, lengths: tuple[int, ...] = (12, 7), seed: int = 0) -> list[torch.Tensor]:
+    """Fixed token sequences (ids >= 3 keep clear of the tiny tokenizer's special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=g) for n in lengths]
+
+
+def logits_gaps(rank: int, world_size: int, cases: list[tuple[str, int, int]],
+                dtype: str = "float32") -> list[dict[str, float]]:
+    """`logits_gap` for each (path, tp, ep) case in turn, in one process (one start-up, many checks)."""
+    from megatron.core import parallel_state as ps
+
+    out = []
+    for path, tp, ep in cases:
+        out.append(logits_gap(rank, world_size, path, tp=tp, ep=ep, dtype=dtype))
+        ps.destroy_model_parallel()
+    return out
+
+
+def logits_gap(rank: int, world_size: int, path: str, tp: int = 1, pp: int = 1, ep: int = 1,
+               dtype: str = "float32") -> dict[str, float]:
+    """Max |Megatron logits - transformers logits| over a packed pair of sequences (pp = 1)."""
+    import transformers
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    init_parallel(tp, pp, ep)
+    model, shape = load_hf_model(path, tp=tp, pp=pp, ep=ep, dtype=DTYPES[dtype])
+    model.to(device).eval()
+    seqs = sequences(shape.vocab_size)
+    ids = torch.cat(seqs)[None].to(device)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(device)
+    mask = block_causal_mask([len(s) for s in seqs], device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+    with torch.no_grad(), autocast:
+        out = model(ids, pos, attention_mask=mask)[0].float()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32).to(device).eval()
+    with torch.no_grad():
+        ref = torch.cat([hf(s[None].to(device)).logits[0] for s in seqs])
+    return {"max_abs_diff": float((out - ref).abs().max()), "ref_abs_max": float(ref.abs().max()),
+            "rank": float(rank)}

@@ -1,0 +1,173 @@
+"""Build a megatron-core GPTModel (local layer spec) for a `ModelShape`, and load HF weights into it.
+
+Local specs (torch layers) are used everywhere: Transformer Engine does not install on these
+machines. Needs megatron-core (`pip install 'milepost[megatron]'`) and an initialized
+`megatron.core.parallel_state` (see `init_parallel`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from milepost.train.megatron.convert import hf_to_megatron, shard
+from milepost.train.megatron.cpu_shim import install_cpu_shim
+from milepost.train.megatron.shape import ModelShape, shape_of
+
+INSTALL_HINT = "pip install 'milepost[megatron]' (megatron-core 0.16)"
+
+
+def require_megatron(feature: str = "--train-backend megatron") -> None:
+    """Refuse `feature` when megatron-core is not installed, naming the package and the install."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise ImportError(f"{feature} needs the package megatron-core, which is not installed: {INSTALL_HINT}")
+
+
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> None:
+    """Megatron's process groups over the default group (idempotent for the same sizes)."""
+    require_megatron()
+    from megatron.core import parallel_state as ps
+
+    install_cpu_shim()
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size())
+        if have != (tp, pp, ep, cp):
+            raise RuntimeError(f"Megatron parallel state already set to (tp, pp, ep, cp) = {have}, asked {(tp, pp, ep, cp)}")
+        return
+    ps.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=1)
+
+
+def transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
+                       dtype: torch.dtype = torch.float32) -> Any:
+    """megatron's TransformerConfig for `shape`: no dropout, no bias, no fused kernels (CPU-safe)."""
+    require_megatron()
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe: dict[str, Any] = {}
+    if shape.is_moe:
+        moe = dict(
+            num_moe_experts=shape.num_experts,
+            moe_router_topk=shape.moe_top_k,
+            moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+            moe_layer_freq=[int(x) for x in shape.moe_layers],
+            # top-k of the logits then softmax over them = HF's softmax, top-k, renormalize
+            moe_router_pre_softmax=not shape.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="allgather",  # alltoall needs CUDA streams
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+        )
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        qk_layernorm=shape.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # weights come from the checkpoint
+        params_dtype=torch.float32,  # fp32 master weights, like the FSDP backend
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=False,
+        **moe,
+    )
+
+
+def build_model(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
+                dtype: torch.dtype = torch.float32, parallel_output: bool = False) -> Any:
+    """This rank's GPTModel (its pipeline stage, its experts, its TP slices); weights uninitialized."""
+    require_megatron()
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    install_cpu_shim()
+    config = transformer_config(shape, tp=tp, pp=pp, ep=ep, cp=cp, dtype=dtype)
+    if shape.is_moe:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=shape.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
+    )
+
+
+def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory's safetensors files (fp32 or as stored)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (the Megatron backend reads safetensors checkpoints)")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def load_hf_into(model: Any, shape: ModelShape, hf: dict[str, torch.Tensor]) -> None:
+    """Copy HF weights into this rank's model (its shard of them); every parameter must be covered."""
+    from megatron.core import parallel_state as ps
+
+    full = hf_to_megatron(shape, hf)
+    mine = shard(shape, full, tp=ps.get_tensor_model_parallel_world_size(),
+                 pp=ps.get_pipeline_model_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
+                 tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+                 ep_rank=ps.get_expert_model_parallel_rank())
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(mine))
+    extra = sorted(set(mine) - set(params))
+    if missing or extra:
+        raise ValueError(f"Megatron model and converted weights disagree: missing {missing[:5]}, extra {extra[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            if p.shape != mine[name].shape:
+                raise ValueError(f"{name}: model shape {tuple(p.shape)}, converted {tuple(mine[name].shape)}")
+            p.copy_(mine[name])
+
+
+def load_hf_model(path: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
+                  dtype: torch.dtype = torch.float32) -> tuple[Any, ModelShape]:
+    """Build this rank's GPTModel for the HF directory `path` and load its weights."""
+    import json
+
+    shape = shape_of(json.loads((Path(path) / "config.json").read_text()))
+    model = build_model(shape, tp=tp, pp=pp, ep=ep, cp=cp, dtype=dtype)
+    load_hf_into(model, shape, read_hf_weights(path))
+    return model, shape
