@@ -40,6 +40,14 @@ def token_slice(req: Request, start: int, end: int) -> list[int]:
     return req.prompt_ids[start:end] + req.output_ids[: max(0, end - n_prompt)]
 
 
+def chunk_tokens(c: Chunk) -> list[int]:
+    """The input ids of a chunk: the request's own tokens, then its proposed ones (c.draft)."""
+    end, total = c.start + c.length, c.req.total_len
+    if not c.draft:
+        return token_slice(c.req, c.start, end)
+    return token_slice(c.req, c.start, min(end, total)) + list(c.draft[max(0, c.start - total): end - total])
+
+
 def slots_of(blocks: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
     """Cache slot of each position of a sequence whose KV lives in `blocks`."""
     table = np.asarray(blocks, dtype=np.int64)
@@ -51,7 +59,7 @@ def build_flat(chunks: Sequence[Chunk], block_size: int) -> FlatBatch:
     positions, slots = [], []
     q_lens = [c.length for c in chunks]
     for c in chunks:
-        ids.extend(token_slice(c.req, c.start, c.start + c.length))
+        ids.extend(chunk_tokens(c))
         pos = np.arange(c.start, c.start + c.length, dtype=np.int64)
         positions.append(pos)
         slots.append(slots_of(c.req.blocks, pos, block_size))
@@ -81,7 +89,8 @@ def _logit_rows(chunks: Sequence[Chunk], cu: np.ndarray) -> list[int]:
             base = int(cu[i]) - c.start
             rows.extend(base + p for p in prompt)
         if c.samples:
-            rows.append(int(cu[i + 1]) - 1)
+            end = int(cu[i + 1])
+            rows.extend(range(end - c.logit_rows, end))
     return rows
 
 

@@ -31,9 +31,9 @@ def take_prompt_logprobs(chunks: Sequence[Chunk], logits: torch.Tensor) -> torch
         if rows:
             _record(c.req, rows, logits[off : off + len(rows)])
             off += len(rows)
-        if c.samples:
-            keep.append(off)
-            off += 1
+        if c.samples:  # a speculative verify chunk returns a row per proposed token, plus one
+            keep.extend(range(off, off + c.logit_rows))
+            off += c.logit_rows
     if off != logits.shape[0]:
         raise RuntimeError(f"the forward returned {logits.shape[0]} logit rows, expected {off}")
     return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]

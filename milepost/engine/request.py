@@ -73,6 +73,7 @@ class Request:
     output_versions: list[str] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of all_ids whose KV is in `blocks`
+    draft_computed: int = 0  # speculative draft model: positions whose draft KV is in `blocks`
     cached_tokens: int = 0  # prefix-cache hits at first admission (SGLang's meta_info field)
     admitted_once: bool = False
     emitted: int = 0  # output tokens already sent to the owner

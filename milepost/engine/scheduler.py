@@ -14,7 +14,7 @@ they wait to be recomputed later (their generated tokens are kept).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from milepost.engine.block_pool import BlockPool
@@ -34,12 +34,23 @@ class Chunk:
     req: Request
     start: int
     length: int
+    # Speculative decoding (speculative.py): tokens proposed after the request's own, computed in
+    # this chunk too; `verify` asks for the logits of every proposed position (the target's check).
+    draft: Sequence[int] = ()
+    verify: bool = False
+    draft_probs: object | None = None  # [len(draft), V] tensor: the draft model's distributions
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the end of the request's tokens, so the next token is sampled
         (a request asking for 0 new tokens only scores its prompt)."""
-        return self.start + self.length == self.req.total_len and self.req.params.max_new_tokens > 0
+        return (self.start + self.length == self.req.total_len + len(self.draft)
+                and self.req.params.max_new_tokens > 0)
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of logits a sampling chunk returns: one, or one per proposed token plus one."""
+        return len(self.draft) + 1 if self.verify else 1
 
     @property
     def prompt_rows(self) -> range:
@@ -153,9 +164,15 @@ class Scheduler:
     def after_forward(self, chunks: list[Chunk]) -> None:
         """Account the KV written by the step; cache full prompt blocks for requests to share."""
         for c in chunks:
-            c.req.num_computed = c.start + c.length
-            if self.cache is not None and c.length > 1 and c.req.cacheable:
+            # Proposed tokens count once accepted (speculative.py moves num_computed on).
+            c.req.num_computed = c.start + c.length - len(c.draft)
+            if self.cache is not None and c.length > 1 and c.req.cacheable and not c.draft:
                 self.cache.insert(c.req.prompt_ids[: c.req.num_computed], c.req.blocks)
+
+    def reserve(self, req: Request, n_tokens: int) -> bool:
+        """Blocks for n_tokens positions of req, from free or evictable blocks (no preemption):
+        room for the tokens a speculative step proposes."""
+        return self._grow(req, n_tokens, may_preempt=False)
 
     def finish(self, req: Request) -> None:
         """Remove a request (finished or aborted) from the queues and release its KV."""
@@ -260,6 +277,7 @@ class Scheduler:
         self.pool.decref(req.blocks)
         req.blocks = []
         req.num_computed = 0
+        req.draft_computed = 0
 
 
 def _prefill_len(req: Request, budget: int, full_budget: int) -> int:

@@ -144,6 +144,22 @@ class ServerArgs(BaseModel):
         False, description="Re-score every finished sequence with the trainer's computation "
         "(milepost/onpolicy/contract.py) and report those log-probs: bitwise equal to a trainer run "
         "with --true-on-policy (docs/true_on_policy.md). Dense Qwen3 / Llama; no fp8, no LoRA.")
+    speculative_algorithm: Literal["NGRAM", "STANDALONE"] | None = Field(
+        None, description="Speculative decoding, exact for RL (docs/speculative.md): NGRAM proposes "
+        "what followed the sequence's tail earlier in the prompt and output; STANDALONE runs the small "
+        "draft model --speculative-draft-model-path. The target verifies the proposals in one forward "
+        "with the rejection-sampling rule, so tokens and log-probs follow the target exactly.")
+    speculative_draft_model_path: Path | None = Field(
+        None, description="STANDALONE: Hugging Face directory of the draft model (same vocabulary as "
+        "the target, else refused at start).",
+        json_schema_extra={"flags": ["--speculative-draft"]})
+    speculative_num_draft_tokens: int = Field(
+        4, ge=2, description="Tokens the target verifies per request and step, the last sampled "
+        "one included (SGLang's count): num_draft_tokens - 1 are proposed.")
+    speculative_ngram_min_match_window_size: int = Field(
+        2, ge=1, description="NGRAM: shortest tail of the sequence matched against its earlier tokens.")
+    speculative_ngram_max_match_window_size: int = Field(
+        8, ge=1, description="NGRAM: longest tail matched (the longest match wins).")
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
         "default", description="Weight version reported before the first weight update."
@@ -268,6 +284,7 @@ class ServerArgs(BaseModel):
         if self.true_on_policy and (self.quantization or self.enable_lora):
             raise ValueError("--true-on-policy re-scores with the trainer's unquantized, adapter-free "
                              "computation: drop --quantization / --enable-lora")
+        self._check_speculative()
         specs = self.lora_paths.split(",") if self.lora_paths else []
         bad = [p for p in specs if "=" not in p or not p.split("=", 1)[0]]
         if bad:
@@ -279,6 +296,32 @@ class ServerArgs(BaseModel):
                 f"({model_max}) in {self.model_path / 'config.json'}; pass --context-length <= {model_max}"
             )
         return self
+
+    def _check_speculative(self) -> None:
+        """Speculative settings need their algorithm, and a draft its own vocabulary's match."""
+        algo, draft = self.speculative_algorithm, self.speculative_draft_model_path
+        tuned = (self.speculative_num_draft_tokens != 4
+                 or self.speculative_ngram_min_match_window_size != 2
+                 or self.speculative_ngram_max_match_window_size != 8)
+        if algo is None and (draft is not None or tuned):
+            raise ValueError("--speculative-draft-model-path / --speculative-num-draft-tokens / "
+                             "--speculative-ngram-* need --speculative-algorithm NGRAM or STANDALONE")
+        if algo == "STANDALONE" and draft is None:
+            raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path "
+                             "DIR (a small model with the target's vocabulary)")
+        if algo == "NGRAM" and draft is not None:
+            raise ValueError("--speculative-algorithm NGRAM uses no draft model: drop "
+                             "--speculative-draft-model-path or use STANDALONE")
+        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
+            raise ValueError("--speculative-ngram-min-match-window-size exceeds "
+                             "--speculative-ngram-max-match-window-size")
+        if algo is not None and self.overlap_schedule == "on":
+            raise ValueError("--speculative-algorithm needs each step's tokens on the host to propose "
+                             "the next ones: drop --overlap-schedule on (auto turns it off)")
+        if draft is not None:
+            from milepost.engine.speculative_setup import check_draft_dir
+
+            check_draft_dir(self.model_path, draft)
 
     def resolved(self) -> ServerArgs:
         """A copy where device, dtype, tokenizer path, context length and prefill chunk are concrete.
@@ -321,7 +364,7 @@ class ServerArgs(BaseModel):
                 "context_length": context_length,
                 "chunked_prefill_size": chunk,
                 "overlap_schedule": self.overlap_schedule if self.overlap_schedule != "auto"
-                else ("on" if device == "cuda" else "off"),
+                else ("on" if device == "cuda" and self.speculative_algorithm is None else "off"),
             }
         )
 

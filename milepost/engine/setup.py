@@ -13,6 +13,7 @@ from milepost.engine.kv_budget import cuda_kv_budget_bytes, out_of_memory_messag
 from milepost.engine.runner import ModelRunner
 from milepost.engine.server import ServerInfo
 from milepost.engine.server_args import ServerArgs
+from milepost.engine.speculative_setup import draft_kv_bytes_per_token, load_draft, make_speculator
 from milepost.models.attention import PagedKVCache
 from milepost.models.base import CausalLM
 from milepost.models.masked_attention import needs_variant_backend
@@ -83,6 +84,8 @@ def build_engine(
     kv_bytes_per_token = (2 if kv_values else 1) * model.num_layers * model.num_kv_heads * model.head_dim * elem
     if model.moe_top_k > 0 and record_routed_experts:  # the routed-expert record beside the KV
         kv_bytes_per_token += model.num_layers * model.moe_top_k * 4
+    draft = load_draft(args, dtype, device)  # --speculative-algorithm STANDALONE: its KV shares blocks
+    kv_bytes_per_token += draft_kv_bytes_per_token(draft, kv_dtype)
     budget = None
     if device.type == "cuda":  # SGLang's meaning: weights + KV <= fraction of the total (kv_budget.py)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -141,6 +144,7 @@ def build_engine(
             overlap_schedule=args.overlap_schedule == "on", true_on_policy=args.true_on_policy,
         ),
     )
+    engine.speculator = make_speculator(args, model.vocab_size, draft, kv.num_blocks, kv_dtype, device)
     info = ServerInfo(
         model_path=str(args.model_path),
         tokenizer_path=str(args.tokenizer_path or args.model_path) if tokenizer else None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from milepost.engine.grammar import fill_masks
 from milepost.engine.prompt_logprobs import take_prompt_logprobs
 from milepost.engine.request import ReqState, Request
 from milepost.engine.sampling import SampleResult, sample
+
+if TYPE_CHECKING:
+    from milepost.engine.speculative import Speculator
 
 PENDING_TOKEN = -1  # an output slot whose token is still on the device (overlap schedule)
 
@@ -30,6 +34,7 @@ class Stepper:
     version, and its _finish / _emit."""
 
     _launched: LaunchedStep | None = None
+    speculator: Speculator | None = None  # speculative decoding (speculative.py); set by setup
 
     def step(self) -> None:
         """One forward pass: schedule chunks, compute, sample, finish what is done.
@@ -47,6 +52,8 @@ class Stepper:
         chunks = self.scheduler.schedule()
         if not chunks:
             return
+        if self.speculator is not None:  # proposals turn decode chunks into verify chunks
+            self.speculator.attach(chunks, self)
         logits = self.runner.forward(chunks)
         scoring = not all(c.req.logprob_start_len < 0 for c in chunks)  # usually False: one pass
         if scoring:
@@ -57,13 +64,16 @@ class Stepper:
             if req.tokens_to_compute == 0 and req.params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
         sampling = [c.req for c in chunks if c.samples]
-        if sampling:
+        n_sampled = len(sampling)
+        if sampling and self.speculator is not None and any(c.verify for c in chunks):
+            n_sampled = self.speculator.finish(self, [c for c in chunks if c.samples], logits)
+        elif sampling:
             launched = LaunchedStep.of(sampling, self._sample(logits, sampling), self.weight_version)
             if self.cfg.overlap_schedule and all(c.length == 1 for c in chunks):
                 self._launched = launched
             else:
                 self._process(launched)
-        self.stats.record_step(chunks, len(sampling), time.perf_counter() - t0)
+        self.stats.record_step(chunks, n_sampled, time.perf_counter() - t0)
 
     def _overlapped_step(self, t0: float) -> None:
         prev, self._launched = self._launched, None

@@ -1,0 +1,129 @@
+"""A small draft model (SGLang's STANDALONE algorithm) that proposes tokens for the target to verify.
+
+The draft keeps its own KV pools with the target's block layout: it reads and writes the same
+block ids, so the target's allocator, preemption and prefix cache manage both (no second
+allocator). A request's draft KV is valid for its first `draft_computed` positions; a proposal
+first catches up the positions it lacks (the whole sequence after admission: a shared prefix is
+recomputed into the draft's pools, the same values), then decodes k tokens one forward each. The
+draft's tokens are sampled from its own distribution at the request's settings, and that
+distribution is kept for the verifier's rule. Its quality only changes the acceptance rate, never
+what is returned. Draft forwards run eagerly (no CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from milepost.engine.forward_batch import build_flat
+from milepost.engine.request import Request
+from milepost.engine.sampling import _race, _truncate
+from milepost.engine.scheduler import Chunk
+from milepost.models.attention import PagedBatch, PagedKVCache
+from milepost.models.base import CausalLM, ForwardContext
+from milepost.models.masked_attention import VariantPagedAttention, needs_variant_backend
+from milepost.models.triton_attention import AttentionBackendName, make_paged_attention
+
+Proposal = tuple[list[int], "torch.Tensor | None"]  # tokens, [k, V] draft probabilities (None: greedy)
+
+
+class DraftModel:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 device: torch.device, attention_backend: AttentionBackendName = "auto",
+                 catch_up_tokens: int = 2048) -> None:
+        """catch_up_tokens: most positions one catch-up forward computes (bounds its activations)."""
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        kv_values = getattr(model, "kv_values", True)
+        self.kv = PagedKVCache(model.num_layers, num_blocks, block_size, model.num_kv_heads,
+                               model.head_dim, kv_dtype, device, values=kv_values)
+        self.attention = make_paged_attention(self.kv, attention_backend)
+        if needs_variant_backend(model):
+            self.attention = VariantPagedAttention(self.attention, self.kv)
+        self.fast_path = self.attention.__class__.__name__ == "TritonPagedAttention"
+        self.catch_up_tokens = catch_up_tokens
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Proposal]:
+        """k_i tokens for each request (every request's blocks cover total_len + k_i - 1 positions)."""
+        with torch.inference_mode() if self.fast_path else torch.no_grad():
+            return self._propose(reqs, ks)
+
+    def _propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Proposal]:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        # Step 0: catch up every position the draft lacks, up to the last token; its last row
+        # gives the first proposal. Batches bounded by catch_up_tokens.
+        live = list(range(len(reqs)))
+        logits = self._catch_up([reqs[i] for i in live])
+        self._draw(logits, live, reqs, tokens, probs)
+        for j in range(1, max(ks, default=0)):
+            live = [i for i in live if ks[i] > j]
+            if not live:
+                break
+            chunks = [Chunk(reqs[i], reqs[i].total_len + j - 1, 1, draft=tokens[i]) for i in live]
+            self._draw(self._forward(chunks), live, reqs, tokens, probs)
+        for r, k in zip(reqs, ks):
+            # Valid draft KV now: through the last token and the proposals before the last one.
+            r.draft_computed = r.total_len + k - 1
+        return [(t, None if r.params.greedy else torch.stack(p))
+                for t, p, r in zip(tokens, probs, reqs)]
+
+    def after_verify(self, req: Request, start_len: int, k: int, accepted: int) -> None:
+        """A verify that started at total_len start_len accepted `accepted` of k proposals: the
+        draft's KV stays valid through the last token and the accepted proposals it computed."""
+        req.draft_computed = min(req.draft_computed, start_len + min(accepted, k - 1))
+
+    def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
+        rows: list[torch.Tensor] = []
+        batch: list[Chunk] = []
+        size = 0
+        for r in reqs:
+            start = min(r.draft_computed, r.total_len - 1)
+            n = r.total_len - start
+            if batch and size + n > self.catch_up_tokens:
+                rows.append(self._forward(batch))
+                batch, size = [], 0
+            # A long sequence alone still runs in one forward (the target's prefill was chunked;
+            # the draft is small).
+            batch.append(Chunk(r, start, n))
+            size += n
+        if batch:
+            rows.append(self._forward(batch))
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+    def _draw(self, logits: torch.Tensor, live: list[int], reqs: Sequence[Request],
+              tokens: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
+        """One token per live request from the draft's logits [len(live), V], at its settings."""
+        params = [reqs[i].params for i in live]
+        picked = logits.argmax(dim=-1)
+        drawn = [j for j, p in enumerate(params) if not p.greedy]
+        if drawn:
+            temps = torch.tensor([params[j].temperature for j in drawn], device=logits.device)
+            p = torch.softmax(logits[drawn].float() / temps[:, None], dim=-1)
+            _truncate(p, [params[j] for j in drawn])
+            p = p / p.sum(dim=1, keepdim=True)
+            picked[drawn] = _race(p.clone(), [reqs[live[j]].generator for j in drawn])
+            for row, j in enumerate(drawn):
+                probs[live[j]].append(p[row])
+        for i, t in zip(live, picked.tolist()):
+            tokens[i].append(t)
+
+    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """The draft's logits [len(chunks), V] at each chunk's last position."""
+        flat = build_flat(chunks, self.block_size)
+        dev = self.device
+
+        def put(a) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        self.attention.prepare(PagedBatch(
+            query_start_loc=put(flat.query_start_loc), seq_lens=put(flat.seq_lens),
+            block_tables=put(flat.block_tables), slot_mapping=put(flat.slots),
+            query_lens_cpu=flat.query_lens, seq_lens_cpu=flat.seq_lens.tolist(),
+        ))
+        hidden = self.model.forward(put(flat.input_ids), put(flat.positions),
+                                    ForwardContext(attention=self.attention))
+        rows = torch.tensor(flat.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, rows)).float()

@@ -1,0 +1,104 @@
+"""Start-up of speculative decoding: the draft directory's checks, its model, and the Speculator.
+
+A draft model must speak the target's vocabulary: the same `vocab_size` in config.json and, where
+both directories ship a tokenizer.json, the same token-to-id map; anything else is refused at
+start (a proposal in another vocabulary would be verified as the wrong tokens, wasting every
+step). The draft's KV pools take the target's block count, so its bytes per token are added to
+the target's when the pool is sized (setup.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from milepost.engine.draft_model import DraftModel
+from milepost.engine.draft_ngram import NgramDrafter
+from milepost.engine.server_args import ServerArgs
+from milepost.engine.speculative import Speculator
+from milepost.models.base import CausalLM
+
+
+def check_draft_dir(model_path: Path, draft_path: Path) -> None:
+    """Refuse a draft directory that is missing, broken, or of another vocabulary than the target."""
+    flag = "--speculative-draft-model-path"
+    if not Path(draft_path).is_dir() or not (Path(draft_path) / "config.json").is_file():
+        raise ValueError(f"{flag} {draft_path} is not a Hugging Face model directory (no config.json)")
+    ours, theirs = _vocab_size(model_path), _vocab_size(draft_path)
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ValueError(f"{flag} {draft_path} has vocab_size {theirs}, the target {model_path} "
+                         f"{ours}: a draft must use the target's vocabulary")
+    a, b = _tokenizer_vocab(model_path), _tokenizer_vocab(draft_path)
+    if a is not None and b is not None and a != b:
+        differ = sorted(set(a.items()) ^ set(b.items()))[:3]
+        raise ValueError(f"{flag} {draft_path}: its tokenizer maps tokens to other ids than the "
+                         f"target's (e.g. {differ}); a draft must use the target's vocabulary")
+
+
+def load_draft(args: ServerArgs, dtype: torch.dtype, device: torch.device) -> CausalLM | None:
+    """The STANDALONE draft model on the device, or None for other algorithms."""
+    if args.speculative_algorithm != "STANDALONE":
+        return None
+    from milepost.models.registry import load_model
+
+    assert args.speculative_draft_model_path is not None  # validated by ServerArgs
+    draft = load_model(args.speculative_draft_model_path, dtype, device, backend=args.model_impl,
+                       trust_remote_code=args.trust_remote_code)
+    fuse = getattr(draft, "fuse_projections", None)
+    if fuse is not None:  # as the target: one GEMM for q/k/v and one for gate/up
+        fuse()
+    return draft
+
+
+def draft_kv_bytes_per_token(draft: CausalLM | None, kv_dtype: torch.dtype) -> int:
+    """Bytes one token of the draft's KV takes over all its layers (0 without a draft)."""
+    if draft is None:
+        return 0
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    kv_values = getattr(draft, "kv_values", True)
+    return (2 if kv_values else 1) * draft.num_layers * draft.num_kv_heads * draft.head_dim * elem
+
+
+def make_speculator(args: ServerArgs, target_vocab: int, draft: CausalLM | None, num_blocks: int,
+                    kv_dtype: torch.dtype, device: torch.device) -> Speculator | None:
+    """The engine's Speculator for resolved args (None without --speculative-algorithm)."""
+    if args.speculative_algorithm is None:
+        return None
+    if args.speculative_algorithm == "NGRAM":
+        drafter: NgramDrafter | DraftModel = NgramDrafter(
+            args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
+    else:
+        assert draft is not None
+        if draft.vocab_size != target_vocab:
+            raise ValueError(f"--speculative-draft-model-path: the draft's embedding has "
+                             f"{draft.vocab_size} tokens, the target's {target_vocab}")
+        drafter = DraftModel(draft, num_blocks, args.page_size, kv_dtype, device,
+                             args.attention_backend, catch_up_tokens=args.chunked_prefill_size or 512)
+    return Speculator(args.speculative_num_draft_tokens, drafter)
+
+
+def _vocab_size(path: Path) -> int | None:
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{Path(path) / 'config.json'} cannot be read ({e})") from e
+    for section in (config, config.get("text_config") or {}):
+        if isinstance(section.get("vocab_size"), int):
+            return section["vocab_size"]
+    return None
+
+
+def _tokenizer_vocab(path: Path) -> dict[str, int] | None:
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # the tokenizer loader reports a broken file with its own message
+    vocab = dict((data.get("model") or {}).get("vocab") or {})
+    for tok in data.get("added_tokens") or []:
+        vocab[tok.get("content")] = tok.get("id")
+    return vocab
