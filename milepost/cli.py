@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 from milepost.cli_models import add_models_command
+from milepost.convert_cli import add_convert_command
 from milepost.engine.server_args import ServerArgs
 from milepost.flags import add_model_flags, model_from_namespace
 from milepost.onpolicy.diagnose_cli import add_diagnose_command
@@ -230,6 +231,7 @@ def _bench_train(argv: list[str]) -> int:
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_train, _add_sft, _add_report, _add_serve, _add_tiny_model, _add_smollm2, _add_bench,
     add_models_command, add_check_family_command, add_recipes_command, add_diagnose_command,
+    add_convert_command,
 )
 
 

@@ -1,0 +1,70 @@
+"""Parallel sizes that do not divide the model or the world are refused with the numbers; the
+`milepost convert` command round-trips a checkpoint bit-exactly and refuses bad sizes (exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from milepost.cli import main
+from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.train.megatron.parallel import ParallelSizes, validate_sizes
+from milepost.train.megatron.shape import ModelShape
+
+DENSE = ModelShape("qwen3", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                   ffn_hidden_size=128, vocab_size=512, rope_theta=1e6, rms_norm_eps=1e-6,
+                   max_position_embeddings=2048, tied_embeddings=True, qk_layernorm=True)
+MOE = ModelShape("qwen3_moe", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                 ffn_hidden_size=128, vocab_size=512, rope_theta=1e6, rms_norm_eps=1e-6,
+                 max_position_embeddings=2048, tied_embeddings=False, qk_layernorm=True, num_experts=8,
+                 moe_top_k=2, moe_ffn_hidden_size=32, moe_layers=(True, True))
+
+
+@pytest.mark.parametrize("shape,sizes,world,message", [
+    (DENSE, ParallelSizes(tp=2), 3, r"world size 3 is not a multiple of tensor x pipeline x context parallel = 2 x 1 x 1 = 2"),
+    (DENSE, ParallelSizes(tp=4), 4, r"--tensor-model-parallel-size 4 does not divide the 2 key/value heads"),
+    (DENSE, ParallelSizes(tp=8), 8, r"--tensor-model-parallel-size 8 does not divide the 4 attention heads"),
+    (DENSE, ParallelSizes(pp=3), 3, r"--pipeline-model-parallel-size 3 does not divide the 2 layers"),
+    (DENSE, ParallelSizes(ep=2), 2, r"--expert-model-parallel-size 2: the model has no experts"),
+    (MOE, ParallelSizes(ep=3), 3, r"--expert-model-parallel-size 3 does not divide the 8 experts"),
+    (MOE, ParallelSizes(ep=4), 2, r"world size 2 is not a multiple of expert x pipeline parallel = 4 x 1"),
+    (DENSE, ParallelSizes(pp=2), 2, r"--pipeline-model-parallel-size 2 needs CUDA"),
+    (DENSE, ParallelSizes(tp=0), 1, r"--tensor-model-parallel-size must be >= 1, got 0"),
+])
+def test_bad_sizes_are_refused_with_numbers(shape, sizes, world, message):
+    with pytest.raises(ValueError, match=message):
+        validate_sizes(shape, sizes, world, device="cpu")
+
+
+def test_context_parallel_names_the_missing_package():
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("transformer-engine is installed here")
+    with pytest.raises(ValueError, match=r"--context-parallel-size 2 needs the package transformer-engine"):
+        validate_sizes(DENSE, ParallelSizes(cp=2), 2)
+
+
+def test_good_sizes_pass():
+    validate_sizes(DENSE, ParallelSizes(tp=2), 4)
+    validate_sizes(MOE, ParallelSizes(tp=2, ep=4), 4)
+    validate_sizes(DENSE, ParallelSizes(tp=2, pp=2), 4, device="cuda")
+    assert ParallelSizes(tp=2).data_parallel(8) == 4
+
+
+def test_convert_command_round_trip(tmp_path, capsys):
+    src = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", with_tokenizer=False)
+    assert main(["convert", "hf-to-megatron", str(src), str(tmp_path / "meg"), "--tensor-model-parallel-size", "2",
+                 "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]) == 0
+    rank = tmp_path / "meg" / "release" / "mp_rank_01_001_001" / "model_optim_rng.pt"
+    piece = torch.load(rank, weights_only=True)["model"]
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight" in piece  # 8 experts / EP 2
+    assert "embedding.word_embeddings.weight" not in piece  # the last stage has no embedding
+    assert main(["convert", "megatron-to-hf", str(tmp_path / "meg"), str(tmp_path / "back")]) == 0
+    a, b = load_file(src / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["convert", "hf-to-megatron", str(src), str(tmp_path / "bad"), "--tensor-model-parallel-size", "3"]) == 2
+    assert "--tensor-model-parallel-size 3 does not divide the 4 attention heads" in capsys.readouterr().out
+    assert main(["convert", "megatron-to-hf", str(src), str(tmp_path / "x")]) == 2
