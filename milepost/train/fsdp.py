@@ -17,21 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable import checkpoint as checkpoint_layer
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from milepost.lora.adapters import adapter_parameters, attach_lora, freeze_base
+from milepost.lora.adapters import adapter_parameters
+from milepost.lora.multi_train import AdapterSteps
 from milepost.lora.peft_format import write_peft_adapter
 from milepost.lora.settings import ADAPTER_SEP, POLICY_ADAPTER
-from milepost.models.layers import set_fused_training
-from milepost.models.registry import load_model
-from milepost.onpolicy.contract import LOGPROB_CHUNK
 from milepost.train import checkpoint as ckpt
 from milepost.train import micro
-from milepost.train.batch import TrainBatch, split_for_rank
-from milepost.train.compile import compile_decoder_layers
+from milepost.train.batch import TrainBatch, adapters_of, split_for_rank
 from milepost.train.corrections import (
     CORRECTION_SUMS,
     CorrectionSettings,
@@ -40,6 +34,12 @@ from milepost.train.corrections import (
 from milepost.train.critic import Critic
 from milepost.train.export import write_hf_directory
 from milepost.train.finite import check_after_steps
+from milepost.train.fsdp_setup import (
+    agreed_steps,
+    fsdp_modules,
+    seed_everything,
+    shard_model,
+)
 from milepost.train.logprobs import TokenScorer, plan_micro_batches
 from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss, value_loss
 from milepost.train.offload import MoveStats as OffloadStats
@@ -51,51 +51,6 @@ from milepost.train.settings import TrainerSettings
 from milepost.types import Sample
 
 __all__ = ["FSDPBackend", "TrainerSettings", "split_for_rank"]
-
-
-def _seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _fsdp_modules(module: nn.Module) -> list[FSDPModule]:
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
-
-def _shard(model_path: Path, s: TrainerSettings, device: torch.device, trainable: bool) -> TokenScorer:
-    lm = load_model(model_path, torch.float32, "cpu")  # fp32 master weights; fully_shard moves each shard
-    if trainable and s.lora is not None:
-        attach_lora(lm, s.lora)  # the reference / teacher stay the plain base
-    fused = s.fused_kernels and device.type == "cuda" and not s.true_on_policy
-    chunk = LOGPROB_CHUNK if s.true_on_policy else s.logprob_chunk_size  # the engine re-scores with it
-    scorer = TokenScorer(lm, s.temperature, chunk, fused=fused)
-    mp = MixedPrecisionPolicy(param_dtype=s.torch_dtype, reduce_dtype=torch.float32)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    if s.compile_layers and trainable:
-        if lm.moe_top_k:
-            raise ValueError(f"compile_layers: {model_path} is a mixture-of-experts model; "
-                             "compiled layers are for dense models so far (turn compile_layers off)")
-        set_fused_training(lm, False)  # compiled layers fuse their elementwise ops themselves
-        compile_decoder_layers(lm.model.layers)
-    for layer in lm.model.layers:
-        if s.activation_checkpointing == "layer" and trainable:
-            # composable checkpoint keeps parameter names (HF names) unlike a wrapper module
-            checkpoint_layer(layer)
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(scorer, mesh=mesh, mp_policy=mp)
-    for m in _fsdp_modules(scorer):
-        # Sum, not average, across ranks: each rank's loss is already divided by the global token count.
-        m.set_gradient_divide_factor(1.0)
-        m.set_force_sum_reduction_for_comms(True)
-    scorer.requires_grad_(trainable)
-    if trainable and s.lora is not None:
-        freeze_base(scorer)
-    return scorer
 
 
 class FSDPBackend:
@@ -123,7 +78,11 @@ class FSDPBackend:
                   else Path(settings.optimizer_state_dir) / f"rank_{self.rank}")
         # With LoRA only the adapter trains: the frozen base has no gradients and no Adam state.
         trainable = [p for p in policy.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(trainable, settings, stream)
+        # Multi-LoRA: one AdamW group per adapter (its own lr); only adapters with samples step.
+        self.adapter_steps = (AdapterSteps(policy.lm, settings.lora_adapters, settings.lr)
+                              if settings.lora_adapters else None)
+        groups = self.adapter_steps.param_groups() if self.adapter_steps is not None else trainable
+        self.optimizer, self.scheduler = build_optimizer(groups, settings, stream)
         self.critic = critic
         self.loss_fn = get_loss(settings.loss_type, settings.custom_loss_function_path)
         self.loss_settings = LossSettings(
@@ -159,18 +118,18 @@ class FSDPBackend:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        _seed_everything(settings.seed)
+        seed_everything(settings.seed)
         path = Path(model_path)
         get_loss(settings.loss_type, settings.custom_loss_function_path)  # a bad plug-in fails before loading
-        policy = _shard(path, settings, device, trainable=True)
+        policy = shard_model(path, settings, device, trainable=True)
         if settings.use_rollout_routing_replay and not is_moe(policy):
             raise ValueError(
                 f"--use-rollout-routing-replay: {path} is a dense model (no expert routing to replay); "
                 "turn it off or train a mixture-of-experts model"
             )
-        reference = _shard(path, settings, device, trainable=False) if settings.needs_reference else None
+        reference = shard_model(path, settings, device, trainable=False) if settings.needs_reference else None
         critic = Critic(path, settings, device) if settings.critic_lr is not None else None
-        teacher = (_shard(Path(settings.opd_teacher_checkpoint), settings, device, trainable=False)
+        teacher = (shard_model(Path(settings.opd_teacher_checkpoint), settings, device, trainable=False)
                    if settings.opd_teacher_checkpoint else None)
         return cls(path, settings, device, policy, reference, critic, teacher)
 
@@ -202,11 +161,13 @@ class FSDPBackend:
         out: list[torch.Tensor | None] = [None] * len(batch)
         for mb in plan:
             packed = micro.packed(batch, mb, self.device)
+            if module is self.policy:
+                self._route_adapters(batch, mb, packed)
             forced, _ = self._forced(batch, mb)
             result = module.values(packed, forced) if values else module.score(packed, forced)[0]
             for i, x in zip(mb, result.split([batch.response_lengths[i] for i in mb])):
                 out[i] = x.float().cpu()
-        for m in _fsdp_modules(module):
+        for m in fsdp_modules(module):
             m.reshard()  # no-grad forwards leave the root unsharded; keep the registered params sharded
         return out  # type: ignore[return-value]
 
@@ -247,47 +208,20 @@ class FSDPBackend:
         resp = [s.response_length for s in samples]
         zeros = [torch.zeros(r) for r in resp]
         return TrainBatch([torch.as_tensor(s.tokens, dtype=torch.int64) for s in samples], resp, zeros, zeros,
-                          routed_experts=self.routed_experts_of(samples))
+                          routed_experts=self.routed_experts_of(samples), adapters=adapters_of(samples))
+
+    def _route_adapters(self, batch: TrainBatch, mb: list[int], packed: object) -> None:
+        """Multi-LoRA: tell the policy's adapters which tokens of this micro-batch are whose."""
+        if self.adapter_steps is not None:
+            self.adapter_steps.route(batch.adapters, mb, [batch.tokens[i].numel() for i in mb],
+                                     packed.input_ids.numel(), self.device)
 
     # --- training --------------------------------------------------------------------------------
 
     def _steps(self, batch: TrainBatch) -> list[list[int]]:
-        """Optimizer steps as local index lists, after checking that all ranks agree on the batch shape.
-
-        The optional fields decide which collectives run (old/ref log-prob passes, the critic), so a
-        rank that has them while a peer has not would hang both: refuse it instead, naming the field.
-        """
-        per_rank = self.settings.global_batch_size // self.world_size
-        optional = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "returns", "routed_experts")
-        mine = [len(batch)] + [getattr(batch, f) is not None for f in optional]
-        local = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local)
-        rows = [g.tolist() for g in gathered]
-        sizes = [r[0] for r in rows]
-        if len(set(sizes)) > 1 or sizes[0] == 0 or sizes[0] % per_rank:
-            raise ValueError(
-                f"train_step needs the same non-zero multiple of global_batch_size / world_size = {per_rank} "
-                f"samples on every rank, got {sizes} per rank; split the rollout with split_for_rank"
-            )
         limit = getattr(self.policy.lm.hf_config, "max_position_embeddings", None)
-        longest = max(t.numel() for t in batch.tokens)
-        if limit and longest > limit:
-            raise ValueError(
-                f"a sample has {longest} tokens, more than the model's max_position_embeddings ({limit}); "
-                "shorten the prompts or lower rollout_max_response_len so prompt + response fit"
-            )
-        for j, field in enumerate(optional, start=1):
-            if len({r[j] for r in rows}) > 1:
-                raise ValueError(
-                    f"TrainBatch.{field} is set on ranks {[i for i, r in enumerate(rows) if r[j]]} only; "
-                    "every rank must give it or none (e.g. rollout log-probs missing from some samples)"
-                )
-        if self.settings.use_rollout_routing_replay and batch.routed_experts is None:
-            raise ValueError("--use-rollout-routing-replay: TrainBatch.routed_experts is missing")
-        if batch.returns is not None and (self.critic is None or batch.values is None):
-            raise ValueError("TrainBatch.returns trains the critic: it needs critic_lr and TrainBatch.values")
-        return [list(range(i, i + per_rank)) for i in range(0, len(batch), per_rank)]
+        return agreed_steps(batch, self.settings, self.world_size, self.device, limit,
+                            has_critic=self.critic is not None)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         self._require_onloaded("train_step", "critic" if batch.returns is not None else "actor")
@@ -336,6 +270,8 @@ class FSDPBackend:
                 for local in plan:
                     mb = [step[j] for j in local]
                     acc[:-2] += self._micro_step(batch, mb, old, ref, weights, denom, probe, fused_acc)
+                if self.adapter_steps is not None:  # adapters without samples in this step keep still
+                    self.adapter_steps.before_step(batch.adapters, step, self._all_reduce)
                 grad_norms.append(self._clip_gradients(self.policy.parameters(), self.settings.clip_grad))
                 lr = self.optimizer.param_groups[0]["lr"]
                 nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
@@ -391,6 +327,7 @@ class FSDPBackend:
         if probe is not None:
             probe.set_valid(valid)
         packed = micro.packed(batch, mb, self.device)
+        self._route_adapters(batch, mb, packed)
         try:
             logp, entropy = self.policy.score(packed, forced)
             old_flat = weights_flat = None
@@ -456,16 +393,22 @@ class FSDPBackend:
         self._require_onloaded("named_hf_weights")
         lm = self.policy.lm
         dtype = self.settings.torch_dtype
-        # LoRA: only the adapter moves (names as `...q_proj.lora_A.weight`); the base never changes.
-        params = adapter_parameters(lm) if self.settings.lora is not None else lm.named_parameters()
+        # LoRA: only the adapter moves, named for the engines ("policy/...q_proj.lora_A.weight");
+        # multi-LoRA: only the adapters stepped since the last update ("<adapter>/...").
+        if self.adapter_steps is not None:
+            params = self.adapter_steps.engine_params(self.adapter_steps.take_pending())
+        elif self.settings.lora is not None:
+            params = ((f"{POLICY_ADAPTER}{ADAPTER_SEP}{n}", p) for n, p in adapter_parameters(lm))
+        else:
+            params = lm.named_parameters()
         with torch.no_grad():
             for name, param in params:
                 full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
                 local = param.to_local() if isinstance(param, DTensor) else param
                 if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
                     full = full.clone()  # never hand out the live parameter: training would change it
-                if self.settings.lora is not None:  # the engines' adapter: "policy/<name>"
-                    yield f"{POLICY_ADAPTER}{ADAPTER_SEP}{name}", full.to(dtype)
+                if self.settings.lora is not None:
+                    yield name, full.to(dtype)
                     continue
                 yield from lm.hf_tensors(name, full.to(dtype))
 
@@ -486,6 +429,11 @@ class FSDPBackend:
 
     def export_hf(self, path: str | Path) -> None:
         """A Hugging Face directory; with LoRA, a PEFT adapter directory for the base instead."""
+        if self.adapter_steps is not None:  # multi-LoRA: PATH/<adapter>, one PEFT directory each
+            self._require_onloaded("export_hf")
+            self.adapter_steps.export(path, self.settings.lora, self.model_path, self.rank == 0)
+            dist.barrier()
+            return
         if self.settings.lora is not None:
             self._require_onloaded("export_hf")
             with torch.no_grad():  # fp32 masters, gathered on every rank (a collective), written by rank 0
