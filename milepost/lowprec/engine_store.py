@@ -22,14 +22,36 @@ from milepost.lowprec.quantize import QTensor, dequantize, element_scale
 
 
 class QuantizedLinear(nn.Linear):
-    """nn.Linear whose `weight` holds the dequantized values of its parts (in the model dtype)."""
+    """nn.Linear in a low-precision format. Emulated: `weight` holds the dequantized values of
+    its parts in the model dtype. Native (fp8_block on Hopper): `weight` is the float8 values
+    and `weight_scale` the 128x128 tile scales; the GEMM runs in FP8 (kernels/fp8_gemm.py)."""
 
     qparts: list[tuple[int, int, QTensor]]  # (first row, rows, quantized tensor) per HF tensor
     qformat: str
     qjoint: bool  # nvfp4 gate_up_proj: its parts share one outer scale
+    native: bool
+    weight_scale: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            from milepost.kernels.fp8_gemm import fp8_block_linear
+
+            y = fp8_block_linear(x, self.weight, self.weight_scale)
+            return y + self.bias if self.bias is not None else y
         return F.linear(quantize_activation(x, self.qformat), self.weight, self.bias)
+
+    def put(self, j: int, q: QTensor) -> None:
+        """Write part j's quantized values (native: into the fp8 weight and tile scales, the
+        part then viewing them; emulated: its dequantized values into the weight)."""
+        row, rows, _ = self.qparts[j]
+        if self.native:
+            self.weight[row:row + rows].copy_(q.values)
+            tiles = slice(row // 128, row // 128 + q.scales.shape[0])
+            self.weight_scale[tiles].copy_(q.scales)
+            q = QTensor(q.fmt, self.weight[row:row + rows], self.weight_scale[tiles], q.tile, q.shape)
+        else:
+            self.weight[row:row + rows].copy_(dequantize(q))
+        self.qparts[j] = (row, rows, q)
 
 
 class QuantizedWeights:
@@ -81,9 +103,7 @@ class QuantizedWeights:
             srcs, indices = [src.to(view.device)], [i]
         names = [self._names.get((id(module), module.qparts[j][0]), "weight") for j in indices]
         for j, q in zip(indices, quantize_weight_parts(srcs, module.qformat, self.contract, names)):
-            row, rows, _ = module.qparts[j]
-            module.qparts[j] = (row, rows, q)
-            module.weight[row:row + rows].copy_(dequantize(q))
+            module.put(j, q)
 
     def dequantized(self, view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 values, float32 per-element dequantization scales) of the tensor `view`."""
@@ -138,11 +158,31 @@ def store_quantized(model: nn.Module, contract: Contract) -> QuantizedWeights:
         module.qjoint = joint
         qs = (quantize_weight_parts(srcs, fmt, contract, [n for _, _, n in parts]) if joint else
               [quantize_weight_parts([s], fmt, contract, [n])[0] for s, (_, _, n) in zip(srcs, parts)])
-        module.qparts = [(row, rows, q) for (row, rows, _), q in zip(parts, qs)]
-        for row, rows, q in module.qparts:
-            module.weight[row:row + rows].copy_(dequantize(q))
+        module.qparts = [(row, rows, None) for row, rows, _ in parts]  # type: ignore[misc]
+        module.native = _native(module, fmt, parts)
+        if module.native:  # the weight becomes its fp8 values; bytes read per step halve
+            n, k = module.weight.shape
+            module.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn,
+                                                     device=module.weight.device), requires_grad=False)
+            module.register_buffer("weight_scale", torch.empty(
+                -(-n // 128), -(-k // 128), dtype=torch.float32, device=module.weight.device))
+        for j, q in enumerate(qs):
+            module.put(j, q)
         store_modules[module.weight.untyped_storage().data_ptr()] = module
         names.update({(id(module), row): n for row, _, n in parts})
     store = QuantizedWeights(store_modules, names, contract, dtype)
     model.fp8_weights = store
     return store
+
+
+def _native(module: nn.Linear, fmt: str, parts: list[tuple[int, int, str]]) -> bool:
+    """FP8 GEMMs where the device has them and every part's tiles are whole (no tile spans two
+    HF tensors, K divides into 128-wide blocks); elsewhere emulated, with the same values."""
+    w = module.weight
+    if fmt != "fp8_block" or w.device.type != "cuda" or w.shape[1] % 128:
+        return False
+    if any(row % 128 or rows % 128 for row, rows, _ in parts):
+        return False
+    from milepost.kernels.fp8_gemm import block_backend
+
+    return torch.cuda.get_device_capability(w.device) >= (9, 0) and block_backend(w.device) != "emulated"

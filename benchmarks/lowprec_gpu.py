@@ -1,0 +1,164 @@
+"""Low precision on the GPU, one run: FP8 blockwise GEMMs vs bf16, engine decode tok/s with
+`--quantization fp8_block` vs bf16 (same process, same workload, Qwen3 shapes with random
+weights), and a train step of the quantized linears vs bf16.
+
+    python benchmarks/lowprec_gpu.py --shapes qwen3-0.6b,qwen3-4b --json-out out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from milepost.bench import models as bench_models
+from milepost.bench import workloads
+from milepost.bench.engine_side import EngineBench
+from milepost.engine.server_args import ServerArgs
+from milepost.engine.setup import build_engine
+
+bench_models.SHAPES.setdefault("qwen3-4b", ("Qwen3Config", "Qwen3ForCausalLM", dict(
+    bench_models._QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    tie_word_embeddings=True)))
+
+
+def cuda_ms(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def gemms(shape: str) -> list[dict]:
+    from milepost.kernels.fp8_gemm import block_backend, fp8_block_linear
+    from milepost.lowprec.quantize import quantize
+
+    cfg = bench_models.SHAPES[shape][2]
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
+    rows = []
+    dev = torch.device("cuda")
+    print(f"fp8 blockwise backend: {block_backend(dev)}", flush=True)
+    for n, k, what in ((qkv, h, "qkv"), (2 * i, h, "gate_up"), (h, i, "down")):
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        q = quantize(w, "fp8_block")
+        for m in (1, 16, 64, 256, 4096):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            row = {"shape": shape, "gemm": what, "M": m, "N": n, "K": k,
+                   "bf16_ms": cuda_ms(lambda: F.linear(x, w))}
+            for backend in ("scaled_mm", "triton"):
+                try:
+                    row[f"fp8_{backend}_ms"] = cuda_ms(
+                        lambda: fp8_block_linear(x, q.values, q.scales, backend))
+                except Exception as e:  # noqa: BLE001 - report, go on
+                    row[f"fp8_{backend}_ms"] = f"failed: {str(e).splitlines()[0][:120]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def engine_decode(shape: str, requests: int, prompt: int, output: int) -> dict:
+    native, config_dir = bench_models.native_model(None, shape, torch.bfloat16,
+                                                   torch.device("cuda"), 0)
+    vocab = native.vocab_size
+    out = {"shape": shape, "requests": requests, "prompt": prompt, "output": output}
+    for mode in ("bf16", "fp8_block"):  # bf16 first: fp8 converts the model in place
+        sargs = ServerArgs(model_path=config_dir, device="cuda", dtype="bfloat16",
+                           max_running_requests=requests, random_seed=0,
+                           quantization=None if mode == "bf16" else mode,
+                           mem_fraction_static=0.85).resolved()
+        engine, _, _ = build_engine(sargs, model=native)
+        engine.start()
+        try:
+            bench = EngineBench(engine, 1.0)
+            bench.run(workloads.fixed(requests, prompt, output, vocab, 99))  # warm-up
+            r = bench.run(workloads.fixed(requests, prompt, output, vocab, 0))
+            weights = sum(p.numel() * p.element_size() for p in native.parameters())
+            out[mode] = {"tok_s": r.output_tokens / r.seconds,
+                         "decode_tok_s": (r.output_tokens - requests) / r.decode_seconds,
+                         "weight_bytes": weights,
+                         "kv_pool_tokens": engine.cfg.num_blocks * engine.cfg.block_size}
+        finally:
+            engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(json.dumps(out), flush=True)
+    out["fp8_over_bf16_decode"] = out["fp8_block"]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
+    del native
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def train_linears(shape: str, tokens: int, steps: int) -> dict:
+    """Forward + backward of one decoder layer's MLP and attention projections, bf16 vs each
+    format (emulated GEMMs except fp8_block's forward where native), tokens per second."""
+    from milepost.lowprec.contract import Contract
+    from milepost.lowprec.linear import apply_train_precision
+
+    cfg = bench_models.SHAPES[shape][2]
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    out = {"shape": shape, "tokens": tokens}
+    for fmt in ("bf16", "fp8_block", "mxfp8", "nvfp4"):
+        torch.manual_seed(0)
+        layer = torch.nn.Module()
+        layer.mlp = torch.nn.Module()
+        layer.mlp.up_proj = torch.nn.Linear(h, i, bias=False)
+        layer.mlp.down_proj = torch.nn.Linear(i, h, bias=False)
+        m = torch.nn.Module()
+        m.model = torch.nn.Module()
+        m.model.layers = torch.nn.ModuleList([layer])
+        m = m.cuda().to(torch.bfloat16)
+        if fmt != "bf16":
+            apply_train_precision(m, Contract(fmt, fmt))
+        x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+        def step() -> None:
+            y = layer.mlp.down_proj(F.silu(layer.mlp.up_proj(x)))
+            y.float().square().mean().backward()
+
+        ms = cuda_ms(step, steps)
+        out[fmt] = {"ms": ms, "tok_s": tokens / ms * 1e3}
+        print(json.dumps({fmt: out[fmt]}), flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--output", type=int, default=256)
+    p.add_argument("--parts", default="gemm,engine,train")
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args()
+    shapes = a.shapes.split(",")
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "date": time.strftime("%Y-%m-%d")}
+    parts = a.parts.split(",")
+    if "gemm" in parts:
+        result["gemm"] = [r for s in shapes for r in gemms(s)]
+    if "engine" in parts:
+        result["engine"] = [engine_decode(s, a.requests, a.prompt, a.output) for s in shapes]
+    if "train" in parts:
+        result["train"] = [train_linears(s, 4096, 10) for s in shapes]
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Low precision on CUDA: the quantizer gives the CPU's bits on the GPU (the contract across
+devices), the Triton activation quantizer gives the reference's bits, the FP8 blockwise GEMM
+matches the emulated product, and an engine model stores fp8 weights and runs FP8 GEMMs with
+the same quantized values as the CPU path.
+Run on the accelerator machine: `python -m pytest -q -m gpu tests/gpu/test_lowprec_cuda.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from milepost.lowprec.contract import Contract
+from milepost.lowprec.quantize import FORMATS, dequantize, quantize
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _sample(rows: int, cols: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=gen) * torch.logspace(-5, 3, rows).reshape(-1, 1)
+    x[2, 7], x[3, 300] = math.nan, -math.inf
+    return x
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("role", ["weight", "activation"])
+def test_cuda_quantizer_gives_the_cpu_bits(fmt: str, role: str) -> None:
+    x = _sample(256, 512)
+    cpu = quantize(x, fmt, role, four_over_six=fmt == "nvfp4")
+    gpu = quantize(x.cuda(), fmt, role, four_over_six=fmt == "nvfp4")
+    assert torch.equal(cpu.values.view(torch.uint8), gpu.values.cpu().view(torch.uint8))
+    a, b = dequantize(cpu), dequantize(gpu).cpu()
+    assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_triton_activation_quantizer_matches_the_reference_bits() -> None:
+    from milepost.kernels.fp8_gemm import quantize_act_1x128
+
+    x = _sample(64, 1024).to(torch.bfloat16)
+    q, s = quantize_act_1x128(x.cuda())
+    ref = quantize(x, "fp8_block", "activation")
+    assert torch.equal(q.cpu().view(torch.uint8), ref.values.view(torch.uint8))
+    assert torch.equal(s.cpu().nan_to_num(-1.0), ref.scales.nan_to_num(-1.0))
+
+
+def test_fp8_block_gemm_matches_the_emulated_product() -> None:
+    from milepost.kernels.fp8_gemm import block_backend, emulated_block_mm, fp8_block_linear
+    from milepost.kernels.fp8_gemm import quantize_act_1x128
+
+    dev = torch.device("cuda")
+    backend = block_backend(dev)
+    assert backend in ("scaled_mm", "triton"), "no native FP8 blockwise GEMM on this device"
+    for m in (1, 16, 300):
+        x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
+        w = quantize(torch.randn(768, 1024, device=dev) * 0.02, "fp8_block")
+        y = fp8_block_linear(x, w.values, w.scales)
+        xq, sx = quantize_act_1x128(x)
+        ref = emulated_block_mm(xq, sx, w.values, w.scales, torch.float32)
+        assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_engine_model_stores_fp8_and_keeps_the_contract(tmp_path) -> None:
+    from milepost.engine.weight_update import WeightLoader
+    from milepost.lowprec.engine_store import store_quantized
+    from milepost.models.registry import load_model
+    from milepost.testing.checkpoints import make_tiny_checkpoint
+    from safetensors.torch import load_file
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3, with_tokenizer=False,
+                                hidden_size=256, intermediate_size=512, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=128)
+    contract = Contract("fp8_block", "fp8_block")
+    models = {}
+    for device in ("cpu", "cuda"):
+        model = load_model(ckpt, torch.bfloat16, device)
+        model.fuse_projections()
+        models[device] = (model, store_quantized(model, contract))
+    gpu, store = models["cuda"]
+    qkv = gpu.model.layers[0].self_attn.qkv_proj
+    assert qkv.native and qkv.weight.dtype == torch.float8_e4m3fn
+    sent = {n: t.float() * 1.3 for n, t in load_file(ckpt / "model.safetensors").items()}
+    for model, _ in models.values():
+        WeightLoader(model).from_named([(n, t.to(torch.bfloat16)) for n, t in sent.items()])
+    name = "model.layers.1.mlp.up_proj.weight"
+    cpu_vals = models["cpu"][1].dequantized(models["cpu"][0].weight_view(name))[0]
+    assert torch.equal(store.dequantized(gpu.weight_view(name))[0].cpu(), cpu_vals)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    y_gpu = qkv(x.cuda()).float().cpu()
+    y_cpu = models["cpu"][0].model.layers[0].self_attn.qkv_proj(x).float()
+    assert torch.allclose(y_gpu, y_cpu, rtol=3e-2, atol=3e-2 * y_cpu.abs().max().item())
