@@ -47,8 +47,10 @@ class ServerArgs(BaseModel):
         "may take (SGLang's meaning); the KV pool gets what is free after loading the weights "
         "minus (1 - fraction) * total.",
     )
-    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="dtype of the KV pool; auto = the model's --dtype (bfloat16 on CUDA)."
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3"] = Field(
+        "auto", description="dtype of the KV pool; auto = the model's --dtype (bfloat16 on CUDA). "
+        "fp8_e4m3: float8_e4m3fn entries (scale 1, saturating at +-448, as SGLang without "
+        "checkpoint scales): twice the tokens of bf16 in the same memory (docs/low_precision.md)."
     )
     quantization: Literal["fp8", "fp8_block", "mxfp8", "nvfp4"] | None = Field(
         None, description="fp8 = store the projection weights (q/k/v/o, gate/up/down) as "

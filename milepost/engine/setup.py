@@ -78,7 +78,7 @@ def build_engine(
 
         store_fp8(model)
     cfg = model.hf_config
-    kv_dtype = getattr(torch, args.kv_cache_dtype)
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else getattr(torch, args.kv_cache_dtype)
     elem = torch.empty((), dtype=kv_dtype).element_size()
     kv_values = getattr(model, "kv_values", True)  # False: MLA's latent lives in K pools alone
     kv_bytes_per_token = (2 if kv_values else 1) * model.num_layers * model.num_kv_heads * model.head_dim * elem

@@ -17,7 +17,7 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_ct, ROW: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, SATURATE: tl.constexpr):
     """Copy token t's K and V rows ([Hkv * D] each) into cache slot slots[t]; slot < 0 = padding."""
     t = tl.program_id(0)
     slot = tl.load(slots + t).to(tl.int64)
@@ -27,6 +27,9 @@ def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_ct, ROW: 
             m = offs < ROW
             k = tl.load(K + t * stride_kt + offs, mask=m)
             v = tl.load(V + t * stride_vt + offs, mask=m)
+            if SATURATE:  # an fp8 pool: clamp to +-448 (models/attention.py to_cache)
+                k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
+                v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
             tl.store(KC + slot * stride_ct + offs, k.to(KC.dtype.element_ty), mask=m)
             tl.store(VC + slot * stride_ct + offs, v.to(VC.dtype.element_ty), mask=m)
 
@@ -40,7 +43,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     k2, v2 = k.reshape(t, -1), v.reshape(t, -1)  # views when [T, Hkv, D] is contiguous per token
     row = k2.shape[1]
     _store_kv_kernel[(t,)](k2, v2, k_cache, v_cache, slots, k2.stride(0), v2.stride(0),
-                           k_cache.stride(0), ROW=row, BLOCK=min(1024, triton.next_power_of_2(row)))
+                           k_cache.stride(0), ROW=row, BLOCK=min(1024, triton.next_power_of_2(row)),
+                           SATURATE=k_cache.dtype == torch.float8_e4m3fn)
 
 
 @triton.jit
@@ -75,7 +79,7 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
         blk = tl.load(table + pos // PAGE, mask=pmask, other=0).to(tl.int64)
         slot = blk * PAGE + pos % PAGE
         kv_off = slot[:, None] * stride_ct + kvh * stride_ch + d[None, :]
-        k = tl.load(KC + kv_off, mask=pmask[:, None], other=0.0)
+        k = tl.load(KC + kv_off, mask=pmask[:, None], other=0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -85,7 +89,7 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + kv_off, mask=pmask[:, None], other=0.0)
+        v = tl.load(VC + kv_off, mask=pmask[:, None], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -172,9 +176,9 @@ def _attend_tile(q, KC, VC, table, n0, kvh, d, qpos, kv_end, m_i, l_i, acc, scal
         blk = tl.load(table + pos // PAGE).to(tl.int64)
     kv_off = (blk * PAGE + pos % PAGE)[:, None] * stride_ct + kvh * stride_ch + d[None, :]
     if MASKED:
-        k = tl.load(KC + kv_off, mask=pmask[:, None], other=0.0)
+        k = tl.load(KC + kv_off, mask=pmask[:, None], other=0.0).to(q.dtype)
     else:
-        k = tl.load(KC + kv_off)
+        k = tl.load(KC + kv_off).to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     else:
@@ -186,9 +190,9 @@ def _attend_tile(q, KC, VC, table, n0, kvh, d, qpos, kv_end, m_i, l_i, acc, scal
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
-        v = tl.load(VC + kv_off, mask=pmask[:, None], other=0.0)
+        v = tl.load(VC + kv_off, mask=pmask[:, None], other=0.0).to(q.dtype)
     else:
-        v = tl.load(VC + kv_off)
+        v = tl.load(VC + kv_off).to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:

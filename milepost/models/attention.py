@@ -112,6 +112,14 @@ class _PrefillSeq:
     mask: torch.Tensor | None  # [query_len, seq_len] bool, None when query_len == seq_len (plain causal)
 
 
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """New K/V entries in the pool's dtype; an fp8 pool saturates at +-448 (the cast alone does
+    not promise to)."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-448.0, 448.0)
+    return x.detach().to(dtype)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw) -> torch.Tensor:
     """q: [N, H, Lq, D], k/v: [N, Hkv, Lk, D]; GQA handled by SDPA itself (no repeated K/V copies)."""
     gqa = q.shape[1] != k.shape[1]
@@ -180,8 +188,8 @@ class TorchPagedAttention:
             raise RuntimeError("TorchPagedAttention.attend called before prepare(batch)")
         kc, vc = self.cache.k[layer_id], self.cache.v[layer_id]
         slots = self._batch.slot_mapping
-        kc[slots] = k.detach().to(kc.dtype)
-        vc[slots] = v.detach().to(vc.dtype)
+        kc[slots] = to_cache(k, kc.dtype)
+        vc[slots] = to_cache(v, vc.dtype)
 
         dec_out = None
         if self._dec_tokens is not None:

@@ -78,7 +78,8 @@ class TritonPagedAttention:
         kc, vc = self.cache.k[layer_id], self.cache.v[layer_id]
         # k/v may be row-strided views of a fused qkv GEMM's output: store_kv reads rows by stride.
         self.kernels.store_kv(kc, vc, k, v, batch.slot_mapping)
-        q = q.to(kc.dtype).contiguous()
+        # An fp8 pool: queries stay in the model dtype, the kernels widen K/V as they load them.
+        q = (q if kc.element_size() == 1 else q.to(kc.dtype)).contiguous()
         page = self.cache.block_size
         if self._decode:
             return self.kernels.paged_decode(q, kc, vc, batch.block_tables, batch.seq_lens, scale,

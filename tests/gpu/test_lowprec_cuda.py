@@ -91,3 +91,35 @@ def test_engine_model_stores_fp8_and_keeps_the_contract(tmp_path) -> None:
     y_gpu = qkv(x.cuda()).float().cpu()
     y_cpu = models["cpu"][0].model.layers[0].self_attn.qkv_proj(x).float()
     assert torch.allclose(y_gpu, y_cpu, rtol=3e-2, atol=3e-2 * y_cpu.abs().max().item())
+
+
+def test_triton_paged_attention_reads_an_fp8_pool() -> None:
+    """Decode and prefill over an fp8 pool equal the same kernels over the pool's values in bf16,
+    and the Triton store saturates like the CPU path."""
+    from milepost.kernels import paged_attention as pa
+    from milepost.models.attention import to_cache
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    slots, heads, kvh, d, page = 64, 8, 2, 128, 16
+    k = torch.randn(slots, kvh, d, device=dev, generator=gen, dtype=torch.bfloat16) * 3
+    v = torch.randn(slots, kvh, d, device=dev, generator=gen, dtype=torch.bfloat16)
+    k[0, 0, 0] = 1000.0  # saturates
+    kc8 = torch.empty(slots, kvh, d, device=dev, dtype=torch.float8_e4m3fn)
+    vc8 = torch.empty_like(kc8)
+    pa.store_kv(kc8, vc8, k, v, torch.arange(slots, device=dev))
+    assert torch.equal(kc8.view(torch.uint8), to_cache(k, torch.float8_e4m3fn).view(torch.uint8))
+    kc, vc = kc8.to(torch.bfloat16), vc8.to(torch.bfloat16)
+    tables = torch.arange(4, device=dev).reshape(2, 2)
+    lens = torch.tensor([30, 17], device=dev)
+    q = torch.randn(2, heads, d, device=dev, generator=gen, dtype=torch.bfloat16)
+    a = pa.paged_decode(q, kc8, vc8, tables, lens, 0.1, page, 1)
+    b = pa.paged_decode(q, kc, vc, tables, lens, 0.1, page, 1)
+    assert torch.allclose(a.float(), b.float(), atol=1e-2)
+    cu = torch.tensor([0, 30, 47], device=dev)
+    ts, tm = pa.prefill_tiles([30, 17])
+    ts, tm = (torch.tensor(t, device=dev, dtype=torch.int32) for t in (ts, tm))
+    qp = torch.randn(47, heads, d, device=dev, generator=gen, dtype=torch.bfloat16)
+    a = pa.paged_prefill(qp, kc8, vc8, tables, lens, cu, ts, tm, 0.1, page)
+    b = pa.paged_prefill(qp, kc, vc, tables, lens, cu, ts, tm, 0.1, page)
+    assert torch.allclose(a.float(), b.float(), atol=1e-2)
