@@ -43,3 +43,23 @@ def test_lora_refusals_name_the_setting(base: list[str], flags: list[str], messa
         load_config(None, [*base, "--lora-rank", "4", *flags])
     with pytest.raises(ConfigError, match="--lora-rank"):
         load_config(None, [*base, "--lora-rank", "-1"])
+
+
+def test_models_lora_cannot_adapt_refused_at_start(tmp_path: Path) -> None:
+    """Before any process starts: MoE experts as targets, and a transformers-fallback architecture."""
+    import json
+
+    from milepost.testing.checkpoints import make_tiny_checkpoint
+
+    moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", with_tokenizer=False)
+    args = stub_run_args(tmp_path, "--num-rollout", "2", "--rollout-batch-size", "4", "--device", "cpu")
+    args[1] = str(moe)
+    with pytest.raises(ConfigError, match="gate_proj: layer 0 .*mixture-of-experts layers is not supported"):
+        load_config(None, [*args, "--lora-rank", "4"])
+    load_config(None, [*args, "--lora-rank", "4", "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj"])
+    args[1] = str(tmp_path / "mixtral")
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "config.json").write_text(json.dumps(
+        {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}))
+    with pytest.raises(ConfigError, match="--lora-rank: .*mixtral has no native model definition"):
+        load_config(None, [*args, "--lora-rank", "4", "--lora-target-modules", "q_proj"])

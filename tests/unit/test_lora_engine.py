@@ -1,4 +1,4 @@
-"""The engine's batched LoRA path (CPU reference) against merged-weights models, and its refusals.
+"""The engine's batched LoRA paths (segment and stacked, on CPU) against merged-weights models, and its refusals.
 
 Requests with two different adapters and none run in the same batches (prefill chunks of 8,
 decodes mixed in); each one's prompt and output log-probs must equal those of an engine serving
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from milepost.engine.engine import Engine
 from milepost.engine.request import Request, RequestOutput
@@ -23,38 +22,12 @@ from milepost.lora.routes import SEP
 from milepost.lora.serving import AdapterError
 from milepost.lora.settings import LoraSettings
 from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.lora_adapters import merged_checkpoint, random_adapter
 
 ADAPTERS = {  # name: (settings, seed)
     "math": (LoraSettings(4, 8.0, "all-linear"), 1),
     "chat": (LoraSettings(2, 3.0, "q_proj,v_proj,down_proj"), 2),
 }
-
-
-def random_adapter(base: Path, settings: LoraSettings, seed: int) -> dict[str, torch.Tensor]:
-    """Non-zero A and B for every targeted projection of the tiny base."""
-    g = torch.Generator().manual_seed(seed)
-    weights = load_file(str(base / "model.safetensors"))
-    out = {}
-    for name, w in weights.items():
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in settings.target_modules:
-            out[f"{module}.lora_A.weight"] = torch.randn(settings.rank, w.shape[1], generator=g) * 0.2
-            out[f"{module}.lora_B.weight"] = torch.randn(w.shape[0], settings.rank, generator=g) * 0.2
-    return out
-
-
-def merged_checkpoint(base: Path, out: Path, settings: LoraSettings, adapter: dict[str, torch.Tensor]) -> Path:
-    import shutil
-
-    shutil.copytree(base, out)
-    weights = load_file(str(base / "model.safetensors"))
-    for name in list(weights):
-        module = name.removesuffix(".weight")
-        if f"{module}.lora_A.weight" in adapter:
-            a, b = adapter[f"{module}.lora_A.weight"], adapter[f"{module}.lora_B.weight"]
-            weights[name] = weights[name] + (b @ a) * settings.scaling
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 @pytest.fixture(scope="module")
