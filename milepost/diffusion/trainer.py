@@ -1,0 +1,154 @@
+"""The diffusion trainer: one optimizer step per rollout batch under the run's objective.
+
+Holds the policy (full fine-tune, or LoRA on a frozen base), the frozen reference for the KL,
+and Adam. `train_step` re-scores the recorded steps `diffusion_train_timesteps` (Flow-GRPO), fits
+the rollout's clean images (DiffusionNFT) or data images (SFT), and returns metrics;
+`engine_weights` is what goes to the engine (all weights, or only the adapters to merge).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from milepost.diffusion import lora
+from milepost.diffusion.base_model import flow_matching_loss
+from milepost.diffusion.config import DiffusionConfig
+from milepost.diffusion.model import TinyDiT, load_model
+from milepost.diffusion.objectives import flow_grpo_step_loss, nft_loss, nft_optimality
+from milepost.diffusion.precision import apply_precision
+
+
+@dataclass
+class RolloutBatch:
+    """One step's trajectories. latents [B,S+1,C,H,W], log_probs [B,S], timesteps [S+1],
+    labels [B], adv [B] (0 where the reward was invalid), valid [B]."""
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    timesteps: torch.Tensor
+    labels: torch.Tensor
+    adv: torch.Tensor
+    valid: torch.Tensor
+
+
+class DiffusionTrainer:
+    def __init__(self, cfg: DiffusionConfig) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.model: TinyDiT = load_model(cfg.diffusion_checkpoint, self.device)
+        self.model.set_attention(cfg.attention_backend)
+        self.ref: TinyDiT | None = None
+        if cfg.kl_loss_coef > 0 and cfg.diffusion_objective == "flow_grpo":
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if cfg.lora_rank:
+            lora.attach_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
+        self.model = apply_precision(self.model, cfg)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                     weight_decay=cfg.weight_decay)
+        self.sft_data: tuple[torch.Tensor, torch.Tensor] | None = None
+        if cfg.diffusion_objective == "sft":
+            data = np.load(cfg.sft_data)  # type: ignore[arg-type]
+            self.sft_data = torch.from_numpy(data["images"]).float(), torch.from_numpy(data["labels"]).long()
+
+    def _steps(self, num_steps: int) -> list[int]:
+        return list(self.cfg.diffusion_train_timesteps or range(num_steps))
+
+    def train_step(self, batch: RolloutBatch, step: int) -> dict[str, float]:
+        """One optimizer step (per inner epoch) on `batch`; metrics averaged over its parts."""
+        cfg, model = self.cfg, self.model
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        keep = batch.valid.nonzero().reshape(-1)
+        if cfg.diffusion_objective != "sft" and len(keep) == 0:
+            return {"train/skipped": 1.0}
+        stats: dict[str, list[float]] = {}
+        model.train()
+        for _ in range(cfg.inner_epochs):
+            self.opt.zero_grad(set_to_none=True)
+            if cfg.diffusion_objective == "flow_grpo":
+                parts = self._flow_grpo(batch, keep)
+            elif cfg.diffusion_objective == "nft":
+                parts = self._nft(batch, keep, gen)
+            else:
+                parts = self._sft(len(batch.labels), gen)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], cfg.clip_grad)
+            self.opt.step()
+            parts.append({"grad_norm": grad_norm.detach()})
+            for part in parts:
+                for k, v in part.items():
+                    stats.setdefault(f"train/{k}", []).append(float(v))
+        model.eval()
+        return {k: float(np.mean(v)) for k, v in stats.items()}
+
+    def _flow_grpo(self, batch: RolloutBatch, keep: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        cfg, dev = self.cfg, self.device
+        steps = self._steps(batch.log_probs.shape[1])
+        grid = batch.timesteps.to(dev)
+        t_max = float(grid[1]) if len(grid) > 2 else 0.5
+        labels, adv = batch.labels[keep].to(dev), batch.adv[keep].to(dev)
+        parts = []
+        for j in steps:  # one backward per step: memory of one step's activations
+            loss, part = flow_grpo_step_loss(
+                self.model, self.ref, x=batch.latents[keep, j].to(dev), x_next=batch.latents[keep, j + 1].to(dev),
+                t=grid[j], t_next=grid[j + 1], t_max=t_max, old_logp=batch.log_probs[keep, j].to(dev), adv=adv,
+                labels=labels, guidance=cfg.guidance_scale, noise_level=cfg.noise_level, eps_clip=cfg.eps_clip,
+                kl_coef=cfg.kl_loss_coef, null_label=self.model_config_classes())
+            (loss / len(steps)).backward()
+            parts.append({**part, "loss": loss.detach()})
+        return parts
+
+    def _nft(self, batch: RolloutBatch, keep: torch.Tensor, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        cfg, dev = self.cfg, self.device
+        x0 = batch.latents[keep, -1].to(dev)
+        labels, r = batch.labels[keep].to(dev), nft_optimality(batch.adv[keep].to(dev))
+        grid = batch.timesteps
+        parts = []
+        steps = self._steps(batch.log_probs.shape[1])
+        for j in steps:  # the grid's times at the chosen steps (t_j of step j), fresh noise each
+            t = grid[j].clamp(max=0.999).expand(len(keep)).to(dev)
+            noise = torch.randn(x0.shape, generator=gen).to(dev)
+            with torch.no_grad():
+                tt = t.reshape(-1, 1, 1, 1)
+                v_old = self.model(((1 - tt) * x0 + tt * noise), t, labels)
+            loss, part = nft_loss(self.model, x0=x0, labels=labels, t=t, noise=noise, v_old=v_old, r=r, beta=cfg.nft_beta)
+            (loss / len(steps)).backward()
+            parts.append({**part, "loss": loss.detach()})
+        return parts
+
+    def _sft(self, n: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+        assert self.sft_data is not None
+        images, labels = self.sft_data
+        idx = torch.randint(0, len(images), (n,), generator=gen)
+        loss = flow_matching_loss(self.model, images[idx].to(self.device), labels[idx].to(self.device), gen)
+        loss.backward()
+        return [{"loss": loss.detach(), "sft_loss": loss.detach()}]
+
+    def model_config_classes(self) -> int:
+        return self.base_config().num_classes
+
+    def base_config(self):  # noqa: ANN201 - the DiTConfig of the (possibly wrapped) model
+        return getattr(self.model, "config", None) or self.model.module.config  # type: ignore[union-attr]
+
+    def engine_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """What the engine gets: the adapters (merged there) with LoRA, else every weight (FP32)."""
+        if self.cfg.lora_rank:
+            return lora.adapter_tensors(self.model)
+        return [(k, v.detach().float().cpu()) for k, v in full_state(self.model).items()]
+
+    def expected_engine_state(self) -> dict[str, torch.Tensor]:
+        """The engine's state once it applied `engine_weights` (to check its checksums)."""
+        if self.cfg.lora_rank:
+            return {k: v.cpu() for k, v in lora.merged_state(self.model).items()}
+        return {k: v.detach().float().cpu() for k, v in full_state(self.model).items()}
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) state dict, FSDP2 or not."""
+    from milepost.diffusion.precision import gathered_state
+
+    return gathered_state(model)

@@ -1,0 +1,34 @@
+"""New weights to the diffusion engine through the text engine's transports and checks.
+
+tensor: SGLang's /update_weights_from_tensor body with the project's codec; disk: safetensors
+in run_dir/weights + /update_weights_from_disk. With check_weight_update, the engine's checksums
+must equal the trainer's expected state (milepost.weights.verify), and its version the one sent.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from milepost.weights.codec import serialize_named_tensors
+from milepost.weights.verify import verify
+
+
+def push_weights(trainer, url: str, cfg, version: str, timeout_s: float = 300.0) -> None:  # noqa: ANN001
+    named = trainer.engine_weights()
+    if cfg.weight_transport == "tensor":
+        body = {"serialized_named_tensors": [serialize_named_tensors(named)], "weight_version": version}
+        r = httpx.post(f"{url}/update_weights_from_tensor", json=body, timeout=timeout_s)
+    else:
+        from safetensors.torch import save_file
+
+        path = cfg.run_dir / "weights"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in named}, str(path / "model.safetensors"))
+        r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(path), "weight_version": version},
+                       timeout=timeout_s)
+    if r.status_code != 200:
+        raise RuntimeError(f"weight update to {url} failed ({r.status_code}): {r.text[:500]}")
+    if r.json().get("weight_version") != version:
+        raise RuntimeError(f"engine {url} reports weight_version {r.json().get('weight_version')!r}, sent {version!r}")
+    if cfg.check_weight_update:
+        verify(trainer.expected_engine_state().items(), [url], timeout_s)
