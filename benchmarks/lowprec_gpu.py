@@ -56,11 +56,11 @@ def gemms(shape: str) -> list[dict]:
         for m in (1, 16, 64, 256, 4096):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             row = {"shape": shape, "gemm": what, "M": m, "N": n, "K": k,
-                   "bf16_ms": cuda_ms(lambda: F.linear(x, w))}
+                   "bf16_ms": cuda_ms(lambda x=x, w=w: F.linear(x, w))}
             for backend in ("scaled_mm", "triton"):
                 try:
                     row[f"fp8_{backend}_ms"] = cuda_ms(
-                        lambda: fp8_block_linear(x, q.values, q.scales, backend))
+                        lambda x=x, q=q, b=backend: fp8_block_linear(x, q.values, q.scales, b))
                 except Exception as e:  # noqa: BLE001 - report, go on
                     row[f"fp8_{backend}_ms"] = f"failed: {str(e).splitlines()[0][:120]}"
             rows.append(row)
@@ -68,13 +68,14 @@ def gemms(shape: str) -> list[dict]:
     return rows
 
 
-def engine_decode(shape: str, requests: int, prompt: int, output: int) -> dict:
-    native, config_dir = bench_models.native_model(None, shape, torch.bfloat16,
-                                                   torch.device("cuda"), 0)
+def engine_decode(shape: str, requests: int, prompt: int, output: int,
+                  device: str = "cuda") -> dict:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    native, config_dir = bench_models.native_model(None, shape, dtype, torch.device(device), 0)
     vocab = native.vocab_size
     out = {"shape": shape, "requests": requests, "prompt": prompt, "output": output}
     for mode in ("bf16", "fp8_block"):  # bf16 first: fp8 converts the model in place
-        sargs = ServerArgs(model_path=config_dir, device="cuda", dtype="bfloat16",
+        sargs = ServerArgs(model_path=config_dir, device=device, dtype=str(dtype)[6:],
                            max_running_requests=requests, random_seed=0,
                            quantization=None if mode == "bf16" else mode,
                            mem_fraction_static=0.85).resolved()
@@ -93,12 +94,10 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int) -> dict:
             engine.close()
         del engine
         gc.collect()
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
         print(json.dumps(out), flush=True)
     out["fp8_over_bf16_decode"] = out["fp8_block"]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
-    del native
-    gc.collect()
-    torch.cuda.empty_cache()
     return out
 
 
@@ -125,7 +124,7 @@ def train_linears(shape: str, tokens: int, steps: int) -> dict:
             apply_train_precision(m, Contract(fmt, fmt))
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
-        def step() -> None:
+        def step(layer: torch.nn.Module = layer, x: torch.Tensor = x) -> None:
             y = layer.mlp.down_proj(F.silu(layer.mlp.up_proj(x)))
             y.float().square().mean().backward()
 
@@ -143,15 +142,18 @@ def main() -> None:
     p.add_argument("--output", type=int, default=256)
     p.add_argument("--parts", default="gemm,engine,train")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--device", default="cuda", help="cpu: the engine part only (a dry run)")
     a = p.parse_args()
     shapes = a.shapes.split(",")
-    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    result: dict = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+                    "torch": torch.__version__,
                     "date": time.strftime("%Y-%m-%d")}
     parts = a.parts.split(",")
     if "gemm" in parts:
         result["gemm"] = [r for s in shapes for r in gemms(s)]
     if "engine" in parts:
-        result["engine"] = [engine_decode(s, a.requests, a.prompt, a.output) for s in shapes]
+        result["engine"] = [engine_decode(s, a.requests, a.prompt, a.output, a.device)
+                            for s in shapes]
     if "train" in parts:
         result["train"] = [train_linears(s, 4096, 10) for s in shapes]
     if a.json_out:

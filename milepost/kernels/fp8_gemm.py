@@ -33,7 +33,7 @@ def _quant_act_kernel(X, Q, S, stride_x, stride_q, n_groups, BLOCK: tl.constexpr
     scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
     scale = tl.where(bad, float("nan"), scale)
     y = tl.math.div_rn(x, scale)
-    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))  # noqa: PLR0124 - NaN stays
     tl.store(Q + row * stride_q + cols, y.to(tl.float8e4nv))
     tl.store(S + row * n_groups + g, scale)
 
@@ -56,7 +56,7 @@ def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, n_kb,
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, n_kb):
+    for kb in range(n_kb):
         a = tl.load(A + rm[:, None] * stride_a + (kb * BLOCK_K + rk)[None, :], mask=rm[:, None] < M, other=0.0)
         b = tl.load(B + rn[:, None] * stride_b + (kb * BLOCK_K + rk)[None, :], mask=rn[:, None] < N, other=0.0)
         sa = tl.load(SA + rm * n_kb + kb, mask=rm < M, other=0.0)

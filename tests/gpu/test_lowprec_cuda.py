@@ -47,8 +47,12 @@ def test_triton_activation_quantizer_matches_the_reference_bits() -> None:
 
 
 def test_fp8_block_gemm_matches_the_emulated_product() -> None:
-    from milepost.kernels.fp8_gemm import block_backend, emulated_block_mm, fp8_block_linear
-    from milepost.kernels.fp8_gemm import quantize_act_1x128
+    from milepost.kernels.fp8_gemm import (
+        block_backend,
+        emulated_block_mm,
+        fp8_block_linear,
+        quantize_act_1x128,
+    )
 
     dev = torch.device("cuda")
     backend = block_backend(dev)
@@ -63,11 +67,12 @@ def test_fp8_block_gemm_matches_the_emulated_product() -> None:
 
 
 def test_engine_model_stores_fp8_and_keeps_the_contract(tmp_path) -> None:
+    from safetensors.torch import load_file
+
     from milepost.engine.weight_update import WeightLoader
     from milepost.lowprec.engine_store import store_quantized
     from milepost.models.registry import load_model
     from milepost.testing.checkpoints import make_tiny_checkpoint
-    from safetensors.torch import load_file
 
     ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3, with_tokenizer=False,
                                 hidden_size=256, intermediate_size=512, num_attention_heads=2,

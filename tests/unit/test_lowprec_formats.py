@@ -8,14 +8,20 @@ section 6.3, NVIDIA's NVFP4): a code path independent of milepost.lowprec's vect
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
 from milepost.lowprec import elements as el
-from milepost.lowprec.quantize import (FORMATS, dequantize, element_scale, error_bound,
-                                       quantize)
+from milepost.lowprec.quantize import (
+    FORMATS,
+    dequantize,
+    element_scale,
+    error_bound,
+    quantize,
+)
 
 torch.set_num_threads(1)
 
@@ -50,7 +56,7 @@ def nearest(x: torch.Tensor, decode, n_codes: int) -> torch.Tensor:
 def probe(table: list[float], top: float) -> torch.Tensor:
     """Every value, every midpoint (the ties), points just around them, and beyond the max."""
     v = sorted({abs(t) for t in table if not math.isnan(t)})
-    mids = [(a + b) / 2 for a, b in zip(v, v[1:])]
+    mids = [(a + b) / 2 for a, b in itertools.pairwise(v)]
     pts = torch.tensor(v + mids + [top * 1.01, top * 1.0625, top * 3, 1e30], dtype=torch.float32)
     pts = torch.cat([pts, torch.nextafter(pts, torch.tensor(math.inf)),
                      torch.nextafter(pts, torch.tensor(0.0))])

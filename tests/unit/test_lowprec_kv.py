@@ -13,7 +13,12 @@ from milepost.engine.request import Request
 from milepost.engine.sampling_params import SamplingParams
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
-from milepost.models.attention import PagedBatch, PagedKVCache, TorchPagedAttention, to_cache
+from milepost.models.attention import (
+    PagedBatch,
+    PagedKVCache,
+    TorchPagedAttention,
+    to_cache,
+)
 from milepost.testing.checkpoints import make_tiny_checkpoint
 
 torch.set_num_threads(1)
@@ -64,7 +69,7 @@ def test_engine_with_an_fp8_pool_fits_more_tokens_and_generates(ckpt: Path) -> N
         engine.submit(Request(rid="a", prompt_ids=[5, 6, 7, 8, 9], stop_ids=frozenset(),
                               params=SamplingParams(max_new_tokens=6, temperature=0.0,
                                                     ignore_eos=True),
-                              on_output=lambda o: got.extend(o.new_token_ids)))
+                              on_output=lambda o, got=got: got.extend(o.new_token_ids)))
         engine._drain_inbox(block=False)
         while engine.scheduler.has_work:
             engine.step()

@@ -7,7 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from milepost.lowprec.contract import Contract, contract_refusals, native_support, parse_overrides
+from milepost.lowprec.contract import (
+    Contract,
+    contract_refusals,
+    native_support,
+    parse_overrides,
+)
 from milepost.lowprec.linear import LowPrecLinear, apply_train_precision, qdq
 
 torch.set_num_threads(1)
