@@ -64,6 +64,13 @@ class BenchArgs(BaseModel):
     routed_experts_cost: bool = Field(
         False, description="MoE: run the first scenario again with the engine's routed-expert "
         "record off (same run) and report the cost of recording.")
+    speculative: str | None = Field(
+        None, description="Also run every scenario with speculative decoding in the same run and "
+        "report its speed-up and acceptance length: ngram (--speculative-algorithm NGRAM) or "
+        "draft:DIR (STANDALONE with the draft model in DIR, same vocabulary).")
+    speculative_num_draft_tokens: int = Field(
+        4, ge=2, description="--speculative: tokens verified per request and step, the last "
+        "sampled one included (milepost serve --speculative-num-draft-tokens).")
     json_out: Path | None = Field(None, description="Also write the results as JSON to this file.")
 
     @field_validator("requests", "prompt_len", "output_len", "mixed_min", "mixed_max", "sessions",
@@ -84,6 +91,19 @@ class BenchArgs(BaseModel):
         if bad or not names:
             raise ValueError(f"--scenarios: unknown {bad or v!r}; choose from {', '.join(SCENARIOS)}")
         return ",".join(names)
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, v: str | None) -> str | None:
+        if v is None or v == "ngram":
+            return v
+        if not v.startswith("draft:") or not v.removeprefix("draft:"):
+            raise ValueError(f"--speculative {v!r}: use ngram or draft:DIR")
+        path = Path(v.removeprefix("draft:"))
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--speculative {v!r}: {path} has no config.json; pass a Hugging Face "
+                             "directory of the draft model")
+        return v
 
     @model_validator(mode="after")
     def _combinations(self) -> BenchArgs:

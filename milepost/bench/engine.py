@@ -60,6 +60,10 @@ def run_bench(args: BenchArgs) -> dict:
     ours, pool_tokens = _engine_runs(sargs, native, loads, args, record_routed_experts=True)
     decode_bytes = {name: _decode_bytes(r, native, kv_token_bytes, weights_per_step)
                     for name, r in ours.items()}
+    if args.speculative:  # the same scenarios again, speculating, in this run
+        spec_sargs = _speculative_args(sargs, args)
+        spec, _ = _engine_runs(spec_sargs, native, _workloads(args, vocab), args,
+                               record_routed_experts=True)
     unrecorded = None
     if args.routed_experts_cost and native.moe_top_k > 0:
         again = _workloads(args, vocab)[:1]  # fresh: multiturn prompts are filled in as it runs
@@ -74,6 +78,9 @@ def run_bench(args: BenchArgs) -> dict:
             _progress(f"transformers {w.name}: {r.output_tokens} new tokens in {r.seconds:.1f} s")
     peak = args.peak_bandwidth or _known_peak(device)
     rows = [_row(w, ours[w.name], theirs.get(w.name), decode_bytes[w.name], peak) for w in loads]
+    if args.speculative:
+        for row, w in zip(rows, loads):
+            row["speculative"] = _speculative_row(args.speculative, row, spec[w.name])
     if unrecorded is not None:
         name, off = next(iter(unrecorded.items()))
         off_row = _row(loads[0], off, None, _decode_bytes(off, native, kv_token_bytes,
@@ -105,8 +112,12 @@ def _engine_runs(sargs: ServerArgs, native: object, loads: list[workloads.Worklo
             bench.run(w)
         results = {}
         for w in loads:
+            before = _spec_counters(engine)
             results[w.name] = r = bench.run(w)
-            _progress(f"milepost {w.name}: {r.output_tokens} new tokens in {r.seconds:.1f} s")
+            r.speculative = _spec_delta(before, _spec_counters(engine))
+            _progress(f"milepost {w.name}: {r.output_tokens} new tokens in {r.seconds:.1f} s"
+                      + (f", acceptance length {r.speculative['accept_length']:.2f}"
+                         if r.speculative else ""))
         pool_tokens = engine.cfg.num_blocks * engine.cfg.block_size
     finally:
         engine.close()
@@ -115,6 +126,27 @@ def _engine_runs(sargs: ServerArgs, native: object, loads: list[workloads.Worklo
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return results, pool_tokens
+
+
+def _speculative_args(sargs: ServerArgs, args: BenchArgs) -> ServerArgs:
+    """The engine settings of the speculative run: the plain run's, plus the algorithm (the
+    overlap schedule is off there: proposals need each step's tokens on the host)."""
+    spec = args.speculative or ""
+    extra = {"speculative_algorithm": "NGRAM" if spec == "ngram" else "STANDALONE",
+             "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+             "overlap_schedule": "off"}
+    if spec.startswith("draft:"):
+        extra["speculative_draft_model_path"] = spec.removeprefix("draft:")
+    fields = sargs.model_dump(exclude_unset=False) | extra
+    return ServerArgs(**fields).resolved()
+
+
+def _speculative_row(name: str, plain: dict, spec: EngineResult) -> dict:
+    counted = spec.prompt_tokens if plain["counted_tokens"] == "prompt" else spec.output_tokens
+    tok_s = counted / spec.seconds
+    s = spec.speculative or {}
+    return {"algorithm": name, "tok_s": tok_s, "seconds": spec.seconds,
+            "speedup": tok_s / plain["milepost_tok_s"], **s}
 
 
 def _workloads(args: BenchArgs, vocab: int, seed: int | None = None) -> list[workloads.Workload]:
@@ -131,6 +163,25 @@ def _workloads(args: BenchArgs, vocab: int, seed: int | None = None) -> list[wor
                                              seed),
     }
     return [make[name]() for name in args.scenario_list]
+
+
+def _spec_counters(engine: object) -> tuple[int, int, int] | None:
+    spec = getattr(engine, "speculator", None)
+    if spec is None:
+        return None
+    s = engine.call(lambda: (spec.stats.verify_rows, spec.stats.proposed, spec.stats.accepted))
+    return s.result()
+
+
+def _spec_delta(before: tuple[int, int, int] | None, after: tuple[int, int, int] | None
+                ) -> dict | None:
+    """Acceptance over one workload: tokens per verified request-step (1 + accepted proposals)."""
+    if before is None or after is None:
+        return None
+    rows, proposed, accepted = (a - b for a, b in zip(after, before))
+    return {"verify_steps": rows, "proposed": proposed, "accepted": accepted,
+            "accept_length": (rows + accepted) / rows if rows else 0.0,
+            "accept_rate": accepted / proposed if proposed else 0.0}
 
 
 def _decode_bytes(r: EngineResult, native: object, kv_token_bytes: int, cache: dict) -> float:
@@ -217,6 +268,13 @@ def print_table(result: dict) -> None:
             fmt(r.get("decode_tok_s")),
             "-" if r.get("bandwidth_fraction") is None else f"{r['bandwidth_fraction']:.1%}",
         )
+        spec = r.get("speculative")
+        if spec:
+            notes.append(f"{r['scenario']} with speculative {spec['algorithm']}: "
+                         f"{fmt(spec['tok_s'])} tok/s, {spec['speedup']:.2f}x the plain run; "
+                         f"acceptance length {spec.get('accept_length', 0):.2f} "
+                         f"(rate {spec.get('accept_rate', 0):.1%} of "
+                         f"{spec.get('proposed', 0):,} proposed)")
         if "routed_experts_cost" in r:
             notes.append(f"recording routed experts costs {r['routed_experts_cost']:.1%} of "
                          f"{r['scenario']} throughput (measured against the run without it)")

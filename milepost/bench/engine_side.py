@@ -32,6 +32,7 @@ class EngineResult:
     decode_seconds: float
     decode_kv_tokens: int
     decode_batch_sizes: Counter
+    speculative: dict | None = None  # acceptance counters of a speculative run (bench/engine.py)
 
 
 class EngineBench:

@@ -144,7 +144,7 @@ def build_engine(
             overlap_schedule=args.overlap_schedule == "on", true_on_policy=args.true_on_policy,
         ),
     )
-    engine.speculator = make_speculator(args, model.vocab_size, draft, kv.num_blocks, kv_dtype, device)
+    engine.speculator = make_speculator(args, model, draft, kv.num_blocks, kv_dtype, device)
     info = ServerInfo(
         model_path=str(args.model_path),
         tokenizer_path=str(args.tokenizer_path or args.model_path) if tokenizer else None,

@@ -4,7 +4,8 @@ A draft model must speak the target's vocabulary: the same `vocab_size` in confi
 both directories ship a tokenizer.json, the same token-to-id map; anything else is refused at
 start (a proposal in another vocabulary would be verified as the wrong tokens, wasting every
 step). The draft's KV pools take the target's block count, so its bytes per token are added to
-the target's when the pool is sized (setup.py).
+the target's when the pool is sized (setup.py). Its weights are updated with the target's
+under `draft/<name>` (install_draft_names).
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def draft_kv_bytes_per_token(draft: CausalLM | None, kv_dtype: torch.dtype) -> i
     return (2 if kv_values else 1) * draft.num_layers * draft.num_kv_heads * draft.head_dim * elem
 
 
-def make_speculator(args: ServerArgs, target_vocab: int, draft: CausalLM | None, num_blocks: int,
+def make_speculator(args: ServerArgs, target: CausalLM, draft: CausalLM | None, num_blocks: int,
                     kv_dtype: torch.dtype, device: torch.device) -> Speculator | None:
-    """The engine's Speculator for resolved args (None without --speculative-algorithm)."""
+    """The engine's Speculator for resolved args (None without --speculative-algorithm); a draft
+    model's weights become addressable through the target's as `draft/<name>`."""
     if args.speculative_algorithm is None:
         return None
     if args.speculative_algorithm == "NGRAM":
@@ -71,12 +73,36 @@ def make_speculator(args: ServerArgs, target_vocab: int, draft: CausalLM | None,
             args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
     else:
         assert draft is not None
-        if draft.vocab_size != target_vocab:
+        if draft.vocab_size != target.vocab_size:
             raise ValueError(f"--speculative-draft-model-path: the draft's embedding has "
-                             f"{draft.vocab_size} tokens, the target's {target_vocab}")
+                             f"{draft.vocab_size} tokens, the target's {target.vocab_size}")
+        install_draft_names(target, draft)
         drafter = DraftModel(draft, num_blocks, args.page_size, kv_dtype, device,
                              args.attention_backend, catch_up_tokens=args.chunked_prefill_size or 512)
     return Speculator(args.speculative_num_draft_tokens, drafter)
+
+
+DRAFT_PREFIX = "draft/"
+
+
+def install_draft_names(target: CausalLM, draft: CausalLM) -> None:
+    """Let the target's `weight_view` / `hf_weight_names` address the draft's tensors as
+    `draft/<name>`: every weight-update path (tensor, distributed, p2p) writes them when the
+    trainer sends them, and `/weights_checksum` lists them, so a draft left stale is seen by the
+    weight check. A checkpoint on disk need not hold them (names with '/' are not a checkpoint's)."""
+    base_view = target.weight_view
+    base_names = target.hf_weight_names
+
+    def weight_view(name: str) -> torch.Tensor:
+        if name.startswith(DRAFT_PREFIX):
+            return draft.weight_view(name[len(DRAFT_PREFIX):])
+        return base_view(name)
+
+    def hf_weight_names() -> list[str]:
+        return base_names() + [DRAFT_PREFIX + n for n in draft.hf_weight_names()]
+
+    target.weight_view = weight_view  # type: ignore[method-assign]
+    target.hf_weight_names = hf_weight_names  # type: ignore[method-assign]
 
 
 def _vocab_size(path: Path) -> int | None:

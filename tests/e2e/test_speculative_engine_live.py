@@ -219,3 +219,41 @@ def test_a_draft_of_another_vocabulary_is_refused_at_start(ckpts) -> None:
     with pytest.raises(ValueError, match="vocab_size 300.*target's vocabulary"):
         ServerArgs(model_path=ckpts["qwen3"], speculative_algorithm="STANDALONE",
                    speculative_draft_model_path=ckpts["other_vocab"])
+
+
+def test_draft_weights_update_alongside_the_target(ckpts) -> None:
+    """`draft/<name>` tensors land in the draft model, the target's names in the target; both are
+    listed for the weight check; a disk update of the target alone stays complete."""
+    from milepost.engine.weight_update import WeightLoader
+
+    eng = make_engine(ckpts["qwen3"], speculative_algorithm="STANDALONE",
+                      speculative_draft_model_path=ckpts["noisy"])
+    target, draft = eng.runner.model, eng.speculator.drafter.model
+    names = target.hf_weight_names()
+    assert "draft/model.embed_tokens.weight" in names and "model.embed_tokens.weight" in names
+    before = target.weight_view("model.embed_tokens.weight").clone()
+    new = torch.full_like(draft.weight_view("model.norm.weight"), 0.5)
+    loader = WeightLoader(target)
+    assert loader.from_named([("draft/model.norm.weight", new)]) == 1
+    assert torch.equal(draft.weight_view("model.norm.weight"), new)
+    assert torch.equal(target.weight_view("model.embed_tokens.weight"), before)
+    assert loader.from_disk(str(ckpts["qwen3"])) > 0  # the target's checkpoint: nothing missing
+    with pytest.raises(Exception, match="draft/model.nope"):
+        loader.from_named([("draft/model.nope", new)])
+
+
+def test_bench_reports_acceptance_and_speedup_in_the_same_run(ckpts) -> None:
+    from milepost.bench.args import BenchArgs
+    from milepost.bench.engine import run_bench
+
+    result = run_bench(BenchArgs(model=ckpts["qwen3"], speculative=f"draft:{ckpts['qwen3']}",
+                                 scenarios="fixed", requests=4, prompt_len=16, output_len=24,
+                                 temperature=0.0, hf=False, max_total_tokens=2048))
+    row = result["scenarios"][0]
+    spec = row["speculative"]
+    # The draft is the target: every proposal is accepted, k + 1 = 4 tokens per verify step
+    # (fewer only where a request's last tokens leave less room).
+    assert spec["accepted"] == spec["proposed"] > 0
+    assert 3.0 < spec["accept_length"] <= 4.0
+    assert spec["speedup"] == pytest.approx(spec["tok_s"] / row["milepost_tok_s"])
+    assert row["output_tokens"] == 4 * 24

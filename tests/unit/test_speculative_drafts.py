@@ -1,0 +1,100 @@
+"""N-gram proposals, and the speculative settings refused at start (engine and benchmark)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from milepost.bench.args import BenchArgs
+from milepost.engine.draft_ngram import NgramDrafter
+from milepost.engine.request import Request
+from milepost.engine.sampling import SamplingParams
+from milepost.engine.server_args import ServerArgs
+
+
+def req(prompt: list[int], output: list[int] = ()) -> Request:
+    r = Request(rid="r", prompt_ids=list(prompt), params=SamplingParams(), on_output=lambda o: None,
+                stop_ids=frozenset())
+    r.output_ids.extend(output)
+    return r
+
+
+def test_the_longest_matching_tail_wins_and_its_latest_occurrence() -> None:
+    d = NgramDrafter(1, 4)
+    # tail [1, 2]: after "1 2" came 3 (early) and 9 (latest); tail "5 1 2" matched once, with 7.
+    r = req([5, 1, 2, 7, 8, 1, 2, 9, 4, 5, 1, 2])
+    assert d.propose(r, 3) == [7, 8, 1]
+    r = req([1, 2, 3, 6, 1, 2, 9, 4, 1, 2])
+    assert d.propose(r, 2) == [9, 4]  # no 3-gram repeats: the latest "1 2"
+
+
+def test_proposals_follow_the_output_as_it_grows() -> None:
+    d = NgramDrafter(2, 3)
+    r = req([10, 11, 12, 13], [20])
+    assert d.propose(r, 3) == []  # the tail "13 20" never occurred
+    r.output_ids.extend([10, 11])
+    assert d.propose(r, 3) == [12, 13, 20]
+    r.output_ids.extend([12, 99])
+    assert d.propose(r, 3) == []
+    assert d.propose(r, 0) == []
+
+
+def test_a_loop_is_continued_past_the_end_of_the_sequence() -> None:
+    d = NgramDrafter(1, 3)
+    assert d.propose(req([4, 4, 4]), 5) == [4, 4, 4, 4, 4]
+    assert d.propose(req([1, 2, 1, 2]), 5) == [1, 2, 1, 2, 1]
+
+
+def test_match_window_must_be_ordered() -> None:
+    with pytest.raises(ValueError, match="min .* <= max"):
+        NgramDrafter(3, 2)
+
+
+@pytest.fixture()
+def model_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 64, "max_position_embeddings": 128}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"speculative_algorithm": "STANDALONE"}, "needs --speculative-draft-model-path"),
+    ({"speculative_num_draft_tokens": 6}, "need --speculative-algorithm"),
+    ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
+      "speculative_ngram_max_match_window_size": 3}, "min-match-window-size exceeds"),
+    ({"speculative_algorithm": "NGRAM", "overlap_schedule": "on"}, "drop --overlap-schedule on"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "greater than or equal to 2"),
+])
+def test_settings_refused_at_start(model_dir: Path, flags: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(model_path=model_dir, **flags)
+
+
+def test_draft_dir_checks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    other = tmp_path_factory.mktemp("draft")
+    with pytest.raises(ValueError, match="no config.json"):
+        ServerArgs(model_path=model_dir, speculative_algorithm="STANDALONE",
+                   speculative_draft_model_path=other)
+    (other / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    with pytest.raises(ValueError, match="NGRAM uses no draft model"):
+        ServerArgs(model_path=model_dir, speculative_algorithm="NGRAM",
+                   speculative_draft_model_path=other)
+    # Same vocab_size but a tokenizer that maps tokens to other ids: refused too.
+    for d, vocab in ((model_dir, {"a": 0, "b": 1}), (other, {"a": 1, "b": 0})):
+        (d / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    with pytest.raises(ValueError, match="other ids than the target's"):
+        ServerArgs(model_path=model_dir, speculative_algorithm="STANDALONE",
+                   speculative_draft_model_path=other)
+    (other / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    args = ServerArgs(model_path=model_dir, speculative_algorithm="STANDALONE",
+                      speculative_draft_model_path=other).resolved()
+    assert args.overlap_schedule == "off"  # auto: proposals need each step's tokens
+
+
+def test_bench_speculative_flag(model_dir: Path) -> None:
+    assert BenchArgs(shape="tiny", speculative="ngram").speculative == "ngram"
+    assert BenchArgs(shape="tiny", speculative=f"draft:{model_dir}").speculative.endswith(str(model_dir))
+    for bad in ("eagle", "draft:", f"draft:{model_dir / 'missing'}"):
+        with pytest.raises(ValueError, match="--speculative"):
+            BenchArgs(shape="tiny", speculative=bad)
