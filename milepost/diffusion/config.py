@@ -99,10 +99,11 @@ class DiffusionConfig(DiffusionCheckpointTable, DiffusionOptimizerTable, Diffusi
                              "no deterministic switch; use --attention-backend math")
         steps = self.diffusion_train_timesteps
         if steps is not None:
-            bad = [s for s in steps if not 0 <= s < self.num_denoising_steps]
+            bad = [s for s in steps if not 0 <= s < max(self.num_denoising_steps - 1, 1)]
             if bad or not steps or len(set(steps)) != len(steps):
                 raise ValueError(f"--diffusion-train-timesteps {steps}: give distinct step indices in "
-                                 f"0..{self.num_denoising_steps - 1} (--num-denoising-steps {self.num_denoising_steps})")
+                                 f"0..{max(self.num_denoising_steps - 2, 0)} (the last of --num-denoising-steps "
+                                 f"{self.num_denoising_steps} is deterministic)")
         if self.diffusion_objective == "sft" and self.sft_data is None:
             raise ValueError("--diffusion-objective sft needs --sft-data (prepare writes DIR/sft_images.npz)")
         if self.diffusion_objective != "sft" and self.n_samples_per_prompt < 2:
@@ -151,6 +152,21 @@ def load_diffusion_config(recipe: Path | str | None, overrides: list[str] | None
     try:
         return validate_strict(DiffusionConfig, values)
     except ValidationError as err:
-        from milepost.config import _format_errors
-
         raise ConfigError(_format_errors(err)) from None
+
+
+def _format_errors(err: ValidationError) -> str:
+    """One line per fault, naming the flag: `--noise-level: Input should be greater than 0; got 0.0`."""
+    from milepost.flags import flag_name
+
+    lines = []
+    for e in err.errors():
+        msg, loc = e["msg"].removeprefix("Value error, "), e["loc"]
+        if loc and isinstance(loc[0], str) and loc[0] in TABLE_OF:
+            if e["type"] == "missing":
+                lines.append(f"{flag_name(loc[0])} is required: set {loc[0]} in the recipe's [{TABLE_OF[loc[0]]}] table")
+            else:
+                lines.append(f"{flag_name(loc[0])}: {msg}; got {e['input']!r}")
+        else:
+            lines.append(msg)
+    return "\n".join(lines)

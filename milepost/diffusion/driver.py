@@ -58,6 +58,7 @@ def _batch(results: list[GroupResult], cfg: DiffusionConfig) -> RolloutBatch:
 def run(cfg: DiffusionConfig) -> int:
     """Train; 0 on success."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the step lines
     reward_fn = make_reward(cfg.reward_fn, brightness_target=cfg.brightness_target, classifier_path=cfg.classifier_path)
     classifier = None
     if cfg.classifier_path is not None:

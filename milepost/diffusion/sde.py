@@ -6,7 +6,8 @@ Maruyama gives a Gaussian transition x_next ~ N(mean, std^2) with
     sigma_t = a * sqrt(t / (1 - t)),  mean = x + [v + sigma_t^2 / (2t) * (x + (1 - t) v)] dt,
     std = sigma_t * sqrt(-dt),  dt = t_next - t < 0,
 and t = 1 in sigma_t's denominator replaced by the grid's second point (as Flow-GRPO does).
-The log-prob is the Gaussian log-density averaged over pixels (Flow-GRPO's reduction).
+Deviation: the last step (to t = 0) takes the mean, no noise (log-prob recorded as 0, never
+trained on), so images carry no leftover sampling noise. The log-prob is the Gaussian log-density averaged over pixels (Flow-GRPO's reduction).
 """
 
 from __future__ import annotations
@@ -89,7 +90,11 @@ def sample(model: TinyDiT, labels: torch.Tensor, *, num_steps: int, guidance: fl
     for i in range(num_steps):
         v = velocity(model, x, grid[i], cond, null, guidance)
         mean, std = transition(x, v, grid[i], grid[i + 1], t_max, noise_level)
-        x = mean + std * torch.randn(shape, generator=gen).to(device)
-        log_probs.append(gaussian_logprob(x, mean, std))
+        if i == num_steps - 1 and num_steps > 1:  # the last step lands on t = 0 without noise
+            x = mean
+            log_probs.append(torch.zeros(b, device=device))
+        else:
+            x = mean + std * torch.randn(shape, generator=gen).to(device)
+            log_probs.append(gaussian_logprob(x, mean, std))
         latents.append(x)
     return Trajectory(torch.stack(latents, 1).float().cpu(), torch.stack(log_probs, 1).float().cpu(), grid.cpu())

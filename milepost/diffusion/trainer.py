@@ -56,7 +56,8 @@ class DiffusionTrainer:
             self.sft_data = torch.from_numpy(data["images"]).float(), torch.from_numpy(data["labels"]).long()
 
     def _steps(self, num_steps: int) -> list[int]:
-        return list(self.cfg.diffusion_train_timesteps or range(num_steps))
+        """Step indices to train at; by default every stochastic step (the last is deterministic)."""
+        return list(self.cfg.diffusion_train_timesteps or range(max(num_steps - 1, 1)))
 
     def train_step(self, batch: RolloutBatch, step: int) -> dict[str, float]:
         """One optimizer step (per inner epoch) on `batch`; metrics averaged over its parts."""
