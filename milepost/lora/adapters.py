@@ -4,6 +4,8 @@ Each targeted `nn.Linear` becomes a `LoraLinear` that keeps the same `weight`/`b
 (so the base keeps its Hugging Face names) and adds `lora_A` [r, in] and `lora_B` [out, r] in fp32,
 named as PEFT names them: `model.layers.0.self_attn.q_proj.lora_A.weight`. Initialization follows
 PEFT's default (A Kaiming-uniform, B zero), so a fresh adapter leaves the model's outputs unchanged.
+Multi-LoRA: several named adapters per projection (PEFT's in-memory names,
+`...q_proj.lora_A.<adapter>.weight`); each token goes through the adapter its sample names.
 """
 
 from __future__ import annotations
@@ -18,23 +20,63 @@ from torch import nn
 from milepost.lora.settings import ATTENTION_MODULES, LoraSettings
 
 
-class LoraLinear(nn.Linear):
-    """y = x W^T + b + (x A^T) B^T * scaling, with W and b frozen and A, B trained."""
+class AdapterRouting:
+    """Which adapter each token of the next forward uses (multi-LoRA); shared by every projection."""
 
-    def __init__(self, base: nn.Linear, rank: int, scaling: float) -> None:
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.token_adapter: torch.Tensor | None = None  # [tokens] int64, an index into names
+
+    def set(self, token_adapter: torch.Tensor) -> None:
+        self.token_adapter = token_adapter
+
+    def masks(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """One [tokens, 1] 0/1 mask per adapter, in the dtype of x."""
+        index = self.token_adapter
+        if index is None or index.numel() != x.shape[-2]:
+            raise RuntimeError(f"multi-LoRA forward of {x.shape[-2]} tokens without their adapters "
+                               "(set_token_adapters before the forward)")
+        return [(index == k).unsqueeze(-1).to(x.dtype) for k in range(len(self.names))]
+
+
+class LoraLinear(nn.Linear):
+    """y = x W^T + b + (x A^T) B^T * scaling, with W and b frozen and A, B trained.
+
+    With `routing` (multi-LoRA), lora_A / lora_B hold one matrix per adapter name and each token
+    gets only its adapter's term; every adapter takes part in every forward (the others times
+    exact zeros), so all ranks reduce the same gradients whatever their samples.
+    """
+
+    def __init__(self, base: nn.Linear, rank: int, scaling: float, routing: AdapterRouting | None = None) -> None:
         with torch.device("meta"):  # W and b are the base's own Parameters, set below
             super().__init__(base.in_features, base.out_features, bias=base.bias is not None)
         self.weight = base.weight
         self.bias = base.bias
         self.scaling = scaling
+        self.routing = routing
         device = base.weight.device
-        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=torch.float32)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)
+
+        def pair() -> tuple[nn.Linear, nn.Linear]:
+            a = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=torch.float32)
+            b = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
+            nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+            nn.init.zeros_(b.weight)
+            return a, b
+
+        if routing is None:
+            self.lora_A, self.lora_B = pair()
+        else:
+            pairs = {name: pair() for name in routing.names}
+            self.lora_A = nn.ModuleDict({n: a for n, (a, _) in pairs.items()})
+            self.lora_B = nn.ModuleDict({n: b for n, (_, b) in pairs.items()})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
+        y = F.linear(x, self.weight, self.bias)
+        if self.routing is None:
+            return y + self.lora_B(self.lora_A(x)) * self.scaling
+        for name, mask in zip(self.routing.names, self.routing.masks(x)):
+            y = y + self.lora_B[name](self.lora_A[name](x)) * (mask * self.scaling)
+        return y
 
 
 def is_adapter_name(name: str) -> bool:
@@ -49,6 +91,9 @@ def _parent(layer: nn.Module, module: str) -> nn.Module:
 def attach_lora(lm: nn.Module, settings: LoraSettings) -> list[str]:
     """Wrap every targeted projection of every decoder layer; returns the wrapped module names.
 
+    `settings.adapters` names several adapters (multi-LoRA; `lm.lora_routing` then says which
+    adapter each token uses); empty: one unnamed adapter.
+
     Refuses (ValueError naming the layer and module) models whose layers lack a targeted plain
     projection: mixture-of-experts MLPs, MLA attention, models run through transformers.
     """
@@ -57,6 +102,8 @@ def attach_lora(lm: nn.Module, settings: LoraSettings) -> list[str]:
         raise ValueError(f"LoRA needs a native decoder model (milepost/models/), got {type(lm).__name__}: "
                          "this architecture is not supported with --lora-rank yet")
     wrapped = []
+    routing = AdapterRouting(settings.adapters) if settings.adapters else None
+    lm.lora_routing = routing
     for i, layer in enumerate(layers):
         for module in settings.target_modules:
             parent = _parent(layer, module)
@@ -71,7 +118,7 @@ def attach_lora(lm: nn.Module, settings: LoraSettings) -> list[str]:
             if getattr(parent, "qkv_proj", None) is not None or getattr(parent, "gate_up_proj", None) is not None:
                 raise ValueError("attach_lora: the model's projections are fused (engine layout); "
                                  "attach adapters to the trainer's unfused model")
-            setattr(parent, module, LoraLinear(base, settings.rank, settings.scaling))
+            setattr(parent, module, LoraLinear(base, settings.rank, settings.scaling, routing))
             wrapped.append(f"model.layers.{i}.{'self_attn' if module in ATTENTION_MODULES else 'mlp'}.{module}")
     return wrapped
 
@@ -85,3 +132,21 @@ def freeze_base(module: nn.Module) -> None:
 def adapter_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """(name, parameter) of every adapter matrix, in module order."""
     return ((n, p) for n, p in module.named_parameters() if is_adapter_name(n))
+
+
+def set_token_adapters(lm: nn.Module, samples_adapter: list[int], lengths: list[int], device: torch.device) -> None:
+    """Multi-LoRA: the next forward packs samples of `lengths` tokens, sample i using adapter
+    `samples_adapter[i]` (an index into the adapter names)."""
+    index = torch.repeat_interleave(torch.tensor(samples_adapter, dtype=torch.int64),
+                                    torch.tensor(lengths, dtype=torch.int64))
+    lm.lora_routing.set(index.to(device))
+
+
+def adapter_of_param(name: str) -> tuple[str | None, str]:
+    """('add', 'model...q_proj.lora_A.weight') of 'model...q_proj.lora_A.add.weight'; (None, name) of
+    a single adapter's parameter name."""
+    head, which, tail = name.rpartition(".lora_A.") if ".lora_A." in name else name.rpartition(".lora_B.")
+    parts = tail.split(".")
+    if len(parts) == 2:  # '<adapter>.weight'
+        return parts[0], f"{head}{which}{parts[1]}"
+    return None, name

@@ -36,6 +36,7 @@ class TrainBatch:
     values / returns: each [response_length], the critic's values before training and the value
         targets (PPO); returns set = the backend trains its critic on them.
     routed_experts: each [len(tokens) - 1, layers, top_k] int, the engine's expert ids (R3).
+    adapters: multi-LoRA, the name of each sample's adapter (Sample.metadata["lora_adapter"]).
     """
 
     tokens: list[torch.Tensor]
@@ -48,6 +49,7 @@ class TrainBatch:
     values: list[torch.Tensor] | None = None
     returns: list[torch.Tensor] | None = None
     routed_experts: list[torch.Tensor] | None = None
+    adapters: list[str] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -59,6 +61,8 @@ class TrainBatch:
                     f"TrainBatch sample {i}: need 1 <= response_length ({r}) < len(tokens) ({tok.numel()}); "
                     "a response needs at least one prompt token before it"
                 )
+        if self.adapters is not None and len(self.adapters) != n:
+            raise ValueError(f"TrainBatch.adapters has {len(self.adapters)} entries for {n} samples")
         if self.routed_experts is not None:
             if len(self.routed_experts) != n:
                 raise ValueError(f"TrainBatch.routed_experts has {len(self.routed_experts)} entries for {n} samples")
@@ -113,6 +117,7 @@ class TrainBatch:
             values=None if values is None else [_f32(x) for x in values],
             returns=None if returns is None else [_f32(x) for x in returns],
             routed_experts=None if routed_experts is None else list(routed_experts),
+            adapters=adapters_of(samples),
         )
 
     def select(self, indices: Sequence[int]) -> TrainBatch:
@@ -132,7 +137,16 @@ class TrainBatch:
             values=pick(self.values),
             returns=pick(self.returns),
             routed_experts=pick(self.routed_experts),
+            adapters=pick(self.adapters),
         )
+
+
+def adapters_of(samples: Sequence[Sample]) -> list[str] | None:
+    """Multi-LoRA: each sample's adapter, when the rollout named one for every sample."""
+    names = [s.metadata.get("lora_adapter") for s in samples]
+    if not names or any(n is None for n in names):
+        return None
+    return names
 
 
 def split_for_rank(

@@ -47,7 +47,7 @@ def build_optimizer(
         optimizer = torch.optim.AdamW(list(params), fused=s.device == "cuda", **hyper)
     base = s.lr if s.lr > 0 else 1.0  # LambdaLR multiplies the base lr; avoid 0 * factor losing the schedule
     for group in optimizer.param_groups:
-        group["lr"] = base
+        group["lr"] = base * group.get("lr_scale", 1.0)  # multi-LoRA: each adapter's lr / the run's
     scheduler = LambdaLR(optimizer, lambda step: lr_at(step, s) / base)
     return optimizer, scheduler
 

@@ -130,6 +130,7 @@ class TrainerSettings:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_target_modules: tuple[str, ...] = TARGET_MODULES
+    lora_adapters: tuple[tuple[str, float], ...] = ()  # multi-LoRA: (name, lr) of each adapter
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -187,7 +188,8 @@ class TrainerSettings:
         """The adapter's settings, or None for full-parameter training."""
         if not self.lora_rank:
             return None
-        return LoraSettings(self.lora_rank, self.lora_alpha, self.lora_target_modules)
+        return LoraSettings(self.lora_rank, self.lora_alpha, self.lora_target_modules,
+                            tuple(name for name, _ in self.lora_adapters))
 
     @property
     def needs_reference(self) -> bool:
