@@ -22,7 +22,7 @@ from milepost.config_rules_parts import (
     session_server_enabled,
     weight_update_refusals,
 )
-from milepost.connectors.env import env_refusals
+from milepost.connectors.env import env_refusals, episode_env_refusals
 from milepost.lora.rules import lora_refusals
 from milepost.onpolicy.rules import true_on_policy_refusals
 from milepost.opd_rules import opd_coef_default, opd_refusals
@@ -48,6 +48,7 @@ def refusals(c: TrainConfig) -> list[str]:
         )
     p += env_refusals(c.env, prompt_data=c.prompt_data, reward_fn=c.reward_fn,
                       load_rollouts=c.load_rollouts)
+    p += episode_env_refusals(c)
     if c.compile_layers and c.activation_checkpointing != "none":
         p.append("--compile-layers with --activation-checkpointing layer is not supported yet: "
                  "drop one of them")

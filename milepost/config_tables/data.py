@@ -29,10 +29,17 @@ class DataTable(Table):
     env: str | None = Field(
         None,
         description="An environment's prompts and grader as one setting, in place of "
-        "--prompt-data and --reward-fn: reasoning_gym:TASK (docs/environments.md). Its "
+        "--prompt-data and --reward-fn: reasoning_gym:TASK, verifiers:NAME, openenv:NAME "
+        "(docs/environments.md). Its "
         "--env-size prompts, made from --rollout-seed, are written into the run directory.",
     )
     env_size: int = Field(1000, ge=1, description="Number of prompts --env makes.")
+    env_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Time limit of one episode of an --env that runs episodes (verifiers, "
+        "openenv): past it the episode fails, its group is not trained on, the run goes on.",
+    )
 
 
 class RolloutTable(Table):

@@ -2,11 +2,13 @@
 
 At start (`milepost train`, before the resolved settings are written) the environment's prompts
 are written into the run directory and the run continues as `--prompt-data FILE --reward-fn
-GRADER`, so ranks, resumes and the resolved settings see ordinary settings.
+GRADER` (plus, for environments that run episodes, the connector's agent and generate fns), so
+ranks, resumes and the resolved settings see ordinary settings.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,8 +16,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from milepost.config import TrainConfig
 
-KINDS = {"reasoning_gym": "milepost.connectors.reasoning_gym:reward"}  # kind -> its reward fn
-ENV_PATTERN = re.compile(r"^(?P<kind>[a-z_]+):(?P<name>[A-Za-z0-9_]+)$")
+# kind -> its connector module: `write_prompts(path, name, size=, seed=, ...)` and SETTINGS, the
+# settings the kind stands for (a reward fn; an agent and generate fn for episode environments)
+KINDS = {"reasoning_gym": "milepost.connectors.reasoning_gym",
+         "verifiers": "milepost.connectors.verifiers_env",
+         "openenv": "milepost.connectors.openenv_env"}
+EPISODE_KINDS = {"verifiers", "openenv"}  # run through the session server: they need a model family
+ENV_PATTERN = re.compile(r"^(?P<kind>[a-z_]+):(?P<name>[A-Za-z0-9_.\-]+)$")
 
 
 def check_env(value: str) -> str:
@@ -23,7 +30,7 @@ def check_env(value: str) -> str:
     m = ENV_PATTERN.match(value)
     if m is None or m["kind"] not in KINDS:
         raise ValueError(f"--env {value!r}: give KIND:NAME with KIND one of {sorted(KINDS)}, "
-                         "e.g. reasoning_gym:basic_arithmetic")
+                         "e.g. reasoning_gym:basic_arithmetic or verifiers:my_env")
     return value
 
 
@@ -42,6 +49,22 @@ def env_refusals(env: str | None, *, prompt_data: Path | None, reward_fn: str,
     return p
 
 
+def episode_env_refusals(c: TrainConfig) -> list[str]:
+    """An --env whose episodes run through the session server: what it needs and replaces."""
+    env, p = c.env, []
+    if env is not None and env.partition(":")[0] in EPISODE_KINDS:
+        for flag, value in (("--agent-function-path", c.agent_function_path),
+                            ("--custom-generate-function-path", c.custom_generate_function_path),
+                            ("--rollout-function-path", c.rollout_function_path)):
+            if value is not None:
+                p.append(f"--env {env} runs its episodes with the connector's own rollout "
+                         f"layers: drop {flag} {value}")
+        if c.session_model_family is None:
+            p.append(f"--env {env} runs its episodes through the session server: give "
+                     "--session-model-family (the checkpoint's chat template family)")
+    return p
+
+
 def env_prompts_path(cfg: TrainConfig) -> Path:
     kind, _, name = str(cfg.env).partition(":")
     return Path(cfg.run_dir) / f"env-{kind}-{name}-seed{cfg.rollout_seed}-n{cfg.env_size}.jsonl"
@@ -53,13 +76,15 @@ def resolve_env(cfg: TrainConfig) -> TrainConfig:
     ValueError (unknown task, bad config) or ImportError (the extra is missing), naming --env."""
     if cfg.env is None:
         return cfg
-    from milepost.connectors import reasoning_gym  # the one kind so far
-
     kind, _, name = cfg.env.partition(":")
+    connector = importlib.import_module(KINDS[kind])  # ImportError names the extra
     path = env_prompts_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
+    extra = {} if kind not in EPISODE_KINDS else {"timeout_s": cfg.env_timeout_s}
     try:
-        reasoning_gym.write_prompts(path, name, size=cfg.env_size, seed=cfg.rollout_seed)
+        n = connector.write_prompts(path, name, size=cfg.env_size, seed=cfg.rollout_seed, **extra)
     except ValueError as e:
         raise ValueError(f"--env {cfg.env}: {e}") from e
-    return cfg.model_copy(update={"env": None, "prompt_data": path, "reward_fn": KINDS[kind]})
+    if n == 0:
+        raise ValueError(f"--env {cfg.env}: the environment has no prompts")
+    return cfg.model_copy(update={"env": None, "prompt_data": path, **connector.SETTINGS})

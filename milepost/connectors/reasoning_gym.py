@@ -20,6 +20,7 @@ from milepost.rollout.rewards import final_text
 from milepost.types import Sample
 
 META_KEY = "reasoning_gym"
+SETTINGS = {"reward_fn": "milepost.connectors.reasoning_gym:reward"}  # what --env stands for
 
 # Checked at import, which `--reward-fn milepost.connectors.reasoning_gym:reward` does at start:
 # a run without the package is refused then, naming the extra (the package loads on first use).

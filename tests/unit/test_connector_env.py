@@ -45,6 +45,10 @@ def test_env_stands_for_prompt_data_and_reward_fn(flags: list[str], tmp_path: Pa
     (["--env", "reasoning_gym:basic_arithmetic", "--prompt-data", "{prompts}"], "drop --prompt-data"),
     (["--env", "reasoning_gym:basic_arithmetic", "--reward-fn", "math"], "drop --reward-fn math"),
     (["--env-size", "0", "--env", "reasoning_gym:basic_arithmetic"], "--env-size"),
+    (["--env", "verifiers:my_env"], "through the session server: give --session-model-family"),
+    (["--env", "openenv:my_env", "--session-model-family", "qwen3", "--agent-function-path",
+      "milepost.testing.agent_harness:weather_agent_fn"], "drop --agent-function-path"),
+    (["--env", "openenv:my_env", "--env-timeout-s", "0"], "--env-timeout-s"),
 ])
 def test_bad_env_settings_are_refused(flags: list[str], tmp_path: Path, extra: list[str],
                                       needle: str) -> None:
