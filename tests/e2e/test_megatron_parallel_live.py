@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core not installed (pip install 'milepost[megatron]')")
 
 
+@pytest.mark.slow
 def test_tensor_and_expert_parallel_logits(tmp_path):
     from milepost.train.megatron.parity import logits_gaps
 

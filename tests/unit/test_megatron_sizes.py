@@ -68,3 +68,20 @@ def test_convert_command_round_trip(tmp_path, capsys):
     assert main(["convert", "hf-to-megatron", str(src), str(tmp_path / "bad"), "--tensor-model-parallel-size", "3"]) == 2
     assert "--tensor-model-parallel-size 3 does not divide the 4 attention heads" in capsys.readouterr().out
     assert main(["convert", "megatron-to-hf", str(src), str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.parametrize("overrides,sizes,shape,message", [
+    (dict(lora_rank=8), ParallelSizes(), DENSE, r"lora_rank=8 is not available with --train-backend megatron yet"),
+    (dict(critic_lr=1e-5), ParallelSizes(), DENSE, r"critic_lr=1e-05 is not available"),
+    (dict(use_rollout_routing_replay=True), ParallelSizes(), MOE, r"use_rollout_routing_replay=True"),
+    (dict(activation_checkpointing="layer"), ParallelSizes(), DENSE, r"set activation_checkpointing='none'"),
+    ({}, ParallelSizes(pp=2), DENSE, r"pipeline-parallel training is not wired"),
+    ({}, ParallelSizes(tp=2, ep=2), MOE, r"TP and EP together are not tested yet"),
+])
+def test_backend_refuses_what_it_lacks(overrides, sizes, shape, message):
+    from milepost.train.megatron.backend import refuse_unsupported
+    from milepost.train.settings import TrainerSettings
+
+    with pytest.raises(ValueError, match=message):
+        refuse_unsupported(TrainerSettings(**overrides), sizes, shape)
+    refuse_unsupported(TrainerSettings(), ParallelSizes(tp=2), DENSE)  # what it has passes

@@ -56,3 +56,51 @@ def logits_gap(rank: int, world_size: int, path: str, tp: int = 1, pp: int = 1, 
         ref = torch.cat([hf(s[None].to(device)).logits[0] for s in seqs])
     return {"max_abs_diff": float((out - ref).abs().max()), "ref_abs_max": float(ref.abs().max()),
             "rank": float(rank)}
+
+
+# Settings of the backend-parity runs: two optimizer steps per rollout, several micro-batches,
+# a reference model with a KL term, an entropy bonus, and clip ranges tight enough to clip.
+PARITY_SETTINGS = dict(lr=1e-3, lr_warmup_iters=1, global_batch_size=4, max_tokens_per_micro_batch=40,
+                       use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", entropy_coef=0.01,
+                       eps_clip=0.01, eps_clip_high=0.02)
+
+
+def train_once(rank: int, world_size: int, path: str, backend: str = "megatron", tp: int = 1, ep: int = 1,
+               checkpoint_dir: str | None = None) -> dict:
+    """One rollout of 8 random samples (2 optimizer steps) on `backend`; metrics, HF weights after,
+    and the log-probs of fixed probes. With `checkpoint_dir`: save after the first rollout, train a
+    second one, reload and train it again (the two second-rollout results must be equal)."""
+    from milepost.testing.batches import random_train_batch
+    from milepost.train.batch import split_for_rank
+    from milepost.train.settings import TrainerSettings
+    from milepost.types import Sample
+
+    settings = TrainerSettings(**PARITY_SETTINGS)
+    if backend == "fsdp":
+        from milepost.train.fsdp import FSDPBackend
+
+        trainer = FSDPBackend.create(path, settings)
+        data_rank, data_world = rank, world_size
+    else:
+        from milepost.train.megatron.backend import MegatronBackend
+        from milepost.train.megatron.parallel import ParallelSizes
+
+        trainer = MegatronBackend.create(path, settings, ParallelSizes(tp=tp, ep=ep))
+        data_rank, data_world = trainer.data_rank, trainer.data_world
+
+    def mine(batch):
+        return batch.select(split_for_rank([t.numel() for t in batch.tokens], data_rank, data_world, 4))
+
+    metrics = [trainer.train_step(mine(random_train_batch(8, 1)))]
+    probe = [Sample(0, 0, tokens=list(range(3, 3 + k)), response_length=k - 2) for k in (5, 9, 13)]
+    out = {"metrics": metrics, "hf": {n: t.clone().cpu() for n, t in trainer.named_hf_weights()},
+           "logprobs": trainer.compute_logprobs(probe), "ref_logprobs": trainer.compute_logprobs(probe, reference=True)}
+    if checkpoint_dir is not None:
+        trainer.save_checkpoint(checkpoint_dir, {"step": 1})
+        second = mine(random_train_batch(8, 2))
+        out["second"] = trainer.train_step(second)
+        out["second_hf"] = {n: t.clone().cpu() for n, t in trainer.named_hf_weights()}
+        out["extra"] = trainer.load_checkpoint(checkpoint_dir)
+        out["again"] = trainer.train_step(second)
+        out["again_hf"] = {n: t.clone().cpu() for n, t in trainer.named_hf_weights()}
+    return out

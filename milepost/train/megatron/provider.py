@@ -79,10 +79,12 @@ def transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int =
         qk_layernorm=shape.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_cpu_initialization=True,
-        perform_initialization=False,  # weights come from the checkpoint
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # The checkpoint overwrites the values, but megatron marks TP-sharded weights
+        # (tensor_model_parallel) only while initializing them; the grad norm needs the marks.
+        perform_initialization=True,
         params_dtype=torch.float32,  # fp32 master weights, like the FSDP backend
-        bf16=dtype == torch.bfloat16,
+        bf16=False,  # compute dtype through torch.autocast (MegatronScorer); parameters stay fp32
         pipeline_dtype=dtype,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

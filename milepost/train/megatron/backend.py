@@ -1,0 +1,385 @@
+"""`TrainBackend` over megatron-core: tensor / expert parallel GPTModel shards, data parallel on top.
+
+Each rank builds its shard of the model (milepost/train/megatron/provider.py) from the Hugging Face
+directory. Ranks of one model-parallel group must be given the same samples: split a rollout with
+`split_for_rank(samples, backend.data_rank, backend.data_world, ...)`. The loss path is the FSDP
+backend's (milepost/train/micro.py, losses.py, corrections.py): packed micro-batches (block-causal
+mask), the loss pre-divided by the global loss-token count, gradients summed over the data-parallel
+group (experts: over their expert-data-parallel group), then clip and AdamW on each rank's shard.
+Deviation from the report: the optimizer is torch AdamW on local shards (the same update as
+Megatron's distributed Adam, without its sharding of optimizer state); pipeline parallel training is
+not wired yet (refused).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from milepost.train import micro
+from milepost.train.batch import TrainBatch
+from milepost.train.corrections import CORRECTION_SUMS, CorrectionSettings, sample_weights
+from milepost.train.export import write_hf_directory
+from milepost.train.logprobs import PackedBatch, plan_micro_batches
+from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss
+from milepost.train.megatron import checkpoint as mckpt
+from milepost.train.megatron.convert import megatron_to_hf, unshard
+from milepost.train.megatron.cpu_shim import block_causal_mask
+from milepost.train.megatron.parallel import ParallelSizes, validate_sizes
+from milepost.train.megatron.provider import build_model, init_parallel, load_hf_into, read_hf_weights, require_megatron
+from milepost.train.megatron.shape import ModelShape, shape_of
+from milepost.train.optim import build_optimizer, optimizer_step
+from milepost.train.settings import TrainerSettings
+from milepost.types import Sample
+
+# TrainerSettings features this backend does not have yet, each with the value that turns it off.
+_NOT_YET = {
+    "lora_rank": 0, "critic_lr": None, "use_rollout_routing_replay": False, "true_on_policy": False,
+    "opd_teacher_checkpoint": None, "optimizer_state_dir": None, "compile_layers": False,
+    "activation_checkpointing": "none", "actor_critic_turns": False,
+}
+
+
+def refuse_unsupported(settings: TrainerSettings, sizes: ParallelSizes, shape: ModelShape) -> None:
+    """Refuse, at start, settings the Megatron backend does not implement yet (naming each)."""
+    for name, off in _NOT_YET.items():
+        if getattr(settings, name) != off:
+            raise ValueError(f"{name}={getattr(settings, name)!r} is not available with --train-backend megatron yet "
+                             f"(set {name}={off!r} or use --train-backend fsdp)")
+    if sizes.pp > 1:
+        raise ValueError(f"--pipeline-model-parallel-size {sizes.pp}: pipeline-parallel training is not wired into "
+                         "the Megatron backend yet (conversion supports it: milepost convert)")
+    if shape.is_moe and sizes.tp > 1 and sizes.ep > 1:
+        raise ValueError(f"--tensor-model-parallel-size {sizes.tp} with --expert-model-parallel-size {sizes.ep}: "
+                         "TP and EP together are not tested yet; use one of them")
+
+
+class MegatronScorer:
+    """Log-probs and entropies of packed sequences under one GPTModel shard (full-vocab logits)."""
+
+    def __init__(self, model: Any, temperature: float, dtype: torch.dtype, pad_group: Any = None) -> None:
+        """pad_group: ranks whose micro-batches must have equal token counts (megatron's allgather
+        MoE dispatcher gathers equal-sized token blocks over the expert-parallel group)."""
+        self.model = model
+        self.temperature = temperature
+        self.dtype = dtype
+        self.pad_group = pad_group
+
+    def score(self, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        device = packed.input_ids.device
+        lengths = packed.cu_seqlens.diff().tolist()
+        ids, pos = packed.input_ids, packed.positions
+        if self.pad_group is not None:
+            longest = torch.tensor([ids.numel()], device=device)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.pad_group)
+            pad = int(longest) - ids.numel()
+            if pad:  # a padding sequence of its own: masked from the others, none of its rows scored
+                ids = torch.cat([ids, ids.new_zeros(pad)])
+                pos = torch.cat([pos, torch.arange(pad, device=device)])
+                lengths = lengths + [pad]
+        mask = block_causal_mask(lengths, device)
+        with torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            logits = self.model(ids[None], pos[None], attention_mask=mask)[0]
+        logits = logits.index_select(0, packed.rows).float()  # [N, V]: TP-gathered (parallel_output off)
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(1, packed.targets[:, None])[:, 0]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
+
+
+class MegatronBackend:
+    """Build with `MegatronBackend.create(model_path, settings, sizes)` on every rank."""
+
+    def __init__(self, model_path: Path, settings: TrainerSettings, sizes: ParallelSizes, shape: ModelShape,
+                 device: torch.device, policy: Any, reference: Any | None) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.model_path, self.settings, self.sizes, self.shape, self.device = model_path, settings, sizes, shape, device
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.data_rank, self.data_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.policy, self.reference = policy, reference
+        self.critic = self.teacher = None  # not available on this backend (refused at start)
+        self.offloaded = False
+        self.optimizer, self.scheduler = build_optimizer(list(policy.parameters()), settings)
+        self.loss_fn = get_loss(settings.loss_type, settings.custom_loss_function_path)
+        self.loss_settings = LossSettings(
+            eps_clip=settings.eps_clip, eps_clip_high=settings.clip_high, ratio_level=settings.ratio_level,
+            aggregation=settings.loss_aggregation, kl_loss_coef=settings.kl_loss_coef,
+            kl_loss_type=settings.kl_loss_type, entropy_coef=settings.entropy_coef, value_clip=settings.value_clip)
+        self.correction = CorrectionSettings(settings.ratio_correction, settings.tis_clip_low, settings.tis_clip)
+        self._dp_group = ps.get_data_parallel_group()
+        self._tp_group = ps.get_tensor_model_parallel_group()
+        self._ep_group = ps.get_expert_model_parallel_group()
+        self._edp_group = ps.get_expert_data_parallel_group()
+
+    @classmethod
+    def create(cls, model_path: str | Path, settings: TrainerSettings,
+               sizes: ParallelSizes | None = None) -> MegatronBackend:
+        """Collective: call on every rank after `dist.init_process_group` (gloo for cpu, nccl for cuda)."""
+        require_megatron()
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronBackend.create needs an initialized default process group")
+        sizes = sizes or ParallelSizes()
+        path = Path(model_path)
+        shape = shape_of(json.loads((path / "config.json").read_text()))
+        world = dist.get_world_size()
+        validate_sizes(shape, sizes, world, device=settings.device)
+        refuse_unsupported(settings, sizes, shape)
+        dp = sizes.data_parallel(world)
+        if settings.global_batch_size % dp:
+            raise ValueError(f"global_batch_size ({settings.global_batch_size}) must be a multiple of the data-parallel "
+                             f"size {dp} (world {world} / (TP {sizes.tp} x PP {sizes.pp} x CP {sizes.cp}))")
+        get_loss(settings.loss_type, settings.custom_loss_function_path)
+        if settings.device == "cuda":
+            device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        torch.manual_seed(settings.seed)
+        init_parallel(sizes.tp, sizes.pp, sizes.ep, sizes.cp)
+        hf = read_hf_weights(path)
+        dtype = settings.torch_dtype
+
+        def load(trainable: bool) -> Any:
+            model = build_model(shape, tp=sizes.tp, pp=sizes.pp, ep=sizes.ep, cp=sizes.cp, dtype=dtype)
+            load_hf_into(model, shape, hf)
+            return model.to(device).requires_grad_(trainable)
+
+        policy = load(True)
+        reference = load(False).eval() if settings.needs_reference else None
+        return cls(path, settings, sizes, shape, device, policy, reference)
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _reduce(self, values: list[float], group: Any = None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op, group=self._dp_group if group is None else group)
+        return t.tolist()
+
+    def _plan(self, lengths: list[int]) -> list[list[int]]:
+        local = plan_micro_batches(lengths, self.settings.max_tokens_per_micro_batch)
+        count = int(self._reduce([len(local)], op=dist.ReduceOp.MAX)[0])
+        return plan_micro_batches(lengths, self.settings.max_tokens_per_micro_batch, count)
+
+    def _scorer(self, model: Any) -> MegatronScorer:
+        pad_group = self._ep_group if self.sizes.ep > 1 else None
+        return MegatronScorer(model, self.settings.temperature, self.settings.torch_dtype, pad_group)
+
+    def _require_onloaded(self, what: str) -> None:
+        if self.offloaded:
+            raise RuntimeError(f"MegatronBackend.{what} called while offloaded; call onload() first")
+
+    @torch.no_grad()
+    def _score(self, model: Any, batch: TrainBatch, plan: list[list[int]]) -> list[torch.Tensor]:
+        model.eval()
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        for mb in plan:
+            logp, _ = self._scorer(model).score(micro.packed(batch, mb, self.device))
+            for i, x in zip(mb, logp.split([batch.response_lengths[i] for i in mb])):
+                out[i] = x.float().cpu()
+        return out  # type: ignore[return-value]
+
+    def compute_logprobs(self, samples: Sequence[Sample], *, reference: bool = False,
+                         teacher: bool = False) -> list[torch.Tensor]:
+        self._require_onloaded("compute_logprobs")
+        if teacher:
+            raise ValueError("compute_logprobs(teacher=True): no in-process teacher on --train-backend megatron")
+        model = self.reference if reference else self.policy
+        if model is None:
+            raise ValueError("compute_logprobs(reference=True) needs a reference model: set use_kl_loss=True")
+        resp = [s.response_length for s in samples]
+        zeros = [torch.zeros(r) for r in resp]
+        batch = TrainBatch([torch.as_tensor(s.tokens, dtype=torch.int64) for s in samples], resp, zeros, zeros)
+        return self._score(model, batch, self._plan([t.numel() for t in batch.tokens]))
+
+    # --- training ----------------------------------------------------------------------------------
+
+    def _steps(self, batch: TrainBatch) -> list[list[int]]:
+        per_rank = self.settings.global_batch_size // self.data_world
+        sizes = [0] * self.world_size
+        dist.all_gather_object(sizes, len(batch))
+        if len(set(sizes)) > 1 or sizes[0] == 0 or sizes[0] % per_rank:
+            raise ValueError(f"train_step needs the same non-zero multiple of global_batch_size / data-parallel size "
+                             f"= {per_rank} samples on every rank, got {sizes} per rank; split the rollout with "
+                             "split_for_rank(samples, backend.data_rank, backend.data_world, ...)")
+        return [list(range(i, i + per_rank)) for i in range(0, len(batch), per_rank)]
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        self._require_onloaded("train_step")
+        if batch.returns is not None or batch.routed_experts is not None:
+            raise ValueError("TrainBatch.returns / routed_experts: critic and routing replay are not available "
+                             "on --train-backend megatron yet")
+        steps = self._steps(batch)
+        plans = [self._plan([batch.tokens[i].numel() for i in step]) for step in steps]
+        denoms = [self._reduce([float(sum(batch.loss_masks[i].sum() for i in step)),
+                                float(sum(bool((batch.loss_masks[i] > 0).any()) for i in step))]) for step in steps]
+        old = batch.old_logprobs
+        if old is None and self.settings.loss_type != "sft_loss":
+            old = [torch.empty(0)] * len(batch)  # the policy before this rollout's first optimizer step
+            for step, plan in zip(steps, plans):
+                for i, lp in zip(step, self._score(self.policy, batch.select(step), plan)):
+                    old[i] = lp
+        ref = batch.ref_logprobs
+        if ref is None and self.reference is not None:
+            ref = self._score(self.reference, batch, self._plan([t.numel() for t in batch.tokens]))
+        weights, correction_sums = sample_weights(old, batch.rollout_logprobs, batch.loss_masks, self.correction)
+        acc = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64, device=self.device)
+        loss_tokens, grad_norms, nonfinite = 0.0, [], 0
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.policy.train()
+        for step, plan, denom in zip(steps, plans, denoms):
+            loss_tokens += denom[0]
+            for local in plan:
+                acc += self._micro_step(batch, [step[j] for j in local], old, ref, weights, denom)
+            self._sync_gradients()
+            grad_norms.append(self._clip_gradients(self.settings.clip_grad))
+            lr = self.optimizer.param_groups[0]["lr"]
+            nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
+        abs_diff = 0.0
+        if batch.rollout_logprobs is not None and old is not None:
+            for o, r, m in zip(old, batch.rollout_logprobs, batch.loss_masks):
+                abs_diff += float((o - r).abs()[m > 0].sum())
+        n_tokens = float(sum(t.numel() for t in batch.tokens))
+        reduced = self._reduce(acc.tolist() + list(correction_sums) + [abs_diff, n_tokens])
+        per_token, n = max(loss_tokens, 1.0), len(METRIC_SUMS)
+        metrics = {k: v / per_token for k, v in zip(METRIC_SUMS, reduced)}
+        if self.settings.loss_type != "sft_loss":
+            metrics.pop("sft_loss")
+        metrics.update(loss=reduced[n] / len(steps), grad_norm=sum(grad_norms) / len(steps), lr=lr,
+                       tokens=reduced[-1], loss_tokens=loss_tokens, optimizer_steps=float(len(steps)),
+                       skipped_steps=float(nonfinite))
+        if self.correction.kind != "none":
+            metrics.update({k: v / per_token for k, v in zip(CORRECTION_SUMS, reduced[n + 1:n + 1 + len(CORRECTION_SUMS)])})
+        if batch.rollout_logprobs is not None and old is not None:
+            metrics["train_rollout_logprob_abs_diff"] = reduced[-2] / per_token
+        return metrics
+
+    def _micro_step(self, batch: TrainBatch, mb: list[int], old, ref, weights, denoms) -> torch.Tensor:
+        logp, entropy = self._scorer(self.policy).score(micro.packed(batch, mb, self.device))
+        lb = micro.loss_batch(batch, mb, logp, entropy, denoms, self.device, old=old, ref=ref, weights=weights)
+        loss, sums = self.loss_fn(lb, self.loss_settings)
+        unknown = set(sums) - set(METRIC_SUMS)
+        if unknown:
+            raise ValueError(f"the loss returned metric sums {sorted(unknown)}; allowed: {METRIC_SUMS}")
+        loss.backward()
+        zero = torch.zeros((), device=self.device)
+        return torch.stack([*(sums.get(k, zero).detach().to(self.device) for k in METRIC_SUMS), loss.detach()]).double()
+
+    def _sync_gradients(self) -> None:
+        """Sum gradients over the ranks that hold the same weights with different data.
+
+        Dense weights: the data-parallel group. Experts (megatron marks them allreduce=False): the
+        expert-data-parallel group, which with expert tensor parallel size 1 also holds the TP
+        ranks' identical copies, so that sum is divided by TP. Qwen3's per-head q/k norms are
+        replicated over TP but each rank only sees its heads: summed over TP (as megatron's
+        finalize_model_grads does).
+        """
+        tp = self.sizes.tp
+        for name, p in self.policy.named_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # an expert no token reached: still in the collective
+            if tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(p.grad, group=self._tp_group)
+            if getattr(p, "allreduce", True):
+                if self.data_world > 1:
+                    dist.all_reduce(p.grad, group=self._dp_group)
+            elif dist.get_world_size(self._edp_group) > 1:
+                dist.all_reduce(p.grad, group=self._edp_group)
+                if tp > 1:
+                    p.grad.div_(tp)
+
+    def _clip_gradients(self, clip: float) -> float:
+        """Global L2 norm (each weight counted once over TP and EP), then torch's clip rule."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.policy.parameters():
+            if not getattr(p, "allreduce", True):
+                expert += p.grad.double().pow(2).sum()
+            elif param_is_not_tensor_parallel_duplicate(p):
+                dense += p.grad.double().pow(2).sum()
+        dist.all_reduce(dense, group=self._tp_group)
+        dist.all_reduce(expert, group=self._ep_group)
+        norm = float((dense + expert).sqrt())
+        if clip > 0 and math.isfinite(norm):
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                for p in self.policy.parameters():
+                    p.grad.mul_(coef)
+        return norm
+
+    # --- weights, checkpoints, export --------------------------------------------------------------
+
+    def _full_megatron_state(self) -> dict[str, torch.Tensor]:
+        """Every weight, unsharded, under TP=PP=EP=1 Megatron names (a collective over TP and EP)."""
+        tp, ep = self.sizes.tp, self.sizes.ep
+        pieces: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {
+            (t, 0, e): {} for t in range(tp) for e in range(ep)}
+        with torch.no_grad():
+            for name, p in self.policy.named_parameters():
+                expert = not getattr(p, "allreduce", True)
+                group, size = (self._ep_group, ep) if expert else (self._tp_group, tp)
+                parts = [torch.empty_like(p) for _ in range(size)]
+                if size > 1:
+                    dist.all_gather(parts, p.detach().contiguous(), group=group)
+                else:
+                    parts = [p.detach().clone()]
+                for r, part in enumerate(parts):
+                    for t in range(tp) if expert else [r]:
+                        for e in [r] if expert else range(ep):
+                            pieces[(t, 0, e)][name] = part
+        full = unshard(self.shape, pieces, tp=tp, ep=ep)
+        if self.shape.tied_embeddings:
+            full.pop("output_layer.weight", None)
+        return full
+
+    def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._require_onloaded("named_hf_weights")
+        dtype = self.settings.torch_dtype
+        for name, t in megatron_to_hf(self.shape, self._full_megatron_state()).items():
+            yield name, t.to(self.device, dtype)
+
+    def _layout(self) -> dict[str, int]:
+        return {"tp": self.sizes.tp, "pp": self.sizes.pp, "ep": self.sizes.ep, "cp": self.sizes.cp}
+
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        self._require_onloaded("save_checkpoint")
+        mckpt.save(path, self.policy, self.optimizer, self.scheduler, self._layout(), extra)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        self._require_onloaded("load_checkpoint")
+        return mckpt.load(path, self.policy, self.optimizer, self.scheduler, self._layout())
+
+    def export_hf(self, path: str | Path) -> None:
+        write_hf_directory(self.named_hf_weights(), self.model_path, path)
+
+    # --- offload -----------------------------------------------------------------------------------
+
+    def _move(self, device: torch.device) -> None:
+        for model in (self.policy, self.reference):
+            if model is not None:
+                model.to(device)
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    state[k] = v.to(device)
+
+    def offload(self) -> None:
+        """Move weights and Adam state to host memory (a no-op move on CPU); returns no stats yet."""
+        if not self.offloaded:
+            self._move(torch.device("cpu"))
+            self.offloaded = True
+
+    def onload(self) -> None:
+        if self.offloaded:
+            self._move(self.device)
+            self.offloaded = False

@@ -1,0 +1,80 @@
+"""Megatron backend checkpoints: each rank's model shard, AdamW state, schedule and RNG, atomically.
+
+Same directory contract as the FSDP checkpoints (milepost/train/checkpoint.py): everything goes to
+`<dir>.tmp-<pid>`, then one rename; `milepost_checkpoint.json` (written last) marks it complete, so
+`latest_checkpoint` works unchanged. Files: `megatron_rank_<r>.pt`. Resuming needs the same world
+size and parallel sizes (resharding a Megatron checkpoint: `milepost convert`, via HF).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from milepost.train.checkpoint import FORMAT_VERSION, META_FILE, _fsync, _fsync_tree, _rng_state, _set_rng_state
+
+
+def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+         layout: dict[str, int], extra: dict[str, Any] | None = None) -> None:
+    """Collective: every rank writes its own file; rank 0 renames the directory into place."""
+    try:
+        meta = json.dumps({"format_version": FORMAT_VERSION, "world_size": dist.get_world_size(),
+                           "backend": "megatron", "layout": layout, "extra": dict(extra or {})})
+    except TypeError as e:
+        raise TypeError(f"checkpoint extra must be JSON-serializable (step, data state, ...): {e}") from e
+    path = Path(path).absolute()
+    rank = dist.get_rank()
+    names = [f"{path.name}.tmp-{os.getpid()}"]
+    dist.broadcast_object_list(names, src=0)
+    tmp = path.parent / names[0]
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f"{path.name}.tmp-*"):
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    dist.barrier()
+    state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items() if v is not None},
+             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()}
+    torch.save(state, tmp / f"megatron_rank_{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        (tmp / META_FILE).write_text(meta)
+        _fsync_tree(tmp)
+        old = path.parent / f"{path.name}.old-{os.getpid()}"
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        _fsync(path.parent)
+        if old.exists():
+            shutil.rmtree(old)
+    dist.barrier()
+
+
+def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+         layout: dict[str, int]) -> dict[str, Any]:
+    """Collective inverse of `save`; refuses a checkpoint of another backend, world or layout."""
+    path = Path(path)
+    if not (path / META_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a complete milepost checkpoint (no {META_FILE})")
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("backend") != "megatron":
+        raise ValueError(f"{path} was written by the {meta.get('backend', 'fsdp')} backend; resume it with "
+                         "--train-backend fsdp (or export it to Hugging Face and start from that)")
+    world = dist.get_world_size()
+    if meta["world_size"] != world or meta["layout"] != layout:
+        raise ValueError(f"{path} was saved by {meta['world_size']} ranks with parallel sizes {meta['layout']}; "
+                         f"this run has {world} ranks with {layout}: resume with the same sizes")
+    own = torch.load(path / f"megatron_rank_{dist.get_rank()}.pt", map_location="cpu", weights_only=False)
+    device = next(model.parameters()).device
+    model.load_state_dict({k: v.to(device) for k, v in own["model"].items()}, strict=False)
+    optimizer.load_state_dict(own["optimizer"])
+    scheduler.load_state_dict(own["scheduler"])
+    _set_rng_state(own["rng"])
+    return meta["extra"]
