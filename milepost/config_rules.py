@@ -41,7 +41,7 @@ def refusals(c: TrainConfig) -> list[str]:
     p: list[str] = []
     if c.device == "cuda" and not _cuda_available():
         p.append("--device cuda was given but CUDA is not available; use --device cpu or auto")
-    if c.prompt_data is None and c.load_rollouts is None and c.env is None:
+    if c.prompt_data is None and c.load_rollouts is None and c.env is None and not c.adapters:
         p.append(
             "--prompt-data is required (a JSONL or Parquet file of prompts), unless --load-rollouts "
             "trains on saved rollouts or --env makes them"

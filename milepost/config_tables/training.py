@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -226,3 +226,8 @@ class LoraTable(Table):
     lora_target_modules: str = Field(
         "all-linear", description="Projections that get an adapter, comma-separated (q_proj, "
         "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or all-linear.")
+    adapters: list[dict[str, Any]] | None = Field(
+        None, description="Multi-LoRA: several adapters trained at once, [[lora.adapters]] name = ..., "
+        "prompt_data = ..., reward_fn = ... (default: reward_fn), lr = ... (default: lr); each "
+        "request names its prompt's adapter (docs/lora.md).",
+        json_schema_extra={"flags": ["--lora-adapters"]})

@@ -94,6 +94,8 @@ def check_prompt_files(cfg: TrainConfig) -> None:
         ("--eval-prompt-data", cfg.eval_prompt_data,
          cfg.eval_max_response_len or cfg.rollout_max_response_len,
          "--eval-max-response-len" if cfg.eval_max_response_len else "--rollout-max-response-len"),
+        *((f"[[lora.adapters]] {a['name']}: prompt_data", a["prompt_data"], cfg.rollout_max_response_len,
+           "--rollout-max-response-len") for a in cfg.adapters or []),  # multi-LoRA
     ):
         if path is None:
             continue

@@ -32,6 +32,7 @@ from milepost.driver.preflight import (
 )
 from milepost.eval.shared import evaluate_on_engines
 from milepost.lora.engines import load_policy_adapter
+from milepost.lora.multi_data import AdapterPrompts, AdapterRewards, adapter_metrics, adapter_specs
 from milepost.lora.settings import POLICY_ADAPTER
 from milepost.observe.metrics import MetricsLogger
 from milepost.observe.progress import StepProgress
@@ -108,7 +109,7 @@ class Runtime:
             wait_for_engines(self.engine_urls)
         if cfg.lora_rank and self.backend is not None and self.engine_urls:  # LoRA RL (docs/lora.md)
             load_policy_adapter(self.backend, self.engine_urls, Path(cfg.run_dir) / "lora_initial",
-                                self.lead)
+                                self.lead, adapters=[a["name"] for a in cfg.adapters or []])
         self.metrics = MetricsLogger(cfg.run_dir, tensorboard=cfg.use_tensorboard,
                                      wandb=cfg.use_wandb, wandb_project=cfg.wandb_project,
                                      start_step=self.start_step) if self.lead else None
@@ -122,11 +123,17 @@ class Runtime:
 
         if cfg.load_rollouts is None:
             tokenizer = AutoTokenizer.from_pretrained(cfg.hf_checkpoint)
-            self.data = PromptDataset.from_file(
-                cfg.prompt_data, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
-                metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
-                shuffle=cfg.rollout_shuffle, seed=cfg.rollout_seed)
-            self.reward_fn, self.group_reward_fn = load_reward_fns(cfg)
+            keys = dict(input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
+                        apply_chat_template=cfg.apply_chat_template, shuffle=cfg.rollout_shuffle)
+            if cfg.adapters:  # multi-LoRA: each adapter's own prompts and reward (docs/lora.md)
+                specs = adapter_specs(cfg.adapters, cfg.reward_fn, cfg.lr)
+                self.data = AdapterPrompts.from_files(specs, tokenizer, cfg.rollout_seed, **keys)
+                self.reward_fn = AdapterRewards({a.name: load_reward_fns(cfg.model_copy(
+                    update={"reward_fn": a.reward_fn}))[0] for a in specs})
+                self.group_reward_fn = None
+            else:
+                self.data = PromptDataset.from_file(cfg.prompt_data, tokenizer, seed=cfg.rollout_seed, **keys)
+                self.reward_fn, self.group_reward_fn = load_reward_fns(cfg)
             self.eval_items = (PromptDataset.from_file(
                 cfg.eval_prompt_data, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
                 metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
@@ -205,6 +212,9 @@ class Runtime:
             else:
                 self._empty_rollouts = 0
         self.step_metrics.update({f"rollout/{k}": v for k, v in rollout_metrics(step_result).items()})
+        if cfg.adapters:  # rollout/<adapter>/reward_mean, ...
+            names = [a["name"] for a in cfg.adapters]
+            self.step_metrics.update({f"rollout/{k}": v for k, v in adapter_metrics(step_result.groups, names).items()})
         if self.teachers is not None:
             self.step_metrics.update({f"opd/{k}": v for k, v in self.teachers.take_metrics().items()})
         if cfg.save_rollouts is not None:
@@ -303,7 +313,8 @@ class Runtime:
         self.timer.add("perf/eval_time", time.perf_counter() - t0)
 
     async def _with_clients(self, use: Callable[[list[EngineClient]], Awaitable[T]]) -> T:
-        lora = POLICY_ADAPTER if self.cfg.lora_rank else None  # every request names the trained adapter
+        # Every request names the trained adapter; multi-LoRA: its prompt's (metadata "lora_adapter").
+        lora = POLICY_ADAPTER if self.cfg.lora_rank and not self.cfg.adapters else None
         clients = [EngineClient(url, lora_path=lora) for url in self.engine_urls]
         try:
             return await use(clients)
@@ -417,6 +428,7 @@ def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
                                 else str(cfg.opd_teacher_checkpoint)),
         lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
         lora_target_modules=cfg.lora_target_modules,
+        lora_adapters=tuple((a["name"], float(a.get("lr", cfg.lr))) for a in cfg.adapters or []),
         **objective_settings(cfg),
     )
 

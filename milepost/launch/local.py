@@ -80,6 +80,8 @@ class LocalLauncher:
         if cfg.lora_rank:  # the engines serve the trained adapter beside the base (docs/lora.md)
             common += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank),
                        "--lora-target-modules", cfg.lora_target_modules]
+            if cfg.adapters and len(cfg.adapters) > 8:  # multi-LoRA: a slot for each (8 by default)
+                common += ["--max-loras-per-batch", str(len(cfg.adapters))]
         if cfg.true_on_policy:  # re-score finished sequences with the trainer's computation
             common += ["--true-on-policy"]
         if cfg.api_key:  # the same flag on SGLang's server and ours (milepost/auth.py)

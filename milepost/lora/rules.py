@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from milepost.lora.settings import LoraSettings, parse_target_modules
+from milepost.lora.settings import ADAPTER_NAME, LoraSettings, parse_target_modules
 
 if TYPE_CHECKING:
     from milepost.config import TrainConfig
 
 
 def lora_refusals(c: TrainConfig) -> list[str]:
+    p = multi_lora_refusals(c)
     if not c.lora_rank:
-        return []
-    p: list[str] = []
+        return p
     try:
         parse_target_modules(c.lora_target_modules)
     except ValueError as e:
@@ -71,3 +71,53 @@ def check_lora_model(hf_checkpoint: str | Path, settings: LoraSettings) -> None:
     with torch.device("meta"):
         lm = model_class(config)(config)
     attach_lora(lm, settings)
+
+
+ADAPTER_KEYS = ("name", "prompt_data", "reward_fn", "lr")
+
+
+def multi_lora_refusals(c: TrainConfig) -> list[str]:
+    """[[lora.adapters]] (multi-LoRA): well-formed entries, and what they cannot combine with yet."""
+    if not c.adapters:
+        return []
+    from milepost.config_tables import BUILTIN_REWARDS, IMPORT_PATH
+
+    p: list[str] = []
+    if not c.lora_rank:
+        p.append("[[lora.adapters]] needs --lora-rank > 0 (the adapters share rank, alpha and targets)")
+    names = []
+    for i, a in enumerate(c.adapters, start=1):
+        where = f"[[lora.adapters]] entry {i}"
+        unknown = sorted(set(a) - set(ADAPTER_KEYS))
+        if unknown:
+            p.append(f"{where}: unknown key(s) {unknown}; an entry has {list(ADAPTER_KEYS)}")
+        name = a.get("name")
+        names.append(name)
+        if not isinstance(name, str) or not ADAPTER_NAME.match(name):
+            p.append(f"{where}: name {name!r} must match {ADAPTER_NAME.pattern} (it names the adapter "
+                     "in requests, metrics and weight updates)")
+        data = a.get("prompt_data")
+        if not isinstance(data, str) or not Path(data).is_file():
+            p.append(f"{where} ({name}): prompt_data {data!r} is not a file; give each adapter its "
+                     "JSONL/Parquet prompts")
+        reward = a.get("reward_fn", c.reward_fn)
+        if not isinstance(reward, str) or not (reward in BUILTIN_REWARDS or IMPORT_PATH.match(reward)):
+            p.append(f"{where} ({name}): reward_fn {reward!r} is neither a builtin {list(BUILTIN_REWARDS)} "
+                     "nor an import path 'module.sub:function'")
+        lr = a.get("lr", c.lr)
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+            p.append(f"{where} ({name}): lr {lr!r} must be a number > 0")
+    if len(set(names)) != len(names):
+        p.append(f"[[lora.adapters]]: names {names} repeat; each adapter needs its own name")
+    for given, what in ((c.prompt_data is not None, "--prompt-data (each adapter names its prompt_data)"),
+                        (c.eval_prompt_data is not None, "--eval-prompt-data (evaluating each adapter "
+                         "is not supported yet)"),
+                        (c.group_reward_fn is not None, "--group-reward-fn (each adapter has its reward_fn)"),
+                        (c.check_weight_update_equal, "--check-weight-update-equal (it covers one adapter's "
+                         "tensors; --check-weight-update checks what each update sends)"),
+                        (c.stream_optimizer_state_to_disk, "--stream-optimizer-state-to-disk"),
+                        (c.env is not None, "--env (it makes one task's prompts)"),
+                        (c.load_rollouts is not None, "--load-rollouts")):
+        if given:
+            p.append(f"[[lora.adapters]] with {what}: not supported; drop it")
+    return p

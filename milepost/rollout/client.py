@@ -113,10 +113,12 @@ class EngineClient:
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *,
                        return_logprob: bool = True, return_routed_experts: bool = False,
                        rid: str | None = None, routing_key: str | None = None,
-                       top_logprobs_num: int = 0) -> GenerateOutput:
+                       top_logprobs_num: int = 0, lora_path: str | None = None) -> GenerateOutput:
         """One completion of `input_ids`. Retries EngineUnavailableError `generate_retries` times
         (a retry with a rid uses `rid-retryK`, so `abort_request(rid)` still reaches it).
-        top_logprobs_num > 0: `meta_info["output_top_logprobs"]` holds each token's top ids."""
+        top_logprobs_num > 0: `meta_info["output_top_logprobs"]` holds each token's top ids.
+        lora_path: this request's LoRA adapter (default: the client's)."""
+        lora_path = lora_path if lora_path is not None else self.lora_path
         if self.require_routing_key and not routing_key:
             raise ValueError(f"generate on {self.base_url}: this client requires a routing key "
                              f"({ROUTING_KEY_HEADER}) on every request (session affinity); none "
@@ -128,8 +130,8 @@ class EngineClient:
                                     "return_logprob": return_logprob}
             if return_routed_experts:
                 body["return_routed_experts"] = True
-            if self.lora_path is not None:
-                body["lora_path"] = self.lora_path
+            if lora_path is not None:
+                body["lora_path"] = lora_path
             if top_logprobs_num:
                 body["top_logprobs_num"] = top_logprobs_num
             if rid is not None:

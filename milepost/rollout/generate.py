@@ -109,7 +109,8 @@ async def generate_one(client: EngineClient, item: PromptItem, sampling: Samplin
             params["sampling_seed"] = request_seed(sampling.seed, sample.group_index, index)
         out = await client.generate(item.prompt_ids, params, return_logprob=True,
                                     return_routed_experts=return_routed_experts, rid=rid,
-                                    routing_key=routing_key, top_logprobs_num=top_logprobs_num)
+                                    routing_key=routing_key, top_logprobs_num=top_logprobs_num,
+                                    lora_path=item.metadata.get("lora_adapter"))  # multi-LoRA
     except EngineUnavailableError as e:
         sample.status = Status.ABORTED
         sample.metadata["abort_reason"] = str(e)

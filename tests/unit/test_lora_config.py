@@ -63,3 +63,49 @@ def test_models_lora_cannot_adapt_refused_at_start(tmp_path: Path) -> None:
         {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}))
     with pytest.raises(ConfigError, match="--lora-rank: .*mixtral has no native model definition"):
         load_config(None, [*args, "--lora-rank", "4", "--lora-target-modules", "q_proj"])
+
+
+def _adapters(tmp_path: Path, *entries: dict) -> list[str]:
+    import json
+
+    return ["--lora-adapters", json.dumps(list(entries))]
+
+
+def test_multi_lora_adapters_reach_trainer_and_engines(tmp_path: Path) -> None:
+    args = stub_run_args(tmp_path, "--num-rollout", "2", "--rollout-batch-size", "4", "--device", "cpu",
+                         "--lr", "1e-3", "--lora-rank", "4")
+    prompts = args[3]
+    args = args[:2] + args[4:]  # no --prompt-data: each adapter names its own
+    cfg = load_config(None, [*args, *_adapters(tmp_path, {"name": "add", "prompt_data": prompts, "lr": 5e-3},
+                                               {"name": "sub", "prompt_data": prompts,
+                                                "reward_fn": "milepost.lora.demo_tasks:estimate_reward"})])
+    s = trainer_settings(cfg)
+    assert s.lora_adapters == (("add", 5e-3), ("sub", 1e-3))  # lr defaults to the run's
+    assert s.lora.adapters == ("add", "sub")
+    assert "--enable-lora" in LocalLauncher(cfg, Path("unused"))._engine_cmd(12345)
+
+
+@pytest.mark.parametrize(("entries", "message"), [
+    ([{"name": "a b", "prompt_data": "P"}], r"entry 1: name 'a b' must match"),
+    ([{"name": "a", "prompt_data": "P"}, {"name": "a", "prompt_data": "P"}], "names \\['a', 'a'\\] repeat"),
+    ([{"name": "a", "prompt_data": "nope.jsonl"}], r"entry 1 \(a\): prompt_data 'nope.jsonl' is not a file"),
+    ([{"name": "a", "prompt_data": "P", "lr": 0}], r"entry 1 \(a\): lr 0 must be a number > 0"),
+    ([{"name": "a", "prompt_data": "P", "reward_fn": "mystery"}], "reward_fn 'mystery' is neither a builtin"),
+    ([{"name": "a", "prompt_data": "P", "dataset": "x"}], r"unknown key\(s\) \['dataset'\]"),
+])
+def test_multi_lora_bad_entries_refused_naming_them(tmp_path: Path, entries: list[dict], message: str) -> None:
+    import json
+
+    args = stub_run_args(tmp_path, "--num-rollout", "2", "--rollout-batch-size", "4", "--device", "cpu",
+                         "--lora-rank", "4")
+    prompts = args[3]
+    entries = [{k: (prompts if v == "P" else v) for k, v in e.items()} for e in entries]
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*args[:2], *args[4:], "--lora-adapters", json.dumps(entries)])
+    ok = json.dumps([{"name": "a", "prompt_data": prompts}])
+    with pytest.raises(ConfigError, match="with --prompt-data"):
+        load_config(None, [*args, "--lora-adapters", ok])
+    with pytest.raises(ConfigError, match="with --check-weight-update-equal"):
+        load_config(None, [*args[:2], *args[4:], "--lora-adapters", ok, "--check-weight-update-equal"])
+    with pytest.raises(ConfigError, match="needs --lora-rank > 0"):
+        load_config(None, [*args[:2], *args[4:-2], "--lora-adapters", ok])
