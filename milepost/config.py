@@ -39,6 +39,7 @@ from milepost.config_tables import (
     OpdTable,
     OptimizerTable,
     PlacementTable,
+    PrecisionTable,
     RolloutTable,
     WeightsTable,
 )
@@ -67,6 +68,7 @@ def _check_dataset(flag: str, v: Path | None) -> Path | None:
 
 
 class TrainConfig(
+    PrecisionTable,
     LoraTable,
     OpdTable,
     AgentTable,

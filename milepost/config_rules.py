@@ -24,6 +24,7 @@ from milepost.config_rules_parts import (
 )
 from milepost.connectors.env import env_refusals, episode_env_refusals
 from milepost.lora.rules import lora_refusals
+from milepost.lowprec.rules import precision_refusals, ratio_correction_default
 from milepost.onpolicy.rules import true_on_policy_refusals
 from milepost.opd_rules import opd_coef_default, opd_refusals
 
@@ -129,6 +130,7 @@ def refusals(c: TrainConfig) -> list[str]:
     p += agent_refusals(c)
     p += opd_refusals(c)
     p += lora_refusals(c)
+    p += precision_refusals(c)
     p += true_on_policy_refusals(c)
     if c.use_tensorboard and importlib.util.find_spec("tensorboard") is None:
         p.append("--use-tensorboard needs the tensorboard package: pip install tensorboard")
@@ -196,6 +198,8 @@ def resolve_defaults(c: TrainConfig) -> None:
         put("update_weight_delta_dir", Path(c.run_dir or default_run_dir()).absolute() / "weight_deltas")
     if c.run_dir is None:
         put("run_dir", default_run_dir().absolute())
+    if ratio_correction_default(c):  # a bf16 trainer beside quantized engines: TIS (report 3.1)
+        put("ratio_correction", ratio_correction_default(c))
     if c.use_rollout_logprobs is None:
         put("use_rollout_logprobs", c.fully_async and c.ratio_correction == "none")
     if c.offload_train is None:

@@ -21,6 +21,7 @@ from milepost.config_tables.data import (
     FullyAsyncTable,
     RolloutTable,
 )
+from milepost.config_tables.precision import PrecisionTable
 from milepost.config_tables.run import (
     EngineTable,
     MemoryTable,
@@ -60,6 +61,7 @@ __all__ = [
     "OpdTable",
     "OptimizerTable",
     "PlacementTable",
+    "PrecisionTable",
     "RolloutTable",
     "Table",
     "WeightsTable",
@@ -83,5 +85,6 @@ TABLES: dict[str, type[Table]] = {
     "agent": AgentTable,
     "opd": OpdTable,
     "lora": LoraTable,
+    "precision": PrecisionTable,
 }
 TABLE_OF: dict[str, str] = {name: t for t, cls in TABLES.items() for name in cls.model_fields}

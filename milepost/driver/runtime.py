@@ -429,8 +429,18 @@ def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
         lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
         lora_target_modules=cfg.lora_target_modules,
         lora_adapters=tuple((a["name"], float(a.get("lr", cfg.lr))) for a in cfg.adapters or []),
-        **objective_settings(cfg),
+        **objective_settings(cfg), **precision_settings(cfg),
     )
+
+
+def precision_settings(cfg: TrainConfig) -> dict:
+    """The trainer's side of the precision contract (milepost/lowprec/)."""
+    from milepost.lowprec.rules import run_contract
+
+    contract = run_contract(cfg)
+    return dict(precision=contract.train, precision_overrides=contract.overrides,
+                nvfp4_four_over_six=cfg.nvfp4_four_over_six,
+                nvfp4_dequantized_backward=cfg.nvfp4_dequantized_backward)
 
 
 def objective_settings(cfg: TrainConfig) -> dict:

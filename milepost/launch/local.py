@@ -28,6 +28,7 @@ from milepost.launch.process import (
     openmp_defaults,
 )
 from milepost.launch.rendezvous import LOOPBACK_SOCKET_ENV
+from milepost.lowprec.train_setup import engine_precision_flags
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class LocalLauncher:
             common += ["--max-total-tokens", str(cfg.engine_max_total_tokens)]
         if cfg.engine_quantization:  # fp8 weight storage (milepost/engine/weight_fp8.py)
             common += ["--quantization", cfg.engine_quantization]
+        common += engine_precision_flags(cfg)  # --precision's engine side (milepost/lowprec/)
         if cfg.lora_rank:  # the engines serve the trained adapter beside the base (docs/lora.md)
             common += ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank),
                        "--lora-target-modules", cfg.lora_target_modules]

@@ -19,7 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from milepost.lowprec.contract import BF16, Contract
-from milepost.lowprec.quantize import QTensor, check_shape, dequantize, finite_amax, quantize
+from milepost.lowprec.quantize import (
+    QTensor,
+    check_shape,
+    dequantize,
+    finite_amax,
+    quantize,
+)
 
 
 def qdq(x: torch.Tensor, fmt: str, role: str = "activation", *, four_over_six: bool = False,

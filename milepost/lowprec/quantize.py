@@ -99,7 +99,7 @@ def quantize(x: torch.Tensor, fmt: str, role: Role = "weight", *, four_over_six:
         scale = torch.where(bad, torch.nan, scale)
         values = el.to_e4m3(t / scale[..., None])
         return QTensor(fmt, _untile(values.view(torch.uint8), tile, *x.reshape(-1, shape[-1]).shape)
-                       .view(el.E4M3).reshape(shape), scale, tile, shape)
+                       .contiguous().view(el.E4M3).reshape(shape), scale, tile, shape)
     if fmt == "mxfp8":
         # OCP MX 1.0, 6.3: X = 2^(floor(log2 amax) - emax_elem), emax_elem = 8 for E4M3.
         _, exp = torch.frexp(amax)

@@ -41,6 +41,10 @@ def shard_model(model_path: Path, s: TrainerSettings, device: torch.device, trai
     lm = load_model(model_path, torch.float32, "cpu")  # fp32 master weights; fully_shard moves each shard
     if trainable and s.lora is not None:
         attach_lora(lm, s.lora)  # the reference / teacher stay the plain base
+    if s.precision != "bf16":  # quantized linears, the engines' quantizer (milepost/lowprec/)
+        from milepost.lowprec.train_setup import quantize_trainer
+
+        quantize_trainer(lm, s, device)
     fused = s.fused_kernels and device.type == "cuda" and not s.true_on_policy
     chunk = LOGPROB_CHUNK if s.true_on_policy else s.logprob_chunk_size  # the engine re-scores with it
     scorer = TokenScorer(lm, s.temperature, chunk, fused=fused)

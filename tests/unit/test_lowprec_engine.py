@@ -87,3 +87,29 @@ def test_nvfp4_gate_waits_for_up_then_both_share_the_outer_scale(ckpt: Path) -> 
     assert module.qparts[0][2].tensor_scale == module.qparts[1][2].tensor_scale
     assert ((g[0] - w[gate] * 100).abs() <= error_bound("nvfp4", w[gate] * 100, g[1])).all()
     assert ((u[0] - w[up]).abs() <= error_bound("nvfp4", w[up], u[1])).all()
+
+
+def test_checkpoint_conversion_writes_the_quantizers_values(ckpt: Path, tmp_path: Path) -> None:
+    """The fourth stage: the converted checkpoint holds exactly what the engine would store."""
+    import json
+
+    from milepost.lowprec.convert import convert_checkpoint
+
+    contract = Contract("fp8_block", "fp8_block", parse_overrides(["layers.1-1=bf16"]))
+    names = convert_checkpoint(ckpt, tmp_path / "fp8", contract)
+    assert names and all(".layers.0." in n for n in names)
+    out = load_file(tmp_path / "fp8" / "model.safetensors")
+    src = load_file(ckpt / "model.safetensors")
+    up = "model.layers.0.mlp.up_proj.weight"
+    q = quantize(src[up], "fp8_block")
+    assert out[up].dtype == torch.float8_e4m3fn and torch.equal(out[up].view(torch.uint8),
+                                                                q.values.view(torch.uint8))
+    assert torch.equal(out["model.layers.0.mlp.up_proj.weight_scale_inv"], q.scales)
+    assert torch.equal(out["model.layers.1.mlp.up_proj.weight"], src["model.layers.1.mlp.up_proj.weight"])
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    model, store = engine_model(ckpt, contract)
+    assert torch.equal(store.dequantized(model.weight_view(up))[0],
+                       out[up].float() * element_scale(q))
+    with pytest.raises(ValueError, match="no common checkpoint layout"):
+        convert_checkpoint(ckpt, tmp_path / "x", Contract("nvfp4", "nvfp4"))

@@ -1,0 +1,47 @@
+"""The trainer's side of the precision contract: its covered linears become quantized linears
+(milepost/lowprec/linear.py) before sharding, and the engines get the matching flags."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from milepost.lowprec.contract import BF16, Contract, native_support
+from milepost.lowprec.linear import apply_train_precision
+
+if TYPE_CHECKING:
+    from milepost.config import TrainConfig
+    from milepost.train.settings import TrainerSettings
+
+log = logging.getLogger(__name__)
+
+
+def quantize_trainer(model: nn.Module, s: TrainerSettings, device: torch.device) -> list[str]:
+    contract = Contract(s.precision, s.precision, s.precision_overrides, s.nvfp4_four_over_six)
+    names = apply_train_precision(model, contract, dequantized_backward=s.nvfp4_dequantized_backward)
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    # Emulated everywhere today (the values are the format's; native trainer GEMMs are not wired).
+    log.warning("trainer precision %s: %d linears quantized; GEMMs emulated (quantize, dequantize, "
+                "GEMM in %s)%s", s.precision, len(names), s.dtype,
+                "" if native_support(s.precision, cap) else
+                f"; {'the CPU' if cap is None else f'compute capability {cap}'} has no native "
+                f"{s.precision} GEMM")
+    return names
+
+
+def engine_precision_flags(cfg: TrainConfig) -> list[str]:
+    """`milepost serve` flags for the engines' side of `cfg`'s contract."""
+    from milepost.lowprec.rules import run_contract
+
+    contract = run_contract(cfg)
+    if contract.rollout == BF16:
+        return []
+    flags = ["--quantization", contract.rollout]
+    if contract.overrides:
+        flags += ["--precision-override", ",".join(f"{p}={f}" for p, f in contract.overrides)]
+    if contract.four_over_six:
+        flags += ["--nvfp4-four-over-six"]
+    return flags

@@ -1,0 +1,61 @@
+"""--precision settings: the contract reaches the trainer and the engine command, TIS comes on
+for a bf16 trainer beside quantized engines, and the report's refusals fire at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from milepost.config import ConfigError, load_config
+from milepost.driver.runtime import trainer_settings
+from milepost.launch.local import LocalLauncher
+from milepost.testing.run_args import stub_run_args
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> list[str]:
+    return stub_run_args(tmp_path, "--num-rollout", "2", "--rollout-batch-size", "4",
+                         "--n-samples-per-prompt", "2", "--device", "cpu")
+
+
+def test_bf16_train_fp8_serve_reaches_both_sides_with_tis(base: list[str]) -> None:
+    cfg = load_config(None, [*base, "--precision", "bf16-train-fp8-serve",
+                             "--precision-override", "layers.0-1=bf16"])
+    assert cfg.ratio_correction == "tis"  # on by default for this arrangement
+    assert trainer_settings(cfg).precision == "bf16"
+    cmd = LocalLauncher(cfg, cfg.run_dir)._engine_cmd(12345)
+    i = cmd.index("--quantization")
+    assert cmd[i:i + 4] == ["--quantization", "fp8_block", "--precision-override", "layers.0-1=bf16"]
+    explicit = load_config(None, [*base, "--precision", "bf16-train-fp8-serve",
+                                  "--ratio-correction", "none"])
+    assert explicit.ratio_correction == "none"  # an explicit choice is kept
+    plain = load_config(None, base)
+    assert plain.ratio_correction == "none" and "--quantization" not in \
+        LocalLauncher(plain, plain.run_dir)._engine_cmd(12345)
+
+
+def test_nvfp4_contract_reaches_both_sides(base: list[str]) -> None:
+    cfg = load_config(None, [*base, "--precision", "nvfp4", "--nvfp4-four-over-six",
+                             "--nvfp4-dequantized-backward"])
+    s = trainer_settings(cfg)
+    assert (s.precision, s.nvfp4_four_over_six, s.nvfp4_dequantized_backward) == ("nvfp4", True, True)
+    cmd = LocalLauncher(cfg, cfg.run_dir)._engine_cmd(12345)
+    assert "--nvfp4-four-over-six" in cmd and cmd[cmd.index("--quantization") + 1] == "nvfp4"
+    assert cfg.ratio_correction == "none"  # same format on both sides: no default correction
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--rollout-precision", "nvfp4"], "nvfp4 with a bf16 trainer"),
+    (["--precision", "fp8", "--rollout-precision", "mxfp8"], "the two sides run the same format"),
+    (["--precision", "fp8", "--precision-override", "lm_head*=nvfp4"], "keeps tensors in bf16"),
+    (["--precision", "fp8", "--precision-override", "layers.0-1"], "PATTERN=FORMAT"),
+    (["--precision", "fp8", "--nvfp4-four-over-six"], "refines the NVFP4 recipe"),
+    (["--precision", "fp8", "--engine-quantization", "fp8"], "drop --engine-quantization"),
+    (["--precision", "bf16-train-fp8-serve", "--engine-backend", "sglang"], "--engine-backend embedded"),
+    (["--precision", "fp8", "--lora-rank", "8"], "adapters on a quantized base"),
+    (["--precision", "mxfp8", "--true-on-policy"], "cannot give bitwise-equal"),
+])
+def test_refused_at_start(base: list[str], flags: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*base, *flags])
