@@ -50,7 +50,8 @@ def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, n_kb,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 B_ROWS: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,22 +61,27 @@ def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, n_kb,
         a = tl.load(A + rm[:, None] * stride_a + (kb * BLOCK_K + rk)[None, :], mask=rm[:, None] < M, other=0.0)
         b = tl.load(B + rn[:, None] * stride_b + (kb * BLOCK_K + rk)[None, :], mask=rn[:, None] < N, other=0.0)
         sa = tl.load(SA + rm * n_kb + kb, mask=rm < M, other=0.0)
-        sb = tl.load(SB + (pid_n * BLOCK_N // 128) * n_kb + kb)
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb)
+        if B_ROWS:  # B quantized 1x128 per row too (the weight-gradient GEMM)
+            sb = tl.load(SB + rn * n_kb + kb, mask=rn < N, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        else:  # B in 128x128 tiles: one scale per (N tile, K block)
+            sb = tl.load(SB + (pid_n * BLOCK_N // 128) * n_kb + kb)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb)
     tl.store(C + rm[:, None] * stride_c + rn[None, :], acc.to(C.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def triton_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
-                    out_dtype: torch.dtype) -> torch.Tensor:
-    """xq [M, K] fp8, sx [M, K/128]; w [N, K] fp8, sw [N/128, K/128] -> [M, N] out_dtype."""
+                    out_dtype: torch.dtype, b_rows: bool = False) -> torch.Tensor:
+    """xq [M, K] fp8, sx [M, K/128]; w [N, K] fp8, sw [N/128, K/128] (b_rows: [N, K/128], w
+    quantized 1x128 per row) -> [M, N] out_dtype."""
     m, k = xq.shape
     n = w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     bm = 16 if m <= 16 else (64 if m <= 64 else 128)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, TILE))
     _gemm_kernel[grid](xq, sx, w, sw, out, m, n, k, xq.stride(0), w.stride(0), out.stride(0),
-                       k // TILE, BLOCK_M=bm, BLOCK_N=TILE, BLOCK_K=TILE)
+                       k // TILE, BLOCK_M=bm, BLOCK_N=TILE, BLOCK_K=TILE, B_ROWS=b_rows)
     return out
 
 
@@ -149,3 +155,28 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
     fn = {"scaled_mm": scaled_mm_block, "triton": triton_block_mm,
           "emulated": emulated_block_mm}[backend or block_backend(x.device)]
     return fn(xq, sx, w, sw, x.dtype).reshape(*shape[:-1], w.shape[0])
+
+
+class Fp8BlockLinearFn(torch.autograd.Function):
+    """The trainer's FP8 linear on Hopper: the three GEMMs in FP8 with the values the emulated
+    path (milepost/lowprec/linear.py) uses: forward x (1x128) x W (128x128); data gradient
+    gy (1x128 along N) x W^T (the same tiles transposed); weight gradient gy^T x x^T, both
+    1x128 along the tokens (zero-padded to a multiple of 128). The weight's gradient goes
+    straight through to the master weight."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, wv: torch.Tensor,
+                ws: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, wv, ws)
+        return fp8_block_linear(x, wv, ws)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):  # type: ignore[override]
+        x, wv, ws = ctx.saved_tensors
+        x2, gy2 = x.reshape(-1, x.shape[-1]), gy.reshape(-1, gy.shape[-1]).contiguous()
+        gx = fp8_block_linear(gy2, wv.t().contiguous(), ws.t().contiguous())
+        pad = (-gy2.shape[0]) % TILE
+        gq, sg = quantize_act_1x128(torch.nn.functional.pad(gy2.t(), (0, pad)).contiguous())
+        xq, sx = quantize_act_1x128(torch.nn.functional.pad(x2.t(), (0, pad)).contiguous())
+        gw = triton_block_mm(gq, sg, xq, sx, gy.dtype, b_rows=True)
+        return gx.reshape(x.shape), gw, None, None

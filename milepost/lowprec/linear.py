@@ -81,6 +81,18 @@ class LowPrecLinearFn(torch.autograd.Function):
         return gx.reshape(x.shape), gw.to(wq.dtype), None, None, None, None
 
 
+def _native_fp8(m: LowPrecLinear, x: torch.Tensor) -> bool:
+    """FP8 blockwise on a Hopper GPU with whole tiles: the native GEMMs (same values)."""
+    if m.qformat != "fp8_block" or not x.is_cuda or x.dtype == torch.float32:
+        return False
+    n, k = m.weight.shape
+    if n % 128 or k % 128 or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    from milepost.kernels.fp8_gemm import block_backend
+
+    return block_backend(x.device) != "emulated"
+
+
 def _token_block(fmt: str) -> int:
     return {"fp8_block": 1, "mxfp8": 32, "nvfp4": 16}[fmt]
 
@@ -103,6 +115,13 @@ class LowPrecLinear(nn.Linear):
                        outer_amax=outer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _native_fp8(self, x):
+            from milepost.kernels.fp8_gemm import Fp8BlockLinearFn
+
+            with torch.no_grad():
+                q = quantize(self.weight, "fp8_block", "weight")
+            y = Fp8BlockLinearFn.apply(x, self.weight, q.values, q.scales)
+            return y + self.bias if self.bias is not None else y
         # The weight's gradient goes straight through to the master weight (wq carries none).
         y = LowPrecLinearFn.apply(x, self.weight, self.quantized_weight(), self.qformat,
                                   self.four_over_six, self.dequantized_backward)
