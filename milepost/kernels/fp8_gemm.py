@@ -22,6 +22,21 @@ _BACKEND: dict[int, str] = {}
 
 
 @triton.jit
+def _round_e4m3(y):
+    """y rounded to E4M3 (ties to even, saturating at 448, sign of zero kept, NaN kept) as an
+    exactly representable float32, so the final cast has nothing left to round."""
+    a = tl.abs(y)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # floor(log2 a)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3 mantissa bits)
+    v = a / step  # a power of two: exact
+    r = (v + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 addition rounds to even here
+    q = tl.minimum(r * step, 448.0)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648
+    q = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(y != y, y, q)  # noqa: PLR0124 - NaN stays NaN
+
+
+@triton.jit
 def _quant_act_kernel(X, Q, S, stride_x, stride_q, n_groups, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -33,8 +48,7 @@ def _quant_act_kernel(X, Q, S, stride_x, stride_q, n_groups, BLOCK: tl.constexpr
     scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
     scale = tl.where(bad, float("nan"), scale)
     y = tl.math.div_rn(x, scale)
-    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))  # noqa: PLR0124 - NaN stays
-    tl.store(Q + row * stride_q + cols, y.to(tl.float8e4nv))
+    tl.store(Q + row * stride_q + cols, _round_e4m3(y).to(tl.float8e4nv))
     tl.store(S + row * n_groups + g, scale)
 
 
