@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from milepost.config_tables.base import Table
 
@@ -70,6 +70,23 @@ class PlacementTable(Table):
     ray_placement_timeout_s: float = Field(
         120.0, gt=0, description="--launcher ray: how long to wait for the placement groups "
         "before refusing the run (with the nodes' resources).")
+    # The training backend (docs/megatron.md); sizes follow Megatron's flags.
+    train_backend: Literal["fsdp", "megatron"] = Field(
+        "fsdp", description="fsdp = FSDP2 data parallel over Hugging Face models as they are; megatron = "
+        "megatron-core with tensor / expert parallel sizes (pip install 'milepost[megatron]').")
+    tensor_model_parallel_size: int = Field(1, ge=1, description="--train-backend megatron: tensor-parallel size.")
+    pipeline_model_parallel_size: int = Field(
+        1, ge=1, description="--train-backend megatron: pipeline-parallel size (conversion only so far).")
+    context_parallel_size: int = Field(
+        1, ge=1, description="--train-backend megatron: context-parallel size (needs transformer-engine).")
+    expert_model_parallel_size: int = Field(1, ge=1, description="--train-backend megatron: expert-parallel size.")
+
+    @model_validator(mode="after")
+    def _train_backend(self) -> PlacementTable:
+        from milepost.train.megatron.preflight import check_train_backend
+
+        check_train_backend(self)
+        return self
 
 
 class MemoryTable(Table):

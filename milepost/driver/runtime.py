@@ -46,7 +46,9 @@ from milepost.rollout.generate import (
 )
 from milepost.rollout.teacher import ServedTeachers, TeacherError, teachers_of_run
 from milepost.train.checkpoint import checkpoint_path
+from milepost.train.backend import create_backend
 from milepost.train.fsdp import FSDPBackend
+from milepost.train.megatron.preflight import sizes_of as megatron_sizes
 from milepost.train.settings import TrainerSettings
 from milepost.types import Group
 from milepost.weights.factory import make_weight_sync
@@ -102,8 +104,8 @@ class Runtime:
         # Plug-in rollout layers / session server (issue 6): replace the default rollout when set.
         self.agentic = (AgenticRollout(cfg, engine_urls, router_url, self._sampling())
                         if self.lead and rollout_layers_enabled(cfg) else None)
-        self.backend = None if cfg.rollout_only else FSDPBackend.create(
-            cfg.hf_checkpoint, trainer_settings(cfg))
+        self.backend = None if cfg.rollout_only else create_backend(
+            cfg.hf_checkpoint, trainer_settings(cfg), cfg.train_backend, megatron_sizes(cfg))
         self._resume()
         if self.lead and self.engine_urls:
             wait_for_engines(self.engine_urls)
@@ -252,7 +254,10 @@ class Runtime:
             padded = pad_to_optimizer_steps(samples, int(self.cfg.global_batch_size))
             self.step_metrics["train/padding_samples"] = len(padded) - len(samples)
             samples = padded
-        batch = rank_batch(self.cfg, self.backend, samples, self.rank, self.world, self.step_metrics)
+        # Megatron: ranks of one model-parallel group train on the same samples
+        data_rank, data_world = (getattr(self.backend, "data_rank", self.rank),
+                                 getattr(self.backend, "data_world", self.world))
+        batch = rank_batch(self.cfg, self.backend, samples, data_rank, data_world, self.step_metrics)
         metrics = self.backend.train_step(batch)
         turns = self.backend.take_turn_stats()  # --offload-actor-for-critic: the models took turns
         if turns is not None:

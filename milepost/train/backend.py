@@ -16,7 +16,7 @@ import torch
 from milepost.train.batch import TrainBatch, split_for_rank
 from milepost.types import Sample
 
-__all__ = ["TRAIN_METRICS", "TrainBackend", "TrainBatch", "split_for_rank"]
+__all__ = ["TRAIN_METRICS", "TrainBackend", "TrainBatch", "create_backend", "split_for_rank"]
 
 # Keys of the dict `train_step` returns (train_rollout_logprob_abs_diff only when the batch has
 # rollout log-probs). Values are identical on every rank.
@@ -95,3 +95,20 @@ class TrainBackend(Protocol):
     def onload(self) -> None:
         """Bring everything `offload` moved back to the training device."""
         ...
+
+
+def create_backend(model_path: str | Path, settings: Any, train_backend: str = "fsdp", sizes: Any = None) -> Any:
+    """The `TrainBackend` named by --train-backend (collective: every rank calls it).
+
+    sizes: `milepost.train.megatron.parallel.ParallelSizes` for megatron. Ranks of one Megatron
+    model-parallel group take the same samples: split with the backend's data_rank / data_world.
+    """
+    if train_backend == "megatron":
+        from milepost.train.megatron.backend import MegatronBackend
+
+        return MegatronBackend.create(model_path, settings, sizes)
+    if train_backend != "fsdp":
+        raise ValueError(f"--train-backend {train_backend!r}: choose fsdp or megatron")
+    from milepost.train.fsdp import FSDPBackend
+
+    return FSDPBackend.create(model_path, settings)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -38,7 +40,6 @@ def test_bad_sizes_are_refused_with_numbers(shape, sizes, world, message):
 
 
 def test_context_parallel_names_the_missing_package():
-    import importlib.util
 
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("transformer-engine is installed here")
@@ -85,3 +86,28 @@ def test_backend_refuses_what_it_lacks(overrides, sizes, shape, message):
     with pytest.raises(ValueError, match=message):
         refuse_unsupported(TrainerSettings(**overrides), sizes, shape)
     refuse_unsupported(TrainerSettings(), ParallelSizes(tp=2), DENSE)  # what it has passes
+
+
+def test_run_config_refuses_bad_backend_settings(tmp_path):
+    """`milepost train` flags: checked when the config is built, before any process starts."""
+    from milepost.config import load_config
+    from milepost.testing.run_args import stub_run_args
+
+    model = make_tiny_checkpoint(tmp_path / "model_dir", "qwen3", with_tokenizer=False)
+
+    def load(*flags: str):
+        args = stub_run_args(tmp_path, "--num-rollout", "1", "--rollout-batch-size", "8", *flags)
+        args[args.index("--hf-checkpoint") + 1] = str(model)
+        return load_config(None, args)
+
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size need --train-backend megatron"):
+        load("--tensor-model-parallel-size", "2")
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size 8 does not divide the 4 attention heads"):
+        load("--train-backend", "megatron", "--tensor-model-parallel-size", "8", "--actor-num-gpus-per-node", "8")
+    with pytest.raises(ValueError, match=r"world size 3 is not a multiple"):
+        load("--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "3")
+    with pytest.raises(ValueError, match=r"--lora-rank 8 is not available with --train-backend megatron"):
+        load("--train-backend", "megatron", "--lora-rank", "8")
+    if importlib.util.find_spec("megatron") is not None:
+        cfg = load("--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2")
+        assert (cfg.train_backend, cfg.tensor_model_parallel_size) == ("megatron", 2)

@@ -144,7 +144,7 @@ class MegatronBackend:
         else:
             device = torch.device("cpu")
         torch.manual_seed(settings.seed)
-        init_parallel(sizes.tp, sizes.pp, sizes.ep, sizes.cp)
+        init_parallel(sizes.tp, sizes.pp, sizes.ep, sizes.cp, seed=settings.seed)
         hf = read_hf_weights(path)
         dtype = settings.torch_dtype
 
@@ -199,6 +199,13 @@ class MegatronBackend:
         zeros = [torch.zeros(r) for r in resp]
         batch = TrainBatch([torch.as_tensor(s.tokens, dtype=torch.int64) for s in samples], resp, zeros, zeros)
         return self._score(model, batch, self._plan([t.numel() for t in batch.tokens]))
+
+    def routed_experts_of(self, samples: Sequence[Sample]) -> None:
+        """Routing replay is refused on this backend: there is never a routing to pass."""
+        return None
+
+    def take_turn_stats(self) -> None:
+        return None  # actor/critic turns are refused on this backend
 
     # --- training ----------------------------------------------------------------------------------
 

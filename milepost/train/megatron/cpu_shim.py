@@ -33,21 +33,25 @@ class _NoDropoutRngTracker:
 
 
 def install_cpu_shim() -> bool:
-    """Install the CPU patches when CUDA is absent; returns whether they are (now) installed."""
+    """Install the CPU patches when CUDA is absent; returns whether they are (now) installed.
+
+    The `te_general_gemm` default is set on every device (megatron-core 0.16 reads the name
+    whether or not Transformer Engine imported)."""
     global _INSTALLED
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # on CUDA too: the router tests it for None
+        moe_utils.te_general_gemm = None
     if torch.cuda.is_available():
         return False
     if _INSTALLED:
         return True
     import megatron.core.tensor_parallel.random as mrandom
-    import megatron.core.transformer.moe.moe_utils as moe_utils
 
     # Megatron passes this as `device=` for new tensors; "cpu" is what a CPU build can allocate on.
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     mrandom._CUDA_RNG_STATE_TRACKER = _NoDropoutRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    if not hasattr(moe_utils, "te_general_gemm"):  # the router's fallback path tests it for None
-        moe_utils.te_general_gemm = None
     _INSTALLED = True
     return True
 

@@ -66,7 +66,7 @@ PARITY_SETTINGS = dict(lr=1e-3, lr_warmup_iters=1, global_batch_size=4, max_toke
 
 
 def train_once(rank: int, world_size: int, path: str, backend: str = "megatron", tp: int = 1, ep: int = 1,
-               checkpoint_dir: str | None = None) -> dict:
+               checkpoint_dir: str | None = None, overrides: dict | None = None) -> dict:
     """One rollout of 8 random samples (2 optimizer steps) on `backend`; metrics, HF weights after,
     and the log-probs of fixed probes. With `checkpoint_dir`: save after the first rollout, train a
     second one, reload and train it again (the two second-rollout results must be equal)."""
@@ -75,7 +75,7 @@ def train_once(rank: int, world_size: int, path: str, backend: str = "megatron",
     from milepost.train.settings import TrainerSettings
     from milepost.types import Sample
 
-    settings = TrainerSettings(**PARITY_SETTINGS)
+    settings = TrainerSettings(**{**PARITY_SETTINGS, **(overrides or {})})
     if backend == "fsdp":
         from milepost.train.fsdp import FSDPBackend
 

@@ -27,7 +27,7 @@ def require_megatron(feature: str = "--train-backend megatron") -> None:
         raise ImportError(f"{feature} needs the package megatron-core, which is not installed: {INSTALL_HINT}")
 
 
-def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> None:
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, seed: int = 1234) -> None:
     """Megatron's process groups over the default group (idempotent for the same sizes)."""
     require_megatron()
     from megatron.core import parallel_state as ps
@@ -41,6 +41,11 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> None:
         return
     ps.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=1)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        # attention forks megatron's CUDA RNG tracker even without dropout: its states must exist
+        model_parallel_cuda_manual_seed(seed)
 
 
 def transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,

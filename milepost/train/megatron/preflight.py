@@ -1,0 +1,67 @@
+"""Run-config checks of `--train-backend` and Megatron's parallel sizes, made when the config is built.
+
+So a bad size, a missing megatron-core or a feature the Megatron backend lacks stops the run
+before any process starts, naming the flag and the numbers (the backend checks again on create).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from milepost.train.megatron.parallel import ParallelSizes, validate_sizes
+from milepost.train.megatron.provider import require_megatron
+from milepost.train.megatron.shape import shape_of
+
+SIZE_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
+              "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+              "context_parallel_size": "--context-parallel-size",
+              "expert_model_parallel_size": "--expert-model-parallel-size"}
+
+# Run-config settings the Megatron backend does not have yet, with the value that turns each off.
+_NOT_YET = {"lora_rank": 0, "critic_lr": None, "use_rollout_routing_replay": False, "true_on_policy": False,
+            "opd_teacher_checkpoint": None, "stream_optimizer_state_to_disk": False, "compile_layers": False,
+            "activation_checkpointing": "none", "offload_actor_for_critic": (None, False)}
+
+
+def sizes_of(cfg: Any) -> ParallelSizes:
+    return ParallelSizes(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
+                         cp=cfg.context_parallel_size, ep=cfg.expert_model_parallel_size)
+
+
+def check_train_backend(cfg: Any) -> None:
+    """Raise ValueError (ImportError for a missing package) when the backend settings cannot run."""
+    if cfg.train_backend != "megatron":
+        set_sizes = [flag for name, flag in SIZE_FLAGS.items() if getattr(cfg, name) != 1]
+        if set_sizes:
+            raise ValueError(f"{', '.join(set_sizes)} need --train-backend megatron (the FSDP backend is data "
+                             "parallel only)")
+        return
+    try:
+        require_megatron()
+    except ImportError as err:  # a config error: reported with the other refusals
+        raise ValueError(str(err)) from None
+    for name, off in _NOT_YET.items():
+        value = getattr(cfg, name, None)
+        if value not in (off if isinstance(off, tuple) else (off,)):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {value} is not available with --train-backend megatron yet; "
+                             "turn it off or use --train-backend fsdp")
+    checkpoint = getattr(cfg, "hf_checkpoint", None)
+    if checkpoint is None or not (Path(checkpoint) / "config.json").is_file():
+        return  # the checkpoint's own validator names the problem
+    shape = shape_of(json.loads((Path(checkpoint) / "config.json").read_text()))
+    device = getattr(cfg, "device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes = sizes_of(cfg)
+    validate_sizes(shape, sizes, cfg.actor_num_gpus_per_node, device=device)
+    if sizes.pp > 1:
+        raise ValueError(f"--pipeline-model-parallel-size {sizes.pp}: pipeline-parallel training is not wired into "
+                         "the Megatron backend yet (conversion supports it: milepost convert)")
+    if shape.is_moe and sizes.tp > 1 and sizes.ep > 1:
+        raise ValueError(f"--tensor-model-parallel-size {sizes.tp} with --expert-model-parallel-size {sizes.ep}: "
+                         "TP and EP together are not tested yet; use one of them")
