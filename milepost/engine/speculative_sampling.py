@@ -57,20 +57,21 @@ def verify(
     logprobs_all = torch.log_softmax(scaled, dim=-1)  # [R, V]
     argmax = logits.argmax(dim=-1)  # [R]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    q = None  # [R, V] the target's sampling distribution on sampled requests' rows (else 0)
+    # q: [rows of sampled requests, V] the target's sampling distribution; q_at[r]: row r's
+    # index in q (0 for greedy rows, whose q is never read: they compare with the argmax).
+    q = q_at = None
     if sampled:
         rows = [starts[i] + j for i in sampled for j in range(counts[i])]
-        probs = logprobs_all[rows].exp() if len(sampled) < len(params) else logprobs_all.exp()
-        _truncate(probs, [row_params[r] for r in rows])
-        probs /= probs.sum(dim=1, keepdim=True)
-        if len(sampled) < len(params):
-            q = torch.zeros_like(logprobs_all)
-            q[rows] = probs
-        else:
-            q = probs
+        q = logprobs_all[rows].exp() if len(sampled) < len(params) else logprobs_all.exp()
+        _truncate(q, [row_params[r] for r in rows])
+        q /= q.sum(dim=1, keepdim=True)
+        at = [0] * len(row_params)
+        for n, r in enumerate(rows):
+            at[r] = n
+        q_at = _on_device(at, dev)
 
     # Every proposal's test at once; each request's first rejection is found on the host.
-    flags = _accept_flags(q, argmax, drafts, draft_probs, params, generators, starts, dev)
+    flags = _accept_flags(q, q_at, argmax, drafts, draft_probs, params, generators, starts, dev)
     accepted = []
     for i, d in enumerate(drafts):
         m = 0
@@ -83,7 +84,7 @@ def verify(
     last = _on_device([starts[i] + m for i, m in enumerate(accepted)], dev)
     final = argmax[last]
     if sampled:
-        dist = q[last[_on_device(sampled, dev)]]  # [S, V]
+        dist = q[q_at[last[_on_device(sampled, dev)]]]  # [S, V]
         _residuals(dist, sampled, drafts, draft_probs, accepted, dev)
         final[_on_device(sampled, dev)] = _race(dist, [generators[i] for i in sampled])
     final_host = final.tolist()
@@ -103,7 +104,8 @@ def verify(
     return Verdict(tokens, logprobs, out_rows, accepted, logprobs_all)
 
 
-def _accept_flags(q: torch.Tensor | None, argmax: torch.Tensor, drafts: Sequence[Sequence[int]],
+def _accept_flags(q: torch.Tensor | None, q_at: torch.Tensor | None, argmax: torch.Tensor,
+                  drafts: Sequence[Sequence[int]],
                   draft_probs: Sequence[torch.Tensor | None], params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator | None], starts: list[int],
                   dev: torch.device) -> list[list[bool]]:
@@ -115,7 +117,7 @@ def _accept_flags(q: torch.Tensor | None, argmax: torch.Tensor, drafts: Sequence
     rows_t = _on_device(rows, dev)
     ok = argmax[rows_t] == toks
     if q is not None:
-        target = q[rows_t, toks]  # q(d)
+        target = q[q_at[rows_t], toks]  # q(d) (read on greedy rows too, then not used)
         proposal = torch.ones_like(target)  # p(d): 1 for a point mass
         with_p = [i for i, (d, p) in enumerate(zip(drafts, draft_probs)) if p is not None and len(d)]
         if with_p:

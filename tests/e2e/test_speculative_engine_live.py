@@ -257,3 +257,26 @@ def test_bench_reports_acceptance_and_speedup_in_the_same_run(ckpts) -> None:
     assert 3.0 < spec["accept_length"] <= 4.0
     assert spec["speedup"] == pytest.approx(spec["tok_s"] / row["milepost_tok_s"])
     assert row["output_tokens"] == 4 * 24
+
+
+def test_served_over_http_with_n_samples(qwen3_dir: Path, qwen3_server, start_server) -> None:
+    """`milepost serve --speculative-algorithm NGRAM`: /generate with n = 3 greedy samples and
+    log-probs answers what the shared plain server answers."""
+    import httpx
+
+    body = {"input_ids": [5, 6, 7, 8] * 4, "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True, "n": 3}}
+    srv = start_server(qwen3_dir, "--max-total-tokens", "4096", "--speculative-algorithm", "NGRAM",
+                       "--speculative-num-draft-tokens", "5")
+    answers = []
+    for url in (qwen3_server.url, srv.url):
+        r = httpx.post(f"{url}/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    plain, spec = answers
+    assert len(spec) == 3
+    for a, b in zip(plain, spec):
+        assert b["output_ids"] == a["output_ids"]
+        la = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        lb = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+        assert lb == pytest.approx(la, abs=1e-4)
