@@ -103,6 +103,8 @@ def greedy(n: int, **kw: object) -> SamplingParams:
 def workload(r: Run, ps: list[list[int]], stop: int | None = None) -> None:
     for i, p in enumerate(ps):
         kw = {"return_logprob": True, "return_routed_experts": True}
+        if i == 3:  # top log-probs and chosen ids' log-probs are read from the verify rows
+            kw |= {"top_logprobs_num": 3, "token_ids_logprob": [5, 9]}
         if i == 1 and stop is not None:
             kw["stop_ids"] = frozenset({stop})
         params = greedy(24, repetition_penalty=1.3) if i == 2 else greedy(16 + i)
@@ -129,6 +131,10 @@ def test_greedy_speculation_returns_the_plain_tokens_and_logprobs(algo, ckpts) -
         assert spec.tokens(rid) == plain.tokens(rid), rid
         assert spec.logprobs(rid) == pytest.approx(plain.logprobs(rid), abs=1e-4), rid
         assert spec.out[rid][-1].finish_reason == plain.out[rid][-1].finish_reason, rid
+    for field in ("new_top_logprobs", "new_ids_logprobs"):
+        a = [x for o in plain.out["r3"] for x in getattr(o, field)]
+        b = [x for o in spec.out["r3"] for x in getattr(o, field)]
+        assert len(a) == len(b) == 19 and torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
     assert spec.out["shared"][-1].cached_tokens > 0
     stats = spec.engine.speculator.stats
     assert stats.accepted > 0 and stats.accept_length > 1.0

@@ -98,3 +98,24 @@ def test_bench_speculative_flag(model_dir: Path) -> None:
     for bad in ("eagle", "draft:", f"draft:{model_dir / 'missing'}"):
         with pytest.raises(ValueError, match="--speculative"):
             BenchArgs(shape="tiny", speculative=bad)
+
+
+def test_requests_whose_sampling_reads_each_token_decode_without_proposals() -> None:
+    from milepost.engine.speculative import Speculator
+
+    def make(**params: object) -> Request:
+        return Request(rid="r", prompt_ids=[1, 2], params=SamplingParams(**params),
+                       on_output=lambda o: None, stop_ids=frozenset())
+
+    assert Speculator.eligible(make(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1))
+    assert not Speculator.eligible(make(frequency_penalty=0.5))
+    assert not Speculator.eligible(make(repetition_penalty=1.2))
+    assert not Speculator.eligible(make(logit_bias={"5": 2.0}))
+    r = make(min_new_tokens=2)
+    assert not Speculator.eligible(r)  # its stop tokens are banned until 2 tokens are out
+    r.output_ids.extend([7, 8])
+    assert Speculator.eligible(r)
+    r.grammar = object()  # any grammar matcher: its mask follows every token
+    assert not Speculator.eligible(r)
+    with pytest.raises(ValueError, match="num-draft-tokens must be >= 2"):
+        Speculator(1, NgramDrafter(1, 2))
