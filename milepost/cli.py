@@ -115,6 +115,12 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
             return 0
         print_config = ns.print_config or "--print-config" in overrides
         overrides = [o for o in overrides if o != "--print-config"]
+        from milepost.diffusion.config import is_diffusion_recipe
+
+        if is_diffusion_recipe(ns.recipe):  # a [diffusion] table: the image-model loop (docs/diffusion.md)
+            from milepost.diffusion.cli import run_diffusion
+
+            return run_diffusion(parser, ns.recipe, overrides, print_config)
         try:
             cfg = load_config(ns.recipe, overrides)
         except ConfigError as err:

@@ -145,6 +145,7 @@ class TinyDiT(nn.Module):
         if cond is None:
             cond = self.condition(labels)
         c = self.t_embedder(t) + cond.to(self.t_embedder.mlp[0].weight.dtype)
+        h = h + cond.to(dtype)[:, None]  # the class on every token too: a stronger signal early in training
         for block in self.blocks:
             h = block(h, c)
         out = self.final_layer(h, c).float()
