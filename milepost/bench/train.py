@@ -2,7 +2,7 @@
 
 Both train the same checkpoint on the same random batch (samples x (prompt + response) tokens,
 N(0, 1) advantages, one optimizer step per batch): milepost's `FSDPBackend.train_step` on one
-rank, then the transformers loop of train_hf.py. Prints tokens/s (all tokens of the batch over
+rank (with --backend megatron|both, the Megatron backend's too), then the transformers loop of train_hf.py. Prints tokens/s (all tokens of the batch over
 the median step time), MFU (model FLOPs / step time / device peak), peak memory and the ratio.
 Also runnable as `python -m milepost.bench.train` (needs no pydantic, unlike the CLI).
 """
@@ -44,10 +44,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(trainer, batch, steps: int, device: torch.device) -> dict:
+    """`steps` timed train steps after one warm-up; peak memory of the timed ones (CUDA)."""
+    cuda = device.type == "cuda"
+    times = []
+    for i in range(steps + 1):
+        _sync(device)
+        if i == 1 and cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        t = time.perf_counter()
+        metrics = trainer.train_step(batch)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t)
+    return {"step_times": times, "grad_norm": metrics["grad_norm"],
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")}
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def _rank(rank: int, world: int, path: str, args: TrainBenchArgs, vocab: int) -> dict:
-    """One process: milepost's steps, then (its memory released) the Hugging Face loop's."""
+    """One process: milepost's steps (FSDP, Megatron or both, each released before the next), then
+    the Hugging Face loop's."""
     from milepost.bench.train_hf import hf_train_steps
-    from milepost.train.fsdp import FSDPBackend, TrainerSettings
+    from milepost.train.backend import create_backend
+    from milepost.train.settings import TrainerSettings
 
     torch.manual_seed(args.seed)
     cuda = args.device == "cuda"
@@ -58,24 +84,13 @@ def _rank(rank: int, world: int, path: str, args: TrainBenchArgs, vocab: int) ->
         device=args.device, dtype="bfloat16" if cuda else "float32",
         activation_checkpointing=args.activation_checkpointing, compile_layers=args.compile_layers,
         fused_kernels=args.fused_kernels)
-    backend = FSDPBackend.create(path, settings)
-    times = []
-    for i in range(args.steps + 1):
-        _sync(device)
-        if i == 1 and cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        t = time.perf_counter()
-        metrics = backend.train_step(batch)
-        _sync(device)
-        if i:
-            times.append(time.perf_counter() - t)
-    out = {"milepost": {"step_times": times, "grad_norm": metrics["grad_norm"],
-                        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")}}
-    del backend
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    out = {}
+    for side, name in (("milepost", "fsdp"), ("megatron", "megatron")):
+        if args.backend in (name, "both"):
+            trainer = create_backend(path, settings, name)
+            out[side] = _timed(trainer, batch, args.steps, device)
+            del trainer
+            _release(device)
     if args.hf:
         micro = args.hf_micro_batch or max(1, args.micro_batch_tokens // args.seq_len)
         out["hf"] = hf_train_steps(path, tokens, adv, args.response, micro, args.steps, device)
@@ -109,8 +124,10 @@ def run(args: TrainBenchArgs) -> dict:
         step = statistics.median(r["step_times"])
         report[side] = {**r, "step_s": step, "tokens_per_s": tokens / step,
                         "mfu": flops / step / peak if peak else None}
-    if "hf" in report:
+    if "hf" in report and "milepost" in report:
         report["ratio"] = report["milepost"]["tokens_per_s"] / report["hf"]["tokens_per_s"]
+    if "megatron" in report and "milepost" in report:
+        report["megatron_ratio"] = report["megatron"]["tokens_per_s"] / report["milepost"]["tokens_per_s"]
     return report
 
 
@@ -120,7 +137,7 @@ def _print(report: dict) -> None:
           f"tokens, activation checkpointing {report['activation_checkpointing']}"
           + (", compiled layers" if report["compile_layers"] else "")
           + ("" if report.get("fused_kernels", True) else ", fused kernels off"))
-    for side in ("milepost", "hf"):
+    for side in ("milepost", "megatron", "hf"):
         if side not in report:
             continue
         r = report[side]
@@ -129,6 +146,8 @@ def _print(report: dict) -> None:
               f"peak {r['peak_gib']:.1f} GiB")
     if "ratio" in report:
         print(f"  ratio     {report['ratio']:.2f}x (milepost / Hugging Face loop, same run)")
+    if "megatron_ratio" in report:
+        print(f"  megatron  {report['megatron_ratio']:.2f}x the FSDP backend's tokens/s (same run)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ class TrainBenchArgs:
     seed: int
     json_out: Path | None
     fused_kernels: bool = True
+    backend: str = "fsdp"  # fsdp | megatron | both (docs/megatron.md)
 
     @property
     def seq_len(self) -> int:
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="milepost: torch.compile each decoder layer (TrainerSettings.compile_layers)")
     p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="milepost: the fused Triton training kernels on CUDA (TrainerSettings.fused_kernels)")
+    p.add_argument("--backend", choices=("fsdp", "megatron", "both"), default="fsdp",
+                   help="milepost's training backend; both = FSDP then Megatron-core in the same run "
+                   "(TP = PP = EP = 1; pip install 'milepost[megatron]')")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the Hugging Face loop and print the ratio")
     p.add_argument("--hf-micro-batch", type=int, help="samples per HF micro-batch (default: by tokens)")
@@ -100,7 +104,7 @@ def parse_args(argv: list[str] | None) -> TrainBenchArgs:
         parser.error("--device cuda: CUDA is not available here; use --device cpu")
     return TrainBenchArgs(ns.model, ns.shape, ns.layers, ns.samples, ns.prompt, ns.response, ns.steps,
                           ns.micro_batch_tokens, ns.activation_checkpointing, ns.compile_layers, ns.hf, ns.hf_micro_batch,
-                          device, ns.peak_tflops, ns.seed, ns.json_out, ns.fused_kernels)
+                          device, ns.peak_tflops, ns.seed, ns.json_out, ns.fused_kernels, ns.backend)
 
 
 def shape_config(shape: str, layers: int | None):

@@ -51,3 +51,20 @@ def test_expert_parallel_trains_like_fsdp(tmp_path):
 @pytest.mark.slow
 def test_tensor_parallel_trains_like_fsdp(tmp_path):
     _compare(tmp_path, "qwen3", tp=2, ep=1)
+
+
+@pytest.mark.slow
+def test_bench_train_runs_both_backends(tmp_path):
+    import json
+
+    from milepost.bench.train import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--shape", "tiny", "--samples", "4", "--prompt", "16", "--response", "16", "--steps", "1",
+                 "--backend", "both", "--no-hf", "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["milepost"]["tokens_per_s"] > 0 and report["megatron"]["tokens_per_s"] > 0
+    assert report["megatron_ratio"] == pytest.approx(
+        report["megatron"]["tokens_per_s"] / report["milepost"]["tokens_per_s"])
+    # same batch, same initial weights: the first step's gradient norm agrees across backends
+    assert report["megatron"]["grad_norm"] == pytest.approx(report["milepost"]["grad_norm"], rel=1e-3)

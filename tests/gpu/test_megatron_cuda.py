@@ -52,3 +52,24 @@ def test_trains_like_fsdp_on_cuda(tmp_path, arch, dtype):
         torch.testing.assert_close(got["hf"][name].float(), weight.float(), rtol=0, atol=atol)
     for key, value in got["second"].items():  # resume: CUDA's atomics may reorder sums, hence approx
         assert got["again"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-30b-a3b"])
+def test_bench_megatron_beside_fsdp(tmp_path, shape, capsys):
+    """Tokens/s and peak memory of both backends in one run (printed for the notes). The
+    Megatron side runs megatron's local (unfused, O(T^2)) attention: micro-batches of 2048 tokens.
+    30B-A3B: a few layers only (--layers 4), one GPU."""
+    import json
+
+    from milepost.bench.train import main
+
+    out = tmp_path / "bench.json"
+    layers = ["--layers", "4"] if "a3b" in shape else []
+    assert main(["--shape", shape, *layers, "--samples", "8", "--prompt", "256", "--response", "256",
+                 "--micro-batch-tokens", "2048", "--steps", "2", "--backend", "both", "--no-hf",
+                 "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    print(capsys.readouterr().out)
+    for side in ("milepost", "megatron"):
+        assert report[side]["tokens_per_s"] > 0 and report[side]["peak_gib"] > 0
+    assert report["megatron"]["grad_norm"] == pytest.approx(report["milepost"]["grad_norm"], rel=5e-2)
