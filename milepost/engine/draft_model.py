@@ -7,7 +7,7 @@ first catches up the positions it lacks (the whole sequence after admission: a s
 recomputed into the draft's pools, the same values), then decodes k tokens one forward each. The
 draft's tokens are sampled from its own distribution at the request's settings, and that
 distribution is kept for the verifier's rule. Its quality only changes the acceptance rate, never
-what is returned. Draft forwards run eagerly (no CUDA graphs).
+what is returned. On CUDA the one-token draft steps replay CUDA graphs; catch-up runs eagerly.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from milepost.engine.cuda_graph import DecodeGraphs
 from milepost.engine.forward_batch import build_flat
 from milepost.engine.request import Request
 from milepost.engine.sampling import _race, _truncate
@@ -31,8 +32,11 @@ Proposal = tuple[list[int], "torch.Tensor | None"]  # tokens, [k, V] draft proba
 class DraftModel:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, attention_backend: AttentionBackendName = "auto",
-                 catch_up_tokens: int = 2048) -> None:
-        """catch_up_tokens: most positions one catch-up forward computes (bounds its activations)."""
+                 catch_up_tokens: int = 2048, cuda_graph_max_bs: int = 0,
+                 context_length: int | None = None) -> None:
+        """catch_up_tokens: most positions one catch-up forward computes (bounds its activations).
+        cuda_graph_max_bs > 0 (CUDA, Triton attention): the one-token draft steps replay
+        captured graphs (cuda_graph.py's DecodeGraphs over the draft) up to that batch size."""
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -44,6 +48,17 @@ class DraftModel:
             self.attention = VariantPagedAttention(self.attention, self.kv)
         self.fast_path = self.attention.__class__.__name__ == "TritonPagedAttention"
         self.catch_up_tokens = catch_up_tokens
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_bs > 0 and self.fast_path and context_length:
+            width = -(-context_length // block_size)
+            self.graphs = DecodeGraphs(model, self.attention, device, block_size, cuda_graph_max_bs,
+                                       width, record_routed=False)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture (again) the draft's one-token step graphs, if enabled."""
+        if self.graphs is not None:
+            self.graphs.reset()
+            self.graphs.capture()
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Proposal]:
         """k_i tokens for each request (every request's blocks cover total_len + k_i - 1 positions)."""
@@ -63,7 +78,10 @@ class DraftModel:
             if not live:
                 break
             chunks = [Chunk(reqs[i], reqs[i].total_len + j - 1, 1, draft=tokens[i]) for i in live]
-            self._draw(self._forward(chunks), live, reqs, tokens, probs)
+            logits = self.graphs.run(chunks) if self.graphs is not None else None
+            if logits is None:  # no graphs, or a batch larger than captured
+                logits = self._forward(chunks)
+            self._draw(logits.float(), live, reqs, tokens, probs)
         for r, k in zip(reqs, ks):
             # Valid draft KV now: through the last token and the proposals before the last one.
             r.draft_computed = r.total_len + k - 1

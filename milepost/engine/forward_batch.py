@@ -141,7 +141,10 @@ def fill_decode(buf: DecodeBuffers, chunks: Sequence[Chunk], padded_bs: int, blo
     for c in chunks:  # the per-request Python work is kept to list appends (runs every step)
         req, pos = c.req, c.start
         n_prompt = len(req.prompt_ids)
-        ids.append(req.output_ids[pos - n_prompt] if pos >= n_prompt else req.prompt_ids[pos])
+        if c.draft and pos >= n_prompt + len(req.output_ids):  # a draft model's proposal
+            ids.append(c.draft[pos - n_prompt - len(req.output_ids)])
+        else:
+            ids.append(req.output_ids[pos - n_prompt] if pos >= n_prompt else req.prompt_ids[pos])
         positions.append(pos)
         tables.append(req.blocks)
         widest = max(widest, len(req.blocks))

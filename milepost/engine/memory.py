@@ -75,10 +75,16 @@ class MemoryOccupation:
     # ---- what each tag covers ------------------------------------------------------------------
     def tensors(self, tag: MemoryTag) -> list[torch.Tensor]:
         runner = self.engine.runner
+        # A speculative draft model (draft_model.py) has its own KV pools and weights: freed too.
+        draft = getattr(getattr(self.engine, "speculator", None), "drafter", None)
+        draft_kv, draft_model = getattr(draft, "kv", None), getattr(draft, "model", None)
         if tag == "kv_cache":
             extra = [runner.routed_slots] if runner.routed_slots is not None else []
+            if draft_kv is not None:
+                extra += [*draft_kv.k, *draft_kv.v]
             return [*runner.kv.k, *runner.kv.v, *extra]
-        return [*runner.model.parameters(), *runner.model.buffers()]
+        extra = [*draft_model.parameters(), *draft_model.buffers()] if draft_model is not None else []
+        return [*runner.model.parameters(), *runner.model.buffers(), *extra]
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of storage each tag's tensors hold now (0 once released; tied weights once)."""
@@ -137,6 +143,9 @@ class MemoryOccupation:
             recapture = getattr(self.engine.runner, "capture_cuda_graphs", None)
             if recapture is not None:  # graphs replay fixed addresses: the new ones differ
                 recapture()
+            draft = getattr(getattr(self.engine, "speculator", None), "drafter", None)
+            if hasattr(draft, "capture_cuda_graphs"):  # the draft model's step graphs, likewise
+                draft.capture_cuda_graphs()
         return restored
 
     def user_paused(self) -> None:

@@ -144,7 +144,9 @@ def build_engine(
             overlap_schedule=args.overlap_schedule == "on", true_on_policy=args.true_on_policy,
         ),
     )
-    engine.speculator = make_speculator(args, model, draft, kv.num_blocks, kv_dtype, device)
+    engine.speculator = make_speculator(
+        args, model, draft, kv.num_blocks, kv_dtype, device, context_length=context_length,
+        cuda_graph_max_bs=runner.graphs.max_bs if runner.graphs is not None else 0)
     info = ServerInfo(
         model_path=str(args.model_path),
         tokenizer_path=str(args.tokenizer_path or args.model_path) if tokenizer else None,

@@ -20,6 +20,7 @@ from milepost.engine.draft_ngram import NgramDrafter
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.speculative import Speculator
 from milepost.models.base import CausalLM
+from milepost.models.masked_attention import needs_variant_backend
 
 
 def check_draft_dir(model_path: Path, draft_path: Path) -> None:
@@ -63,7 +64,8 @@ def draft_kv_bytes_per_token(draft: CausalLM | None, kv_dtype: torch.dtype) -> i
 
 
 def make_speculator(args: ServerArgs, target: CausalLM, draft: CausalLM | None, num_blocks: int,
-                    kv_dtype: torch.dtype, device: torch.device) -> Speculator | None:
+                    kv_dtype: torch.dtype, device: torch.device, cuda_graph_max_bs: int = 0,
+                    context_length: int | None = None) -> Speculator | None:
     """The engine's Speculator for resolved args (None without --speculative-algorithm); a draft
     model's weights become addressable through the target's as `draft/<name>`."""
     if args.speculative_algorithm is None:
@@ -77,8 +79,15 @@ def make_speculator(args: ServerArgs, target: CausalLM, draft: CausalLM | None, 
             raise ValueError(f"--speculative-draft-model-path: the draft's embedding has "
                              f"{draft.vocab_size} tokens, the target's {target.vocab_size}")
         install_draft_names(target, draft)
+        # Draft graphs only where the target's are on and the draft is as graph-safe (cuda_graph_max_bs
+        # is 0 otherwise): dense, or MoE in bf16, and no per-sequence (windowed) attention.
+        safe = not needs_variant_backend(draft) and (draft.moe_top_k == 0 or
+                                                     next(draft.parameters()).dtype == torch.bfloat16)
         drafter = DraftModel(draft, num_blocks, args.page_size, kv_dtype, device,
-                             args.attention_backend, catch_up_tokens=args.chunked_prefill_size or 512)
+                             args.attention_backend, catch_up_tokens=args.chunked_prefill_size or 512,
+                             cuda_graph_max_bs=cuda_graph_max_bs if safe else 0,
+                             context_length=context_length)
+        drafter.capture_cuda_graphs()
     return Speculator(args.speculative_num_draft_tokens, drafter)
 
 

@@ -286,3 +286,24 @@ def test_served_over_http_with_n_samples(qwen3_dir: Path, qwen3_server, start_se
         la = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
         lb = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
         assert lb == pytest.approx(la, abs=1e-4)
+
+
+def test_memory_release_covers_the_draft_model(ckpts) -> None:
+    """Releasing kv_cache and weights frees the draft's pools and weights too; after the resume
+    the draft (weights from the host copy) still proposes what the target accepts."""
+    from milepost.engine.memory import MemoryOccupation
+
+    eng = make_engine(ckpts["qwen3"], speculative_algorithm="STANDALONE",
+                      speculative_draft_model_path=ckpts["qwen3"])
+    draft = eng.speculator.drafter
+    mem = MemoryOccupation(eng)
+    before = draft.model.weight_view("model.norm.weight").clone()
+    freed = mem.release(["kv_cache", "weights"])
+    assert draft.kv.k[0].untyped_storage().nbytes() == 0
+    assert freed >= draft.kv.nbytes() + before.numel() * 4
+    mem.resume(["kv_cache", "weights"])
+    assert torch.equal(draft.model.weight_view("model.norm.weight"), before)
+    r = Run(eng)
+    r.submit("a", looping_prompts(1, seed=4)[0], greedy(12))
+    r.run()
+    assert len(r.tokens("a")) == 12 and eng.speculator.stats.accepted == eng.speculator.stats.proposed > 0

@@ -119,3 +119,28 @@ def test_requests_whose_sampling_reads_each_token_decode_without_proposals() -> 
     assert not Speculator.eligible(r)
     with pytest.raises(ValueError, match="num-draft-tokens must be >= 2"):
         Speculator(1, NgramDrafter(1, 2))
+
+
+def test_verify_and_draft_chunks_lay_out_their_proposed_tokens() -> None:
+    import numpy as np
+
+    from milepost.engine.forward_batch import DecodeBuffers, build_flat, fill_decode
+    from milepost.engine.scheduler import Chunk
+
+    r = req([3, 4, 5], [6, 8])  # total_len 5: the last token (8) sits at position 4
+    r.blocks = [1, 9]
+    verify = Chunk(r, 4, 3, draft=[11, 12], verify=True)
+    assert verify.samples and verify.logit_rows == 3
+    flat = build_flat([verify], 4)
+    assert flat.input_ids.tolist() == [8, 11, 12]
+    assert flat.positions.tolist() == [4, 5, 6] and flat.sample_rows == [0, 1, 2]
+    assert flat.slots.tolist() == [9 * 4, 9 * 4 + 1, 9 * 4 + 2]
+    # The draft model's second step: its first proposal (11) at position 5, one logits row.
+    step = Chunk(r, 5, 1, draft=[11])
+    assert step.samples and step.logit_rows == 1
+    assert build_flat([step], 4).input_ids.tolist() == [11]
+    host = np.zeros(2 * (4 + 2), dtype=np.int32)
+    buf = DecodeBuffers.over(host, 2, 2)
+    fill_decode(buf, [step], 2, 4)
+    assert buf.ids[:2].tolist() == [11, 0] and buf.positions[:1].tolist() == [5]
+    assert buf.slots[:2].tolist() == [9 * 4 + 1, -1]
