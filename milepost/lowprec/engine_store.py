@@ -29,6 +29,7 @@ class QuantizedLinear(nn.Linear):
     qparts: list[tuple[int, int, QTensor]]  # (first row, rows, quantized tensor) per HF tensor
     qformat: str
     qjoint: bool  # nvfp4 gate_up_proj: its parts share one outer scale
+    qfour: bool  # nvfp4 four-over-six: activations are quantized with it too
     native: bool
     weight_scale: torch.Tensor
 
@@ -38,7 +39,7 @@ class QuantizedLinear(nn.Linear):
 
             y = fp8_block_linear(x, self.weight, self.weight_scale)
             return y + self.bias if self.bias is not None else y
-        return F.linear(quantize_activation(x, self.qformat), self.weight, self.bias)
+        return F.linear(quantize_activation(x, self.qformat, self.qfour), self.weight, self.bias)
 
     def put(self, j: int, q: QTensor) -> None:
         """Write part j's quantized values (native: into the fp8 weight and tile scales, the
@@ -156,6 +157,7 @@ def store_quantized(model: nn.Module, contract: Contract) -> QuantizedWeights:
         srcs = [module.weight[row:row + rows].float() for row, rows, _ in parts]
         joint = fmt == "nvfp4" and any(n.endswith("gate_proj.weight") for _, _, n in parts)
         module.qjoint = joint
+        module.qfour = contract.four_over_six
         qs = (quantize_weight_parts(srcs, fmt, contract, [n for _, _, n in parts]) if joint else
               [quantize_weight_parts([s], fmt, contract, [n])[0] for s, (_, _, n) in zip(srcs, parts)])
         module.qparts = [(row, rows, None) for row, rows, _ in parts]  # type: ignore[misc]

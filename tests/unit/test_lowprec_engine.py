@@ -70,6 +70,11 @@ def test_engine_and_trainer_hold_the_same_quantized_values(ckpt: Path) -> None:
                                       "nvfp4", four_over_six=True))
     assert joint.shape == up_alone.shape
     assert type(model.model.layers[1].mlp.gate_up_proj) is torch.nn.Linear  # override: bf16
+    # The forward too: the same quantized activations (per token, four-over-six) on both sides.
+    x = torch.randn(5, 64)
+    gate_engine = model.model.layers[0].mlp.gate_up_proj(x)[:, :128]
+    gate_trainer = trainer.get_submodule("model.layers.0.mlp.gate_proj")(x)
+    assert torch.allclose(gate_engine, gate_trainer, rtol=1e-5, atol=1e-5)
 
 
 def test_nvfp4_gate_waits_for_up_then_both_share_the_outer_scale(ckpt: Path) -> None:

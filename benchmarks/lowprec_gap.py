@@ -1,0 +1,67 @@
+"""The train/rollout log-prob gap under each precision arrangement, one tiny RL workload (CPU).
+
+Runs `milepost train` on the same tiny random Qwen3, prompts, seed and steps once per
+`--precision` arrangement and prints `train/train_rollout_logprob_abs_diff` per step (the
+trainer runs fp32 on CPU, so "bf16" here means unquantized fp32 on both sides).
+
+    python benchmarks/lowprec_gap.py --steps 3 --out /tmp/gap
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from milepost.testing.checkpoints import make_tiny_checkpoint
+
+ARRANGEMENTS = {
+    "bf16": [],
+    "bf16-train-fp8-serve": ["--precision", "bf16-train-fp8-serve", "--ratio-correction", "none"],
+    "fp8": ["--precision", "fp8"],
+    "mxfp8": ["--precision", "mxfp8"],
+    "nvfp4": ["--precision", "nvfp4"],
+    "nvfp4 + four-over-six": ["--precision", "nvfp4", "--nvfp4-four-over-six"],
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("/tmp/lowprec_gap"))
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    ckpt = make_tiny_checkpoint(a.out / "qwen3", "qwen3", seed=5)
+    rows = [{"prompt": f"What is {x} + {y}?", "label": str(x + y)}
+            for x, y in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    (a.out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = {}
+    for name, flags in ARRANGEMENTS.items():
+        run_dir = a.out / name.replace(" ", "_").replace("+", "")
+        cmd = [sys.executable, "-m", "milepost", "train", "--hf-checkpoint", str(ckpt),
+               "--prompt-data", str(a.out / "prompts.jsonl"), "--run-dir", str(run_dir),
+               "--device", "cpu", "--num-rollout", str(a.steps), "--rollout-batch-size", "4",
+               "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8",
+               "--engine-max-total-tokens", "2048", "--reward-fn", "exact_match", "--seed", "3",
+               *flags]
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode:
+            results[name] = f"failed: {(proc.stdout + proc.stderr)[-400:]}"
+            print(name, results[name], flush=True)
+            continue
+        steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        gaps = [s["train/train_rollout_logprob_abs_diff"] for s in steps
+                if "train/train_rollout_logprob_abs_diff" in s]
+        results[name] = {"abs_diff_per_step": gaps, "seconds": round(time.monotonic() - t0, 1)}
+        print(f"{name:24} abs diff per step {', '.join(f'{g:.3g}' for g in gaps)}", flush=True)
+    (a.out / "gap.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
