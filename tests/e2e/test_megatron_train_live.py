@@ -18,12 +18,12 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core not installed (pip install 'milepost[megatron]')")
 
 
-def _compare(tmp_path, arch: str, tp: int, ep: int) -> None:
+def _compare(tmp_path, arch: str, tp: int, ep: int, overrides: dict | None = None) -> list[dict]:
     from milepost.train.megatron.parity import train_once
 
     path = str(make_tiny_checkpoint(tmp_path / arch, arch, with_tokenizer=False))
-    [ref] = run_ranks(train_once, 1, path, "fsdp", timeout_s=120)
-    ranks = run_ranks(train_once, 2, path, "megatron", tp, ep, str(tmp_path / "ckpt"), timeout_s=180)
+    [ref] = run_ranks(train_once, 1, path, "fsdp", 1, 1, None, overrides, timeout_s=120)
+    ranks = run_ranks(train_once, 2, path, "megatron", tp, ep, str(tmp_path / "ckpt"), overrides, timeout_s=180)
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
     expected, got = ref["metrics"][0], ranks[0]["metrics"][0]
     assert expected.keys() == got.keys()
@@ -42,10 +42,19 @@ def _compare(tmp_path, arch: str, tp: int, ep: int) -> None:
         assert rank["again"] == rank["second"]
         for name, weight in rank["second_hf"].items():
             assert torch.equal(rank["again_hf"][name], weight), name
+    return ranks
 
 
 def test_expert_parallel_trains_like_fsdp(tmp_path):
     _compare(tmp_path, "qwen3_moe", tp=1, ep=2)
+
+
+@pytest.mark.slow
+def test_routing_replay_with_expert_parallel_like_fsdp(tmp_path):
+    """R3 through megatron's RouterReplay under EP = 2 equals the FSDP backend's R3 (random engine
+    routings, so nearly every token's natural routing differs: the metric must say so on both)."""
+    ranks = _compare(tmp_path, "qwen3_moe", tp=1, ep=2, overrides={"use_rollout_routing_replay": True})
+    assert ranks[0]["metrics"][0]["r3_routing_mismatch_frac"] > 0.9
 
 
 @pytest.mark.slow

@@ -33,14 +33,16 @@ from milepost.train.megatron.convert import megatron_to_hf, unshard
 from milepost.train.megatron.cpu_shim import block_causal_mask
 from milepost.train.megatron.parallel import ParallelSizes, validate_sizes
 from milepost.train.megatron.provider import build_model, init_parallel, load_hf_into, read_hf_weights, require_megatron
+from milepost.train.megatron.replay import ReplayRouting
 from milepost.train.megatron.shape import ModelShape, shape_of
 from milepost.train.optim import build_optimizer, optimizer_step
+from milepost.train.replay import samples_routing
 from milepost.train.settings import TrainerSettings
 from milepost.types import Sample
 
 # TrainerSettings features this backend does not have yet, each with the value that turns it off.
 _NOT_YET = {
-    "lora_rank": 0, "critic_lr": None, "use_rollout_routing_replay": False, "true_on_policy": False,
+    "lora_rank": 0, "critic_lr": None, "true_on_policy": False,
     "opd_teacher_checkpoint": None, "optimizer_state_dir": None, "compile_layers": False,
     "activation_checkpointing": "none", "actor_critic_turns": False,
 }
@@ -52,6 +54,9 @@ def refuse_unsupported(settings: TrainerSettings, sizes: ParallelSizes, shape: M
         if getattr(settings, name) != off:
             raise ValueError(f"{name}={getattr(settings, name)!r} is not available with --train-backend megatron yet "
                              f"(set {name}={off!r} or use --train-backend fsdp)")
+    if settings.use_rollout_routing_replay and not shape.is_moe:
+        raise ValueError(f"--use-rollout-routing-replay: the model is a dense {shape.model_type} (no expert routing "
+                         "to replay); turn it off or train a mixture-of-experts model")
     if sizes.pp > 1:
         raise ValueError(f"--pipeline-model-parallel-size {sizes.pp}: pipeline-parallel training is not wired into "
                          "the Megatron backend yet (conversion supports it: milepost convert)")
@@ -70,8 +75,11 @@ class MegatronScorer:
         self.temperature = temperature
         self.dtype = dtype
         self.pad_group = pad_group
+        self.r3 = (0.0, 0.0)
 
-    def score(self, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, packed: PackedBatch, forced: torch.Tensor | None = None,
+              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forced [T, layers, top_k] / valid [T]: routing replay (R3); `self.r3` holds its counts."""
         device = packed.input_ids.device
         lengths = packed.cu_seqlens.diff().tolist()
         ids, pos = packed.input_ids, packed.positions
@@ -83,9 +91,16 @@ class MegatronScorer:
                 ids = torch.cat([ids, ids.new_zeros(pad)])
                 pos = torch.cat([pos, torch.arange(pad, device=device)])
                 lengths = lengths + [pad]
+                if forced is not None:  # any valid ids for the padding rows (they train nothing)
+                    k = forced.shape[-1]
+                    filler = torch.arange(k, device=forced.device).expand(pad, forced.shape[1], k)
+                    forced = torch.cat([forced, filler])
+                    valid = torch.cat([valid, torch.zeros(pad, dtype=torch.bool)])
         mask = block_causal_mask(lengths, device)
-        with torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+        replay = ReplayRouting(self.model, forced, valid)
+        with replay, torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             logits = self.model(ids[None], pos[None], attention_mask=mask)[0]
+        self.r3 = replay.counts()
         logits = logits.index_select(0, packed.rows).float()  # [N, V]: TP-gathered (parallel_output off)
         if self.temperature != 1.0:
             logits = logits / self.temperature
@@ -149,7 +164,8 @@ class MegatronBackend:
         dtype = settings.torch_dtype
 
         def load(trainable: bool) -> Any:
-            model = build_model(shape, tp=sizes.tp, pp=sizes.pp, ep=sizes.ep, cp=sizes.cp, dtype=dtype)
+            model = build_model(shape, tp=sizes.tp, pp=sizes.pp, ep=sizes.ep, cp=sizes.cp, dtype=dtype,
+                                routing_replay=settings.use_rollout_routing_replay)
             load_hf_into(model, shape, hf)
             return model.to(device).requires_grad_(trainable)
 
@@ -182,7 +198,7 @@ class MegatronBackend:
         model.eval()
         out: list[torch.Tensor | None] = [None] * len(batch)
         for mb in plan:
-            logp, _ = self._scorer(model).score(micro.packed(batch, mb, self.device))
+            logp, _ = self._scorer(model).score(micro.packed(batch, mb, self.device), *self._forced(batch, mb))
             for i, x in zip(mb, logp.split([batch.response_lengths[i] for i in mb])):
                 out[i] = x.float().cpu()
         return out  # type: ignore[return-value]
@@ -197,12 +213,19 @@ class MegatronBackend:
             raise ValueError("compute_logprobs(reference=True) needs a reference model: set use_kl_loss=True")
         resp = [s.response_length for s in samples]
         zeros = [torch.zeros(r) for r in resp]
-        batch = TrainBatch([torch.as_tensor(s.tokens, dtype=torch.int64) for s in samples], resp, zeros, zeros)
+        batch = TrainBatch([torch.as_tensor(s.tokens, dtype=torch.int64) for s in samples], resp, zeros, zeros,
+                           routed_experts=self.routed_experts_of(samples))
         return self._score(model, batch, self._plan([t.numel() for t in batch.tokens]))
 
-    def routed_experts_of(self, samples: Sequence[Sample]) -> None:
-        """Routing replay is refused on this backend: there is never a routing to pass."""
-        return None
+    def routed_experts_of(self, samples: Sequence[Sample]) -> list[torch.Tensor] | None:
+        """The samples' engine routings decoded for this model (R3), or None when R3 is off."""
+        if not self.settings.use_rollout_routing_replay:
+            return None
+        return samples_routing(samples, self.shape.num_layers, self.shape.moe_top_k)
+
+    def _forced(self, batch: TrainBatch, mb: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        routed = batch.routed_experts if self.settings.use_rollout_routing_replay else None
+        return micro.forced_experts(routed, mb, self.shape.num_layers, self.shape.moe_top_k, self.device)
 
     def take_turn_stats(self) -> None:
         return None  # actor/critic turns are refused on this backend
@@ -221,9 +244,10 @@ class MegatronBackend:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         self._require_onloaded("train_step")
-        if batch.returns is not None or batch.routed_experts is not None:
-            raise ValueError("TrainBatch.returns / routed_experts: critic and routing replay are not available "
-                             "on --train-backend megatron yet")
+        if batch.returns is not None:
+            raise ValueError("TrainBatch.returns: a critic is not available on --train-backend megatron yet")
+        if self.settings.use_rollout_routing_replay and batch.routed_experts is None:
+            raise ValueError("--use-rollout-routing-replay: TrainBatch.routed_experts is missing")
         steps = self._steps(batch)
         plans = [self._plan([batch.tokens[i].numel() for i in step]) for step in steps]
         denoms = [self._reduce([float(sum(batch.loss_masks[i].sum() for i in step)),
@@ -239,13 +263,14 @@ class MegatronBackend:
             ref = self._score(self.reference, batch, self._plan([t.numel() for t in batch.tokens]))
         weights, correction_sums = sample_weights(old, batch.rollout_logprobs, batch.loss_masks, self.correction)
         acc = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64, device=self.device)
+        r3 = [0.0, 0.0]  # rows with a rollout routing, of which the natural routing differs
         loss_tokens, grad_norms, nonfinite = 0.0, [], 0
         lr = self.optimizer.param_groups[0]["lr"]
         self.policy.train()
         for step, plan, denom in zip(steps, plans, denoms):
             loss_tokens += denom[0]
             for local in plan:
-                acc += self._micro_step(batch, [step[j] for j in local], old, ref, weights, denom)
+                acc += self._micro_step(batch, [step[j] for j in local], old, ref, weights, denom, r3)
             self._sync_gradients()
             grad_norms.append(self._clip_gradients(self.settings.clip_grad))
             lr = self.optimizer.param_groups[0]["lr"]
@@ -255,7 +280,7 @@ class MegatronBackend:
             for o, r, m in zip(old, batch.rollout_logprobs, batch.loss_masks):
                 abs_diff += float((o - r).abs()[m > 0].sum())
         n_tokens = float(sum(t.numel() for t in batch.tokens))
-        reduced = self._reduce(acc.tolist() + list(correction_sums) + [abs_diff, n_tokens])
+        reduced = self._reduce(acc.tolist() + list(correction_sums) + r3 + [abs_diff, n_tokens])
         per_token, n = max(loss_tokens, 1.0), len(METRIC_SUMS)
         metrics = {k: v / per_token for k, v in zip(METRIC_SUMS, reduced)}
         if self.settings.loss_type != "sft_loss":
@@ -265,12 +290,17 @@ class MegatronBackend:
                        skipped_steps=float(nonfinite))
         if self.correction.kind != "none":
             metrics.update({k: v / per_token for k, v in zip(CORRECTION_SUMS, reduced[n + 1:n + 1 + len(CORRECTION_SUMS)])})
+        if self.settings.use_rollout_routing_replay:
+            metrics["r3_routing_mismatch_frac"] = reduced[-3] / max(reduced[-4], 1.0)
         if batch.rollout_logprobs is not None and old is not None:
             metrics["train_rollout_logprob_abs_diff"] = reduced[-2] / per_token
         return metrics
 
-    def _micro_step(self, batch: TrainBatch, mb: list[int], old, ref, weights, denoms) -> torch.Tensor:
-        logp, entropy = self._scorer(self.policy).score(micro.packed(batch, mb, self.device))
+    def _micro_step(self, batch: TrainBatch, mb: list[int], old, ref, weights, denoms, r3: list[float]) -> torch.Tensor:
+        scorer = self._scorer(self.policy)
+        logp, entropy = scorer.score(micro.packed(batch, mb, self.device), *self._forced(batch, mb))
+        r3[0] += scorer.r3[0]
+        r3[1] += scorer.r3[1]
         lb = micro.loss_batch(batch, mb, logp, entropy, denoms, self.device, old=old, ref=ref, weights=weights)
         loss, sums = self.loss_fn(lb, self.loss_settings)
         unknown = set(sums) - set(METRIC_SUMS)

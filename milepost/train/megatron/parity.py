@@ -65,6 +65,17 @@ PARITY_SETTINGS = dict(lr=1e-3, lr_warmup_iters=1, global_batch_size=4, max_toke
                        eps_clip=0.01, eps_clip_high=0.02)
 
 
+def random_routings(path: str, tokens: list[torch.Tensor], seed: int = 7) -> list[torch.Tensor]:
+    """Random engine routings for R3 tests: per sample [len - 1, layers, top_k] distinct expert ids."""
+    import json
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    experts = config.get("num_experts") or config["num_local_experts"]
+    layers, k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(t.numel() - 1, layers, experts, generator=g).argsort(-1)[..., :k] for t in tokens]
+
+
 def train_once(rank: int, world_size: int, path: str, backend: str = "megatron", tp: int = 1, ep: int = 1,
                checkpoint_dir: str | None = None, overrides: dict | None = None) -> dict:
     """One rollout of 8 random samples (2 optimizer steps) on `backend`; metrics, HF weights after,
@@ -89,10 +100,17 @@ def train_once(rank: int, world_size: int, path: str, backend: str = "megatron",
         data_rank, data_world = trainer.data_rank, trainer.data_world
 
     def mine(batch):
+        if settings.use_rollout_routing_replay:
+            batch.routed_experts = random_routings(path, batch.tokens)
         return batch.select(split_for_rank([t.numel() for t in batch.tokens], data_rank, data_world, 4))
 
     metrics = [trainer.train_step(mine(random_train_batch(8, 1)))]
     probe = [Sample(0, 0, tokens=list(range(3, 3 + k)), response_length=k - 2) for k in (5, 9, 13)]
+    if settings.use_rollout_routing_replay:
+        import base64
+
+        for s, r in zip(probe, random_routings(path, [torch.tensor(s.tokens) for s in probe])):
+            s.routed_experts = base64.b64encode(r.to(torch.int32).numpy().tobytes()).decode()  # SGLang's format
     out = {"metrics": metrics, "hf": {n: t.clone().cpu() for n, t in trainer.named_hf_weights()},
            "logprobs": trainer.compute_logprobs(probe), "ref_logprobs": trainer.compute_logprobs(probe, reference=True)}
     if checkpoint_dir is not None:

@@ -22,7 +22,7 @@ SIZE_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
               "expert_model_parallel_size": "--expert-model-parallel-size"}
 
 # Run-config settings the Megatron backend does not have yet, with the value that turns each off.
-_NOT_YET = {"lora_rank": 0, "critic_lr": None, "use_rollout_routing_replay": False, "true_on_policy": False,
+_NOT_YET = {"lora_rank": 0, "critic_lr": None, "true_on_policy": False,
             "opd_teacher_checkpoint": None, "stream_optimizer_state_to_disk": False, "compile_layers": False,
             "activation_checkpointing": "none", "offload_actor_for_critic": (None, False)}
 

@@ -49,7 +49,7 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, seed: int 
 
 
 def transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
-                       dtype: torch.dtype = torch.float32) -> Any:
+                       dtype: torch.dtype = torch.float32, routing_replay: bool = False) -> Any:
     """megatron's TransformerConfig for `shape`: no dropout, no bias, no fused kernels (CPU-safe)."""
     require_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -68,6 +68,7 @@ def transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int =
             moe_token_dispatcher_type="allgather",  # alltoall needs CUDA streams
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
+            moe_enable_routing_replay=routing_replay,  # R3 (milepost/train/megatron/replay.py)
         )
     return TransformerConfig(
         num_layers=shape.num_layers,
@@ -108,7 +109,8 @@ def transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int =
 
 
 def build_model(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
-                dtype: torch.dtype = torch.float32, parallel_output: bool = False) -> Any:
+                dtype: torch.dtype = torch.float32, parallel_output: bool = False,
+                routing_replay: bool = False) -> Any:
     """This rank's GPTModel (its pipeline stage, its experts, its TP slices); weights uninitialized."""
     require_megatron()
     from megatron.core import parallel_state as ps
@@ -116,7 +118,7 @@ def build_model(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     install_cpu_shim()
-    config = transformer_config(shape, tp=tp, pp=pp, ep=ep, cp=cp, dtype=dtype)
+    config = transformer_config(shape, tp=tp, pp=pp, ep=ep, cp=cp, dtype=dtype, routing_replay=routing_replay)
     if shape.is_moe:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     else:
