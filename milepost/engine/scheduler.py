@@ -170,9 +170,19 @@ class Scheduler:
                 self.cache.insert(c.req.prompt_ids[: c.req.num_computed], c.req.blocks)
 
     def reserve(self, req: Request, n_tokens: int) -> bool:
-        """Blocks for n_tokens positions of req, from free or evictable blocks (no preemption):
-        room for the tokens a speculative step proposes."""
-        return self._grow(req, n_tokens, may_preempt=False)
+        """Blocks for n_tokens positions of req from free blocks only: room for the tokens a
+        speculative step proposes is worth neither a cached prefix nor a preemption (nor the
+        walk over the cache that finding evictable blocks costs)."""
+        need = -(-n_tokens // self.block_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free:
+            return False
+        got = self.pool.allocate(need)
+        if got is None:
+            return False
+        req.blocks.extend(got)
+        return True
 
     def finish(self, req: Request) -> None:
         """Remove a request (finished or aborted) from the queues and release its KV."""

@@ -200,7 +200,8 @@ def test_sampled_tokens_follow_the_plain_distribution(algo, ckpts) -> None:
                 flags["speculative_ngram_min_match_window_size"] = 1
             else:
                 flags["speculative_draft_model_path"] = ckpts["small_noisy"]
-        r = Run(make_engine(ckpts["small_vocab"], max_running_requests=256, **flags))
+        r = Run(make_engine(ckpts["small_vocab"], max_running_requests=256, max_total_tokens=16384,
+                            **flags))
         for i in range(600):
             seed = 10_000 + i if spec else i  # independent samples on both sides
             r.submit(f"s{i}", prompt, SamplingParams(max_new_tokens=4, temperature=0.7,
@@ -210,7 +211,7 @@ def test_sampled_tokens_follow_the_plain_distribution(algo, ckpts) -> None:
         counts[spec] = [torch.bincount(toks[:, j], minlength=16).double() for j in (1, 2, 3)]
         if spec:
             s = r.engine.speculator.stats
-            assert s.accepted > 30 and s.proposed - s.accepted > 100, s
+            assert s.accepted > 20 and s.proposed - s.accepted > 100, s
     for a, b in zip(counts[False], counts[True]):
         keep = (a + b) > 0
         table = torch.stack([a[keep], b[keep]])
