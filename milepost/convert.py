@@ -15,7 +15,12 @@ from pathlib import Path
 import torch
 
 from milepost.train.export import write_hf_directory
-from milepost.train.megatron.convert import hf_to_megatron, megatron_to_hf, shard, unshard
+from milepost.train.megatron.convert import (
+    hf_to_megatron,
+    megatron_to_hf,
+    shard,
+    unshard,
+)
 from milepost.train.megatron.parallel import ParallelSizes, validate_sizes
 from milepost.train.megatron.provider import read_hf_weights
 from milepost.train.megatron.shape import shape_of

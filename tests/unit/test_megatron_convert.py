@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from milepost.testing.checkpoints import make_tiny_checkpoint
-from milepost.train.megatron.convert import hf_to_megatron, megatron_to_hf, shard, unshard
+from milepost.train.megatron.convert import (
+    hf_to_megatron,
+    megatron_to_hf,
+    shard,
+    unshard,
+)
 from milepost.train.megatron.provider import read_hf_weights
 from milepost.train.megatron.shape import shape_of
 

@@ -72,10 +72,10 @@ def test_convert_command_round_trip(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides,sizes,shape,message", [
-    (dict(lora_rank=8), ParallelSizes(), DENSE, r"lora_rank=8 is not available with --train-backend megatron yet"),
-    (dict(critic_lr=1e-5), ParallelSizes(), DENSE, r"critic_lr=1e-05 is not available"),
-    (dict(use_rollout_routing_replay=True), ParallelSizes(), DENSE, r"--use-rollout-routing-replay: the model is a dense"),
-    (dict(activation_checkpointing="layer"), ParallelSizes(), DENSE, r"set activation_checkpointing='none'"),
+    ({"lora_rank": 8}, ParallelSizes(), DENSE, r"lora_rank=8 is not available with --train-backend megatron yet"),
+    ({"critic_lr": 1e-5}, ParallelSizes(), DENSE, r"critic_lr=1e-05 is not available"),
+    ({"use_rollout_routing_replay": True}, ParallelSizes(), DENSE, r"--use-rollout-routing-replay: the model is a dense"),
+    ({"activation_checkpointing": "layer"}, ParallelSizes(), DENSE, r"set activation_checkpointing='none'"),
     ({}, ParallelSizes(pp=2), DENSE, r"pipeline-parallel training is not wired"),
     ({}, ParallelSizes(tp=2, ep=2), MOE, r"TP and EP together are not tested yet"),
 ])

@@ -24,16 +24,25 @@ import torch.distributed as dist
 
 from milepost.train import micro
 from milepost.train.batch import TrainBatch
-from milepost.train.corrections import CORRECTION_SUMS, CorrectionSettings, sample_weights
+from milepost.train.corrections import (
+    CORRECTION_SUMS,
+    CorrectionSettings,
+    sample_weights,
+)
 from milepost.train.export import write_hf_directory
-from milepost.train.logprobs import PackedBatch, plan_micro_batches
+from milepost.train.logprobs import plan_micro_batches
 from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss
 from milepost.train.megatron import checkpoint as mckpt
 from milepost.train.megatron.convert import megatron_to_hf, unshard
-from milepost.train.megatron.cpu_shim import block_causal_mask
 from milepost.train.megatron.parallel import ParallelSizes, validate_sizes
-from milepost.train.megatron.provider import build_model, init_parallel, load_hf_into, read_hf_weights, require_megatron
-from milepost.train.megatron.replay import ReplayRouting
+from milepost.train.megatron.provider import (
+    build_model,
+    init_parallel,
+    load_hf_into,
+    read_hf_weights,
+    require_megatron,
+)
+from milepost.train.megatron.scorer import MegatronScorer
 from milepost.train.megatron.shape import ModelShape, shape_of
 from milepost.train.optim import build_optimizer, optimizer_step
 from milepost.train.replay import samples_routing
@@ -63,51 +72,6 @@ def refuse_unsupported(settings: TrainerSettings, sizes: ParallelSizes, shape: M
     if shape.is_moe and sizes.tp > 1 and sizes.ep > 1:
         raise ValueError(f"--tensor-model-parallel-size {sizes.tp} with --expert-model-parallel-size {sizes.ep}: "
                          "TP and EP together are not tested yet; use one of them")
-
-
-class MegatronScorer:
-    """Log-probs and entropies of packed sequences under one GPTModel shard (full-vocab logits)."""
-
-    def __init__(self, model: Any, temperature: float, dtype: torch.dtype, pad_group: Any = None) -> None:
-        """pad_group: ranks whose micro-batches must have equal token counts (megatron's allgather
-        MoE dispatcher gathers equal-sized token blocks over the expert-parallel group)."""
-        self.model = model
-        self.temperature = temperature
-        self.dtype = dtype
-        self.pad_group = pad_group
-        self.r3 = (0.0, 0.0)
-
-    def score(self, packed: PackedBatch, forced: torch.Tensor | None = None,
-              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """forced [T, layers, top_k] / valid [T]: routing replay (R3); `self.r3` holds its counts."""
-        device = packed.input_ids.device
-        lengths = packed.cu_seqlens.diff().tolist()
-        ids, pos = packed.input_ids, packed.positions
-        if self.pad_group is not None:
-            longest = torch.tensor([ids.numel()], device=device)
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.pad_group)
-            pad = int(longest) - ids.numel()
-            if pad:  # a padding sequence of its own: masked from the others, none of its rows scored
-                ids = torch.cat([ids, ids.new_zeros(pad)])
-                pos = torch.cat([pos, torch.arange(pad, device=device)])
-                lengths = lengths + [pad]
-                if forced is not None:  # any valid ids for the padding rows (they train nothing)
-                    k = forced.shape[-1]
-                    filler = torch.arange(k, device=forced.device).expand(pad, forced.shape[1], k)
-                    forced = torch.cat([forced, filler])
-                    valid = torch.cat([valid, torch.zeros(pad, dtype=torch.bool)])
-        mask = block_causal_mask(lengths, device)
-        replay = ReplayRouting(self.model, forced, valid)
-        with replay, torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            logits = self.model(ids[None], pos[None], attention_mask=mask)[0]
-        self.r3 = replay.counts()
-        logits = logits.index_select(0, packed.rows).float()  # [N, V]: TP-gathered (parallel_output off)
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(1, packed.targets[:, None])[:, 0]
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return logp, entropy
 
 
 class MegatronBackend:

@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from milepost.train.checkpoint import FORMAT_VERSION, META_FILE, _fsync, _fsync_tree, _rng_state, _set_rng_state
+from milepost.train.checkpoint import (
+    FORMAT_VERSION,
+    META_FILE,
+    _fsync,
+    _fsync_tree,
+    _rng_state,
+    _set_rng_state,
+)
 
 
 def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,

@@ -48,7 +48,7 @@ def hf_to_megatron(shape: ModelShape, hf: Mapping[str, torch.Tensor]) -> Tensors
     out: Tensors = {"embedding.word_embeddings.weight": _take(hf, "model.embed_tokens.weight", used)}
     for i in range(shape.num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        t = lambda n: _take(hf, src + n, used)  # noqa: E731
+        t = lambda n, src=src: _take(hf, src + n, used)
         out[dst + "input_layernorm.weight"] = t("input_layernorm.weight")
         out[dst + "self_attention.linear_qkv.weight"] = _qkv(
             shape, t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"), t("self_attn.v_proj.weight"))

@@ -11,6 +11,7 @@ our models have no dropout, so the RNG fork is a no-op. Pipeline parallelism sti
 from __future__ import annotations
 
 import contextlib
+
 import torch
 
 _INSTALLED = False
@@ -38,7 +39,7 @@ def install_cpu_shim() -> bool:
     The `te_general_gemm` default is set on every device (megatron-core 0.16 reads the name
     whether or not Transformer Engine imported)."""
     global _INSTALLED
-    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):  # on CUDA too: the router tests it for None
         moe_utils.te_general_gemm = None

@@ -40,12 +40,12 @@ def validate_sizes(shape: ModelShape, sizes: ParallelSizes, world_size: int, *, 
                          f"= {tp} x {pp} x {cp} = {tp * pp * cp}; change the sizes or the number of ranks")
     checks = [
         (shape.num_heads % tp, f"--tensor-model-parallel-size {tp} does not divide the {shape.num_heads} attention heads"),
-        (shape.num_kv_heads % tp, f"--tensor-model-parallel-size {tp} does not divide the {shape.num_kv_heads} "
-                                  "key/value heads (query groups)"),
-        (shape.vocab_size % tp, f"--tensor-model-parallel-size {tp} does not divide the vocabulary of "
-                                f"{shape.vocab_size} tokens (padding the vocabulary is not implemented)"),
-        (shape.ffn_hidden_size % tp, f"--tensor-model-parallel-size {tp} does not divide the MLP width "
-                                     f"{shape.ffn_hidden_size}"),
+        (shape.num_kv_heads % tp, (f"--tensor-model-parallel-size {tp} does not divide the {shape.num_kv_heads} "
+                                  "key/value heads (query groups)")),
+        (shape.vocab_size % tp, (f"--tensor-model-parallel-size {tp} does not divide the vocabulary of "
+                                f"{shape.vocab_size} tokens (padding the vocabulary is not implemented)")),
+        (shape.ffn_hidden_size % tp, (f"--tensor-model-parallel-size {tp} does not divide the MLP width "
+                                     f"{shape.ffn_hidden_size}")),
         (shape.num_layers % pp, f"--pipeline-model-parallel-size {pp} does not divide the {shape.num_layers} layers"),
     ]
     for bad, message in checks:

@@ -60,9 +60,9 @@ def logits_gap(rank: int, world_size: int, path: str, tp: int = 1, pp: int = 1, 
 
 # Settings of the backend-parity runs: two optimizer steps per rollout, several micro-batches,
 # a reference model with a KL term, an entropy bonus, and clip ranges tight enough to clip.
-PARITY_SETTINGS = dict(lr=1e-3, lr_warmup_iters=1, global_batch_size=4, max_tokens_per_micro_batch=40,
-                       use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", entropy_coef=0.01,
-                       eps_clip=0.01, eps_clip_high=0.02)
+PARITY_SETTINGS = {"lr": 1e-3, "lr_warmup_iters": 1, "global_batch_size": 4, "max_tokens_per_micro_batch": 40,
+                       "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k3", "entropy_coef": 0.01,
+                       "eps_clip": 0.01, "eps_clip_high": 0.02}
 
 
 def random_routings(path: str, tokens: list[torch.Tensor], seed: int = 7) -> list[torch.Tensor]:

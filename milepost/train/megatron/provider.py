@@ -56,20 +56,20 @@ def transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int =
 
     moe: dict[str, Any] = {}
     if shape.is_moe:
-        moe = dict(
-            num_moe_experts=shape.num_experts,
-            moe_router_topk=shape.moe_top_k,
-            moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
-            moe_layer_freq=[int(x) for x in shape.moe_layers],
+        moe = {
+            "num_moe_experts": shape.num_experts,
+            "moe_router_topk": shape.moe_top_k,
+            "moe_ffn_hidden_size": shape.moe_ffn_hidden_size,
+            "moe_layer_freq": [int(x) for x in shape.moe_layers],
             # top-k of the logits then softmax over them = HF's softmax, top-k, renormalize
-            moe_router_pre_softmax=not shape.norm_topk_prob,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather",  # alltoall needs CUDA streams
-            moe_grouped_gemm=False,
-            moe_router_dtype="fp32",
-            moe_enable_routing_replay=routing_replay,  # R3 (milepost/train/megatron/replay.py)
-        )
+            "moe_router_pre_softmax": not shape.norm_topk_prob,
+            "moe_router_load_balancing_type": "none",
+            "moe_aux_loss_coeff": 0.0,
+            "moe_token_dispatcher_type": "allgather",  # alltoall needs CUDA streams
+            "moe_grouped_gemm": False,
+            "moe_router_dtype": "fp32",
+            "moe_enable_routing_replay": routing_replay,  # R3 (milepost/train/megatron/replay.py)
+        }
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -115,7 +115,10 @@ def build_model(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp:
     require_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
 
     install_cpu_shim()
     config = transformer_config(shape, tp=tp, pp=pp, ep=ep, cp=cp, dtype=dtype, routing_replay=routing_replay)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from typing_extensions import Self
 
 
 def moe_routers(model: Any) -> list[tuple[int, Any]]:
@@ -34,7 +35,7 @@ class ReplayRouting:
         self.differs: torch.Tensor | None = None
         self.handles: list = []
 
-    def __enter__(self) -> ReplayRouting:
+    def __enter__(self) -> Self:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if self.forced is None:

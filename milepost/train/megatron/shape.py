@@ -76,13 +76,13 @@ def shape_of(config: Any) -> ModelShape:
             raise ValueError("config shared_expert_intermediate_size: shared experts are not mapped yet")
         dense = set(_get(config, "mlp_only_layers") or [])
         step = int(_get(config, "decoder_sparse_step", 1) or 1)
-        moe = dict(
-            num_experts=int(_get(config, "num_experts") or _get(config, "num_local_experts")),
-            moe_top_k=int(_get(config, "num_experts_per_tok")),
-            moe_ffn_hidden_size=int(_get(config, "moe_intermediate_size")),
-            norm_topk_prob=bool(_get(config, "norm_topk_prob", True)),
-            moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
-        )
+        moe = {
+            "num_experts": int(_get(config, "num_experts") or _get(config, "num_local_experts")),
+            "moe_top_k": int(_get(config, "num_experts_per_tok")),
+            "moe_ffn_hidden_size": int(_get(config, "moe_intermediate_size")),
+            "norm_topk_prob": bool(_get(config, "norm_topk_prob", True)),
+            "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+        }
     return ModelShape(
         model_type=model_type,
         num_layers=layers,
