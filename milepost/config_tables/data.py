@@ -179,6 +179,10 @@ class AgentTable(Table):
     agent_function_path: str | None = Field(
         None, description="Innermost layer, module.sub:fn: runs the agent loop against the session "
         "server's OpenAI base URL (layers.py AgentFn); turns the session server on.")
+    agent: str | None = Field(
+        None, description="An agent framework's agent in place of --agent-function-path: "
+        "strands:MODULE:FACTORY, FACTORY(model) -> strands.Agent on the session server; "
+        "--reward-fn grades its final text (docs/environments.md).")
     use_session_server: bool = Field(
         False, description="Start the TITO session server (on by itself with --agent-function-path).")
     session_mode: Literal["linear", "branching"] = Field(

@@ -22,6 +22,8 @@ KINDS = {"reasoning_gym": "milepost.connectors.reasoning_gym",
          "verifiers": "milepost.connectors.verifiers_env",
          "openenv": "milepost.connectors.openenv_env"}
 EPISODE_KINDS = {"verifiers", "openenv"}  # run through the session server: they need a model family
+AGENT_KINDS = {"strands": "milepost.connectors.strands_agent"}  # --agent KIND:MODULE:FACTORY
+AGENT_PATTERN = re.compile(r"^(?P<kind>[a-z_]+):(?P<target>[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 ENV_PATTERN = re.compile(r"^(?P<kind>[a-z_]+):(?P<name>[A-Za-z0-9_.\-]+)$")
 
 
@@ -50,18 +52,31 @@ def env_refusals(env: str | None, *, prompt_data: Path | None, reward_fn: str,
 
 
 def episode_env_refusals(c: TrainConfig) -> list[str]:
-    """An --env whose episodes run through the session server: what it needs and replaces."""
-    env, p = c.env, []
-    if env is not None and env.partition(":")[0] in EPISODE_KINDS:
-        for flag, value in (("--agent-function-path", c.agent_function_path),
-                            ("--custom-generate-function-path", c.custom_generate_function_path),
-                            ("--rollout-function-path", c.rollout_function_path)):
-            if value is not None:
-                p.append(f"--env {env} runs its episodes with the connector's own rollout "
-                         f"layers: drop {flag} {value}")
-        if c.session_model_family is None:
-            p.append(f"--env {env} runs its episodes through the session server: give "
-                     "--session-model-family (the checkpoint's chat template family)")
+    """An --env whose episodes run through the session server, or an --agent: what it needs
+    and what it replaces."""
+    p: list[str] = []
+    env_kind = None if c.env is None else c.env.partition(":")[0]
+    if c.agent is not None:
+        m = AGENT_PATTERN.match(c.agent)
+        if m is None or m["kind"] not in AGENT_KINDS:
+            p.append(f"--agent {c.agent!r}: give KIND:MODULE:FACTORY with KIND one of "
+                     f"{sorted(AGENT_KINDS)}, e.g. strands:my.agents:make_agent")
+        if env_kind in EPISODE_KINDS:
+            p.append(f"--agent {c.agent} with --env {c.env}: that environment runs its own "
+                     "episodes; drop one of them")
+    what = f"--agent {c.agent}" if c.agent is not None else (
+        f"--env {c.env}" if env_kind in EPISODE_KINDS else None)
+    if what is None:
+        return p
+    for flag, value in (("--agent-function-path", c.agent_function_path),
+                        ("--custom-generate-function-path", c.custom_generate_function_path),
+                        ("--rollout-function-path", c.rollout_function_path)):
+        if value is not None:
+            p.append(f"{what} runs its episodes with the connector's own rollout layers: "
+                     f"drop {flag} {value}")
+    if c.session_model_family is None:
+        p.append(f"{what} runs its episodes through the session server: give "
+                 "--session-model-family (the checkpoint's chat template family)")
     return p
 
 
@@ -74,6 +89,11 @@ def resolve_env(cfg: TrainConfig) -> TrainConfig:
     """`cfg` unchanged without --env; else the env's prompts written to the run directory and a
     copy of `cfg` that reads them (`prompt_data`) and grades with the env's reward fn. Raises
     ValueError (unknown task, bad config) or ImportError (the extra is missing), naming --env."""
+    if cfg.agent is not None:  # after --env, whose reward fn the agent's grading wraps
+        kind, _, target = cfg.agent.partition(":")
+        cfg = resolve_env(cfg.model_copy(update={"agent": None}))
+        connector = importlib.import_module(AGENT_KINDS[kind])  # ImportError names the extra
+        return cfg.model_copy(update=connector.settings_for(target, cfg.reward_fn))
     if cfg.env is None:
         return cfg
     kind, _, name = cfg.env.partition(":")

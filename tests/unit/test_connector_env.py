@@ -49,6 +49,11 @@ def test_env_stands_for_prompt_data_and_reward_fn(flags: list[str], tmp_path: Pa
     (["--env", "openenv:my_env", "--session-model-family", "qwen3", "--agent-function-path",
       "milepost.testing.agent_harness:weather_agent_fn"], "drop --agent-function-path"),
     (["--env", "openenv:my_env", "--env-timeout-s", "0"], "--env-timeout-s"),
+    (["--agent", "strands:my.agents"], "give KIND:MODULE:FACTORY"),
+    (["--agent", "crew:my.agents:make"], "give KIND:MODULE:FACTORY"),
+    (["--agent", "strands:my.agents:make"], "give --session-model-family"),
+    (["--agent", "strands:my.agents:make", "--session-model-family", "qwen3",
+      "--custom-generate-function-path", "a.b:c"], "drop --custom-generate-function-path"),
 ])
 def test_bad_env_settings_are_refused(flags: list[str], tmp_path: Path, extra: list[str],
                                       needle: str) -> None:
