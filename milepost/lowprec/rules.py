@@ -3,6 +3,7 @@ side settings): the report's pairing rules, and what a quantized run cannot comb
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from milepost.lowprec.contract import (
@@ -12,6 +13,7 @@ from milepost.lowprec.contract import (
     parse_overrides,
     sides,
 )
+from milepost.lowprec.quantize import block_shape
 
 if TYPE_CHECKING:
     from milepost.config import TrainConfig
@@ -45,6 +47,7 @@ def precision_refusals(c: TrainConfig) -> list[str]:
     if c.true_on_policy:
         p.append(f"{what} with --true-on-policy: quantized weights cannot give bitwise-equal "
                  "log-probs; use --precision bf16")
+    p += shape_refusals(c, Contract(train, rollout, overrides, c.nvfp4_four_over_six))
     if c.nvfp4_dequantized_backward and train != "nvfp4":
         p.append("--nvfp4-dequantized-backward changes the NVFP4 trainer's backward; the "
                  f"trainer runs {train}: drop it")
@@ -58,3 +61,31 @@ def ratio_correction_default(c: TrainConfig) -> str | None:
     if train == BF16 and rollout != BF16 and "ratio_correction" not in c.model_fields_set:
         return "tis"
     return None
+
+
+def shape_refusals(c: TrainConfig, contract: Contract) -> list[str]:
+    """Covered tensors whose contraction dim the format's block does not divide, read from the
+    checkpoint's config.json before anything starts (each stage refuses them again, by name)."""
+    try:
+        cfg = json.loads((c.hf_checkpoint / "config.json").read_text())
+        hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"]) * int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
+    except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError):
+        return []  # not a config we can read here: the stages check the real shapes
+    k_of = {"self_attn.q_proj": hidden, "self_attn.k_proj": hidden, "self_attn.v_proj": hidden,
+            "self_attn.o_proj": heads, "mlp.gate_proj": hidden, "mlp.up_proj": hidden,
+            "mlp.down_proj": inter}
+    bad: dict[str, tuple[str, int, int]] = {}
+    for i in range(layers):
+        for part, k in k_of.items():
+            name = f"model.layers.{i}.{part}.weight"
+            for side in ("train", "rollout"):
+                fmt = contract.tensor_format(name, side)
+                block = block_shape(fmt, "activation")[1] if fmt != BF16 else 1
+                if fmt in ("mxfp8", "nvfp4") and k % block:
+                    bad.setdefault(part, (fmt, k, block))
+    return [f"{c.hf_checkpoint}: model.layers.N.{part}.weight has {k} input features, not a "
+            f"multiple of {fmt}'s block of {block}; keep it in bf16 (--precision-override "
+            f"'*.{part.split('.')[-1]}.weight=bf16') or use --precision fp8"
+            for part, (fmt, k, block) in bad.items()]

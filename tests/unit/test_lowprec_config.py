@@ -3,6 +3,7 @@ for a bf16 trainer beside quantized engines, and the report's refusals fire at s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,16 @@ def test_nvfp4_contract_reaches_both_sides(base: list[str]) -> None:
 def test_refused_at_start(base: list[str], flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*base, *flags])
+
+
+def test_shapes_the_format_cannot_hold_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    args = stub_run_args(tmp_path, "--num-rollout", "2", "--rollout-batch-size", "4",
+                         "--device", "cpu", "--precision", "nvfp4")
+    (tmp_path / "model" / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 40,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16}))
+    with pytest.raises(ConfigError, match=r"model.layers.N.mlp.down_proj.weight has 40 input "
+                                          r"features, not a multiple of nvfp4's block of 16"):
+        load_config(None, args)
+    load_config(None, [*args, "--precision-override", "*.down_proj.weight=bf16"])  # kept in bf16
+    load_config(None, [*args[:-2], "--precision", "fp8"])  # fp8 tiles take partial blocks
