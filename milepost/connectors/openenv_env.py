@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import importlib.util
 import json
 import sys
@@ -73,12 +74,21 @@ def write_prompts(path: Path, name: str, *, size: int, seed: int,
 
 
 class _Servers:
-    """One server process per environment, started on first use, stopped at exit."""
+    """One server process per environment, started on first use, stopped at exit.
+
+    Servers are started from one long-lived thread of their own and tied to it: the parent-death
+    signal follows the starting *thread*, and a trainer rank leaves by `os._exit` (no atexit), so
+    a server dies with the process that started it, however that process ends.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._procs: dict[str, tuple[ManagedProcess, str]] = {}
+        self._starter = concurrent.futures.ThreadPoolExecutor(1, "openenv-servers")
         atexit.register(self.close)
+
+    async def url_async(self, name: str, log_dir: str | None) -> str:
+        return await asyncio.wrap_future(self._starter.submit(self.url, name, log_dir))
 
     def url(self, name: str, log_dir: str | None) -> str:
         with self._lock:
@@ -90,9 +100,7 @@ class _Servers:
             url = f"http://127.0.0.1:{port}"
             proc = ManagedProcess(f"OpenEnv server {name}", [
                 sys.executable, "-m", "uvicorn", f"{module}:app", "--host", "127.0.0.1",
-                "--port", str(port)], log, f"{url}/health", timeout_s=300)
-            # Not tied_to_parent: the parent-death signal follows the starting *thread* (a
-            # worker thread here, which ends first); atexit stops the server instead.
+                "--port", str(port)], log, f"{url}/health", timeout_s=300, tied_to_parent=True)
             self._procs[name] = (proc, url)
             return url
 
@@ -149,7 +157,7 @@ async def agent(ctx: AgentContext) -> AgentOutcome:
     async def episode() -> tuple[Any, dict[str, Any]]:
         client_cls = require("openenv.core.generic_client", "openenv",
                              "the OpenEnv connector").GenericEnvClient
-        url = await asyncio.to_thread(SERVERS.url, name, meta.get("log_dir"))
+        url = await SERVERS.url_async(name, meta.get("log_dir"))
         async with httpx.AsyncClient(timeout=30) as plain:
             schema = (await plain.get(f"{url}/schema")).raise_for_status().json()["action"]
         total, turns, stopped = 0.0, 0, "done"

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -116,4 +118,11 @@ def test_server_rewards_flow_into_training_and_a_broken_step_fails(qwen3_dir: Pa
     # Eight seeds, seven healthy: eight trained groups needed seed 5 at least once.
     assert sum(m["rollout/reward_errors"] for m in metrics) >= 1, metrics
     assert "the say environment broke on purpose" in out
-    assert (run_dir / "logs" / "openenv-say_env.log").is_file()
+    # The server died with the trainer rank that started it (which leaves by os._exit).
+    server_log = (run_dir / "logs" / "openenv-say_env.log").read_text()
+    pids = [int(x) for x in re.findall(r"Started server process \[(\d+)\]", server_log)]
+    assert len(pids) == 1, server_log[-2000:]
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pids[0]}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{pids[0]}").exists(), "the OpenEnv server outlived the run"
