@@ -1,4 +1,5 @@
-"""Settings every test process needs before any module imports them.
+"""Settings every test process needs before any module imports them, and the start of the
+session's one background build of the demo base model (`_demo_build_started`, below).
 
 OpenMP threads wait passively (below). Without CUDA, Triton kernels run under Triton's interpreter, which reads TRITON_INTERPRET once,
 when triton is first imported; whichever test module imports milepost's kernels first (an engine
@@ -8,6 +9,8 @@ test, a kernel test) must already see it.
 from __future__ import annotations
 
 import os
+
+import pytest
 
 # Before torch loads libgomp: OpenMP threads sleep instead of spinning at barriers, here and in every
 # process a test starts (they inherit it); on shared cores spinning made steps 30x slower
@@ -24,3 +27,14 @@ if not torch.cuda.is_available():
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _demo_build_started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """At each test process's first test: if any collected test trains on the demo base model
+    (`demo_dir`, tests/e2e/conftest.py), start building it in the background, once for the whole
+    session (xdist workers included), so the minutes it takes overlap other tests."""
+    from milepost.testing.demo_build import SharedDemoBuild, session_root, uses_demo_dir
+
+    if any(uses_demo_dir(item) for item in request.session.items):
+        SharedDemoBuild(session_root(tmp_path_factory.getbasetemp())).start()

@@ -3,14 +3,13 @@
 Checkpoints are built once per session. Servers that tests can share (default flags, small KV
 pool) are started once per session per model, on first use; a test that needs its own flags
 uses `start_server`, which closes what it started when the test ends. The demo's base model
-(`demo_dir`) is built once per session too, and tests that use it get time limits that scale
-with its work (`demo_train_timeout_s`).
+(`demo_dir`) is built once per session, in the background, for every xdist worker
+(milepost/testing/demo_build.py), and tests that use it get time limits that scale with its work
+(`demo_train_timeout_s`).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from milepost.testing.agent_model import make_agent_model
 from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.demo_build import SharedDemoBuild, session_root, uses_demo_dir
 from milepost.testing.server_process import ServerProcess
 
 # Enough for every shared-server test (the default CPU pool is 1 GiB per process).
@@ -44,34 +44,23 @@ def _demo_train_timeout_s(num_rollout: int) -> float:
     return DEMO_START_ALLOWANCE_S + DEMO_ROLLOUT_ALLOWANCE_S * num_rollout
 
 
-def _uses_demo_dir(item: pytest.Item) -> bool:
-    """Requests `demo_dir`, or is the `"demo"` case of a test that fetches it by
-    `request.getfixturevalue` (tests/e2e/test_disk_delta_rl.py)."""
-    callspec = getattr(item, "callspec", None)
-    return "demo_dir" in getattr(item, "fixturenames", ()) or (
-        callspec is not None and "demo" in callspec.params.values())
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that uses `demo_dir` may pay for building it (the first one does) and then trains:
-    its pytest timeout is the sum of both allowances, not the suite's fixed default. Under xdist
-    these tests share one worker, so the base model is built once, not once per worker."""
+    """A test that uses `demo_dir` may wait for its build and then trains: its pytest timeout is
+    the sum of both allowances, not the suite's fixed default."""
     limit = _demo_prepare_timeout_s() + _demo_train_timeout_s(DEMO_TEST_ROLLOUTS)
     for item in items:
-        if _uses_demo_dir(item):
+        if uses_demo_dir(item):
             item.add_marker(pytest.mark.timeout(limit))
-            # under `pytest -n N --dist loadgroup` they all run in one worker: one prepare
-            item.add_marker(pytest.mark.xdist_group("demo_dir"))
 
 
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`python -m milepost.demo.prepare DIR` once per session: DIR/base_model, rl_prompts.jsonl,
-    eval_prompts.jsonl. Tests must not write into it (each has its own run directory)."""
-    work = tmp_path_factory.mktemp("tiny-demo")
-    subprocess.run([sys.executable, "-m", "milepost.demo.prepare", str(work), "--seconds-budget", "0"],
-                   check=True, timeout=_demo_prepare_timeout_s())
-    return work
+    """`python -m milepost.demo.prepare DIR` once per session (started in the background at the
+    session's first test, tests/conftest.py): DIR/base_model, rl_prompts.jsonl, eval_prompts.jsonl. Tests must not
+    write into it (each has its own run directory)."""
+    build = SharedDemoBuild(session_root(tmp_path_factory.getbasetemp()))
+    build.start()  # a no-op unless nothing started it (a test that fetches it late)
+    return build.wait(timeout_s=_demo_prepare_timeout_s())
 
 
 @pytest.fixture(scope="session")
