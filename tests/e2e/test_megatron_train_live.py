@@ -77,3 +77,25 @@ def test_bench_train_runs_both_backends(tmp_path):
         report["megatron"]["tokens_per_s"] / report["milepost"]["tokens_per_s"])
     # same batch, same initial weights: the first step's gradient norm agrees across backends
     assert report["megatron"]["grad_norm"] == pytest.approx(report["milepost"]["grad_norm"], rel=1e-3)
+
+
+def _wrong_split(rank: int, world: int, path: str) -> str:
+    from milepost.testing.batches import random_train_batch
+    from milepost.train.megatron.backend import MegatronBackend
+    from milepost.train.megatron.parallel import ParallelSizes
+    from milepost.train.settings import TrainerSettings
+
+    trainer = MegatronBackend.create(path, TrainerSettings(global_batch_size=2), ParallelSizes(tp=2))
+    batch = random_train_batch(4, 1)
+    try:  # FSDP-style split by global rank: TP peers get different samples
+        trainer.train_step(batch.select([rank, rank + 2]))
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_peers_with_different_samples_are_refused(tmp_path):
+    path = str(make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", with_tokenizer=False))
+    for message in run_ranks(_wrong_split, 2, path, timeout_s=180):
+        assert "tensor-parallel group were given different samples" in message

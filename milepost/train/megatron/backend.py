@@ -204,6 +204,13 @@ class MegatronBackend:
             raise ValueError(f"train_step needs the same non-zero multiple of global_batch_size / data-parallel size "
                              f"= {per_rank} samples on every rank, got {sizes} per rank; split the rollout with "
                              "split_for_rank(samples, backend.data_rank, backend.data_world, ...)")
+        if self.sizes.tp > 1:  # TP peers must see the same samples, or their shards train on different data
+            mine = (len(batch), [int(t.sum()) for t in batch.tokens])
+            peers: list = [None] * self.sizes.tp
+            dist.all_gather_object(peers, mine, group=self._tp_group)
+            if any(p != mine for p in peers):
+                raise ValueError("the ranks of one tensor-parallel group were given different samples; split the "
+                                 "rollout with split_for_rank(samples, backend.data_rank, backend.data_world, ...)")
         return [list(range(i, i + per_rank)) for i in range(0, len(batch), per_rank)]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
