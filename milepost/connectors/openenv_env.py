@@ -24,7 +24,12 @@ from typing import Any
 
 import httpx
 
-from milepost.connectors.episodes import DEFAULT_TIMEOUT_S, failed, run_episode, timeout_of
+from milepost.connectors.episodes import (
+    DEFAULT_TIMEOUT_S,
+    failed,
+    run_episode,
+    timeout_of,
+)
 from milepost.connectors.extras import MissingExtraError, require
 from milepost.launch.process import ManagedProcess, free_port
 from milepost.rollout.layers import AgentContext, AgentOutcome
@@ -132,8 +137,9 @@ def action_of(reply: str, schema: dict[str, Any]) -> dict[str, Any]:
         action = json.loads(reply)
     except ValueError:
         action = None
-    if not isinstance(action, dict):
-        raise ValueError(f"the action needs fields {required}: the reply is not a JSON object")
+    if not isinstance(action, dict):  # a bad reply (a value): the agent catches ValueError
+        raise ValueError(  # noqa: TRY004
+            f"the action needs fields {required}: the reply is not a JSON object")
     return action
 
 

@@ -5,7 +5,8 @@ FACTORY(model) returns a `strands.Agent` built on the given `OpenAIModel` (its t
 prompt, ...). Each trajectory: a fresh agent on a model whose client points at the trajectory's
 session, invoked with the prompt's text; every model call (tool rounds included) is recorded as
 tokens. The run's `--reward-fn` grades the sample, whose `response` is the agent's final text.
-An agent that raises or runs past 300 s fails its episode (its group is not trained on). At start `--agent` becomes an agent and generate fn and a reward fn that wraps the run's one,
+An agent that raises or runs past 300 s fails its episode (its group is not trained on).
+At start `--agent` becomes an agent and generate fn and a reward fn wrapping the run's one,
 each named by import path (the factory and reward path hex-encoded in the attribute name, so
 they need no other setting). docs/environments.md.
 """
@@ -21,7 +22,12 @@ from milepost.connectors.episodes import ERROR_KEY, run_episode
 from milepost.connectors.extras import MissingExtraError, require
 from milepost.data.source import PromptItem
 from milepost.plugins import load_callable
-from milepost.rollout.layers import AgentContext, AgentOutcome, GenerateContext, agent_generate
+from milepost.rollout.layers import (
+    AgentContext,
+    AgentOutcome,
+    GenerateContext,
+    agent_generate,
+)
 from milepost.rollout.rewards import RewardFn, load_reward_fn
 from milepost.types import Sample
 

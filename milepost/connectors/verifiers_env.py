@@ -16,7 +16,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from milepost.connectors.episodes import DEFAULT_TIMEOUT_S, failed, run_episode, timeout_of
+from milepost.connectors.episodes import (
+    DEFAULT_TIMEOUT_S,
+    failed,
+    run_episode,
+    timeout_of,
+)
 from milepost.connectors.extras import MissingExtraError, require
 from milepost.rollout.layers import AgentContext, AgentOutcome
 
@@ -104,7 +109,6 @@ async def agent(ctx: AgentContext) -> AgentOutcome:
         from openai import AsyncOpenAI
 
         env = environment(name, meta.get("args"))
-        vf = _vf()
         oai = AsyncOpenAI(base_url=ctx.base_url, api_key="milepost", http_client=ctx.http,
                           max_retries=0)
         state = await env.rollout(meta["input"], _client_class()(oai), "milepost",
