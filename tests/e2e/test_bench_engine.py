@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from milepost.cli import main
+
 FLAGS = ["--shape", "tiny", "--requests", "6", "--prompt-len", "16", "--output-len", "8",
          "--mixed-min", "4", "--mixed-max", "20", "--sessions", "2", "--turns", "3",
          "--turn-user-len", "8", "--turn-output-len", "8", "--prefill-requests", "3",
@@ -63,9 +67,18 @@ def test_bench_engine_groups_share_their_first_prompt(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "--group-size" in proc.stderr
 
 
-def test_bench_engine_bad_flags() -> None:
-    proc = _bench("--shape", "tiny", "--scenarios", "fixed,bogus")
-    assert proc.returncode == 2 and "--scenarios" in proc.stderr and "bogus" in proc.stderr
-    proc = _bench("--shape", "tiny", "--scenarios", "fixed", "--prompt-len", "4000",
-                  "--output-len", "200", "--no-hf")
-    assert proc.returncode == 2 and "context" in proc.stderr and "fixed" in proc.stderr
+def _bench_in_process(capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[int, str]:
+    """The same CLI entry point in this process: a refusal needs no process start-up."""
+    try:
+        code = main(["bench", "engine", *flags])
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+def test_bench_engine_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _bench_in_process(capsys, "--shape", "tiny", "--scenarios", "fixed,bogus")
+    assert code == 2 and "--scenarios" in err and "bogus" in err
+    code, err = _bench_in_process(capsys, "--shape", "tiny", "--scenarios", "fixed", "--prompt-len", "4000",
+                                  "--output-len", "200", "--no-hf")
+    assert code == 2 and "context" in err and "fixed" in err
