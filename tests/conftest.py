@@ -8,7 +8,9 @@ test, a kernel test) must already see it.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +40,19 @@ def _demo_build_started(request: pytest.FixtureRequest, tmp_path_factory: pytest
 
     if any(uses_demo_dir(item) for item in request.session.items):
         SharedDemoBuild(session_root(tmp_path_factory.getbasetemp())).start()
+
+
+# Module run times (seconds, summed over the module's tests) from a measured run of the README's
+# command: tests/module_seconds.json. Under xdist, modules run longest first, so a long module
+# starts while the other worker still has short ones to take, instead of ending the run alone.
+_MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest modules first under pytest-xdist (a module's tests stay together and in order, so
+    its module-scoped fixtures are set up once per worker); unlisted modules keep their order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not _MODULE_SECONDS.exists():
+        return
+    seconds = json.loads(_MODULE_SECONDS.read_text())["modules"]
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::", 1)[0], 0.0), order[id(item)]))
