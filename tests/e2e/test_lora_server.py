@@ -88,6 +88,10 @@ def test_adapters_over_http(server) -> None:
     assert r.status_code == 200, r.text
     sums = httpx.get(f"{url}/weights_checksum", timeout=60).json()
     assert sums["weight_version"] == "7" and sums["checksums"][name] == tensor_digest(new)
+    # Tokens sampled with the updated adapter carry the update's version, as any weight update's.
+    after = generate(url, ["b", None, "b"]).json()
+    assert all(v == "7" for o in after for v in o["meta_info"]["output_token_weight_versions"])
+    assert [e[0] for e in after[0]["meta_info"]["output_token_logprobs"]] != lps[2]  # the new B is in use
     r = httpx.post(f"{url}/update_weights_from_tensor", json={
         "serialized_named_tensors": [serialize_named_tensors([("zz/model.layers.0.self_attn.q_proj.lora_B.weight", new)])]})
     assert r.status_code == 400 and "'zz' is not loaded" in r.text
