@@ -43,3 +43,18 @@ def test_malformed_bodies_are_refused_by_name() -> None:
         pack({}, {"x": np.zeros(2, dtype=np.complex64)})
     with pytest.raises(TrajectoryFormatError, match="malformed"):
         from_json(b"{not json")
+
+
+def test_trajectories_of_the_wrong_shape_are_refused() -> None:
+    from milepost.diffusion.client import check_shapes
+
+    good = {"latents": np.zeros((2, 5, 3, 4, 4), np.float32), "log_probs": np.zeros((2, 4), np.float32),
+            "timesteps": np.zeros(5, np.float32)}
+    check_shapes(good, 2, 4, (3, 4, 4))
+    with pytest.raises(TrajectoryFormatError, match=r"latents: shape \(2, 5, 3, 4, 4\), expected \(2, 5, 3, 8, 8\)"):
+        check_shapes(good, 2, 4, (3, 8, 8))
+    with pytest.raises(TrajectoryFormatError, match="num-denoising-steps"):
+        check_shapes(good, 2, 6, (3, 4, 4))
+    bad = {**good, "log_probs": np.full((2, 4), np.nan, np.float32)}
+    with pytest.raises(TrajectoryFormatError, match="NaN"):
+        check_shapes(bad, 2, 4, (3, 4, 4))
