@@ -71,6 +71,11 @@ class BenchArgs(BaseModel):
     speculative_num_draft_tokens: int = Field(
         4, ge=2, description="--speculative: tokens verified per request and step, the last "
         "sampled one included (milepost serve --speculative-num-draft-tokens).")
+    quantization: Literal["fp8", "fp8_block", "mxfp8", "nvfp4"] | None = Field(
+        None, description="Engine: weight storage format (milepost serve --quantization; "
+        "docs/low_precision.md). Compare with a run without it.")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto", description="Engine: KV pool dtype; fp8_e4m3 = float8 entries (twice bf16's tokens).")
     json_out: Path | None = Field(None, description="Also write the results as JSON to this file.")
 
     @field_validator("requests", "prompt_len", "output_len", "mixed_min", "mixed_max", "sessions",
@@ -120,6 +125,9 @@ class BenchArgs(BaseModel):
             raise ValueError(f"--mem-fraction-static must be in (0, 1); got {self.mem_fraction_static}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0; got {self.temperature}")
+        if self.quantization and self.hf:
+            raise ValueError(f"--quantization {self.quantization} converts the benchmark's model "
+                             "in place; the transformers side would get those weights: add --no-hf")
         return self
 
     @property
