@@ -191,6 +191,9 @@ def write_report(run_dir: Path | str, out_dir: Path | str | None = None) -> list
         ("time_split.png", lambda p: _plot_time_split(records, p)),
     ]
     written = [out / name for name, plot in plots if plot(out / name)]
+    from milepost.diffusion.grid import copy_grids
+
+    written += copy_grids(run_dir, out)  # diffusion runs: the first and last step's images
     summary = out / "summary.md"
     summary.write_text(_summary(records, run_dir, written))
     return [*written, summary]
