@@ -7,6 +7,8 @@ train : peak device memory and step time of one train step, full vs LoRA (rank 1
 decode: engine decode tokens/s, N requests x P prompt tokens, G new tokens (T=1, ignore_eos,
         CUDA graphs on): no adapter, every request on one adapter, and 4 adapters mixed in each
         batch (request i uses adapter i mod 4); the issue asks >= 70% of the no-adapter speed.
+        Then the engine's side of an update: one adapter's tensors vs the whole base written in
+        place (bytes, seconds).
 Usage (H200):  python benchmarks/lora_bench.py train decode [--shape qwen3-4b] [--json out.jsonl]
 Quick check of the machinery on CPU:  python benchmarks/lora_bench.py train decode --device cpu --shape tiny
 """
@@ -153,7 +155,38 @@ def decode_bench(a, path: Path, out: list[dict]) -> None:
                "seconds": full, "decode_tokens_per_s": decode, "vs_none": decode / base}
         out.append(row)
         print(json.dumps(row), flush=True)
+    out.append(apply_bench(engine, names[0]))
+    print(json.dumps(out[-1]), flush=True)
     engine.close()
+
+
+def apply_bench(engine, adapter: str) -> dict:
+    """The engine's side of a weight update: write every tensor of one adapter, then of the whole
+    base, in place through `weight_view` (what each transport ends in), on the engine thread."""
+    model = engine.runner.model
+
+    def write(names: list[str]) -> tuple[int, float]:
+        views = [model.weight_view(n) for n in names]
+        new = [torch.randn(v.shape, dtype=v.dtype, device=v.device) * 0.01 for v in views]
+
+        def run() -> float:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for v, t in zip(views, new):
+                    v.copy_(t)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        return sum(t.numel() * t.element_size() for t in new), min(engine.call(run).result() for _ in range(3))
+
+    everything = model.hf_weight_names()
+    lora_bytes, lora_s = write([n for n in everything if n.startswith(f"{adapter}/")])
+    base_bytes, base_s = write([n for n in everything if "/" not in n])
+    return {"bench": "engine_apply", "adapter_bytes": lora_bytes, "adapter_s": lora_s,
+            "base_bytes": base_bytes, "base_s": base_s}
 
 
 def main() -> None:
