@@ -110,11 +110,11 @@ def multi_lora_refusals(c: TrainConfig) -> list[str]:
     if len(set(names)) != len(names):
         p.append(f"[[lora.adapters]]: names {names} repeat; each adapter needs its own name")
     for given, what in ((c.prompt_data is not None, "--prompt-data (each adapter names its prompt_data)"),
-                        (c.eval_prompt_data is not None, "--eval-prompt-data (evaluating each adapter "
-                         "is not supported yet)"),
+                        (c.eval_prompt_data is not None, ("--eval-prompt-data (evaluating each adapter "
+                                                          "is not supported yet)")),
                         (c.group_reward_fn is not None, "--group-reward-fn (each adapter has its reward_fn)"),
-                        (c.check_weight_update_equal, "--check-weight-update-equal (it covers one adapter's "
-                         "tensors; --check-weight-update checks what each update sends)"),
+                        (c.check_weight_update_equal, ("--check-weight-update-equal (it covers one adapter's "
+                                                       "tensors; --check-weight-update checks what each update sends)")),
                         (c.stream_optimizer_state_to_disk, "--stream-optimizer-state-to-disk"),
                         (c.env is not None, "--env (it makes one task's prompts)"),
                         (c.load_rollouts is not None, "--load-rollouts")):

@@ -7,7 +7,12 @@ import asyncio
 
 from milepost.data.source import PromptDataset, PromptItem
 from milepost.lora.demo_tasks import estimate_reward
-from milepost.lora.multi_data import AdapterPrompts, AdapterRewards, adapter_metrics, adapter_specs
+from milepost.lora.multi_data import (
+    AdapterPrompts,
+    AdapterRewards,
+    adapter_metrics,
+    adapter_specs,
+)
 from milepost.types import Sample
 
 
