@@ -34,7 +34,7 @@ ADAPTERS = {"math": (LoraSettings(8, 16.0, "all-linear"), 1), "chat": (LoraSetti
 
 def _engine(path: Path, dtype: str, **kw):
     args = ServerArgs(model_path=path, device="cuda", dtype=dtype, page_size=16, max_total_tokens=8192,
-                      chunked_prefill_size=64, attention_backend="triton", cuda_graph_max_bs=8, **kw).resolved()
+                      chunked_prefill_size=64, attention_backend="triton", cuda_graph_max_bs=32, **kw).resolved()
     engine = build_engine(args)[0]
     engine.start()
     return engine
@@ -82,9 +82,19 @@ def test_stacked_adapters_in_cuda_graphs_equal_merged_engines(tmp_path: Path, dt
                      lora_paths=",".join(specs))
     try:
         assert engine.runner.lora.kernel == "stacked"
-        assert engine.runner.graphs is not None and engine.runner.graphs.captured  # kept with adapters
-        jobs = [(p, lora) for p in PROMPTS for lora in ("math", None, "chat")]
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.captured  # kept with adapters
+        replays, run = [], graphs.run
+
+        def counted(*args, **kwargs):
+            out = run(*args, **kwargs)
+            replays.append(out is not None)
+            return out
+
+        graphs.run = counted
+        jobs = [(p, lora) for p in PROMPTS for lora in ("math", None, "chat")]  # 18 decode rows -> graph 24
         got = _run(engine, jobs, 16)
+        assert sum(replays) >= 10, replays  # the mixed decode steps ran in the graphs
     finally:
         engine.close()
     tol = (2e-4, 2e-4) if dtype == "float32" else (0.03, 0.25)  # (mean, max) |difference|
