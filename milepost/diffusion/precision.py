@@ -60,6 +60,9 @@ def apply_precision(model: nn.Module, cfg: object) -> nn.Module:
     for block in model.blocks:  # type: ignore[attr-defined]
         fully_shard(block, mp_policy=mixed)
     fully_shard(model, mp_policy=mixed)
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    register_fsdp_forward_method(model, "condition")  # called outside forward (CFG shares it): unshard too
     return model
 
 
