@@ -221,13 +221,14 @@ class AdapterPool:
             return
         slots = torch.repeat_interleave(torch.tensor(chunk_slots), torch.tensor(chunk_lengths))
         if self.kernel == "stacked":
-            self._weights = self._slot_weights(slots).to(self.device, non_blocking=True)
+            self._weights = self._slot_weights(slots).to(self.device, self.dtype, non_blocking=True)
             return
         self._segments = [(s - 1, (slots == s).nonzero()[:, 0].to(self.device), float(self.scaling[s]))
                           for s in torch.unique(slots).tolist() if s != 0]
 
     def _slot_weights(self, slots: torch.Tensor) -> torch.Tensor:
-        """[tokens, max_loras] fp32: the scaling of each token's slot in its column, zeros elsewhere."""
+        """[tokens, max_loras] fp32: the scaling of each token's slot in its column, zeros elsewhere
+        (the forwards read it in the adapters' dtype: no cast per projection)."""
         one_hot = torch.nn.functional.one_hot(slots.long(), self.max_loras + 1).float()
         return (one_hot * self.scaling)[:, 1:]
 
@@ -236,7 +237,7 @@ class AdapterPool:
     def prepare_graphs(self, max_bs: int) -> None:
         if self.kernel != "stacked":
             raise ValueError(f"LoRA kernel {self.kernel!r} cannot run in CUDA graphs; use 'stacked'")
-        self._graph_weights = torch.zeros(max_bs, self.max_loras, device=self.device, dtype=torch.float32)
+        self._graph_weights = torch.zeros(max_bs, self.max_loras, device=self.device, dtype=self.dtype)
 
     def capturing(self, bs: int) -> None:
         """The next forward is captured at batch size bs: the hooks read the static buffer."""
