@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from milepost.lora.kernels import KERNELS, segment_delta, stacked_delta
+from milepost.lora.kernels import KERNELS, segment_delta, stacked_deltas
 from milepost.lora.peft_format import read_peft_adapter
 from milepost.lora.settings import ATTENTION_MODULES, LoraSettings
 
@@ -99,10 +99,14 @@ class AdapterPool:
                                      "supported yet: target attention only)")
                 linear, part = found
                 by_module.setdefault(id(linear), (linear, []))[1].append(part)
-                self.A[part.key] = torch.zeros(max_loras, max_rank, linear.in_features, device=device, dtype=dtype)
-                self.B[part.key] = torch.zeros(part.end - part.start, max_loras, max_rank, device=device, dtype=dtype)
         for linear, parts in by_module.values():
-            self._hooks.append(linear.register_forward_hook(self._hook(parts)))
+            # The A of the projections fused in one linear (q/k/v, gate/up) share a tensor, so the
+            # stacked path projects x into all of them with one matmul; each part's A is a view.
+            a = torch.zeros(len(parts), max_loras, max_rank, linear.in_features, device=device, dtype=dtype)
+            for j, part in enumerate(parts):
+                self.A[part.key] = a[j]
+                self.B[part.key] = torch.zeros(part.end - part.start, max_loras, max_rank, device=device, dtype=dtype)
+            self._hooks.append(linear.register_forward_hook(self._hook(parts, a)))
 
     # -- adapters ----------------------------------------------------------------------------
 
@@ -249,12 +253,12 @@ class AdapterPool:
         self._graph_weights.zero_()
         self._graph_weights[: len(row_slots)].copy_(w, non_blocking=True)
 
-    def _hook(self, parts: list[_Part]):
+    def _hook(self, parts: list[_Part], a: torch.Tensor):
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
             x = inputs[0]
             if self._weights is not None:
-                for p in parts:
-                    delta = stacked_delta(x, self.A[p.key], self.B[p.key], self._weights)
+                deltas = stacked_deltas(x, a, [self.B[p.key] for p in parts], self._weights)
+                for p, delta in zip(parts, deltas):
                     out[:, p.start : p.end] += delta.to(out.dtype)
                 return out
             for p in parts:
