@@ -107,4 +107,5 @@ def resolve_env(cfg: TrainConfig) -> TrainConfig:
         raise ValueError(f"--env {cfg.env}: {e}") from e
     if n == 0:
         raise ValueError(f"--env {cfg.env}: the environment has no prompts")
-    return cfg.model_copy(update={"env": None, "prompt_data": path, **connector.SETTINGS})
+    stands_for = connector.settings(name) if hasattr(connector, "settings") else connector.SETTINGS
+    return cfg.model_copy(update={"env": None, "prompt_data": path, **stands_for})

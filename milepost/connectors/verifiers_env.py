@@ -26,9 +26,9 @@ from milepost.connectors.extras import MissingExtraError, require
 from milepost.rollout.layers import AgentContext, AgentOutcome
 
 META_KEY = "verifiers"
-SETTINGS = {"agent_function_path": "milepost.connectors.verifiers_env:agent",
-            "custom_generate_function_path": "milepost.connectors.episodes:env_generate",
+SETTINGS = {"custom_generate_function_path": "milepost.connectors.episodes:env_generate",
             "reward_fn": "milepost.connectors.episodes:env_reward"}
+_PRELOAD = "agent_"  # + the hex of an environment name: `agent`, with that environment loaded
 
 # `--agent-function-path milepost.connectors.verifiers_env:agent` imports this at start: a run
 # without the package is refused then, naming the extra.
@@ -59,6 +59,26 @@ async def milepost_turn_truncated(state: Any) -> bool:
     episode, since the session server cannot extend it (the next turn would be refused, 409)."""
     trajectory = state.get("trajectory") or []
     return bool(trajectory) and bool(trajectory[-1].get("is_truncated"))
+
+
+def settings(name: str) -> dict[str, str]:
+    """What `--env verifiers:NAME` stands for. The agent fn's name carries the environment, so
+    loading the agent fn at start (on the main thread) loads the environment: verifiers installs
+    signal handlers when an environment is made, which only the main thread may do (the
+    fully-async rollout worker runs episodes on a thread of its own)."""
+    return {**SETTINGS, "agent_function_path": f"{__name__}:{_PRELOAD}{name.encode().hex()}"}
+
+
+def __getattr__(attr: str) -> Any:
+    if attr.startswith(_PRELOAD):
+        try:
+            name = bytes.fromhex(attr[len(_PRELOAD):]).decode()
+        except ValueError:
+            pass
+        else:
+            environment(name)
+            return agent
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
 def environment(name: str, args: dict[str, Any] | None = None) -> Any:

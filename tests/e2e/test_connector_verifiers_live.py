@@ -82,7 +82,7 @@ def test_rubric_rewards_flow_into_training_and_broken_episodes_fail(qwen3_dir: P
     assert proc.returncode == 0, out[-6000:]
 
     resolved = (run_dir / "config.resolved.toml").read_text()
-    assert "milepost.connectors.verifiers_env:agent" in resolved
+    assert f"milepost.connectors.verifiers_env:agent_{b'counting_env'.hex()}" in resolved
     tok = AutoTokenizer.from_pretrained(qwen3_dir)
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(STEPS))
