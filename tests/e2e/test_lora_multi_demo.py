@@ -10,7 +10,7 @@ both adapters (both stepped) and nothing else, and that the run ends with one PE
 
 Bounds, from runs of this training (2026-12-03, 2-core VM shared with other jobs, load 10-20,
 torch 2.13, the session demo base of seed 0; docs/lora.md, "Multi-LoRA"): over the first and last
-3 of 12 rollouts, `exact` rose +0.56 to +0.64 and `estimate` +0.21 to +0.26 (4 runs, one of them
+3 of 12 rollouts, `exact` rose +0.56 to +0.64 and `estimate` +0.21 to +0.28 (5 runs, one of them
 the recipe's first 12 rollouts), and the other task's reward on each adapter's samples fell by
 0.27 to 0.70. The test asks a rise of at least 0.1 and no rise of the other task.
 """
