@@ -124,10 +124,14 @@ class DiffusionTrainer:
     def _sft(self, n: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
         assert self.sft_data is not None
         images, labels = self.sft_data
+        with torch.no_grad():  # the same 64 images, times and noise every step: a loss that can trend
+            k = min(64, len(images))
+            held = flow_matching_loss(self.model, images[:k].to(self.device), labels[:k].to(self.device),
+                                      torch.Generator().manual_seed(0))
         idx = torch.randint(0, len(images), (n,), generator=gen)
         loss = flow_matching_loss(self.model, images[idx].to(self.device), labels[idx].to(self.device), gen)
         loss.backward()
-        return [{"loss": loss.detach(), "sft_loss": loss.detach()}]
+        return [{"loss": loss.detach(), "sft_loss": loss.detach(), "sft_fixed_batch_loss": held}]
 
     def model_config_classes(self) -> int:
         return self.base_config().num_classes
