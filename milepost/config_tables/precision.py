@@ -9,15 +9,17 @@ from pydantic import Field
 
 from milepost.config_tables.base import Table
 
-SideFormat = Literal["bf16", "fp8_block", "mxfp8", "nvfp4"]
+SideFormat = Literal["bf16", "fp8_block", "mxfp8", "nvfp4", "int4"]
 
 
 class PrecisionTable(Table):
-    precision: Literal["bf16", "bf16-train-fp8-serve", "fp8", "mxfp8", "nvfp4"] = Field(
+    precision: Literal["bf16", "bf16-train-fp8-serve", "fp8", "mxfp8", "nvfp4", "int4"] = Field(
         "bf16", description="The arrangement: bf16 = nothing quantized (weights in --dtype); "
         "bf16-train-fp8-serve = the trainer keeps --dtype, the engines serve FP8 blockwise "
         "(128x128 weight tiles, 1x128 activation blocks) re-quantized on every update, TIS on by "
-        "default; fp8 / mxfp8 / nvfp4 = trainer and engines in that format (one quantizer).")
+        "default; fp8 / mxfp8 / nvfp4 = trainer and engines in that format (one quantizer); "
+        "int4 = quantization-aware training (fake-quant weights, straight-through gradients) "
+        "and INT4 weights on the engines.")
     train_precision: SideFormat | None = Field(
         None, description="The trainer's format, instead of the one --precision gives "
         "(refused where the contract forbids the pair).")

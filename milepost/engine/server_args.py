@@ -52,12 +52,13 @@ class ServerArgs(BaseModel):
         "fp8_e4m3: float8_e4m3fn entries (scale 1, saturating at +-448, as SGLang without "
         "checkpoint scales): twice the tokens of bf16 in the same memory (docs/low_precision.md)."
     )
-    quantization: Literal["fp8", "fp8_block", "mxfp8", "nvfp4"] | None = Field(
+    quantization: Literal["fp8", "fp8_block", "mxfp8", "nvfp4", "int4"] | None = Field(
         None, description="fp8 = store the projection weights (q/k/v/o, gate/up/down) as "
         "float8_e4m3fn with one scale per output row, quantized at load and on every weight "
         "update; activations stay in --dtype (milepost/engine/weight_fp8.py). fp8_block (128x128 "
         "weight tiles, 1x128 activation blocks), mxfp8, nvfp4: weights and activations in that "
-        "format, each HF tensor quantized on arrival by the trainer's quantizer (docs/low_precision.md)."
+        "format, each HF tensor quantized on arrival by the trainer's quantizer (docs/low_precision.md); "
+        "int4: weights only, groups of 128 (the INT4 QAT recipe)."
     )
     precision_override: str | None = Field(
         None, description="With --quantization fp8_block|mxfp8|nvfp4: PATTERN=bf16[,...] keeps the "

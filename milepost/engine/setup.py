@@ -69,7 +69,7 @@ def build_engine(
     if args.quantization and not native:
         raise ValueError(f"--quantization {args.quantization} needs a native model; this one runs "
                          "on the transformers fallback (docs/models.md): drop --quantization")
-    if args.quantization in ("fp8_block", "mxfp8", "nvfp4"):  # per HF tensor, after fusing
+    if args.quantization in ("fp8_block", "mxfp8", "nvfp4", "int4"):  # per HF tensor, after fusing
         from milepost.lowprec.engine_setup import store_engine_precision
 
         store_engine_precision(model, args, device)

@@ -24,6 +24,7 @@ ARRANGEMENTS: dict[str, tuple[str, str]] = {
     "fp8": ("fp8_block", "fp8_block"),
     "mxfp8": ("mxfp8", "mxfp8"),
     "nvfp4": ("nvfp4", "nvfp4"),
+    "int4": ("int4", "int4"),  # quantization-aware training: fake-quant trainer, INT4 engines
 }
 SIDE_FORMATS = (BF16, *FORMATS)
 _ARRANGEMENT_OF = {t: name for name, (t, r) in ARRANGEMENTS.items() if t == r and t != BF16}
@@ -111,6 +112,6 @@ def native_support(fmt: str, capability: tuple[int, int] | None) -> bool:
     Hopper (9.0) and Blackwell, MXFP8 / NVFP4 on Blackwell (10.0+)."""
     if fmt == BF16:
         return True
-    if capability is None:
+    if capability is None or fmt == "int4":  # no INT4 kernel here: emulated everywhere
         return False
     return capability >= ((9, 0) if fmt == "fp8_block" else (10, 0))

@@ -39,6 +39,8 @@ class QuantizedLinear(nn.Linear):
 
             y = fp8_block_linear(x, self.weight, self.weight_scale)
             return y + self.bias if self.bias is not None else y
+        if self.qformat == "int4":  # weight-only (W4A16): activations stay in the model dtype
+            return F.linear(x, self.weight, self.bias)
         return F.linear(quantize_activation(x, self.qformat, self.qfour), self.weight, self.bias)
 
     def put(self, j: int, q: QTensor) -> None:

@@ -115,6 +115,9 @@ class LowPrecLinear(nn.Linear):
                        outer_amax=outer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qformat == "int4":  # QAT: fake-quant weight, straight-through, GEMMs in dtype
+            w = self.weight + (self.quantized_weight() - self.weight).detach()
+            return F.linear(x, w, self.bias)
         if _native_fp8(self, x):
             from milepost.kernels.fp8_gemm import Fp8BlockLinearFn
 

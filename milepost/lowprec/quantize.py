@@ -18,12 +18,13 @@ import torch
 
 from milepost.lowprec import elements as el
 
-Format = Literal["fp8_block", "mxfp8", "nvfp4"]
+Format = Literal["fp8_block", "mxfp8", "nvfp4", "int4"]
 Role = Literal["weight", "activation"]
-FORMATS: tuple[str, ...] = ("fp8_block", "mxfp8", "nvfp4")
+FORMATS: tuple[str, ...] = ("fp8_block", "mxfp8", "nvfp4", "int4")
 FP8_TILE = 128
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
+INT4_GROUP = 128  # INT4 (QAT): symmetric, one float32 scale per 128 weights of a row, values -8..7
 # Four-over-six scales some blocks to 4: its tensor scale maps the tensor's amax to 6 * 256, so a
 # block scaled to 4 (1.5x larger block scale) still fits E4M3's 448.
 _NVFP4_SCALE_MAX = {False: el.E4M3_MAX, True: 256.0}
@@ -49,6 +50,8 @@ def block_shape(fmt: str, role: Role) -> tuple[int, int]:
         return (FP8_TILE, FP8_TILE) if role == "weight" else (1, FP8_TILE)
     if fmt in ("mxfp8", "nvfp4"):
         return (1, MX_BLOCK if fmt == "mxfp8" else NVFP4_BLOCK)
+    if fmt == "int4":
+        return (1, INT4_GROUP)
     raise ValueError(f"unknown low-precision format {fmt!r}; one of {', '.join(FORMATS)}")
 
 
@@ -57,7 +60,7 @@ def check_shape(fmt: str, shape: tuple[int, ...], name: str = "tensor") -> None:
     if len(shape) < 1 or (len(shape) < 2 and fmt == "fp8_block"):
         raise ValueError(f"{name}: {fmt} needs a matrix, got shape {list(shape)}")
     block = block_shape(fmt, "activation")[1]
-    if fmt != "fp8_block" and shape[-1] % block:
+    if fmt in ("mxfp8", "nvfp4") and shape[-1] % block:
         raise ValueError(f"{name}: {fmt} blocks of {block} along the last dim, which is "
                          f"{shape[-1]} (shape {list(shape)}); keep this tensor in bf16 with a "
                          f"precision override or pad it to a multiple of {block}")
@@ -100,6 +103,11 @@ def quantize(x: torch.Tensor, fmt: str, role: Role = "weight", *, four_over_six:
         values = el.to_e4m3(t / scale[..., None])
         return QTensor(fmt, _untile(values.view(torch.uint8), tile, *x.reshape(-1, shape[-1]).shape)
                        .contiguous().view(el.E4M3).reshape(shape), scale, tile, shape)
+    if fmt == "int4":  # round(x / (amax / 7)) to even, in -8..7; a partial last group is fine
+        scale = torch.where(bad, torch.nan, torch.where(amax > 0, amax / 7.0, 1.0))
+        v = torch.round(t / scale[..., None]).clamp(-8, 7).nan_to_num(0.0).to(torch.int8)
+        rows = x.reshape(-1, shape[-1]).shape
+        return QTensor(fmt, _untile(v, tile, *rows).contiguous().reshape(shape), scale, tile, shape)
     if fmt == "mxfp8":
         # OCP MX 1.0, 6.3: X = 2^(floor(log2 amax) - emax_elem), emax_elem = 8 for E4M3.
         _, exp = torch.frexp(amax)
@@ -144,7 +152,7 @@ def _quantize_nvfp4(t: torch.Tensor, amax: torch.Tensor, bad: torch.Tensor, role
 def element_scale(q: QTensor) -> torch.Tensor:
     """The float32 scale each element is multiplied by on dequantization, shaped like q."""
     k = q.shape[-1]
-    if q.fmt == "fp8_block":
+    if q.fmt in ("fp8_block", "int4"):
         tr, tc = q.tile
         s = q.scales.repeat_interleave(tr, 0).repeat_interleave(tc, 1)
         rows = int(torch.tensor(q.shape[:-1]).prod()) if len(q.shape) > 1 else 1
@@ -173,6 +181,8 @@ def error_bound(fmt: str, sent: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     largest element). The last factor covers the float32 divisions and products (2^-24 each)."""
     x = sent.detach().float().abs()
     s = scale.float()
+    if fmt == "int4":  # a uniform grid: half a step, no saturation (amax maps to 7 exactly)
+        return 0.5 * s * (1 + 2.0**-20) + x * 2.0**-22
     if fmt == "nvfp4":
         half_ulp, half_sub, top = 2.0**-2, 0.25, el.E2M1_MAX
     else:  # E4M3: 3 mantissa bits, subnormal step 2^-9

@@ -131,7 +131,7 @@ class TrainerSettings:
     lora_alpha: float = 16.0
     lora_target_modules: tuple[str, ...] = TARGET_MODULES
     # Low precision (milepost/lowprec/): the trainer's format and the contract's overrides.
-    precision: Literal["bf16", "fp8_block", "mxfp8", "nvfp4"] = "bf16"
+    precision: Literal["bf16", "fp8_block", "mxfp8", "nvfp4", "int4"] = "bf16"
     precision_overrides: tuple[tuple[str, str], ...] = ()
     nvfp4_four_over_six: bool = False
     nvfp4_dequantized_backward: bool = False

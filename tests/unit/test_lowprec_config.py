@@ -36,6 +36,13 @@ def test_bf16_train_fp8_serve_reaches_both_sides_with_tis(base: list[str]) -> No
         LocalLauncher(plain, plain.run_dir)._engine_cmd(12345)
 
 
+def test_int4_qat_reaches_both_sides(base: list[str]) -> None:
+    cfg = load_config(None, [*base, "--precision", "int4"])
+    assert trainer_settings(cfg).precision == "int4"
+    cmd = LocalLauncher(cfg, cfg.run_dir)._engine_cmd(12345)
+    assert cmd[cmd.index("--quantization") + 1] == "int4"
+
+
 def test_nvfp4_contract_reaches_both_sides(base: list[str]) -> None:
     cfg = load_config(None, [*base, "--precision", "nvfp4", "--nvfp4-four-over-six",
                              "--nvfp4-dequantized-backward"])

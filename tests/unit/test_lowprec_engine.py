@@ -33,7 +33,7 @@ def engine_model(ckpt: Path, contract: Contract):
     return model, store_quantized(model, contract)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8", "nvfp4", "int4"])
 def test_updates_requantize_each_tensor_on_arrival(ckpt: Path, fmt: str) -> None:
     contract = Contract(fmt, fmt)
     model, store = engine_model(ckpt, contract)

@@ -117,6 +117,15 @@ def ref_blocks(x: torch.Tensor, fmt: str, four_over_six: bool = False) -> torch.
                 s = s if s > 0 else torch.tensor(1.0)
                 out[i:i + 128, j:j + 128] = nearest(blk / s, e4m3_ref, 256) * s
         return out
+    if fmt == "int4":  # symmetric groups of 128 along a row, scale amax / 7, values -8..7
+        for i in range(r):
+            for j in range(0, c, 128):
+                blk = x[i, j:j + 128]
+                s = torch.tensor(blk.abs().max().item() / 7.0, dtype=torch.float32)
+                s = s if s > 0 else torch.tensor(1.0)
+                q = torch.tensor([min(7, max(-8, round(v))) for v in (blk / s).tolist()])
+                out[i, j:j + 128] = q * s  # Python's round(): half to even
+        return out
     if fmt == "mxfp8":
         for i in range(r):
             for j in range(0, c, 32):
@@ -143,10 +152,10 @@ def ref_blocks(x: torch.Tensor, fmt: str, four_over_six: bool = False) -> torch.
 
 
 @pytest.mark.parametrize("fmt,four", [("fp8_block", False), ("mxfp8", False), ("nvfp4", False),
-                                      ("nvfp4", True)])
+                                      ("nvfp4", True), ("int4", False)])
 def test_block_formats_match_reference(fmt: str, four: bool) -> None:
     gen = torch.Generator().manual_seed(1)
-    r, c = (136, 272) if fmt == "fp8_block" else (12, 96)  # fp8: partial edge tiles too
+    r, c = {"fp8_block": (136, 272), "int4": (6, 200)}.get(fmt, (12, 96))  # partial tiles too
     x = torch.randn(r, c, generator=gen) * torch.logspace(-6, 2, r).reshape(-1, 1)
     x[0, :16] = 0.0  # an all-zero block
     x[1, 3] = 1e-12  # a value under the smallest subnormal
@@ -161,7 +170,7 @@ def test_non_finite_blocks_are_nan_and_others_untouched(fmt: str) -> None:
     clean = dequantize(quantize(x, fmt, "activation"))
     x[1, 5], x[2, 250] = math.nan, math.inf
     d = dequantize(quantize(x, fmt, "activation"))
-    block = {"fp8_block": 128, "mxfp8": 32, "nvfp4": 16}[fmt]
+    block = {"fp8_block": 128, "mxfp8": 32, "nvfp4": 16, "int4": 128}[fmt]
     assert torch.isnan(d[1, :block]).all() and torch.isnan(d[2, 256 - block:]).all()
     assert torch.equal(d[0], clean[0]) and torch.equal(d[3], clean[3])  # per token: unaffected
 

@@ -65,6 +65,22 @@ def test_dequantized_backward_runs_the_backward_on_the_forward_operands() -> Non
     assert torch.allclose(x.grad, gy @ up.quantized_weight(), atol=1e-5)
 
 
+def test_int4_qat_fake_quantizes_forward_and_passes_gradients_straight_through() -> None:
+    torch.manual_seed(2)
+    m = Tiny()
+    apply_train_precision(m, Contract("int4", "int4"))
+    up = m.model.layers[0].mlp.up_proj
+    x = torch.randn(8, 64, requires_grad=True)
+    y = up(x)
+    wq = qdq(up.weight.detach(), "int4", "weight")
+    assert len(torch.unique(wq[0, :64] / wq[0, :64].abs().max())) <= 15  # 4-bit grid
+    assert torch.allclose(y, x @ wq.t(), atol=1e-6)  # weight-only: x unquantized
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    assert torch.allclose(up.weight.grad, gy.t() @ x.detach(), atol=1e-5)  # straight through
+    assert torch.allclose(x.grad, gy @ wq, atol=1e-5)
+
+
 def test_fp8_training_follows_the_exact_loss_curve() -> None:
     """A fixed synthetic regression, 150 Adam steps: the FP8 run ends within 3% of fp32's loss."""
     losses = {}
