@@ -26,6 +26,7 @@ ARRANGEMENTS = {
     "mxfp8": ["--precision", "mxfp8"],
     "nvfp4": ["--precision", "nvfp4"],
     "nvfp4 + four-over-six": ["--precision", "nvfp4", "--nvfp4-four-over-six"],
+    "int4": ["--precision", "int4"],
 }
 
 
@@ -33,6 +34,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("/tmp/lowprec_gap"))
+    p.add_argument("--only", default=None, help="comma-separated arrangement names")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     ckpt = make_tiny_checkpoint(a.out / "qwen3", "qwen3", seed=5)
@@ -41,6 +43,8 @@ def main() -> None:
     (a.out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     results = {}
     for name, flags in ARRANGEMENTS.items():
+        if a.only and name not in a.only.split(","):
+            continue
         run_dir = a.out / name.replace(" ", "_").replace("+", "")
         cmd = [sys.executable, "-m", "milepost", "train", "--hf-checkpoint", str(ckpt),
                "--prompt-data", str(a.out / "prompts.jsonl"), "--run-dir", str(run_dir),
@@ -49,7 +53,7 @@ def main() -> None:
                "--engine-max-total-tokens", "2048", "--reward-fn", "exact_match", "--seed", "3",
                *flags]
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True,
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode:
             results[name] = f"failed: {(proc.stdout + proc.stderr)[-400:]}"

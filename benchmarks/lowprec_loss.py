@@ -53,17 +53,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--formats", default="none,fp8_block,mxfp8,nvfp4,int4")
     a = p.parse_args()
     torch.set_num_threads(1)
     out = {}
-    for fmt in ("none", "fp8_block", "mxfp8", "nvfp4"):
+    for fmt in a.formats.split(","):
         t0 = time.monotonic()
         losses = run(fmt, a.steps, a.seed)
         end = sum(losses[-10:]) / 10
         out[fmt] = {"first": losses[0], "end": end, "seconds": round(time.monotonic() - t0, 1)}
-        rel = (end - out["none"]["end"]) / out["none"]["end"]
+        base = out.get("none", out[fmt])["end"]
         print(f"{fmt:10} loss {losses[0]:.3f} -> {end:.4f} (last 10 mean), vs unquantized "
-              f"{rel:+.2%}, {out[fmt]['seconds']} s", flush=True)
+              f"{(end - base) / base:+.2%}, {out[fmt]['seconds']} s", flush=True)
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(out, f, indent=1)

@@ -39,7 +39,7 @@ def test_quantized_run_trains_and_reports_the_gap(work: Path, flags: list[str], 
            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
            "--engine-max-total-tokens", "1024", "--reward-fn", "exact_match",
            "--check-weight-update-equal", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
