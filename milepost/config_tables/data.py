@@ -38,7 +38,8 @@ class DataTable(Table):
         300.0,
         gt=0,
         description="Time limit of one episode of an --env that runs episodes (verifiers, "
-        "openenv): past it the episode fails, its group is not trained on, the run goes on.",
+        "openenv) or of an --agent: past it the episode fails, its group is not trained on, the "
+        "run goes on.",
     )
 
 

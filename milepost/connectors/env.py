@@ -93,7 +93,8 @@ def resolve_env(cfg: TrainConfig) -> TrainConfig:
         kind, _, target = cfg.agent.partition(":")
         cfg = resolve_env(cfg.model_copy(update={"agent": None}))
         connector = importlib.import_module(AGENT_KINDS[kind])  # ImportError names the extra
-        return cfg.model_copy(update=connector.settings_for(target, cfg.reward_fn))
+        return cfg.model_copy(update=connector.settings_for(target, cfg.reward_fn,
+                                                             cfg.env_timeout_s))
     if cfg.env is None:
         return cfg
     kind, _, name = cfg.env.partition(":")

@@ -5,10 +5,11 @@ FACTORY(model) returns a `strands.Agent` built on the given `OpenAIModel` (its t
 prompt, ...). Each trajectory: a fresh agent on a model whose client points at the trajectory's
 session, invoked with the prompt's text; every model call (tool rounds included) is recorded as
 tokens. The run's `--reward-fn` grades the sample, whose `response` is the agent's final text.
-An agent that raises or runs past 300 s fails its episode (its group is not trained on).
+An agent that raises or runs past `--env-timeout-s` fails its episode (its group is not
+trained on).
 At start `--agent` becomes an agent and generate fn and a reward fn wrapping the run's one,
-each named by import path (the factory and reward path hex-encoded in the attribute name, so
-they need no other setting). docs/environments.md.
+each named by import path (the factory with its time limit, and the reward path, hex-encoded
+in the attribute names, so they need no other setting). docs/environments.md.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ def _hex(text: str) -> str:
     return text.encode().hex()
 
 
-def settings_for(target: str, reward_fn: str) -> dict[str, str]:
-    """What `--agent strands:TARGET` stands for, given the run's reward fn (the factory is
-    imported here, so a wrong path stops the run at start, naming --agent)."""
+def settings_for(target: str, reward_fn: str, timeout_s: float = 300.0) -> dict[str, str]:
+    """What `--agent strands:TARGET` stands for, given the run's reward fn and episode time limit
+    (the factory is imported here, so a wrong path stops the run at start, naming --agent)."""
     load_callable(target, f"--agent strands:{target}")
-    return {"agent_function_path": f"{__name__}:{_AGENT}{_hex(target)}",
+    return {"agent_function_path": f"{__name__}:{_AGENT}{_hex(f'{target}|{timeout_s!r}')}",
             "custom_generate_function_path": f"{__name__}:generate",
             "reward_fn": f"{__name__}:{_REWARD}{_hex(reward_fn)}"}
 
@@ -119,8 +120,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _agent_of(target: str) -> Callable[[AgentContext], Awaitable[AgentOutcome]]:
-    return strands_agent_fn(load_callable(target, f"--agent strands:{target}"))
+def _agent_of(spec: str) -> Callable[[AgentContext], Awaitable[AgentOutcome]]:
+    target, _, timeout_s = spec.partition("|")
+    return strands_agent_fn(load_callable(target, f"--agent strands:{target}"),
+                            timeout_s=float(timeout_s or 300.0))
 
 
 def _reward_of(path: str) -> RewardFn:

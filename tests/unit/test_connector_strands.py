@@ -14,9 +14,10 @@ from milepost.connectors import strands_agent as sac  # after the skip
 
 
 def test_agent_setting_resolves_to_paths_that_load() -> None:
-    paths = sac.settings_for("milepost.testing.agent_harness:WeatherAgent", "exact_match")
+    paths = sac.settings_for("milepost.testing.agent_harness:WeatherAgent", "exact_match", 7.5)
     agent = load_callable(paths["agent_function_path"], "--agent-function-path")
     assert callable(agent)
+    assert "7.5" in bytes.fromhex(paths["agent_function_path"].rsplit("_", 1)[1]).decode()
     reward = load_callable(paths["reward_fn"], "--reward-fn")
     s = Sample(group_index=0, index=0, tokens=[1], response_length=0, response="4", label="4")
     assert reward(s) == 1.0
