@@ -83,7 +83,7 @@ def _rank(rank: int, world: int, path: str, args: TrainBenchArgs, vocab: int) ->
         lr=1e-6, global_batch_size=args.samples, max_tokens_per_micro_batch=args.micro_batch_tokens,
         device=args.device, dtype="bfloat16" if cuda else "float32",
         activation_checkpointing=args.activation_checkpointing, compile_layers=args.compile_layers,
-        fused_kernels=args.fused_kernels)
+        fused_kernels=args.fused_kernels, precision=args.precision)
     out = {}
     for side, name in (("milepost", "fsdp"), ("megatron", "megatron")):
         if args.backend in (name, "both"):

@@ -40,6 +40,7 @@ class TrainBenchArgs:
     json_out: Path | None
     fused_kernels: bool = True
     backend: str = "fsdp"  # fsdp | megatron | both (docs/megatron.md)
+    precision: str = "bf16"  # milepost's trainer format (docs/low_precision.md)
 
     @property
     def seq_len(self) -> int:
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("fsdp", "megatron", "both"), default="fsdp",
                    help="milepost's training backend; both = FSDP then Megatron-core in the same run "
                    "(TP = PP = EP = 1; pip install 'milepost[megatron]')")
+    p.add_argument("--precision", choices=("bf16", "fp8_block", "mxfp8", "nvfp4", "int4"),
+                   default="bf16", help="milepost's trainer format (TrainerSettings.precision; "
+                   "docs/low_precision.md); the HF loop stays unquantized")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the Hugging Face loop and print the ratio")
     p.add_argument("--hf-micro-batch", type=int, help="samples per HF micro-batch (default: by tokens)")
@@ -104,7 +108,8 @@ def parse_args(argv: list[str] | None) -> TrainBenchArgs:
         parser.error("--device cuda: CUDA is not available here; use --device cpu")
     return TrainBenchArgs(ns.model, ns.shape, ns.layers, ns.samples, ns.prompt, ns.response, ns.steps,
                           ns.micro_batch_tokens, ns.activation_checkpointing, ns.compile_layers, ns.hf, ns.hf_micro_batch,
-                          device, ns.peak_tflops, ns.seed, ns.json_out, ns.fused_kernels, ns.backend)
+                          device, ns.peak_tflops, ns.seed, ns.json_out, ns.fused_kernels, ns.backend,
+                          ns.precision)
 
 
 def shape_config(shape: str, layers: int | None):
