@@ -51,7 +51,7 @@ def check_shapes(arrays: dict[str, np.ndarray], n: int, num_steps: int, image: t
 
 
 async def collect(url: str, groups: list[tuple[int, int]], *, seeds: list[int], params: dict, fmt: str,
-                  image: tuple[int, int, int], score, pool: Executor | None,  # noqa: ANN001 - score(images, labels)
+                  image: tuple[int, int, int], score, pool: Executor | None,
                   timeout_s: float = 600.0) -> tuple[list[GroupResult], RolloutTimes]:
     """Results in group order for groups [(label, n)]; score(images, labels) -> (rewards, valid)."""
     times = RolloutTimes()

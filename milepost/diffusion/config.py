@@ -12,7 +12,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from milepost.recipe import ConfigError, dump_toml, parse_overrides, read_recipe, validate_strict
+from milepost.recipe import (
+    ConfigError,
+    dump_toml,
+    parse_overrides,
+    read_recipe,
+    validate_strict,
+)
 
 RESOLVED_NAME = "config.resolved.toml"
 BUILTIN_REWARDS = ("brightness", "colourfulness", "jpeg_compressibility", "shape_classifier")

@@ -13,7 +13,6 @@ import multiprocessing
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -121,7 +120,3 @@ def _rollout_metrics(batch: RolloutBatch, results: list[GroupResult], classifier
             pred = classifier(images).argmax(-1)  # type: ignore[operator]
         out["quality/classifier_accuracy"] = float((pred == batch.labels).float().mean())
     return out
-
-
-def weights_dir(run_dir: Path) -> Path:
-    return run_dir / "weights"

@@ -35,7 +35,7 @@ class DiffusionEngine:
         self._base: dict[str, torch.Tensor] = {}  # weights adapters are merged onto
 
     @property
-    def config(self):  # noqa: ANN201
+    def config(self):
         return self.model.config
 
     def generate(self, labels: list[int], *, seed: int, num_steps: int, guidance: float, noise_level: float,

@@ -29,7 +29,8 @@ def _ensure_process_group(device: str) -> None:
 
     if dist.is_initialized():
         return
-    store = tempfile.NamedTemporaryFile(prefix="milepost-diffusion-pg-", delete=False).name
+    fd, store = tempfile.mkstemp(prefix="milepost-diffusion-pg-")
+    os.close(fd)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}",
                             rank=0, world_size=1)
 

@@ -20,14 +20,15 @@ SETTINGS = {"version": VERSION, "n_images": 4000, "pretrain_steps": 600, "classi
             "dim": 48, "depth": 3, "patch": 4, "seed": 0}
 
 
-def _bright_set(n: int, seed: int):  # noqa: ANN202 - (images, labels) of light-coloured shapes
+def _bright_set(n: int, seed: int):  # -> (images, labels); numpy only imported when building
+    """The brightest n of 3n synthetic shapes: what SFT should move the model toward."""
     import numpy as np
 
     from milepost.diffusion.shapes import make_dataset
 
     images, labels = make_dataset(n * 3, seed)
     lum = ((images + 1) / 2).mean(axis=(1, 2, 3))
-    keep = np.argsort(-lum)[:n]  # the brightest third: what SFT should move the model toward
+    keep = np.argsort(-lum)[:n]
     return images[keep], labels[keep]
 
 
@@ -41,7 +42,11 @@ def prepare(out_dir: str | Path, *, force: bool = False, log_every: int = 0) -> 
     import torch
 
     from milepost.diffusion.base_model import pretrain
-    from milepost.diffusion.classifier import accuracy, save_classifier, train_classifier
+    from milepost.diffusion.classifier import (
+        accuracy,
+        save_classifier,
+        train_classifier,
+    )
     from milepost.diffusion.model import DiTConfig, save_model
     from milepost.diffusion.sde import sample
     from milepost.diffusion.shapes import make_dataset

@@ -87,7 +87,7 @@ def checked_rewards(fn: RewardFn, images: np.ndarray, labels: np.ndarray, name: 
     b = len(labels)
     try:
         raw = np.asarray(fn(images, labels), dtype=np.float64)
-    except Exception as e:  # a user's function may fail in any way; its batch is not trained on
+    except Exception as e:  # noqa: BLE001 - a user's function may fail in any way; its batch is not trained on
         log.warning("reward %s raised %s: %s; %d samples not trained on", name, type(e).__name__, e, b)
         return np.zeros(b), np.zeros(b, dtype=bool)
     if raw.shape != (b,):

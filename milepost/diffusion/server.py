@@ -93,7 +93,7 @@ def create_app(engine: DiffusionEngine) -> FastAPI:
             return Response(await asyncio.to_thread(to_json, meta, arrays), media_type="application/json")
         return Response(pack(meta, arrays), media_type=CONTENT_TYPE)
 
-    async def _update(fn, version: str | None) -> JSONResponse:  # noqa: ANN001
+    async def _update(fn, version: str | None) -> JSONResponse:
         try:
             n = await asyncio.to_thread(fn)
         except WeightUpdateError as e:

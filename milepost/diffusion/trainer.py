@@ -136,7 +136,7 @@ class DiffusionTrainer:
     def model_config_classes(self) -> int:
         return self.base_config().num_classes
 
-    def base_config(self):  # noqa: ANN201 - the DiTConfig of the (possibly wrapped) model
+    def base_config(self):
         return getattr(self.model, "config", None) or self.model.module.config  # type: ignore[union-attr]
 
     def engine_weights(self) -> list[tuple[str, torch.Tensor]]:

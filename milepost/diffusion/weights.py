@@ -13,7 +13,7 @@ from milepost.weights.codec import serialize_named_tensors
 from milepost.weights.verify import verify
 
 
-def push_weights(trainer, url: str, cfg, version: str, timeout_s: float = 300.0) -> None:  # noqa: ANN001
+def push_weights(trainer, url: str, cfg, version: str, timeout_s: float = 300.0) -> None:
     named = trainer.engine_weights()
     if cfg.weight_transport == "tensor":
         body = {"serialized_named_tensors": [serialize_named_tensors(named)], "weight_version": version}

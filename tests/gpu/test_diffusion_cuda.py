@@ -7,6 +7,7 @@ Run on the accelerator machine: `python -m pytest -q -s -m gpu tests/gpu/test_di
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from milepost.diffusion.objectives import group_advantages
 from milepost.diffusion.sde import sample
 from milepost.diffusion.trainer import DiffusionTrainer, RolloutBatch
 
+# cuBLAS reads this when it creates its handle: set before any CUDA work for the deterministic test
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 

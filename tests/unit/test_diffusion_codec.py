@@ -8,7 +8,15 @@ import struct
 import numpy as np
 import pytest
 
-from milepost.diffusion.codec import CONTENT_TYPE, TrajectoryFormatError, decode, from_json, pack, to_json, unpack
+from milepost.diffusion.codec import (
+    CONTENT_TYPE,
+    TrajectoryFormatError,
+    decode,
+    from_json,
+    pack,
+    to_json,
+    unpack,
+)
 
 
 def _arrays() -> dict[str, np.ndarray]:

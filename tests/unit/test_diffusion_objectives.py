@@ -7,7 +7,12 @@ from __future__ import annotations
 import torch
 
 from milepost.diffusion.model import DiTConfig, TinyDiT
-from milepost.diffusion.objectives import flow_grpo_step_loss, group_advantages, nft_loss, nft_optimality
+from milepost.diffusion.objectives import (
+    flow_grpo_step_loss,
+    group_advantages,
+    nft_loss,
+    nft_optimality,
+)
 from milepost.diffusion.sde import sample
 
 torch.set_num_threads(1)

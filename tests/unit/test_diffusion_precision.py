@@ -21,7 +21,7 @@ def test_fp32_modules_compute_in_fp32_under_fsdp2() -> None:
     assert "t_embedder" in names and "blocks.0.adaLN_modulation" in names and "final_layer.adaLN_modulation" in names
     seen: dict[str, torch.dtype] = {}
 
-    def record(name: str):  # noqa: ANN202
+    def record(name: str):
         return lambda mod, args, out: seen.__setitem__(name, mod.weight.dtype)
 
     model.t_embedder.mlp[0].register_forward_hook(record("t_embedder"))

@@ -8,7 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from milepost.diffusion.rewards import brightness, checked_rewards, colourfulness, jpeg_compressibility, make_reward
+from milepost.diffusion.rewards import (
+    brightness,
+    checked_rewards,
+    colourfulness,
+    jpeg_compressibility,
+    make_reward,
+)
 
 
 def _flat(value: float, n: int = 2) -> np.ndarray:

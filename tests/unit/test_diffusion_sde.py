@@ -20,7 +20,7 @@ class _Exact(TinyDiT):
         super().__init__(DiTConfig(dim=8, depth=1, heads=2))
         self.target = target
 
-    def forward(self, x, t, labels=None, cond=None):  # noqa: ANN001, ANN201
+    def forward(self, x, t, labels=None, cond=None):
         return (x - self.target) / t.reshape(-1, 1, 1, 1)
 
 
