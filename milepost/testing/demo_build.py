@@ -117,17 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=_watch, args=(int(session_pid),), daemon=True).start()
     from milepost.demo.prepare import main as prepare
 
+    code = 1  # an exception propagates (its traceback goes to the log) after the status is written
     try:
         code = prepare([out_dir, *options])
     except SystemExit as e:  # argparse refusing an option
         code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    _write_atomic(Path(out_dir).parent / (Path(out_dir).name + ".exit"), str(code))
+    finally:
+        sys.stdout.flush()
+        _write_atomic(Path(out_dir).parent / (Path(out_dir).name + ".exit"), str(code))
     return code
 
 
