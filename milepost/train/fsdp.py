@@ -19,10 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from milepost.lora.adapters import adapter_parameters
 from milepost.lora.multi_train import AdapterSteps
-from milepost.lora.peft_format import write_peft_adapter
-from milepost.lora.settings import ADAPTER_SEP, POLICY_ADAPTER
 from milepost.train import checkpoint as ckpt
 from milepost.train import micro
 from milepost.train.batch import TrainBatch, adapters_of, split_for_rank
@@ -40,6 +37,7 @@ from milepost.train.fsdp_setup import (
     seed_everything,
     shard_model,
 )
+from milepost.train.fsdp_weights import export_adapters, hf_weights
 from milepost.train.logprobs import TokenScorer, plan_micro_batches
 from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss, value_loss
 from milepost.train.offload import MoveStats as OffloadStats
@@ -391,26 +389,7 @@ class FSDPBackend:
 
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._require_onloaded("named_hf_weights")
-        lm = self.policy.lm
-        dtype = self.settings.torch_dtype
-        # LoRA: only the adapter moves, named for the engines ("policy/...q_proj.lora_A.weight");
-        # multi-LoRA: only the adapters stepped since the last update ("<adapter>/...").
-        if self.adapter_steps is not None:
-            params = self.adapter_steps.engine_params(self.adapter_steps.take_pending())
-        elif self.settings.lora is not None:
-            params = ((f"{POLICY_ADAPTER}{ADAPTER_SEP}{n}", p) for n, p in adapter_parameters(lm))
-        else:
-            params = lm.named_parameters()
-        with torch.no_grad():
-            for name, param in params:
-                full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-                local = param.to_local() if isinstance(param, DTensor) else param
-                if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-                    full = full.clone()  # never hand out the live parameter: training would change it
-                if self.settings.lora is not None:
-                    yield name, full.to(dtype)
-                    continue
-                yield from lm.hf_tensors(name, full.to(dtype))
+        return hf_weights(self.policy.lm, self.settings, self.adapter_steps)
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         if self.critic is not None:  # first: a complete actor checkpoint always has its critic
@@ -429,21 +408,11 @@ class FSDPBackend:
 
     def export_hf(self, path: str | Path) -> None:
         """A Hugging Face directory; with LoRA, a PEFT adapter directory for the base instead."""
-        if self.adapter_steps is not None:  # multi-LoRA: PATH/<adapter>, one PEFT directory each
-            self._require_onloaded("export_hf")
-            self.adapter_steps.export(path, self.settings.lora, self.model_path, self.rank == 0)
-            dist.barrier()
+        self._require_onloaded("export_hf")
+        if self.settings.lora is None:
+            write_hf_directory(self.named_hf_weights(), self.model_path, path)
             return
-        if self.settings.lora is not None:
-            self._require_onloaded("export_hf")
-            with torch.no_grad():  # fp32 masters, gathered on every rank (a collective), written by rank 0
-                named = [(n, p.full_tensor() if isinstance(p, DTensor) else p.detach())
-                         for n, p in adapter_parameters(self.policy.lm)]
-            if self.rank == 0:
-                write_peft_adapter(named, self.settings.lora, self.model_path, path)
-            dist.barrier()
-            return
-        write_hf_directory(self.named_hf_weights(), self.model_path, path)
+        export_adapters(self.policy.lm, self.settings.lora, self.adapter_steps, self.model_path, path, self.rank)
 
     # --- offload ---------------------------------------------------------------------------------
 
