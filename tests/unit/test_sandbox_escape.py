@@ -45,6 +45,14 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
+def _uids(p: psutil.Process) -> tuple[int, int] | None:
+    try:  # the process may end between the scan and this read
+        uids = p.uids()
+    except psutil.Error:
+        return None
+    return uids.real, uids.effective
+
+
 def test_an_unprivileged_user_without_capabilities() -> None:
     with Sandbox() as box:
         assert box.run("id -u").output.strip() == "1000"
@@ -55,15 +63,18 @@ def test_an_unprivileged_user_without_capabilities() -> None:
         # Seen from the host, the command's process is not root (bwrap nests user namespaces,
         # so the uid map inside does not show the host's uid: look from outside).
         seen: list[tuple[int, int]] = []
+        result = []
         done = threading.Event()
-        runner = threading.Thread(target=lambda: (box.run("sleep 3.217"), done.set()))
+        # 8 s: long enough to be seen by a host scan on a loaded machine (one scan took seconds)
+        runner = threading.Thread(target=lambda: (result.append(box.run("sleep 8.217")), done.set()))
         runner.start()
         while not done.is_set() and not seen:
-            seen = [(p.uids().real, p.uids().effective) for p in psutil.process_iter()
-                    if _cmdline(p) == ["sleep", "3.217"]]
+            seen = [ids for p in psutil.process_iter() if _cmdline(p) == ["sleep", "8.217"]
+                    for ids in [_uids(p)] if ids is not None]
             time.sleep(0.05)
         runner.join()
-        assert seen and all(0 not in ids for ids in seen), seen
+        assert seen, f"the sandboxed sleep was never seen from the host; its run: {result}"
+        assert all(0 not in ids for ids in seen), seen
         if os.geteuid() == 0:  # sandboxes at once do not share a uid (nor its process count)
             with Sandbox() as other:
                 assert other.uid != box.uid and seen[0][0] == box.uid
