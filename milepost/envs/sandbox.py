@@ -15,10 +15,11 @@ subprocesses in the temp directory: NO isolation; for machines where you trust t
 from __future__ import annotations
 
 import io
-import itertools
 import os
 import resource
+import secrets
 import shutil
+import socket
 import subprocess
 import tarfile
 import tempfile
@@ -92,11 +93,25 @@ def _bwrap_base(limits: SandboxLimits) -> list[str]:
     return cmd
 
 
-_next_uid = itertools.count()
+_UID_BASE, _UID_COUNT = 100000, 60000
 
 
-def _own_uid() -> int:
-    return 100000 + next(_next_uid) % 60000
+def _claim_uid() -> tuple[int, socket.socket]:
+    """A host uid that no other live sandbox on this machine holds, in any process, and the claim
+    (close it to release). The claim is an abstract Unix socket name: exclusive machine-wide, gone
+    with its process, no files. (Counting from 100000 in each process handed two processes the same
+    uids: the process limit, which is per uid, then counted the other's processes, and episodes of
+    two trainers could signal each other's commands.)"""
+    start = secrets.randbelow(_UID_COUNT)
+    for i in range(_UID_COUNT):
+        uid = _UID_BASE + (start + i) % _UID_COUNT
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            claim.bind(f"\0milepost-sandbox-uid-{uid}")
+            return uid, claim
+        except OSError:
+            claim.close()
+    raise RuntimeError(f"all {_UID_COUNT} sandbox uids from {_UID_BASE} are in use on this machine")
 
 
 def _limiter(limits: SandboxLimits, uid: int) -> Callable[[], None]:
@@ -169,7 +184,11 @@ def isolation_problem() -> str | None:
     """None when bubblewrap can build the sandbox here (as it will for commands), else why not."""
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed (apt-get install -y bubblewrap)"
-    code, out, err = _launch(["/bin/sh", "-c", "id -u"], SandboxLimits(), _own_uid(), b"", 20.0)
+    uid, claim = _claim_uid()
+    try:
+        code, out, err = _launch(["/bin/sh", "-c", "id -u"], SandboxLimits(), uid, b"", 20.0)
+    finally:
+        claim.close()
     if code is None:
         return "bwrap did not answer within 20 s"
     if code != 0 or out.strip() != str(_INSIDE_UID).encode():
@@ -201,7 +220,11 @@ class Sandbox:
                 f"isolation; pass allow_unsafe_no_sandbox=True (--allow-unsafe-no-sandbox) only "
                 f"if you accept commands running unisolated on this machine")
         self.isolated = problem is None
-        self.uid = self.limits.sandbox_uid if self.limits.sandbox_uid is not None else _own_uid()
+        self._uid_claim: socket.socket | None = None
+        if self.limits.sandbox_uid is not None:
+            self.uid = self.limits.sandbox_uid
+        else:
+            self.uid, self._uid_claim = _claim_uid()
         self.workdir = Path(tempfile.mkdtemp(prefix="milepost-sandbox-"))
         for rel, content in (files or {}).items():
             path = (self.workdir / rel).resolve()
@@ -272,6 +295,8 @@ class Sandbox:
 
     def close(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._uid_claim is not None:
+            self._uid_claim.close()
 
     def __enter__(self) -> Sandbox:
         return self

@@ -134,3 +134,26 @@ def test_big_output_is_cut_to_its_tail_not_failed() -> None:
         r = box.run("seq 1 2000000; echo done; exit 3")  # ~15 MB of output
         assert r.exit_code == 3 and r.output.endswith("2000000\ndone\n")
         assert len(r.output) <= box.limits.output_chars
+
+
+def test_a_uid_held_by_one_process_is_not_handed_out_by_another() -> None:
+    """Sandboxes in different processes (two trainer ranks, two xdist workers) never share a host
+    uid: the process limit is per uid, and one uid would let their commands signal each other."""
+    import subprocess
+    import sys
+
+    from milepost.envs import sandbox
+
+    uid, claim = sandbox._claim_uid()
+    try:
+        # The child starts its search exactly at our uid: it must step past it.
+        child = ("import secrets, milepost.envs.sandbox as s\n"
+                 f"secrets.randbelow = lambda n: {uid - sandbox._UID_BASE}\n"
+                 "print(s._claim_uid()[0])")
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout) != uid
+        with Sandbox() as box:
+            assert box.uid != uid
+    finally:
+        claim.close()
