@@ -184,17 +184,20 @@ def isolation_problem() -> str | None:
     """None when bubblewrap can build the sandbox here (as it will for commands), else why not."""
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed (apt-get install -y bubblewrap)"
-    uid, claim = _claim_uid()
-    try:
-        code, out, err = _launch(["/bin/sh", "-c", "id -u"], SandboxLimits(), uid, b"", 20.0)
-    finally:
-        claim.close()
+    for attempt in range(3):  # a busy machine can fail one start; a machine without isolation fails all
+        uid, claim = _claim_uid()
+        try:
+            code, out, err = _launch(["/bin/sh", "-c", "id -u"], SandboxLimits(), uid, b"", 20.0)
+        finally:
+            claim.close()
+        if code == 0 and out.strip() == str(_INSIDE_UID).encode():
+            return None
+        time.sleep(0.5 * (attempt + 1))
     if code is None:
         return "bwrap did not answer within 20 s"
-    if code != 0 or out.strip() != str(_INSIDE_UID).encode():
-        return (f"bwrap cannot create the sandbox here ({err.decode(errors='replace').strip()[:200]}"
-                "); user namespaces may be forbidden on this machine")
-    return None
+    said = (err or out).decode(errors="replace").strip()[:200]
+    return (f"bwrap cannot create the sandbox here (exit {code}: {said!r}); user namespaces may be "
+            "forbidden on this machine")
 
 
 def _inside_only(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
