@@ -161,11 +161,18 @@ def test_a_stopped_driver_leaves_no_actor_or_process(
 ) -> None:
     """Ctrl-C: the launcher stops everything before it exits. SIGKILL: no code of the driver
     runs; Ray removes the actors the dead driver owned, and each component dies with its actor."""
-    proc = _start_then(cluster, _train_cmd(cluster, demo_dir, tmp_path / "run", 20, "broadcast"),
+    # 1000 rollouts: the run must still be going when the signal comes (20 once ended first
+    # while a loaded machine spent two minutes listing the cluster's processes).
+    proc = _start_then(cluster, _train_cmd(cluster, demo_dir, tmp_path / "run", 1000, "broadcast"),
                        tmp_path / "train.out", demo_train_timeout_s(1))
-    assert _leftovers(cluster)[1], "the run's components should be up"
-    proc.send_signal(sig)
-    rc = proc.wait(timeout=120)
+    try:
+        assert _leftovers(cluster)[1], "the run's components should be up"
+        assert proc.poll() is None, "the run ended before the signal"
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert rc != 0
     if sig == signal.SIGINT:
         assert "interrupted (Ctrl-C)" in (tmp_path / "train.out").read_text()
