@@ -177,14 +177,17 @@ class ServedTeachers:
     def take_metrics(self) -> dict[str, float]:
         """Since the last call (no prefix; the driver adds `opd/`): teacher_time (wall seconds with
         a group being scored; it overlaps generation), teacher_tokens_per_s (scored sequence
-        tokens over that time), and counts per teacher."""
+        tokens over that time), and counts per teacher (scored_samples/<tag> always present)."""
         with self._lock:
             busy = self._time
             if self._active:  # a group still being scored (fully async): count up to now
                 now = time.perf_counter()
                 busy += now - self._busy_since
                 self._busy_since = now
-            out = {"teacher_time": busy, **{k: float(v) for k, v in self._counts.items()}}
+            # every teacher's count appears each step, 0 included: under --fully-async the worker
+            # can score a step's groups during an earlier step, and a missing key reads as a gap
+            scored = {f"scored_samples/{self._name(u)}": 0.0 for u in self.urls.values()}
+            out = {"teacher_time": busy, **scored, **{k: float(v) for k, v in self._counts.items()}}
             if busy > 0:
                 out["teacher_tokens_per_s"] = self._tokens / busy
             self._counts.clear()

@@ -22,8 +22,13 @@ def test_served_teacher_runs_and_logs_opd_metrics(work, start_server, args) -> N
     records = run.metrics()
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records:
-        assert r["opd/scored_samples/teacher"] > 0 and r["opd/teacher_time"] > 0
         assert "opd/reverse_kl_mean" in r and "opd/teacher_logprob_mean" in r
+        if not args:  # sync: each step scores its own batch
+            assert r["opd/scored_samples/teacher"] > 0 and r["opd/teacher_time"] > 0
+    # fully async: the worker may score a later step's groups during an earlier step, so a step's
+    # window can hold none (reported as 0, never missing); over the run every batch was scored
+    assert all(r["opd/scored_samples/teacher"] >= 0 for r in records)
+    assert sum(r["opd/scored_samples/teacher"] for r in records) > 0
     assert abs(records[0]["opd/reverse_kl_mean"]) < 1e-3  # teacher == the student before training
 
 
