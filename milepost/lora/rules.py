@@ -33,9 +33,6 @@ def lora_refusals(c: TrainConfig) -> list[str]:
     if c.engine_backend == "sglang":
         p.append("--lora-rank with --engine-backend sglang: adapter weight updates use milepost's "
                  "engine endpoints; use --engine-backend embedded")
-    if c.engine_quantization:
-        p.append(f"--lora-rank with --engine-quantization {c.engine_quantization}: adapters on a "
-                 "quantized base are not served yet; drop --engine-quantization")
     if c.rollout_only:
         p.append("--lora-rank with --rollout-only: there is no trainer to create the adapter; drop one")
     if c.fully_async:

@@ -37,3 +37,18 @@ def merged_checkpoint(base: Path, out: Path, settings: LoraSettings, adapter: di
             weights[name] = (w.float() + (b @ a) * settings.scaling).to(w.dtype)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def dequantized_checkpoint(base: Path, out: Path) -> Path:
+    """A copy of `base` whose projection weights are what an `--quantization fp8` engine holds
+    (fp8 rows dequantized): the base that engine's adapters must be compared against."""
+    from milepost.engine.weight_fp8 import QUANTIZED_LINEARS
+    from milepost.weights.fp8 import dequantize_rows, quantize_rows
+
+    shutil.copytree(base, out)
+    weights = load_file(str(base / "model.safetensors"))
+    for name, w in weights.items():
+        if name.endswith(".weight") and name.removesuffix(".weight").rsplit(".", 1)[-1] in QUANTIZED_LINEARS:
+            weights[name] = dequantize_rows(*quantize_rows(w)).to(w.dtype)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -27,6 +27,10 @@ def test_lora_settings_reach_trainer_and_engines(base: list[str]) -> None:
     i = cmd.index("--enable-lora")
     assert cmd[i + 1 : i + 5] == ["--max-lora-rank", "8", "--lora-target-modules", "q_proj,v_proj"]
     assert trainer_settings(load_config(None, base)).lora is None  # rank 0: full training
+    # An fp8 base serves bf16/fp32 adapters (docs/lora.md): both flags reach the engines.
+    fp8 = load_config(None, [*base, "--lora-rank", "4", "--engine-quantization", "fp8"])
+    cmd = LocalLauncher(fp8, fp8.run_dir)._engine_cmd(12345)
+    assert "--enable-lora" in cmd and cmd[cmd.index("--quantization") + 1] == "fp8"
     assert "--enable-lora" not in LocalLauncher(load_config(None, base), Path("unused"))._engine_cmd(12345)
 
 
@@ -35,7 +39,6 @@ def test_lora_settings_reach_trainer_and_engines(base: list[str]) -> None:
     (["--update-weight-transfer-mode", "p2p"], "p2p does not carry LoRA adapters"),
     (["--update-weight-transfer-mode", "disk-delta"], "disk-delta does not carry LoRA adapters"),
     (["--fully-async"], "--lora-rank with --fully-async is not supported yet"),
-    (["--engine-quantization", "fp8"], "adapters on a quantized base are not served yet"),
     (["--use-session-server", "--session-model-family", "qwen3"], "session server is not supported yet"),
 ])
 def test_lora_refusals_name_the_setting(base: list[str], flags: list[str], message: str) -> None:

@@ -22,7 +22,9 @@ from milepost.lora.routes import SEP
 from milepost.lora.serving import AdapterError
 from milepost.lora.settings import LoraSettings
 from milepost.testing.checkpoints import make_tiny_checkpoint
-from milepost.testing.lora_adapters import merged_checkpoint, random_adapter
+from milepost.engine.weight_fp8 import FP8, Fp8Linear
+from milepost.engine.weight_update import WeightLoader
+from milepost.testing.lora_adapters import dequantized_checkpoint, merged_checkpoint, random_adapter
 
 ADAPTERS = {  # name: (settings, seed)
     "math": (LoraSettings(4, 8.0, "all-linear"), 1),
@@ -90,6 +92,41 @@ def test_mixed_batch_equals_merged_models(setup: dict, kernel: str) -> None:
     # The adapters do change the model (the test could not pass with LoRA ignored).
     math0, base0 = flat(got["math-0"])[1], flat(got["base-0"])[1]
     assert max(abs(a - b) for a, b in zip(math0, base0)) > 1e-2
+
+
+def assert_same(got: dict[str, list[RequestOutput]], ref: dict[str, list[RequestOutput]], pairs: dict[str, str]) -> None:
+    for rid, ref_rid in pairs.items():
+        ids, lps = flat(got[rid])
+        ref_ids, ref_lps = flat(ref[ref_rid])
+        assert ids == ref_ids, rid
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), rtol=0, atol=1e-5)
+
+
+def test_fp8_base_with_adapters_equals_dequantized_merged_model(setup: dict) -> None:
+    """`--quantization fp8 --enable-lora`: the base's projections in fp8 rows, the adapters in
+    the model dtype. Each request equals an engine serving the merged model (dequantized fp8 base
+    + B A * scaling) within 1e-5 (fp32), and an adapter update through the weight loader (the
+    path every update endpoint takes) reaches the next forward, still on the fp8 base."""
+    root, settings = setup["root"], ADAPTERS["math"][0]
+    deq = dequantized_checkpoint(setup["base"], root / "fp8_dequantized")
+    engine = make_engine(setup["base"], quantization="fp8", enable_lora=True, max_lora_rank=4,
+                         lora_paths=f"math={setup['dirs']['math']}")
+    q_proj = engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(q_proj, Fp8Linear) and q_proj.weight.dtype == FP8
+    jobs = [(f"{lora or 'base'}-{i}", p, lora) for i, p in enumerate(PROMPTS) for lora in ("math", None)]
+    refs = [(f"ref-{i}", p, None) for i, p in enumerate(PROMPTS)]
+    got = run(engine, jobs)
+    first = merged_checkpoint(deq, root / "fp8_merged_1", settings, random_adapter(setup["base"], settings, 1))
+    assert_same(got, run(make_engine(first), refs), {f"math-{i}": f"ref-{i}" for i in range(len(PROMPTS))})
+    assert_same(got, run(make_engine(deq), refs), {f"base-{i}": f"ref-{i}" for i in range(len(PROMPTS))})
+
+    new = random_adapter(setup["base"], settings, 7)
+    written = WeightLoader(engine.runner.model).from_named((f"math{SEP}{n}", t) for n, t in new.items())
+    assert written == len(new) and q_proj.weight.dtype == FP8
+    after = run(engine, jobs)
+    second = merged_checkpoint(deq, root / "fp8_merged_7", settings, new)
+    assert_same(after, run(make_engine(second), refs), {f"math-{i}": f"ref-{i}" for i in range(len(PROMPTS))})
+    assert flat(after["math-0"])[1] != flat(got["math-0"])[1]  # the update is what serves now
 
 
 def test_bad_adapters_refused_and_weights_addressable(setup: dict) -> None:
