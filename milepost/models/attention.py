@@ -233,7 +233,8 @@ class VarlenCausalAttention:
         self.max_len = max(self.lengths)
         self._cu32: torch.Tensor | None = None
 
-    @torch.compiler.disable  # a compiled training layer (train/compile.py) calls it eagerly
+    # A compiled training layer calls this eagerly: train/compile.py marks it with
+    # torch.compiler.disable when it compiles (not here: that imports dynamo, ~1.5 s per process).
     def attend(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 
 from milepost.models.base import ForwardContext
 from milepost.models.masked_attention import Variant, attend_variant
+from milepost.models.meta import on_meta
 from milepost.models.rope import (  # noqa: F401 - RoPE lived here first; importers still find it
     SUPPORTED_ROPE_TYPES,
     RotaryEmbedding,
@@ -80,7 +81,7 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
     that reads the input once instead of one per part. Copies the weights; parts share in/bias."""
     bias = parts[0].bias is not None
     weight = torch.cat([p.weight.detach() for p in parts])
-    with torch.device("meta"):  # no throwaway allocation: the parameters are replaced below
+    with on_meta():  # no throwaway allocation: the parameters are replaced below
         fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
     grad = parts[0].weight.requires_grad
     fused.weight = nn.Parameter(weight, requires_grad=grad)

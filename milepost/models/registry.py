@@ -23,6 +23,7 @@ from milepost.models.deepseek_v3 import DeepseekV3ForCausalLM
 from milepost.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from milepost.models.gpt_oss import GptOssForCausalLM
 from milepost.models.llama import DecoderLM, LlamaForCausalLM
+from milepost.models.meta import on_meta
 from milepost.models.mistral import MistralForCausalLM
 from milepost.models.qwen2 import Qwen2ForCausalLM
 from milepost.models.qwen3 import Qwen3ForCausalLM
@@ -61,7 +62,7 @@ def native_reason(hf_config: object) -> str | None:
     """Why `hf_config` cannot run on a native definition (naming the field), or None if it can."""
     try:
         cls = model_class(hf_config)
-        with torch.device("meta"):  # construction runs every config check, allocating nothing
+        with on_meta():  # construction runs every config check, allocating nothing
             cls(hf_config)
     except (ValueError, KeyError, AttributeError) as e:
         return str(e)
@@ -112,7 +113,7 @@ def build_model(hf_config: object, dtype: torch.dtype, device: torch.device | st
     """An uninitialized model (parameters hold garbage) in `dtype` on `device`; fill it via weight_view."""
     cls = model_class(hf_config)
     # Build on meta so no time is spent on random init, then allocate storage once in place.
-    with torch.device("meta"):
+    with on_meta():
         model = cls(hf_config)
     model = model.to(dtype=dtype).to_empty(device=device)
     if model.tie_word_embeddings:  # to_empty keeps ties only if they are re-established
