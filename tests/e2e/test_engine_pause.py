@@ -4,7 +4,7 @@ abort: in-flight requests end with finish_reason abort. retract: their KV is dro
 weight update and /continue_generation they finish, the tokens after the update being what greedy
 decoding with the new weights gives from that prefix. in_place: they resume with their KV kept
 and lose no token. The tiny model decodes ~2000 tokens/s here, so in-flight requests are long
-(1000 tokens) and streamed, and the tests act once the first tokens have arrived. Last, in
+(1900 tokens) and streamed, and the tests act once the first tokens have arrived. Last, in
 process: a crashed engine loop still answers every caller (abort / error), never leaves one waiting.
 """
 
@@ -30,7 +30,12 @@ from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.server_process import ServerProcess
 
 CHUNK = 8  # --chunked-prefill-size
-LONG = 1000  # tokens of an in-flight request: ~1 s of streamed decoding, room to act meanwhile
+# Tokens of an in-flight request: ~1 s of streamed decoding idle, room to act meanwhile (1000 left
+# ~0.5 s, which a descheduled test process on a loaded machine can miss); prompt + LONG < 2048.
+LONG = 1900
+# How long a request may take to start, end, or reach a state; idle it is well under a second, a
+# loaded CI machine was seen 30x slower. Waits poll a condition with this limit, never a delay.
+SETTLE_S = 180.0
 PROMPT = [7, 300, 21, 5, 99, 140, 3, 250, 61, 17]
 ARGMAX_TOL = 1e-4  # a token counts as greedy if its logit is within this of the maximum
 
@@ -84,7 +89,7 @@ class Stream:
             self.started.set()
 
     def wait_started(self) -> None:
-        assert self.started.wait(30), "no streamed token within 30 s"
+        assert self.started.wait(SETTLE_S), f"no streamed token within {SETTLE_S} s"
         assert self.error is None, self.error
 
     @property
@@ -92,7 +97,7 @@ class Stream:
         return len(self.chunks[-1]["output_ids"]) if self.chunks else 0
 
     def result(self) -> dict:
-        self._thread.join(60)
+        self._thread.join(SETTLE_S)
         assert not self._thread.is_alive(), "stream did not finish"
         assert self.error is None, self.error
         return self.chunks[-1]
@@ -100,6 +105,15 @@ class Stream:
 
 def server_info(c: httpx.Client) -> dict:
     return c.get("/get_server_info").json()
+
+
+def wait_queued(c: httpx.Client, n: int) -> None:
+    """Until `n` requests wait in the queue (a request sent from a thread reaches the server after
+    an unknown delay on a loaded machine)."""
+    deadline = time.monotonic() + SETTLE_S
+    while (queued := server_info(c)["num_queue_reqs"]) != n:
+        assert time.monotonic() < deadline, f"{queued} requests queued, not {n}, after {SETTLE_S} s"
+        time.sleep(0.05)
 
 
 def forward_steps(c: httpx.Client) -> int:
@@ -150,8 +164,8 @@ def test_abort_ends_in_flight_and_holds_new_requests(client: httpx.Client, serve
     assert server_info(client)["num_running_reqs"] == 0
 
     held = Stream(server.url, PROMPT, max_new_tokens=5)  # arrives while paused: waits, not aborted
-    time.sleep(0.3)
-    assert not held.chunks and server_info(client)["num_queue_reqs"] == 1
+    wait_queued(client, 1)
+    assert not held.chunks and server_info(client)["num_running_reqs"] == 0
     client.post("/continue_generation").raise_for_status()
     out = held.result()
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
@@ -196,10 +210,17 @@ def test_in_place_keeps_kv_and_loses_no_token(client: httpx.Client, server, ckpt
     pause(client, "in_place")
     info = server_info(client)
     assert (info["num_running_reqs"], info["num_queue_reqs"]) == (1, 0), "in_place keeps it running"
-    time.sleep(0.2)  # events emitted before the pause may still be on their way
-    frozen = s.n_tokens
-    time.sleep(0.3)
+    # Tokens made before the pause may still be on their way (for long on a loaded machine): wait
+    # until the stream holds every token the engine's steps made (prefill chunks, then one a step).
+    prefill = math.ceil(len(PROMPT) / CHUNK)
+    deadline = time.monotonic() + SETTLE_S
+    while s.n_tokens != (made := forward_steps(client) - steps_before - prefill + 1):
+        assert time.monotonic() < deadline, f"streamed {s.n_tokens} of {made} tokens in {SETTLE_S} s"
+        time.sleep(0.05)
+    frozen, steps = s.n_tokens, forward_steps(client)
+    time.sleep(0.3)  # a window to catch a step or token while paused (none may come)
     assert s.n_tokens == frozen < LONG, "no token may be generated while paused"
+    assert forward_steps(client) == steps, "the engine stepped while paused"
     client.post("/continue_generation").raise_for_status()
 
     out = s.result()
@@ -218,7 +239,7 @@ def test_abort_all_update_keeps_a_paused_server_paused(client: httpx.Client, ser
     assert s.result()["meta_info"]["finish_reason"]["type"] == "abort"
 
     held = Stream(server.url, PROMPT, max_new_tokens=5)
-    time.sleep(0.3)
+    wait_queued(client, 1)
     assert not held.chunks, "the server generated while paused"
     assert server_info(client)["paused"] == "in_place"
     client.post("/continue_generation").raise_for_status()
