@@ -18,7 +18,8 @@ def eval_refusals(c: TrainConfig) -> list[str]:
                  "would never be used; set --eval-interval N or drop --eval-prompt-data"]
                 if c.eval_prompt_data is not None else [])
     p: list[str] = []
-    if c.eval_prompt_data is None:
+    if c.eval_prompt_data is None and not any("eval_prompt_data" in a for a in c.adapters or []):
+        # multi-LoRA: each [[lora.adapters]] entry may name its own (milepost/lora/rules.py)
         p.append(f"--eval-interval {c.eval_interval} needs --eval-prompt-data (the held-out prompts)")
     if c.load_rollouts is not None or c.rollout_only:
         p.append("--eval-interval needs engines and a policy that trains; it cannot be used with "

@@ -24,6 +24,7 @@ from milepost.driver.preflight import RunError, load_fully_async_plugins
 from milepost.driver.runtime import Runtime, _default
 from milepost.eval.dedicated import DedicatedFleet
 from milepost.eval.external import ExternalEvaluator, load_backend
+from milepost.lora.settings import POLICY_ADAPTER
 from milepost.rollout.client import SyncEngineClient
 from milepost.rollout.generate import RolloutResult, SamplingSettings, rollout_metrics
 from milepost.rollout.scheduler import RolloutWorker, WorkerSettings
@@ -59,7 +60,8 @@ class FullyAsyncRuntime(Runtime):
         self.worker = RolloutWorker(
             engine_urls, self.ledger, self.buffer, sampling, reward_fn, self.group_reward_fn,
             WorkerSettings(cfg.n_samples_per_prompt, int(cfg.max_inflight),
-                           cfg.rollout_granularity or "sample"), trajectory_fn=trajectory_fn,
+                           cfg.rollout_granularity or "sample",
+                           lora_path=POLICY_ADAPTER if cfg.lora_rank else None), trajectory_fn=trajectory_fn,
             finish_group=None if self.teachers is None else self.teachers.score_group,
             top_logprobs_num=cfg.opd_top_k)
         self._pausers = [SyncEngineClient(url) for url in engine_urls]

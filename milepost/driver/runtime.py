@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from milepost.config import TrainConfig
 from milepost.data.rollout_io import load_rollout, save_rollout
-from milepost.data.source import PromptDataset
+from milepost.data.source import PromptDataset, PromptItem
 from milepost.driver.objective import rank_batch
 from milepost.driver.preflight import (
     RunError,
@@ -32,7 +32,13 @@ from milepost.driver.preflight import (
 )
 from milepost.eval.shared import evaluate_on_engines
 from milepost.lora.engines import load_policy_adapter
-from milepost.lora.multi_data import AdapterPrompts, AdapterRewards, adapter_metrics, adapter_specs
+from milepost.lora.multi_data import (
+    AdapterPrompts,
+    AdapterRewards,
+    adapter_eval_items,
+    adapter_metrics,
+    adapter_specs,
+)
 from milepost.lora.settings import POLICY_ADAPTER
 from milepost.observe.metrics import MetricsLogger
 from milepost.observe.progress import StepProgress
@@ -97,6 +103,7 @@ class Runtime:
         self.data: PromptDataset | None = None
         self.weights: WeightSync | None = None
         self.teachers: ServedTeachers | None = None  # on-policy distillation, rank 0
+        self.adapter_eval_items: dict[str, list[PromptItem]] = {}  # multi-LoRA: eval/<adapter>/...
         if self.lead:  # first: a bad dataset row stops the run before the model is sharded
             self._init_lead()
         elif engine_urls and not cfg.rollout_only:  # p2p: every trainer rank sends (report 4.2)
@@ -133,6 +140,8 @@ class Runtime:
                 self.reward_fn = AdapterRewards({a.name: load_reward_fns(cfg.model_copy(
                     update={"reward_fn": a.reward_fn}))[0] for a in specs})
                 self.group_reward_fn = None
+                self.adapter_eval_items = adapter_eval_items(specs, tokenizer, **{
+                    k: v for k, v in keys.items() if k != "shuffle"})
             else:
                 self.data = PromptDataset.from_file(cfg.prompt_data, tokenizer, seed=cfg.rollout_seed, **keys)
                 self.reward_fn, self.group_reward_fn = load_reward_fns(cfg)
@@ -309,12 +318,16 @@ class Runtime:
             stop=tuple(cfg.rollout_stop or ()),
             stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()),
             seed=cfg.seed + 1 if cfg.deterministic else None)  # not the rollouts' seeds
-        result = asyncio.run(self._with_clients(lambda clients: evaluate_on_engines(
-            clients, self.eval_items, cfg.n_samples_per_eval_prompt, sampling, self.reward_fn,
-            self.group_reward_fn, expected_version=str(step + 1),
-            max_concurrency=cfg.rollout_max_concurrency)))
-        self.step_metrics.update({f"eval/{k}": v for k, v in result.metrics.items()})
-        self.step_metrics["eval/skipped"] = float(result.skipped_reason is not None)
+        # Multi-LoRA: each adapter's prompts (their requests name it), metrics eval/<adapter>/...
+        sets = ({f"eval/{n}/": items for n, items in self.adapter_eval_items.items()}
+                if self.adapter_eval_items else {"eval/": self.eval_items})
+        for prefix, items in sets.items():
+            result = asyncio.run(self._with_clients(lambda clients, items=items: evaluate_on_engines(
+                clients, items, cfg.n_samples_per_eval_prompt, sampling, self.reward_fn,
+                self.group_reward_fn, expected_version=str(step + 1),
+                max_concurrency=cfg.rollout_max_concurrency)))
+            self.step_metrics.update({f"{prefix}{k}": v for k, v in result.metrics.items()})
+            self.step_metrics[f"{prefix}skipped"] = float(result.skipped_reason is not None)
         self.timer.add("perf/eval_time", time.perf_counter() - t0)
 
     async def _with_clients(self, use: Callable[[list[EngineClient]], Awaitable[T]]) -> T:

@@ -30,11 +30,26 @@ class AdapterSpec:
     prompt_data: str
     reward_fn: str
     lr: float
+    eval_prompt_data: str | None = None  # held-out prompts scored with this adapter: eval/<name>/...
 
 
 def adapter_specs(entries: Sequence[dict[str, Any]], reward_fn: str, lr: float) -> list[AdapterSpec]:
     return [AdapterSpec(e["name"], str(e["prompt_data"]), str(e.get("reward_fn", reward_fn)),
-                        float(e.get("lr", lr))) for e in entries]
+                        float(e.get("lr", lr)), e.get("eval_prompt_data")) for e in entries]
+
+
+def adapter_eval_items(specs: Sequence[AdapterSpec], tokenizer: Any, **kwargs: Any) -> dict[str, list[PromptItem]]:
+    """Each adapter's eval prompts (those that name eval_prompt_data), in file order, tagged with
+    the adapter: its requests name it and `AdapterRewards` scores them with its reward."""
+    out = {}
+    for spec in specs:
+        if spec.eval_prompt_data is None:
+            continue
+        items = PromptDataset.from_file(spec.eval_prompt_data, tokenizer, shuffle=False, **kwargs).items
+        for item in items:
+            item.metadata = {**item.metadata, SAMPLE_ADAPTER_KEY: spec.name}
+        out[spec.name] = items
+    return out
 
 
 class AdapterPrompts:

@@ -35,12 +35,19 @@ def lora_refusals(c: TrainConfig) -> list[str]:
                  "engine endpoints; use --engine-backend embedded")
     if c.rollout_only:
         p.append("--lora-rank with --rollout-only: there is no trainer to create the adapter; drop one")
-    if c.fully_async:
-        p.append("--lora-rank with --fully-async is not supported yet: drop --fully-async")
-    if c.use_session_server or c.agent_function_path or c.rollout_function_path \
-            or c.custom_generate_function_path:
-        p.append("--lora-rank with custom rollout layers or the session server is not supported "
-                 "yet (their requests do not name the adapter): use the default rollout")
+    if c.eval_mode != "shared":
+        p.append(f"--lora-rank with --eval-mode {c.eval_mode}: its engines load full-model "
+                 "snapshots, and a LoRA run exports adapters; use --eval-mode shared (the run's "
+                 "engines evaluate with the adapter)")
+    layers = [flag for flag, given in (("--use-session-server", c.use_session_server),
+                                       ("--agent-function-path", c.agent_function_path),
+                                       ("--rollout-function-path", c.rollout_function_path),
+                                       ("--custom-generate-function-path", c.custom_generate_function_path))
+              if given]
+    if layers:
+        p.append(f"--lora-rank with {', '.join(layers)}: custom rollout layers and the session server "
+                 "are not supported yet (their requests do not name the adapter, so the engines "
+                 "would sample the base); drop them or --lora-rank")
     if not p and (Path(c.hf_checkpoint) / "config.json").is_file():
         try:
             check_lora_model(c.hf_checkpoint, LoraSettings(c.lora_rank, c.lora_alpha, c.lora_target_modules))
@@ -70,7 +77,7 @@ def check_lora_model(hf_checkpoint: str | Path, settings: LoraSettings) -> None:
     attach_lora(lm, settings)
 
 
-ADAPTER_KEYS = ("name", "prompt_data", "reward_fn", "lr")
+ADAPTER_KEYS = ("name", "prompt_data", "reward_fn", "lr", "eval_prompt_data")
 
 
 def multi_lora_refusals(c: TrainConfig) -> list[str]:
@@ -97,6 +104,13 @@ def multi_lora_refusals(c: TrainConfig) -> list[str]:
         if not isinstance(data, str) or not Path(data).is_file():
             p.append(f"{where} ({name}): prompt_data {data!r} is not a file; give each adapter its "
                      "JSONL/Parquet prompts")
+        evals = a.get("eval_prompt_data")
+        if evals is not None and (not isinstance(evals, str) or not Path(evals).is_file()):
+            p.append(f"{where} ({name}): eval_prompt_data {evals!r} is not a file; give the adapter's "
+                     "held-out JSONL/Parquet prompts or leave the key out")
+        elif evals is not None and c.eval_interval == 0:
+            p.append(f"{where} ({name}): eval_prompt_data is set but --eval-interval is 0, so it would "
+                     "never be used; set --eval-interval N or drop the key")
         reward = a.get("reward_fn", c.reward_fn)
         if not isinstance(reward, str) or not (reward in BUILTIN_REWARDS or IMPORT_PATH.match(reward)):
             p.append(f"{where} ({name}): reward_fn {reward!r} is neither a builtin {list(BUILTIN_REWARDS)} "
@@ -107,14 +121,15 @@ def multi_lora_refusals(c: TrainConfig) -> list[str]:
     if len(set(names)) != len(names):
         p.append(f"[[lora.adapters]]: names {names} repeat; each adapter needs its own name")
     for given, what in ((c.prompt_data is not None, "--prompt-data (each adapter names its prompt_data)"),
-                        (c.eval_prompt_data is not None, ("--eval-prompt-data (evaluating each adapter "
-                                                          "is not supported yet)")),
+                        (c.eval_prompt_data is not None, ("--eval-prompt-data (give each adapter its "
+                                                          "eval_prompt_data; eval/<name>/... per adapter)")),
                         (c.group_reward_fn is not None, "--group-reward-fn (each adapter has its reward_fn)"),
                         (c.check_weight_update_equal, ("--check-weight-update-equal (it covers one adapter's "
                                                        "tensors; --check-weight-update checks what each update sends)")),
                         (c.stream_optimizer_state_to_disk, "--stream-optimizer-state-to-disk"),
                         (c.env is not None, "--env (it makes one task's prompts)"),
-                        (c.load_rollouts is not None, "--load-rollouts")):
+                        (c.load_rollouts is not None, "--load-rollouts"),
+                        (c.fully_async, "--fully-async (its rollout worker sends one adapter name)")):
         if given:
             p.append(f"[[lora.adapters]] with {what}: not supported; drop it")
     return p

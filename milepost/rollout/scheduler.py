@@ -42,6 +42,8 @@ class WorkerSettings:
     # Consecutive groups failing for a deterministic reason (reward error, engine refusal)
     # before the worker stops the run: going on would only drop every prompt.
     max_consecutive_failures: int = 16
+    # LoRA RL: every request names the trained adapter (SGLang's lora_path); None = the base.
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.granularity not in ("group", "sample"):
@@ -172,7 +174,7 @@ class RolloutWorker:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         changed = self._wake = asyncio.Event()
-        clients = [EngineClient(url) for url in self.engine_urls]
+        clients = [EngineClient(url, lora_path=self.settings.lora_path) for url in self.engine_urls]
         tasks: set[asyncio.Task] = set()
         self._started.set()
         try:

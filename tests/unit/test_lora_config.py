@@ -31,6 +31,10 @@ def test_lora_settings_reach_trainer_and_engines(base: list[str]) -> None:
     fp8 = load_config(None, [*base, "--lora-rank", "4", "--engine-quantization", "fp8"])
     cmd = LocalLauncher(fp8, fp8.run_dir)._engine_cmd(12345)
     assert "--enable-lora" in cmd and cmd[cmd.index("--quantization") + 1] == "fp8"
+    # Composes (tests/e2e/test_lora_composes.py runs them): fully async, GSPO, TIS, a PPO critic.
+    load_config(None, [*base, "--lora-rank", "4", "--fully-async", "--advantage-estimator", "gspo",
+                       "--ratio-correction", "tis"])
+    load_config(None, [*base, "--lora-rank", "4", "--advantage-estimator", "ppo", "--critic-lr", "1e-3"])
     assert "--enable-lora" not in LocalLauncher(load_config(None, base), Path("unused"))._engine_cmd(12345)
 
 
@@ -38,8 +42,10 @@ def test_lora_settings_reach_trainer_and_engines(base: list[str]) -> None:
     (["--lora-target-modules", "q_proj,lm_head"], r"unknown module\(s\) \['lm_head'\]"),
     (["--update-weight-transfer-mode", "p2p"], "p2p does not carry LoRA adapters"),
     (["--update-weight-transfer-mode", "disk-delta"], "disk-delta does not carry LoRA adapters"),
-    (["--fully-async"], "--lora-rank with --fully-async is not supported yet"),
-    (["--use-session-server", "--session-model-family", "qwen3"], "session server is not supported yet"),
+    (["--eval-mode", "dedicated"], "--lora-rank with --eval-mode dedicated: its engines load full-model"),
+    (["--use-session-server", "--session-model-family", "qwen3"],
+     "--lora-rank with --use-session-server: custom rollout layers and the session server are not supported"),
+    (["--custom-generate-function-path", "m.x:gen"], "--lora-rank with --custom-generate-function-path: "),
 ])
 def test_lora_refusals_name_the_setting(base: list[str], flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -86,6 +92,16 @@ def test_multi_lora_adapters_reach_trainer_and_engines(tmp_path: Path) -> None:
     assert s.lora_adapters == (("add", 5e-3), ("sub", 1e-3))  # lr defaults to the run's
     assert s.lora.adapters == ("add", "sub")
     assert "--enable-lora" in LocalLauncher(cfg, Path("unused"))._engine_cmd(12345)
+    # Per-adapter evaluation: eval_prompt_data in an entry stands for --eval-prompt-data.
+    ev = {"name": "add", "prompt_data": prompts, "eval_prompt_data": prompts}
+    cfg = load_config(None, [*args, "--eval-interval", "2", *_adapters(tmp_path, ev, {"name": "sub", "prompt_data": prompts})])
+    assert cfg.adapters[0]["eval_prompt_data"] == prompts
+    with pytest.raises(ConfigError, match=r"entry 1 \(add\): eval_prompt_data is set but --eval-interval is 0"):
+        load_config(None, [*args, *_adapters(tmp_path, ev)])
+    with pytest.raises(ConfigError, match=r"entry 1 \(add\): eval_prompt_data 'nope.jsonl' is not a file"):
+        load_config(None, [*args, "--eval-interval", "2", *_adapters(tmp_path, ev | {"eval_prompt_data": "nope.jsonl"})])
+    with pytest.raises(ConfigError, match="--eval-interval 2 needs --eval-prompt-data"):
+        load_config(None, [*args, "--eval-interval", "2", *_adapters(tmp_path, {"name": "add", "prompt_data": prompts})])
 
 
 @pytest.mark.parametrize(("entries", "message"), [
@@ -110,5 +126,7 @@ def test_multi_lora_bad_entries_refused_naming_them(tmp_path: Path, entries: lis
         load_config(None, [*args, "--lora-adapters", ok])
     with pytest.raises(ConfigError, match="with --check-weight-update-equal"):
         load_config(None, [*args[:2], *args[4:], "--lora-adapters", ok, "--check-weight-update-equal"])
+    with pytest.raises(ConfigError, match=r"\[\[lora.adapters\]\] with --fully-async"):
+        load_config(None, [*args[:2], *args[4:], "--lora-adapters", ok, "--fully-async"])
     with pytest.raises(ConfigError, match="needs --lora-rank > 0"):
         load_config(None, [*args[:2], *args[4:-2], "--lora-adapters", ok])

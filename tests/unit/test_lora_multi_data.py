@@ -4,12 +4,16 @@ dataset, resumable state, rewards by adapter with the cross-task scores, per-ada
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 from milepost.data.source import PromptDataset, PromptItem
 from milepost.lora.demo_tasks import estimate_reward
 from milepost.lora.multi_data import (
     AdapterPrompts,
     AdapterRewards,
+    AdapterSpec,
+    adapter_eval_items,
     adapter_metrics,
     adapter_specs,
 )
@@ -68,3 +72,21 @@ def test_specs_take_the_run_defaults() -> None:
     specs = adapter_specs([{"name": "a", "prompt_data": "p.jsonl"}, {"name": "b", "prompt_data": "q", "lr": 1e-3,
                                                                       "reward_fn": "math"}], "exact_match", 5e-4)
     assert [(s.name, s.reward_fn, s.lr) for s in specs] == [("a", "exact_match", 5e-4), ("b", "math", 1e-3)]
+
+
+class _Tokenizer:
+    """What PromptDataset.from_file uses of a tokenizer for plain-text prompts."""
+
+    def __call__(self, texts: list[str]) -> dict[str, list[list[int]]]:
+        return {"input_ids": [[ord(ch) for ch in text] for text in texts]}
+
+
+def test_eval_items_per_adapter_in_file_order_tagged(tmp_path: Path) -> None:
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(5)))
+    specs = [AdapterSpec("add", "unused", "math", 1e-3, str(path)), AdapterSpec("sub", "unused", "math", 1e-3)]
+    items = adapter_eval_items(specs, _Tokenizer(), apply_chat_template=False)
+    assert list(items) == ["add"]  # an adapter without eval_prompt_data is not evaluated
+    assert [it.prompt for it in items["add"]] == [f"{i}+1=" for i in range(5)]  # not shuffled
+    assert all(it.metadata["lora_adapter"] == "add" for it in items["add"])  # requests and reward name it
+    assert adapter_specs([{"name": "a", "prompt_data": "p", "eval_prompt_data": "e"}], "math", 1.0)[0].eval_prompt_data == "e"
