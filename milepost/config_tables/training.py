@@ -228,6 +228,7 @@ class LoraTable(Table):
         "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or all-linear.")
     adapters: list[dict[str, Any]] | None = Field(
         None, description="Multi-LoRA: several adapters trained at once, [[lora.adapters]] name = ..., "
-        "prompt_data = ..., reward_fn = ... (default: reward_fn), lr = ... (default: lr); each "
-        "request names its prompt's adapter (docs/lora.md).",
+        "prompt_data = ..., reward_fn = ... (default: reward_fn), lr = ... (default: lr), "
+        "eval_prompt_data = ... (optional: eval/<name>/...); each request names its prompt's "
+        "adapter (docs/lora.md).",
         json_schema_extra={"flags": ["--lora-adapters"]})

@@ -43,7 +43,8 @@ def precision_refusals(c: TrainConfig) -> list[str]:
         p.append(f"{what}: the engines' quantized storage is milepost's engine; use "
                  "--engine-backend embedded")
     if c.lora_rank:
-        p.append(f"{what} with --lora-rank: adapters on a quantized base are not served yet")
+        p.append(f"{what} with --lora-rank: LoRA does not stack on these quantized linears yet; "
+                 "for an fp8 base on the engines use --engine-quantization fp8 (docs/lora.md)")
     if c.true_on_policy:
         p.append(f"{what} with --true-on-policy: quantized weights cannot give bitwise-equal "
                  "log-probs; use --precision bf16")

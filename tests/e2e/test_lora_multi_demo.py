@@ -6,7 +6,8 @@ one optimizer step of 128 mixed samples each), with `--check-weight-update`. Ada
 rewarded for the sum, `estimate` for the tutor's estimate ("~70"); the base answers either way.
 Asserts that each adapter's own reward rises and the other task's reward on its samples falls
 (metrics rollout/<name>/reward_mean and rollout/<name>/reward_of/<other>), that every update sent
-both adapters (both stepped) and nothing else, and that the run ends with one PEFT directory each.
+both adapters (both stepped) and nothing else, and that the run ends with one PEFT directory each;
+after the last update each adapter is evaluated (greedy) on the held-out prompts, eval/<name>/...
 
 Bounds, from runs of this training (2026-12-03, 2-core VM shared with other jobs, load 10-20,
 torch 2.13, the session demo base of seed 0; docs/lora.md, "Multi-LoRA"): over the first and last
@@ -41,13 +42,16 @@ def test_two_adapters_each_learn_their_own_task(
 ) -> None:
     work, run_dir = demo_dir, tmp_path / "rl-multilora"
     prompts = str(work / "rl_prompts.jsonl")
-    adapters = [{"name": "exact", "prompt_data": prompts, "reward_fn": "milepost.demo.task:reward"},
-                {"name": "estimate", "prompt_data": prompts,
+    evals = str(work / "eval_prompts.jsonl")  # each adapter scored on the held-out prompts at the end
+    adapters = [{"name": "exact", "prompt_data": prompts, "reward_fn": "milepost.demo.task:reward",
+                 "eval_prompt_data": evals},
+                {"name": "estimate", "prompt_data": prompts, "eval_prompt_data": evals,
                  "reward_fn": "milepost.lora.demo_tasks:estimate_reward"}]
     done = subprocess.run(
         [sys.executable, "-m", "milepost", "train", str(ROOT / "recipes" / "tiny_demo_multilora.toml"),
          "--hf-checkpoint", str(work / "base_model"), "--lora-adapters", json.dumps(adapters),
-         "--run-dir", str(run_dir), "--num-rollout", str(NUM_ROLLOUT), "--check-weight-update"],
+         "--run-dir", str(run_dir), "--num-rollout", str(NUM_ROLLOUT), "--check-weight-update",
+         "--eval-interval", str(NUM_ROLLOUT), "--eval-temperature", "0"],
         timeout=demo_train_timeout_s(NUM_ROLLOUT), check=False,
     )
     assert done.returncode == 0
@@ -61,6 +65,15 @@ def test_two_adapters_each_learn_their_own_task(
     assert rise["estimate/reward_mean"] >= MIN_RISE, curves
     assert rise["exact/reward_of/estimate"] <= MAX_CROSS_RISE, curves
     assert rise["estimate/reward_of/exact"] <= MAX_CROSS_RISE, curves
+    # Per-adapter evaluation after the last update: each adapter's requests name it and its own
+    # reward scores them; greedy, each beats what sampling gave it at the start of the run.
+    n_eval = len((work / "eval_prompts.jsonl").read_text().splitlines())
+    assert all(not any(k.startswith("eval/") for k in r) for r in records[:-1])
+    last = records[-1]
+    for name in ("exact", "estimate"):
+        assert last[f"eval/{name}/skipped"] == 0.0 and last[f"eval/{name}/num_samples"] == n_eval, last
+        assert last[f"eval/{name}/weight_version"] == NUM_ROLLOUT
+        assert last[f"eval/{name}/reward_mean"] > _mean(curves[f"{name}/reward_mean"][:WINDOW]), (last, curves)
     sizes = {}
     for name in ("exact", "estimate"):  # --save-hf-at-end: one PEFT directory per adapter
         tensors = load_file(str(run_dir / "hf" / name / "adapter_model.safetensors"))

@@ -23,7 +23,7 @@ from milepost.lora.settings import LoraSettings
 from milepost.testing.batches import random_train_batch
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.dist import run_ranks
-from milepost.testing.lora_adapters import merged_checkpoint, random_adapter
+from milepost.testing.lora_adapters import dequantized_checkpoint, merged_checkpoint, random_adapter
 from milepost.train.fsdp import FSDPBackend, TrainerSettings
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -65,21 +65,24 @@ def _run(engine, jobs: list[tuple[list[int], str | None]], new: int) -> list[dic
     return outs
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_stacked_adapters_in_cuda_graphs_equal_merged_engines(tmp_path: Path, dtype: str) -> None:
+@pytest.mark.parametrize(("dtype", "quantization"), [("float32", None), ("bfloat16", None), ("bfloat16", "fp8")])
+def test_stacked_adapters_in_cuda_graphs_equal_merged_engines(tmp_path: Path, dtype: str, quantization: str | None) -> None:
     """Two adapters (ranks 8 and 4, different targets) and the base mixed in every batch, decode
     through CUDA graphs; each request's log-probs equal a merged-weights engine's: within 2e-4 in
     fp32 (sums in another order), within bf16 tolerance in bf16 (the merged weights are rounded
-    once, the adapter's delta separately), up to the first greedy divergence."""
+    once, the adapter's delta separately), up to the first greedy divergence. With
+    `--quantization fp8` the base is stored in fp8 rows and the references merge the adapters
+    into its dequantized values."""
     base = make_tiny_checkpoint(tmp_path / "base", "qwen3", with_tokenizer=False)
-    specs, merged = [], {None: base}
+    ref_base = dequantized_checkpoint(base, tmp_path / "dequantized") if quantization else base
+    specs, merged = [], {None: ref_base}
     for name, (settings, seed) in ADAPTERS.items():
         tensors = random_adapter(base, settings, seed, scale=0.1)
         write_peft_adapter(tensors.items(), settings, base, tmp_path / name)
         specs.append(f"{name}={tmp_path / name}")
-        merged[name] = merged_checkpoint(base, tmp_path / f"merged_{name}", settings, tensors)
+        merged[name] = merged_checkpoint(ref_base, tmp_path / f"merged_{name}", settings, tensors)
     engine = _engine(base, dtype, enable_lora=True, max_lora_rank=8, max_loras_per_batch=4,
-                     lora_paths=",".join(specs))
+                     lora_paths=",".join(specs), quantization=quantization)
     try:
         assert engine.runner.lora.kernel == "stacked"
         graphs = engine.runner.graphs

@@ -61,7 +61,7 @@ def test_nvfp4_contract_reaches_both_sides(base: list[str]) -> None:
     (["--precision", "fp8", "--nvfp4-four-over-six"], "refines the NVFP4 recipe"),
     (["--precision", "fp8", "--engine-quantization", "fp8"], "drop --engine-quantization"),
     (["--precision", "bf16-train-fp8-serve", "--engine-backend", "sglang"], "--engine-backend embedded"),
-    (["--precision", "fp8", "--lora-rank", "8"], "adapters on a quantized base"),
+    (["--precision", "fp8", "--lora-rank", "8"], "LoRA does not stack on these quantized linears yet"),
     (["--precision", "mxfp8", "--true-on-policy"], "cannot give bitwise-equal"),
 ])
 def test_refused_at_start(base: list[str], flags: list[str], message: str) -> None:
