@@ -31,6 +31,7 @@ from milepost.driver.preflight import (
     resume_checkpoint,
 )
 from milepost.eval.shared import evaluate_on_engines
+from milepost.http_tls import tls_context
 from milepost.lora.engines import load_policy_adapter
 from milepost.lora.multi_data import (
     AdapterPrompts,
@@ -42,7 +43,11 @@ from milepost.lora.multi_data import (
 from milepost.lora.settings import POLICY_ADAPTER
 from milepost.observe.metrics import MetricsLogger
 from milepost.observe.progress import StepProgress
-from milepost.rollout.agentic import AgenticRollout, pad_to_optimizer_steps, rollout_layers_enabled
+from milepost.rollout.agentic import (
+    AgenticRollout,
+    pad_to_optimizer_steps,
+    rollout_layers_enabled,
+)
 from milepost.rollout.client import EngineClient
 from milepost.rollout.generate import (
     RolloutResult,
@@ -51,9 +56,8 @@ from milepost.rollout.generate import (
     rollout_metrics,
 )
 from milepost.rollout.teacher import ServedTeachers, TeacherError, teachers_of_run
-from milepost.train.checkpoint import checkpoint_path
 from milepost.train.backend import create_backend
-from milepost.train.fsdp import FSDPBackend
+from milepost.train.checkpoint import checkpoint_path
 from milepost.train.megatron.preflight import sizes_of as megatron_sizes
 from milepost.train.settings import TrainerSettings
 from milepost.types import Group
@@ -405,7 +409,7 @@ def wait_for_engines(urls: list[str], timeout_s: float = 900.0) -> None:
     for url in urls:
         while True:
             try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                if httpx.get(f"{url}/health", timeout=5, verify=tls_context()).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

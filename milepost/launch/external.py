@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from milepost.http_tls import tls_context
 from milepost.launch.process import ComponentStartError
 
 # Letters, digits, spaces, punctuation and non-ASCII: two tokenizers rarely agree on all of it.
@@ -63,7 +64,7 @@ class _Client:
     def call(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
         try:
             return httpx.request(method, self.url + path, json=body, headers=self.headers,
-                                 timeout=self.timeout_s)
+                                 timeout=self.timeout_s, verify=tls_context())
         except httpx.HTTPError as e:
             raise self.fail(f"{method} {path}: {type(e).__name__}: {e}",
                             "is the server running, and is the URL right?") from None

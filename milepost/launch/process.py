@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from milepost.http_tls import tls_context
+
 _PR_SET_PDEATHSIG = 1
 
 # libgomp (torch's CPU OpenMP runtime) lets idle threads spin after every parallel region. On a
@@ -134,7 +136,7 @@ class ManagedProcess:
         if self.proc.poll() is not None:
             self._start_failed(f"exited with code {self.proc.returncode}")
         try:
-            if httpx.get(self.health_url, timeout=2).status_code == 200:
+            if httpx.get(self.health_url, timeout=2, verify=tls_context()).status_code == 200:
                 self.ready = True
                 return True
         except httpx.HTTPError:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from milepost.http_tls import tls_context
 from milepost.launch.process import OPENMP_DEFAULTS, die_with_parent, free_port
 
 LOG_CHUNK_BYTES = 1 << 20  # the most one poll returns; the rest comes with the next
@@ -60,7 +61,8 @@ class ComponentHost:
         code = None if self.proc is None else self.proc.poll()
         if not self.ready and code is None and self.health_url:
             try:
-                self.ready = httpx.get(self.health_url, timeout=2).status_code == 200
+                self.ready = httpx.get(self.health_url, timeout=2,
+                                       verify=tls_context()).status_code == 200
             except httpx.HTTPError:
                 pass
         with open(self.log_path, "rb") as f:

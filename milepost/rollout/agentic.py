@@ -20,6 +20,7 @@ from milepost.auth import client_headers
 from milepost.config import TrainConfig
 from milepost.config_rules import session_server_enabled
 from milepost.data.source import PromptItem
+from milepost.http_tls import tls_context
 from milepost.rollout.client import EngineClient
 from milepost.rollout.generate import RolloutResult, SamplingSettings
 from milepost.rollout.layers import (
@@ -110,7 +111,7 @@ class AgenticRollout:
                       group_reward_fn: Any) -> RolloutResult:
         cfg = self.cfg
         clients = [EngineClient(url) for url in self.engine_urls]
-        http = httpx.AsyncClient(timeout=None, headers=client_headers())  # to the session server
+        http = httpx.AsyncClient(timeout=None, headers=client_headers(), verify=tls_context())  # to the session server
         url = self.session_server.url if self.session_server is not None else None
 
         def context(g: int) -> GenerateContext:
@@ -144,7 +145,7 @@ class AgenticRollout:
         async def trajectory(client: EngineClient, item: PromptItem, index: int,
                              group_index: int) -> list[Sample]:
             # Its own HTTP client: the worker's loop is not the one this object was made on.
-            async with httpx.AsyncClient(timeout=None, headers=client_headers()) as http:
+            async with httpx.AsyncClient(timeout=None, headers=client_headers(), verify=tls_context()) as http:
                 ctx = GenerateContext(clients=[client], sampling=self.sampling,
                                       group_index=group_index, session_url=url,
                                       agent_fn=self.agent_fn, http=http,

@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 
 from milepost.auth import client_headers
+from milepost.http_tls import tls_context
 from milepost.rollout.engine_output import (  # re-exported: callers import them from here
     EngineError,
     EngineProtocolError,
@@ -62,6 +63,7 @@ class EngineClient:
         # and a pool limit would only turn waiting into spurious PoolTimeouts.
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=timeout_s, transport=transport, headers=client_headers(),
+            verify=tls_context(),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
 
     async def __aenter__(self) -> EngineClient:

@@ -17,6 +17,7 @@ import httpx
 import uvicorn
 
 from milepost.auth import protect, warn_if_exposed
+from milepost.http_tls import tls_context
 from milepost.launch.process import free_port
 from milepost.rollout.client import EngineClient
 from milepost.session.checks import require_append_only
@@ -99,7 +100,7 @@ class SessionServerThread:
                 raise RuntimeError(f"session server on port {self.port} failed to start: "
                                    f"{self._error}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2, verify=tls_context()).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -25,6 +25,7 @@ import httpx
 import torch
 
 from milepost.auth import client_headers
+from milepost.http_tls import tls_context
 from milepost.launch.process import free_port
 from milepost.weights.bucket import Named, bucket_meta
 from milepost.weights.codec import serialize_named_tensors
@@ -75,7 +76,7 @@ class _EngineFanout:
         self._version_sent = False
         self._broken: str | None = None
         self._closed = False
-        self._http = httpx.Client(timeout=self.timeout_s, headers=client_headers(),
+        self._http = httpx.Client(timeout=self.timeout_s, headers=client_headers(), verify=tls_context(),
                                   limits=httpx.Limits(max_connections=2 * len(urls) + 4))
         self._pool = futures.ThreadPoolExecutor(len(urls), thread_name_prefix="weight-http")
 

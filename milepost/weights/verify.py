@@ -21,9 +21,10 @@ import httpx
 import torch
 
 from milepost.auth import client_headers
-from milepost.weights.codec import deserialize_named_tensors
+from milepost.http_tls import tls_context
 from milepost.lowprec.quantize import FORMATS as LOWPREC_FORMATS
 from milepost.lowprec.quantize import error_bound as lowprec_bound
+from milepost.weights.codec import deserialize_named_tensors
 from milepost.weights.fp8 import FORMAT, fp8_error_bound
 
 _LISTED = 10  # mismatching tensors named per engine; the count says the rest
@@ -60,7 +61,7 @@ def fetch_state(url: str, timeout_s: float = 120.0) -> tuple[str, dict[str, str]
     """(weight_version, {hf_name: digest}, {hf_name: format of a tensor stored quantized})."""
     try:
         r = httpx.get(f"{url.rstrip('/')}/weights_checksum", timeout=timeout_s,
-                      headers=client_headers())
+                      headers=client_headers(), verify=tls_context())
     except httpx.HTTPError as e:
         raise WeightMismatchError(
             f"engine {url}: GET /weights_checksum failed ({type(e).__name__}: {e}); is it running?"
@@ -82,7 +83,7 @@ def quantized_names(engine_urls: Sequence[str], timeout_s: float = 120.0) -> set
     for url in engine_urls:
         try:
             r = httpx.get(f"{url.rstrip('/')}/weights_quantized", timeout=timeout_s,
-                          headers=client_headers())
+                          headers=client_headers(), verify=tls_context())
         except httpx.HTTPError as e:
             raise WeightMismatchError(f"engine {url}: GET /weights_quantized failed ({e})") from e
         if r.status_code == 404:
@@ -101,7 +102,7 @@ def check_quantized(url: str, sent: Mapping[str, torch.Tensor], timeout_s: float
     if not sent:
         return []
     r = httpx.post(f"{url.rstrip('/')}/weights_dequantized", json={"names": list(sent)},
-                   timeout=timeout_s, headers=client_headers())
+                   timeout=timeout_s, headers=client_headers(), verify=tls_context())
     if r.status_code != 200:
         raise WeightMismatchError(f"engine {url}: POST /weights_dequantized answered "
                                   f"{r.status_code}: {r.text}")
@@ -132,7 +133,7 @@ def randomize_engines(engine_urls: Sequence[str], seed: int = 0, timeout_s: floa
     for url in engine_urls:
         try:
             r = httpx.post(f"{url.rstrip('/')}/weights_randomize", json=body,
-                           timeout=timeout_s, headers=client_headers())
+                           timeout=timeout_s, headers=client_headers(), verify=tls_context())
         except httpx.HTTPError as e:
             raise WeightMismatchError(f"engine {url}: POST /weights_randomize failed ({e})") from e
         if r.status_code != 200:
