@@ -21,7 +21,7 @@ from milepost.recipe import (
 )
 
 RESOLVED_NAME = "config.resolved.toml"
-BUILTIN_REWARDS = ("brightness", "colourfulness", "jpeg_compressibility", "shape_classifier")
+BUILTIN_REWARDS = ("brightness", "shape_brightness", "colourfulness", "jpeg_compressibility", "shape_classifier")
 
 
 class _Table(BaseModel):
@@ -51,6 +51,8 @@ class DiffusionRolloutTable(_Table):
     diffusion_train_timesteps: list[int] | None = Field(None, description="Denoising step indices the trainer re-scores (Flow-GRPO) or trains at (NFT, as times); none = every step.")
     reward_fn: str = Field("brightness", description=f"A built-in ({', '.join(BUILTIN_REWARDS)}) or module:function(images [B,3,H,W] in [-1,1], labels [B]) -> [B] floats.")
     brightness_target: float = Field(0.65, ge=0.0, le=1.0, description="Mean luminance the brightness reward wants (reward 1 there, 0 at 0.25 away).")
+    quality_probe: int = Field(0, ge=0, le=4096, description="Images of the fixed quality probe (same labels, seeds and sampler every time; needs classifier_path): the classifier's accuracy on it before training and every quality_every steps (quality/probe_accuracy). 0 = off.")
+    quality_every: int = Field(10, ge=1, description="Steps between quality probes (the last step is always probed).")
     transfer_format: Literal["bytes", "json"] = Field("bytes", description="Trajectory body: raw bytes (unpacked in a process pool) or JSON (for comparison).")
 
 
@@ -117,6 +119,8 @@ class DiffusionConfig(DiffusionCheckpointTable, DiffusionOptimizerTable, Diffusi
                              "--n-samples-per-prompt must be >= 2")
         if self.reward_fn == "shape_classifier" and self.classifier_path is None:
             raise ValueError("--reward-fn shape_classifier needs --classifier-path (prepare writes DIR/classifier)")
+        if self.quality_probe and self.classifier_path is None:
+            raise ValueError("--quality-probe needs --classifier-path (prepare writes DIR/classifier)")
         if self.reward_fn not in BUILTIN_REWARDS and ":" not in self.reward_fn:
             raise ValueError(f"--reward-fn {self.reward_fn!r}: use a built-in {BUILTIN_REWARDS} or module:function")
         if self.device == "auto":

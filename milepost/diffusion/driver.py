@@ -21,6 +21,7 @@ from milepost.diffusion.client import GroupResult, collect
 from milepost.diffusion.config import DiffusionConfig
 from milepost.diffusion.grid import save_grid
 from milepost.diffusion.objectives import group_advantages
+from milepost.diffusion.quality import probe_accuracy
 from milepost.diffusion.rewards import checked_rewards, make_reward
 from milepost.diffusion.trainer import DiffusionTrainer, RolloutBatch
 from milepost.diffusion.weights import push_weights
@@ -75,8 +76,14 @@ def run(cfg: DiffusionConfig) -> int:
 
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) if cfg.transfer_format == "bytes" else None
     engine, url = start_engine(cfg)
+
+    def probe() -> float:  # the classifier's accuracy on the fixed probe batch with the engine's weights now
+        return probe_accuracy(url, classifier, size=cfg.quality_probe, n_classes=n_classes, params=params,
+                              fmt=cfg.transfer_format, image=image, seed=cfg.seed)
+
     try:
         with engine, MetricsLogger(cfg.run_dir) as metrics:
+            base_probe = probe() if cfg.quality_probe and classifier is not None else None
             for step in range(cfg.num_rollout):
                 rng = np.random.default_rng([cfg.seed, step])
                 groups = [(int(rng.integers(n_classes)), cfg.n_samples_per_prompt) for _ in range(cfg.rollout_batch_size)]
@@ -95,6 +102,12 @@ def run(cfg: DiffusionConfig) -> int:
                        "perf/rollout_s": times.wall_s, "perf/decode_s": times.decode_s, "perf/reward_s": times.reward_s,
                        "perf/train_s": train_s, "perf/weight_update_s": update_s, "perf/body_bytes": float(times.body_bytes),
                        "perf/images_per_s": len(images) / max(times.wall_s, 1e-9)}
+                if base_probe is not None:
+                    if step == 0:
+                        row["quality/base_probe_accuracy"] = base_probe
+                    if (step + 1) % cfg.quality_every == 0 or step == cfg.num_rollout - 1:
+                        row["quality/probe_accuracy"] = probe()
+                        row["quality/probe_drop"] = base_probe - row["quality/probe_accuracy"]
                 metrics.log(step, row)
                 log.info("step %d/%d reward %.4f classifier_acc %s", step + 1, cfg.num_rollout,
                          row["rollout/reward_mean"], row.get("quality/classifier_accuracy"))

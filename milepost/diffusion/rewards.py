@@ -20,6 +20,9 @@ from milepost.plugins import load_callable
 log = logging.getLogger(__name__)
 RewardFn = Callable[[np.ndarray, np.ndarray], "np.ndarray | list[float]"]
 BRIGHTNESS_WIDTH = 0.25
+# A pixel belongs to the drawn shape when some channel is this far from the grey background (in
+# [0, 1] units): half the smallest offset the data set draws a shape with (shapes.py: 0.25).
+FOREGROUND_MIN = 0.125
 
 
 def _unit(images: np.ndarray) -> np.ndarray:
@@ -31,6 +34,18 @@ def brightness(images: np.ndarray, labels: np.ndarray, target: float = 0.65) -> 
     x = _unit(images)
     lum = (0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).mean(axis=(1, 2))
     return np.clip(1.0 - np.abs(lum - target) / BRIGHTNESS_WIDTH, 0.0, 1.0)
+
+
+def shape_brightness(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Mean luminance of the shape's pixels (those off the grey background); 0 for an empty image.
+
+    Unlike `brightness` (the whole image's luminance), a brighter colour of the same shape earns it
+    all: growing the shape or lighting the background is no shortcut, so the class can stay intact."""
+    x = _unit(images)
+    lum = 0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]
+    fg = np.abs(x - 0.5).max(axis=1) > FOREGROUND_MIN
+    count = fg.sum(axis=(1, 2))
+    return np.where(count > 0, (lum * fg).sum(axis=(1, 2)) / np.maximum(count, 1), 0.0)
 
 
 def colourfulness(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -68,6 +83,8 @@ def make_reward(name: str, *, brightness_target: float = 0.65, classifier_path: 
     """The reward function a run's settings name (a built-in, or module:function)."""
     if name == "brightness":
         return partial(brightness, target=brightness_target)
+    if name == "shape_brightness":
+        return shape_brightness
     if name == "colourfulness":
         return colourfulness
     if name == "jpeg_compressibility":

@@ -24,6 +24,7 @@ RECIPE = ROOT / "recipes" / "diffusion_tiny.toml"
     (["--reward-fn", "shape_classifier", "--classifier-path", "none"], "--classifier-path"),
     (["--reward-fn", "sparkle"], "module:function"),
     (["--noise-level", "0"], "--noise-level: Input should be greater than 0"),
+    (["--quality-probe", "48", "--classifier-path", "none"], "--quality-probe needs --classifier-path"),
 ])
 def test_bad_combinations_are_refused(flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -37,3 +38,10 @@ def test_recipe_loads_and_routes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", str(RECIPE), "--print-config", "--lora-rank", "4"]) == 0
     out = capsys.readouterr().out
     assert "[diffusion]" in out and "lora_rank = 4" in out
+
+
+def test_quality_probe_spreads_over_the_classes() -> None:
+    from milepost.diffusion.quality import probe_groups
+
+    assert probe_groups(48, 3) == [(0, 16), (1, 16), (2, 16)]
+    assert probe_groups(7, 3) == [(0, 3), (1, 2), (2, 2)] and probe_groups(2, 3) == [(0, 1), (1, 1)]

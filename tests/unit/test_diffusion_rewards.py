@@ -14,6 +14,7 @@ from milepost.diffusion.rewards import (
     colourfulness,
     jpeg_compressibility,
     make_reward,
+    shape_brightness,
 )
 
 
@@ -26,6 +27,20 @@ def test_brightness_peaks_at_target() -> None:
     assert np.allclose(brightness(_flat(0.65), labels, target=0.65), 1.0)
     assert np.allclose(brightness(_flat(0.5), labels, target=0.65), 1 - 0.15 / 0.25)
     assert np.allclose(brightness(_flat(0.0), labels, target=0.65), 0.0)
+
+
+def test_shape_brightness_counts_only_the_shape() -> None:
+    from milepost.diffusion.shapes import render
+
+    labels = np.zeros(3)
+    small = render(0, np.array([1.0, 1.0, 1.0], np.float32), 16, 16, 5)
+    large = render(1, np.array([1.0, 1.0, 1.0], np.float32), 16, 16, 12)
+    dark = render(1, np.array([0.0, 0.0, 0.2], np.float32), 16, 16, 12)
+    got = shape_brightness(np.stack([small, large, dark]), labels)
+    # a white shape scores 1 whatever its size; a whole-image mean (brightness) would favour the large one
+    assert np.allclose(got[:2], 1.0) and np.isclose(got[2], 0.114 * 0.2, atol=1e-6)
+    assert shape_brightness(_flat(0.5), np.zeros(2)).tolist() == [0.0, 0.0]  # no shape drawn: nothing to score
+    assert make_reward("shape_brightness") is shape_brightness
 
 
 def test_colourfulness_and_compressibility_order_images() -> None:
