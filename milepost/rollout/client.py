@@ -1,6 +1,6 @@
 """HTTP client of an engine speaking SGLang's protocol (a real SGLang server or `milepost serve`).
 
-`EngineClient` is async (httpx); `SyncEngineClient` offers the same calls to synchronous code.
+`EngineClient` is async (httpx's API, aiohttp's connections); `SyncEngineClient` offers the same calls to synchronous code.
 What the engine answers (outputs, errors by what a caller can do about them) is read by
 `engine_output.py`.
 """
@@ -19,6 +19,7 @@ import httpx
 
 from milepost.auth import client_headers
 from milepost.http_tls import tls_context
+from milepost.rollout.aiohttp_transport import AiohttpTransport
 from milepost.rollout.engine_output import (  # re-exported: callers import them from here
     EngineError,
     EngineProtocolError,
@@ -59,12 +60,12 @@ class EngineClient:
         # the session's prefix cache silently, so it is an error instead.
         self.require_routing_key = require_routing_key
         self.lora_path = lora_path  # the LoRA adapter every generate names (SGLang's lora_path)
-        # No connection limit: callers bound their own concurrency (rollout's max_concurrency),
-        # and a pool limit would only turn waiting into spurious PoolTimeouts.
+        # aiohttp moves the bytes (httpcore's pool costs CPU quadratic in concurrent requests),
+        # with no connection limit: callers bound their own concurrency (rollout's
+        # max_concurrency), and a pool limit would only turn waiting into spurious timeouts.
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, timeout=timeout_s, transport=transport, headers=client_headers(),
-            verify=tls_context(),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            base_url=self.base_url, timeout=timeout_s, headers=client_headers(),
+            transport=transport if transport is not None else AiohttpTransport(tls_context()))
 
     async def __aenter__(self) -> EngineClient:
         return self
