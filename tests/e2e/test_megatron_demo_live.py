@@ -1,11 +1,16 @@
 """The tiny demo learns with `--train-backend megatron --tensor-model-parallel-size 2` (two trainer
-ranks of one tensor-parallel group, gloo), as a user runs it, for 8 rollouts.
+ranks of one tensor-parallel group, gloo), as a user runs it: 3 rollouts, the engine served the
+Megatron weights after every update, the final checkpoint and Hugging Face export are written.
 
-Bounds are loose on purpose (two runs seen, not a spread: 2026-12-03, 2-core VM at load 12-17,
-docs/megatron.md): TP=1 rewards 0.293 0.348 0.551 0.750 0.871 0.891 0.898 0.922, eval 0.973 / 0.988;
-TP=2 0.289 0.387 0.566 0.723 0.922 0.840 0.891 0.887, eval 0.969 / 0.969. The FSDP demo's 10-run spread at rollout 5 is 0.87-0.92
-(tests/e2e/test_demo_rl.py); these bounds sit well below it: first rollout <= 0.5, mean of the last
-four >= 0.75, greedy evaluation after the last update >= 0.9.
+Bounds (rollout 3 comes after two updates; lr warms up over 5). Seen: the FSDP demo's 10 runs
+(benchmarks/RESULTS.md, "Tiny demo"): rollout 1 0.27-0.33, rollout 3 0.55-0.64; Megatron TP = 2,
+this command (2026-12-03, 2 cores at load 7-10): 0.313 -> 0.559, 0.293 -> 0.598, 0.316 -> 0.527;
+and the first three rollouts of three 8-rollout Megatron runs (docs/megatron.md's two and a CI run
+of the old test: 0.293 -> 0.551, 0.289 -> 0.566, 0.297 -> 0.594). Over those 16 runs rollout 3
+has mean 0.577, std 0.028, and its rise over rollout 1 mean 0.275, std 0.032 (TP = 2 trains like
+FSDP on the same batch: tests/e2e/test_megatron_train_live.py). Asserted:
+rollout 1 <= 0.5, rollout 3 >= 0.45 (4.6 std below the mean) and >= rollout 1 + 0.15 (3.9 std).
+One run took 70-76 s at that load (the 8-rollout run with two evaluations it replaces: 131 s).
 """
 
 from __future__ import annotations
@@ -31,16 +36,22 @@ def test_tiny_demo_learns_with_megatron_tp2(
     done = subprocess.run(
         [sys.executable, "-m", "milepost", "train", str(ROOT / "recipes" / "tiny_demo.toml"),
          "--hf-checkpoint", str(demo_dir / "base_model"), "--prompt-data", str(demo_dir / "rl_prompts.jsonl"),
-         "--eval-prompt-data", str(demo_dir / "eval_prompts.jsonl"), "--run-dir", str(run_dir),
-         "--num-rollout", "8", "--eval-interval", "4", "--save-hf-at-end", "false",
+         "--run-dir", str(run_dir), "--num-rollout", "3", "--eval-interval", "0", "--eval-prompt-data", "none",
          "--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
-        timeout=demo_train_timeout_s(16), check=False,  # two trainer ranks share the cores: twice the time
+        timeout=demo_train_timeout_s(6), check=False,  # two trainer ranks share the cores: twice the time
     )
     assert done.returncode == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["rollout/reward_mean"] for r in records]
-    assert len(rewards) == 8
+    assert len(rewards) == 3
     assert rewards[0] <= 0.5, rewards
-    assert sum(rewards[-4:]) / 4 >= 0.75, rewards
-    evals = {r["step"]: r["eval/reward_mean"] for r in records if "eval/reward_mean" in r}
-    assert sorted(evals) == [3, 7] and evals[7] >= 0.9, evals
+    assert rewards[2] >= 0.45 and rewards[2] >= rewards[0] + 0.15, rewards
+    # the engine sampled with exactly the weights the trainer scores with (fp32: ~2e-6 seen; a step
+    # behind would be the size of an update)
+    gaps = [r["train/train_rollout_logprob_abs_diff"] for r in records]
+    assert max(gaps) < 1e-4, gaps
+    [ckpt] = (run_dir / "checkpoints").iterdir()
+    meta = json.loads((ckpt / "milepost_checkpoint.json").read_text())
+    assert meta["backend"] == "megatron" and meta["layout"]["tp"] == 2 and meta["extra"]["step"] == 2
+    assert sorted(p.name for p in ckpt.glob("megatron_rank_*.pt")) == ["megatron_rank_0.pt", "megatron_rank_1.pt"]
+    assert (run_dir / "hf" / "config.json").is_file() and list((run_dir / "hf").glob("*.safetensors"))

@@ -1,12 +1,17 @@
-"""The Megatron backend trains like the FSDP backend on the same batch (two optimizer steps,
-several micro-batches, KL to a reference, clipping), and resumes exactly from its checkpoint.
+"""The Megatron backend on two gloo ranks trains like the FSDP backend on the same batch (two
+optimizer steps, several micro-batches, KL to a reference, clipping), resumes exactly from its
+checkpoint, and gives transformers' logits.
 
-Default suite: expert parallel (EP = 2, Qwen3-MoE, data parallel 2) against FSDP on one rank.
-Slow: tensor parallel (TP = 2, Qwen3, tied embeddings, per-head q/k norms)."""
+One two-rank run (module fixture) computes every case: the FSDP references (data parallel 2), then
+EP = 2 (Qwen3-MoE, data parallel 2), R3 under EP = 2, TP = 2 (Qwen3: tied embeddings, per-head q/k
+norms), TP peers given different samples, and the logits of TP = 2 / EP = 2 vs transformers. A
+rank's start-up (imports) costs more than all the tiny cases together, so they share one.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,14 +21,38 @@ from milepost.testing.dist import run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core not installed (pip install 'milepost[megatron]')")
+TWO_RANKS = pytest.mark.xdist_group("megatron_two_ranks")  # one worker runs the shared fixture once
+
+R3 = {"use_rollout_routing_replay": True}
 
 
-def _compare(tmp_path, arch: str, tp: int, ep: int, overrides: dict | None = None) -> list[dict]:
-    from milepost.train.megatron.parity import train_once
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    root = tmp_path_factory.mktemp("megatron_two_ranks")
+    moe = str(make_tiny_checkpoint(root / "qwen3_moe", "qwen3_moe", with_tokenizer=False))
+    dense = str(make_tiny_checkpoint(root / "qwen3", "qwen3", with_tokenizer=False))
 
-    path = str(make_tiny_checkpoint(tmp_path / arch, arch, with_tokenizer=False))
-    [ref] = run_ranks(train_once, 1, path, "fsdp", 1, 1, None, overrides, timeout_s=120)
-    ranks = run_ranks(train_once, 2, path, "megatron", tp, ep, str(tmp_path / "ckpt"), overrides, timeout_s=180)
+    def train(path: str, backend: str, tp: int = 1, ep: int = 1, ckpt: str | None = None,
+              overrides: dict | None = None) -> dict:
+        return {"fn": "train_once", "args": [path, backend, tp, ep, ckpt and str(root / ckpt), overrides]}
+
+    cases = {
+        "fsdp_moe": train(moe, "fsdp"), "fsdp_moe_r3": train(moe, "fsdp", overrides=R3),
+        "fsdp_dense": train(dense, "fsdp"),
+        "ep": train(moe, "megatron", ep=2, ckpt="ckpt_ep"),
+        "ep_r3": train(moe, "megatron", ep=2, ckpt="ckpt_ep_r3", overrides=R3),
+        "tp": train(dense, "megatron", tp=2, ckpt="ckpt_tp"),
+        "wrong_split": {"fn": "wrong_split", "args": [dense]},
+        "logits": {"fn": "logits_gaps", "args": [[(dense, 2, 1), (moe, 2, 1), (moe, 1, 2)]]},
+    }
+    from milepost.train.megatron.parity import run_cases
+
+    return run_ranks(run_cases, 2, cases, timeout_s=300)
+
+
+def _compare(two_ranks: list[dict], ref_case: str, case: str) -> list[dict]:
+    ref = two_ranks[0][ref_case]
+    ranks = [r[case] for r in two_ranks]
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
     expected, got = ref["metrics"][0], ranks[0]["metrics"][0]
     assert expected.keys() == got.keys()
@@ -45,25 +74,42 @@ def _compare(tmp_path, arch: str, tp: int, ep: int, overrides: dict | None = Non
     return ranks
 
 
-def test_expert_parallel_trains_like_fsdp(tmp_path):
-    _compare(tmp_path, "qwen3_moe", tp=1, ep=2)
+@TWO_RANKS
+def test_expert_parallel_trains_like_fsdp(two_ranks: list[dict]) -> None:
+    _compare(two_ranks, "fsdp_moe", "ep")
 
 
-@pytest.mark.slow
-def test_routing_replay_with_expert_parallel_like_fsdp(tmp_path):
+@TWO_RANKS
+def test_routing_replay_with_expert_parallel_like_fsdp(two_ranks: list[dict]) -> None:
     """R3 through megatron's RouterReplay under EP = 2 equals the FSDP backend's R3 (random engine
     routings, so nearly every token's natural routing differs: the metric must say so on both)."""
-    ranks = _compare(tmp_path, "qwen3_moe", tp=1, ep=2, overrides={"use_rollout_routing_replay": True})
+    ranks = _compare(two_ranks, "fsdp_moe_r3", "ep_r3")
     assert ranks[0]["metrics"][0]["r3_routing_mismatch_frac"] > 0.9
+    assert two_ranks[0]["fsdp_moe_r3"]["metrics"][0]["r3_routing_mismatch_frac"] > 0.9
+
+
+@TWO_RANKS
+def test_tensor_parallel_trains_like_fsdp(two_ranks: list[dict]) -> None:
+    _compare(two_ranks, "fsdp_dense", "tp")
+
+
+@TWO_RANKS
+def test_tensor_parallel_peers_with_different_samples_are_refused(two_ranks: list[dict]) -> None:
+    for rank in two_ranks:
+        assert "tensor-parallel group were given different samples" in rank["wrong_split"]
+
+
+@TWO_RANKS
+def test_tensor_and_expert_parallel_logits(two_ranks: list[dict]) -> None:
+    """TP = 2 (Qwen3, Qwen3-MoE) and EP = 2 (Qwen3-MoE) give transformers' logits (fp32)."""
+    for rank, result in enumerate(two_ranks):
+        for case, gap in zip(("qwen3 tp2", "qwen3_moe tp2", "qwen3_moe ep2"), result["logits"]):
+            assert gap["ref_abs_max"] > 1.0
+            assert gap["max_abs_diff"] < 1e-4, (rank, case, gap)
 
 
 @pytest.mark.slow
-def test_tensor_parallel_trains_like_fsdp(tmp_path):
-    _compare(tmp_path, "qwen3", tp=2, ep=1)
-
-
-@pytest.mark.slow
-def test_bench_train_runs_both_backends(tmp_path):
+def test_bench_train_runs_both_backends(tmp_path: Path) -> None:
     import json
 
     from milepost.bench.train import main
@@ -77,25 +123,3 @@ def test_bench_train_runs_both_backends(tmp_path):
         report["megatron"]["tokens_per_s"] / report["milepost"]["tokens_per_s"])
     # same batch, same initial weights: the first step's gradient norm agrees across backends
     assert report["megatron"]["grad_norm"] == pytest.approx(report["milepost"]["grad_norm"], rel=1e-3)
-
-
-def _wrong_split(rank: int, world: int, path: str) -> str:
-    from milepost.testing.batches import random_train_batch
-    from milepost.train.megatron.backend import MegatronBackend
-    from milepost.train.megatron.parallel import ParallelSizes
-    from milepost.train.settings import TrainerSettings
-
-    trainer = MegatronBackend.create(path, TrainerSettings(global_batch_size=2), ParallelSizes(tp=2))
-    batch = random_train_batch(4, 1)
-    try:  # FSDP-style split by global rank: TP peers get different samples
-        trainer.train_step(batch.select([rank, rank + 2]))
-    except ValueError as err:
-        return str(err)
-    return "trained"
-
-
-@pytest.mark.slow
-def test_tensor_parallel_peers_with_different_samples_are_refused(tmp_path):
-    path = str(make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", with_tokenizer=False))
-    for message in run_ranks(_wrong_split, 2, path, timeout_s=180):
-        assert "tensor-parallel group were given different samples" in message

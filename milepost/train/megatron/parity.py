@@ -1,8 +1,9 @@
-"""Rank functions that compare a Megatron model with transformers on the same checkpoint.
+"""Rank functions that compare the Megatron backend with transformers and with the FSDP backend.
 
 Used by the CPU tests (gloo, through milepost.testing.dist.run_ranks) and by the GPU test (nccl):
-each rank builds its shard of the model, runs a packed forward of fixed token sequences, and
-returns the largest |logit difference| to transformers' forward of each sequence alone.
+`logits_gap` (a packed forward vs transformers' logits), `train_once` (a rollout of training, the
+weights after, exact resume) and `run_cases` (many of those in one process per rank: on CPU a
+rank's start-up, ~5 s of imports, costs more than a tiny model's case).
 """
 
 from __future__ import annotations
@@ -121,4 +122,34 @@ def train_once(rank: int, world_size: int, path: str, backend: str = "megatron",
         out["extra"] = trainer.load_checkpoint(checkpoint_dir)
         out["again"] = trainer.train_step(second)
         out["again_hf"] = {n: t.clone().cpu() for n, t in trainer.named_hf_weights()}
+    return out
+
+
+def wrong_split(rank: int, world_size: int, path: str) -> str:
+    """TP = 2 peers given different samples (an FSDP-style split by global rank): the error message."""
+    from milepost.testing.batches import random_train_batch
+    from milepost.train.megatron.backend import MegatronBackend
+    from milepost.train.megatron.parallel import ParallelSizes
+    from milepost.train.settings import TrainerSettings
+
+    trainer = MegatronBackend.create(path, TrainerSettings(global_batch_size=2), ParallelSizes(tp=2))
+    try:
+        trainer.train_step(random_train_batch(4, 1).select([rank, rank + 2]))
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+def run_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, object]:
+    """Each named case in turn on this rank, Megatron's parallel state reset between cases.
+
+    A case is {"fn": "train_once" | "wrong_split" | "logits_gaps", "args": [...]} with the
+    arguments after (rank, world_size)."""
+    from megatron.core import parallel_state as ps
+
+    fns = {"train_once": train_once, "wrong_split": wrong_split, "logits_gaps": logits_gaps}
+    out: dict[str, object] = {}
+    for name, case in cases.items():
+        out[name] = fns[case["fn"]](rank, world_size, *case["args"])
+        ps.destroy_model_parallel()
     return out
