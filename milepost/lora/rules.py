@@ -39,15 +39,6 @@ def lora_refusals(c: TrainConfig) -> list[str]:
         p.append(f"--lora-rank with --eval-mode {c.eval_mode}: its engines load full-model "
                  "snapshots, and a LoRA run exports adapters; use --eval-mode shared (the run's "
                  "engines evaluate with the adapter)")
-    layers = [flag for flag, given in (("--use-session-server", c.use_session_server),
-                                       ("--agent-function-path", c.agent_function_path),
-                                       ("--rollout-function-path", c.rollout_function_path),
-                                       ("--custom-generate-function-path", c.custom_generate_function_path))
-              if given]
-    if layers:
-        p.append(f"--lora-rank with {', '.join(layers)}: custom rollout layers and the session server "
-                 "are not supported yet (their requests do not name the adapter, so the engines "
-                 "would sample the base); drop them or --lora-rank")
     if not p and (Path(c.hf_checkpoint) / "config.json").is_file():
         try:
             check_lora_model(c.hf_checkpoint, LoraSettings(c.lora_rank, c.lora_alpha, c.lora_target_modules))
@@ -129,7 +120,10 @@ def multi_lora_refusals(c: TrainConfig) -> list[str]:
                         (c.stream_optimizer_state_to_disk, "--stream-optimizer-state-to-disk"),
                         (c.env is not None, "--env (it makes one task's prompts)"),
                         (c.load_rollouts is not None, "--load-rollouts"),
-                        (c.fully_async, "--fully-async (its rollout worker sends one adapter name)")):
+                        (c.fully_async, "--fully-async (its rollout worker sends one adapter name)"),
+                        (c.use_session_server or c.agent_function_path or c.rollout_function_path
+                         or c.custom_generate_function_path,
+                         "the session server or custom rollout layers (their requests name one adapter)")):
         if given:
             p.append(f"[[lora.adapters]] with {what}: not supported; drop it")
     return p

@@ -21,6 +21,7 @@ from milepost.config import TrainConfig
 from milepost.config_rules import session_server_enabled
 from milepost.data.source import PromptItem
 from milepost.http_tls import tls_context
+from milepost.lora.settings import POLICY_ADAPTER
 from milepost.rollout.client import EngineClient
 from milepost.rollout.generate import RolloutResult, SamplingSettings
 from milepost.rollout.layers import (
@@ -93,6 +94,9 @@ class AgenticRollout:
         self.generate_fn = load_layer(cfg.custom_generate_function_path,
                                       "--custom-generate-function-path") or default_generate
         self.agent_fn = load_layer(cfg.agent_function_path, "--agent-function-path")
+        # LoRA RL: every engine request of the layers (the context's clients, the session
+        # server's) names the trained adapter; multi-LoRA runs refuse these layers.
+        self.lora_path = POLICY_ADAPTER if cfg.lora_rank else None
         self.session_server = None
         if session_server_enabled(cfg):
             from milepost.session.runner import SessionServerThread
@@ -105,12 +109,13 @@ class AgenticRollout:
                                          sampling=sampling.to_params(),
                                          enforce_sampling=True,
                                          return_routed_experts=cfg.use_rollout_routing_replay,
-                                         leaf_selection=cfg.session_leaf_selection))
+                                         leaf_selection=cfg.session_leaf_selection),
+                lora_path=self.lora_path)
 
     async def rollout(self, items: list[PromptItem], group_index_start: int, reward_fn: Any,
                       group_reward_fn: Any) -> RolloutResult:
         cfg = self.cfg
-        clients = [EngineClient(url) for url in self.engine_urls]
+        clients = [EngineClient(url, lora_path=self.lora_path) for url in self.engine_urls]
         http = httpx.AsyncClient(timeout=None, headers=client_headers(), verify=tls_context())  # to the session server
         url = self.session_server.url if self.session_server is not None else None
 

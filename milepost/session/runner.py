@@ -56,8 +56,9 @@ class SessionServerThread:
                  host: str = "127.0.0.1", port: int | None = None,
                  engine_timeout_s: float = 600.0,
                  engine_transport: httpx.AsyncBaseTransport | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, lora_path: str | None = None) -> None:
         self.api_key = api_key
+        self.lora_path = lora_path  # LoRA RL: every engine request names the trained adapter
         warn_if_exposed(host, api_key, "the session server", log)
         self.renderer = make_renderer(tokenizer, family)
         self.matcher = load_matcher(matcher)
@@ -81,7 +82,8 @@ class SessionServerThread:
     def _app_factory(self) -> Any:
         # The engine client belongs to the server's event loop, so it is made here.
         client = EngineClient(self.engine_url, self.engine_timeout_s, generate_retries=0,
-                              transport=self.engine_transport, require_routing_key=True)
+                              transport=self.engine_transport, require_routing_key=True,
+                              lora_path=self.lora_path)
         self.service = SessionService(self.renderer, client, self.matcher, self.settings)
         app = build_app(self.service)
         protect(app, self.api_key)  # milepost/auth.py: agents send it as their api_key

@@ -3,7 +3,10 @@
 1. `--fully-async` with engines that store the base in fp8 (`--engine-quantization fp8`), GSPO
    and TIS: every rollout request names the adapter, each update sends the adapter alone, and the
    equality check (the engines hold the trainer's adapter) and the per-update check pass.
-2. PPO with a critic, from saved rollouts (no engines), with the actor and the critic taking turns
+2. The session server with an agent fn (opt-in, `-m optin`: another run): the session server's
+   engine requests name the adapter, seen in the prefix cache, which the engine never uses for
+   adapter requests: hit rate 0 (the same run without LoRA: 0.68 in each of its 2 steps).
+3. PPO with a critic, from saved rollouts (no engines), with the actor and the critic taking turns
    on the device and the offloaded state going to disk: the adapter, the critic's losses and the
    policy's losses come out bitwise the same as a run where everything stays resident
    (opt-in, `-m optin`: two more processes; the default suite's PPO-turns test covers full models).
@@ -69,6 +72,30 @@ def test_fully_async_fp8_engines_gspo_tis(tmp_path: Path) -> None:
     assert all("train/rollout_ratio" in r for r in records)  # TIS ran on every step
     assert any(t.abs().sum() > 0 for n, t in adapter.items() if "lora_B" in n)  # B starts at zero
     assert json.loads((run_dir / "hf" / "adapter_config.json").read_text())["r"] == 4
+
+
+@pytest.mark.optin  # one more run (~50 s on 2 busy cores): -m optin
+def test_session_server_agent_requests_name_the_adapter(tmp_path_factory: pytest.TempPathFactory,
+                                                         tmp_path: Path) -> None:
+    from milepost.testing.agent_model import make_agent_model
+
+    model = make_agent_model(tmp_path_factory.getbasetemp() / "agent_model_shared")
+    rows = [{"prompt": [{"role": "user", "content": f"Weather in {c}?"}], "label": w}
+            for c, w in [("Oslo", "snow"), ("Rome", "hot"), ("Lima", "mild"), ("Bern", "snow")]]
+    data = tmp_path / "weather.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    train(["--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-rollout", "2",
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "64",
+           "--engine-max-total-tokens", "8192", "--run-dir", str(run_dir), "--device", "cpu",
+           "--agent-function-path", "milepost.testing.agent_harness:weather_agent_fn",
+           "--session-model-family", "qwen3", "--reward-fn", "milepost.rollout.layers:agent_reward",
+           "--lora-rank", "4", "--lora-alpha", "8", "--check-weight-update-equal"])
+    records = metrics(run_dir)
+    assert len(records) == 2 and all(r["rollout/num_samples"] == 4 for r in records)
+    # Multi-turn sessions: a base request would reuse its earlier turns' KV (0.68 without LoRA).
+    assert all(r["rollout/prefix_cache_hit_rate"] == 0.0 for r in records), records
+    assert all(0 < r["perf/update_weights_bytes"] < 100_000 for r in records)  # the adapter alone
 
 
 def write_rollouts(directory: Path, steps: int) -> None:
