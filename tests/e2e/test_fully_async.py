@@ -40,7 +40,9 @@ class WeightNorm:
         weights = load_file(str(checkpoint_dir / "model.safetensors"))
         if step == 0:  # a slow first evaluation: returns once training logged 3 more steps
             metrics = checkpoint_dir.parent.parent / "metrics.jsonl"
-            deadline = time.monotonic() + 60
+            # Not a fixed time: 3 steps took 6 s idle and minutes at load 8 on 2 cores; the run's
+            # own limit (RUN_TIMEOUT_S) ends it if training stops.
+            deadline = time.monotonic() + 600
             while time.monotonic() < deadline and (
                     not metrics.exists() or len(metrics.read_text().splitlines()) < 4):
                 time.sleep(0.05)

@@ -125,8 +125,11 @@ def test_a_killed_engine_stops_the_run_naming_it(
     demo_train_timeout_s: Callable[[int], float],
 ) -> None:
     run_dir, out_path = tmp_path / "ray-kill", tmp_path / "train.out"
-    proc = _start_then(cluster, _train_cmd(cluster, demo_dir, run_dir, 20, "broadcast"), out_path,
-                       demo_train_timeout_s(1))
+    # 1000 rollouts, as in the stopped-driver test below: the engine must still run when the kill
+    # comes, and listing the cluster's processes took minutes on a loaded machine (20 rollouts
+    # take ~40 s idle); the kill ends the run long before.
+    proc = _start_then(cluster, _train_cmd(cluster, demo_dir, run_dir, 1000, "broadcast"),
+                       out_path, demo_train_timeout_s(1))
     try:
         # The engine listens on its node's address and answers nothing but /health without the
         # run's key.

@@ -86,7 +86,7 @@ def test_put_blocks_while_full_and_waiting_groups_report_their_staleness() -> No
     m = buf.metrics(2)
     assert m["buffer_max_staleness"] == 2 and m["buffer_avg_staleness"] == 1.5
     assert [g[0].group_index for g in buf.take(1, 2)] == [0]
-    assert done.wait(2) and len(buf) == 2
+    assert done.wait(60) and len(buf) == 2  # woken at once; 60: a loaded machine may be slow
 
 
 def test_close_wakes_a_waiting_take() -> None:
@@ -94,9 +94,9 @@ def test_close_wakes_a_waiting_take() -> None:
     errors: list[BaseException] = []
     t = threading.Thread(target=lambda: _catch(lambda: buf.take(1, 0), errors), daemon=True)
     t.start()
-    time.sleep(0.1)
+    time.sleep(0.1)  # usually inside take() by now; a take after close raises the same
     buf.close()
-    t.join(2)
+    t.join(60)  # ends at once; 60: a loaded machine may not schedule the thread for a while
     assert isinstance(errors[0], BufferClosed)
 
 
