@@ -10,12 +10,14 @@ When to save is the driver's call; `checkpoint_path` / `latest_checkpoint` fix w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,48 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(dirpath))
 
 
+@contextlib.contextmanager
+def staged_checkpoint_dir(path: str | Path, meta: dict[str, Any]) -> Iterator[Path]:
+    """Collective: every rank writes its files into the yielded temporary directory; then
+    `publish_checkpoint_dir` puts it at `path` (both backends' checkpoints go through here)."""
+    try:
+        text = json.dumps(meta)
+    except TypeError as e:
+        raise TypeError(f"checkpoint extra must be JSON-serializable (step, data state, ...): {e}") from e
+    path = Path(path).absolute()
+    names = [f"{path.name}.tmp-{os.getpid()}"]
+    dist.broadcast_object_list(names, src=0)  # one temp dir for all ranks: rank 0's pid names it
+    tmp = path.parent / names[0]
+    if dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f"{path.name}.tmp-*"):
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    dist.barrier()
+    yield tmp
+    dist.barrier()
+    if dist.get_rank() == 0:
+        publish_checkpoint_dir(tmp, path, text)
+    dist.barrier()
+
+
+def publish_checkpoint_dir(tmp: Path, path: Path, meta: str) -> None:
+    """Make the complete directory `tmp` the checkpoint at `path`, atomically (one process).
+
+    META_FILE is written last (it marks a checkpoint complete), everything is fsynced, a previous
+    checkpoint at `path` is renamed aside before `tmp` takes its name and removed only after: a
+    crash at any point leaves one complete checkpoint at `path` or beside it."""
+    (tmp / META_FILE).write_text(meta)
+    _fsync_tree(tmp)
+    old = path.parent / f"{path.name}.old-{os.getpid()}"
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    _fsync(path.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
 def _options(model: nn.Module) -> StateDictOptions:
     """A model with frozen parameters (a LoRA adapter on its base) saves and loads only the
     trained ones: the frozen base is the checkpoint it was loaded from, never changed."""
@@ -107,38 +151,12 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Collective: every rank calls it with its own (sharded) model and optimizer."""
-    extra = dict(extra or {})
-    try:
-        meta = json.dumps({"format_version": FORMAT_VERSION, "world_size": dist.get_world_size(), "extra": extra})
-    except TypeError as e:
-        raise TypeError(f"checkpoint extra must be JSON-serializable (step, data state, ...): {e}") from e
-    path = Path(path).absolute()
-    rank = dist.get_rank()
-    names = [f"{path.name}.tmp-{os.getpid()}"]
-    dist.broadcast_object_list(names, src=0)  # one temp dir for all ranks: rank 0's pid names it
-    tmp = path.parent / names[0]
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f"{path.name}.tmp-*"):
-            shutil.rmtree(stale)
-        tmp.mkdir()
-    dist.barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=tmp)
-    if isinstance(optimizer, StreamingAdamW):  # its moments are files: copied, per rank
-        optimizer.save_files(tmp / STREAM_DIR / f"rank_{rank}")
-    torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_state()}, tmp / f"rank_{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        (tmp / META_FILE).write_text(meta)
-        _fsync_tree(tmp)
-        old = path.parent / f"{path.name}.old-{os.getpid()}"
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        _fsync(path.parent)
-        if old.exists():
-            shutil.rmtree(old)
-    dist.barrier()
+    meta = {"format_version": FORMAT_VERSION, "world_size": dist.get_world_size(), "extra": dict(extra or {})}
+    with staged_checkpoint_dir(path, meta) as tmp:
+        dcp.save(_state(model, optimizer), checkpoint_id=tmp)
+        if isinstance(optimizer, StreamingAdamW):  # its moments are files: copied, per rank
+            optimizer.save_files(tmp / STREAM_DIR / f"rank_{dist.get_rank()}")
+        torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_state()}, tmp / f"rank_{dist.get_rank()}.pt")
 
 
 def load_checkpoint(

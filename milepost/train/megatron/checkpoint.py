@@ -1,16 +1,14 @@
 """Megatron backend checkpoints: each rank's model shard, AdamW state, schedule and RNG, atomically.
 
-Same directory contract as the FSDP checkpoints (milepost/train/checkpoint.py): everything goes to
-`<dir>.tmp-<pid>`, then one rename; `milepost_checkpoint.json` (written last) marks it complete, so
-`latest_checkpoint` works unchanged. Files: `megatron_rank_<r>.pt`. Resuming needs the same world
-size and parallel sizes (resharding a Megatron checkpoint: `milepost convert`, via HF).
+Same directory contract as the FSDP checkpoints, through the same staging and atomic publish
+(`staged_checkpoint_dir` in milepost/train/checkpoint.py): `milepost_checkpoint.json` (written
+last) marks it complete, so `latest_checkpoint` works unchanged. Files: `megatron_rank_<r>.pt`.
+Resuming needs the same world size and parallel sizes (resharding one: `milepost convert`, via HF).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,47 +19,21 @@ from torch import nn
 from milepost.train.checkpoint import (
     FORMAT_VERSION,
     META_FILE,
-    _fsync,
-    _fsync_tree,
     _rng_state,
     _set_rng_state,
+    staged_checkpoint_dir,
 )
 
 
 def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
          layout: dict[str, int], extra: dict[str, Any] | None = None) -> None:
     """Collective: every rank writes its own file; rank 0 renames the directory into place."""
-    try:
-        meta = json.dumps({"format_version": FORMAT_VERSION, "world_size": dist.get_world_size(),
-                           "backend": "megatron", "layout": layout, "extra": dict(extra or {})})
-    except TypeError as e:
-        raise TypeError(f"checkpoint extra must be JSON-serializable (step, data state, ...): {e}") from e
-    path = Path(path).absolute()
-    rank = dist.get_rank()
-    names = [f"{path.name}.tmp-{os.getpid()}"]
-    dist.broadcast_object_list(names, src=0)
-    tmp = path.parent / names[0]
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f"{path.name}.tmp-*"):
-            shutil.rmtree(stale)
-        tmp.mkdir()
-    dist.barrier()
-    state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items() if v is not None},
-             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()}
-    torch.save(state, tmp / f"megatron_rank_{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        (tmp / META_FILE).write_text(meta)
-        _fsync_tree(tmp)
-        old = path.parent / f"{path.name}.old-{os.getpid()}"
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        _fsync(path.parent)
-        if old.exists():
-            shutil.rmtree(old)
-    dist.barrier()
+    meta = {"format_version": FORMAT_VERSION, "world_size": dist.get_world_size(), "backend": "megatron",
+            "layout": layout, "extra": dict(extra or {})}
+    with staged_checkpoint_dir(path, meta) as tmp:
+        state = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items() if v is not None},
+                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()}
+        torch.save(state, tmp / f"megatron_rank_{dist.get_rank()}.pt")
 
 
 def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
