@@ -121,9 +121,12 @@ def multi_lora_refusals(c: TrainConfig) -> list[str]:
                         (c.env is not None, "--env (it makes one task's prompts)"),
                         (c.load_rollouts is not None, "--load-rollouts"),
                         (c.fully_async, "--fully-async (its rollout worker sends one adapter name)"),
-                        (c.use_session_server or c.agent_function_path or c.rollout_function_path
-                         or c.custom_generate_function_path,
-                         "the session server or custom rollout layers (their requests name one adapter)")):
+                        *((given, f"{flag} (the session server's and the layers' requests name one adapter)")
+                          for flag, given in (("--use-session-server", c.use_session_server),
+                                              ("--agent-function-path", c.agent_function_path),
+                                              ("--rollout-function-path", c.rollout_function_path),
+                                              ("--custom-generate-function-path",
+                                               c.custom_generate_function_path)))):
         if given:
             p.append(f"[[lora.adapters]] with {what}: not supported; drop it")
     return p

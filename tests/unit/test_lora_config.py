@@ -126,7 +126,7 @@ def test_multi_lora_bad_entries_refused_naming_them(tmp_path: Path, entries: lis
         load_config(None, [*args[:2], *args[4:], "--lora-adapters", ok, "--check-weight-update-equal"])
     with pytest.raises(ConfigError, match=r"\[\[lora.adapters\]\] with --fully-async"):
         load_config(None, [*args[:2], *args[4:], "--lora-adapters", ok, "--fully-async"])
-    with pytest.raises(ConfigError, match=r"\[\[lora.adapters\]\] with the session server or custom rollout"):
+    with pytest.raises(ConfigError, match=r"\[\[lora.adapters\]\] with --use-session-server \(the session server"):
         load_config(None, [*args[:2], *args[4:], "--lora-adapters", ok, "--use-session-server",
                            "--session-model-family", "qwen3"])
     with pytest.raises(ConfigError, match="needs --lora-rank > 0"):
