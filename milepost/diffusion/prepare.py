@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="rebuild even if OUT_DIR is complete")
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: the model's matrices are small, and on a shared 2-core machine "
-                         "two threads waiting on each other ran 5x slower than one)")
+                    help="torch threads (1: the model's matrices are small; on the shared 2-core machine at "
+                         "load 8-11 a pretraining step with two threads took several times longer than with one)")
     args = ap.parse_args(argv)
     from milepost.launch.process import openmp_defaults
 

@@ -25,8 +25,8 @@ RECIPE = ROOT / "recipes" / "diffusion_tiny.toml"
 # an RL step 4-5 s with CFG, a start 30 s). Limits scale with the work.
 PREPARE_STEP_S, RL_STEP_S, START_S = 2.0, 20.0, 180.0
 # Image quality under RL (docs/diffusion.md, "Measured on CPU"): the classifier's accuracy on the
-# recipe's fixed 48-image probe. The prepared base model scored 0.67-0.75 (chance 1/3); recipe runs
-# fell at most 0.10 below it at any probe; the collapsed run (no KL, lr 2e-3) fell 0.42, to 0.33.
+# recipe's fixed 48-image probe. The prepared base model scored 0.67-0.75 (chance 1/3); four recipe
+# runs fell at most 0.17 below it at any probe; the collapsed run (no KL, lr 2e-3) fell 0.42, to 0.33.
 BASE_PROBE_MIN, QUALITY_MARGIN = 0.6, 0.2
 
 pytestmark = [pytest.mark.xdist_group("diffusion_dir")]
