@@ -24,6 +24,7 @@ from milepost.driver.preflight import RunError, load_fully_async_plugins
 from milepost.driver.runtime import Runtime, _default
 from milepost.eval.dedicated import DedicatedFleet
 from milepost.eval.external import ExternalEvaluator, load_backend
+from milepost.lora.multi_data import adapter_metrics
 from milepost.lora.settings import POLICY_ADAPTER
 from milepost.rollout.client import SyncEngineClient
 from milepost.rollout.generate import RolloutResult, SamplingSettings, rollout_metrics
@@ -61,7 +62,9 @@ class FullyAsyncRuntime(Runtime):
             engine_urls, self.ledger, self.buffer, sampling, reward_fn, self.group_reward_fn,
             WorkerSettings(cfg.n_samples_per_prompt, int(cfg.max_inflight),
                            cfg.rollout_granularity or "sample",
-                           lora_path=POLICY_ADAPTER if cfg.lora_rank else None), trajectory_fn=trajectory_fn,
+                           # multi-LoRA: each prompt's adapter (generate_one reads its metadata)
+                           lora_path=POLICY_ADAPTER if cfg.lora_rank and not cfg.adapters else None),
+            trajectory_fn=trajectory_fn,
             finish_group=None if self.teachers is None else self.teachers.score_group,
             top_logprobs_num=cfg.opd_top_k)
         self._pausers = [SyncEngineClient(url) for url in engine_urls]
@@ -119,6 +122,9 @@ class FullyAsyncRuntime(Runtime):
         replay = rollout_metrics(RolloutResult(groups=groups))
         self.step_metrics.update({f"rollout/{k}": v for k, v in replay.items()
                                   if k not in ("elapsed_s", "tokens_per_s")})
+        if self.cfg.adapters:  # multi-LoRA: rollout/<adapter>/reward_mean, ... of the trained groups
+            names = [a["name"] for a in self.cfg.adapters]
+            self.step_metrics.update({f"rollout/{k}": v for k, v in adapter_metrics(groups, names).items()})
         self.step_metrics.update({PREFIX + k: v for k, v in self.buffer.metrics(step).items()})
         self.step_metrics.update({PREFIX + k: v for k, v in self.worker.read_stats().items()})
         self.step_metrics.update({PREFIX + k: v for k, v in self.ledger.summary().items()})

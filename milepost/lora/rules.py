@@ -120,7 +120,6 @@ def multi_lora_refusals(c: TrainConfig) -> list[str]:
                         (c.stream_optimizer_state_to_disk, "--stream-optimizer-state-to-disk"),
                         (c.env is not None, "--env (it makes one task's prompts)"),
                         (c.load_rollouts is not None, "--load-rollouts"),
-                        (c.fully_async, "--fully-async (its rollout worker sends one adapter name)"),
                         *((given, f"{flag} (the session server's and the layers' requests name one adapter)")
                           for flag, given in (("--use-session-server", c.use_session_server),
                                               ("--agent-function-path", c.agent_function_path),

@@ -3,10 +3,11 @@
 1. `--fully-async` with engines that store the base in fp8 (`--engine-quantization fp8`), GSPO
    and TIS: every rollout request names the adapter, each update sends the adapter alone, and the
    equality check (the engines hold the trainer's adapter) and the per-update check pass.
-2. The session server with an agent fn (opt-in, `-m optin`: another run): the session server's
+2. Multi-LoRA under `--fully-async` (opt-in, `-m optin`: another run): each prompt's adapter.
+3. The session server with an agent fn (opt-in, `-m optin`: another run): the session server's
    engine requests name the adapter, seen in the prefix cache, which the engine never uses for
    adapter requests: hit rate 0 (the same run without LoRA: 0.68 in each of its 2 steps).
-3. PPO with a critic, from saved rollouts (no engines), with the actor and the critic taking turns
+4. PPO with a critic, from saved rollouts (no engines), with the actor and the critic taking turns
    on the device and the offloaded state going to disk: the adapter, the critic's losses and the
    policy's losses come out bitwise the same as a run where everything stays resident
    (opt-in, `-m optin`: two more processes; the default suite's PPO-turns test covers full models).
@@ -33,6 +34,10 @@ REWARD = '''
 def parity(sample):
     # 0/1 rewards that differ within a group, so each step has a gradient.
     return float(sum(sample.response_ids) % 2)
+
+
+def anti_parity(sample):
+    return 1.0 - parity(sample)
 '''
 ROWS = [{"prompt": f"What is {a} + {b}?", "label": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
 
@@ -72,6 +77,38 @@ def test_fully_async_fp8_engines_gspo_tis(tmp_path: Path) -> None:
     assert all("train/rollout_ratio" in r for r in records)  # TIS ran on every step
     assert any(t.abs().sum() > 0 for n, t in adapter.items() if "lora_B" in n)  # B starts at zero
     assert json.loads((run_dir / "hf" / "adapter_config.json").read_text())["r"] == 4
+
+
+@pytest.mark.optin  # one more run (~60 s on 2 busy cores): -m optin
+def test_multi_lora_fully_async(tmp_path: Path) -> None:
+    """Two adapters under --fully-async: the worker's requests name each prompt's adapter, both
+    train in every step (metrics per adapter), each update carries the adapters that stepped."""
+    model = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3)
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "lora_compose_rewards.py").write_text(REWARD)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    adapters = [{"name": "odd", "prompt_data": str(prompts), "reward_fn": "lora_compose_rewards:parity"},
+                {"name": "even", "prompt_data": str(prompts), "reward_fn": "lora_compose_rewards:anti_parity"}]
+    run_dir = tmp_path / "rl"
+    train(["--hf-checkpoint", str(model), "--run-dir", str(run_dir), "--lora-adapters", json.dumps(adapters),
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8",
+           "--lr", "1e-2", "--engine-max-total-tokens", "2048", "--num-rollout", "2", "--device", "cpu",
+           *LORA, "--fully-async", "--check-weight-update", "--save-hf-at-end", "true"],
+          {"PYTHONPATH": os.pathsep.join([str(tmp_path / "rewards"), os.environ.get("PYTHONPATH", "")])})
+    records = metrics(run_dir)
+    assert len(records) == 2
+    # The worker draws the adapters' prompts in turn; groups finish in any order, so a step's two
+    # groups may be of one adapter. An engine asked for the single-LoRA name would refuse (400).
+    for r in records:
+        present = [n for n in ("odd", "even") if f"rollout/{n}/num_samples" in r]
+        assert present and sum(r[f"rollout/{n}/num_samples"] for n in present) == 16, r
+        for n, other in (("odd", "even"), ("even", "odd")):  # both rewards score each sample
+            if n in present:
+                assert r[f"rollout/{n}/reward_mean"] + r[f"rollout/{n}/reward_of/{other}"] == pytest.approx(1.0)
+    sizes = {n: sum(t.numel() * t.element_size() for t in load_file(
+        str(run_dir / "hf" / n / "adapter_model.safetensors")).values()) for n in ("odd", "even")}
+    assert all(0 < r["perf/update_weights_bytes"] <= sizes["odd"] + sizes["even"] for r in records)
 
 
 @pytest.mark.optin  # one more run (~50 s on 2 busy cores): -m optin

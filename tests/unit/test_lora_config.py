@@ -124,8 +124,7 @@ def test_multi_lora_bad_entries_refused_naming_them(tmp_path: Path, entries: lis
         load_config(None, [*args, "--lora-adapters", ok])
     with pytest.raises(ConfigError, match="with --check-weight-update-equal"):
         load_config(None, [*args[:2], *args[4:], "--lora-adapters", ok, "--check-weight-update-equal"])
-    with pytest.raises(ConfigError, match=r"\[\[lora.adapters\]\] with --fully-async"):
-        load_config(None, [*args[:2], *args[4:], "--lora-adapters", ok, "--fully-async"])
+    load_config(None, [*args[:2], *args[4:], "--lora-adapters", ok, "--fully-async"])  # composes
     with pytest.raises(ConfigError, match=r"\[\[lora.adapters\]\] with --use-session-server \(the session server"):
         load_config(None, [*args[:2], *args[4:], "--lora-adapters", ok, "--use-session-server",
                            "--session-model-family", "qwen3"])
