@@ -109,6 +109,24 @@ def test_tensor_and_expert_parallel_logits(two_ranks: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.optin  # four ranks on two cores: 91 s at load 9-10, past the default suite's budget
+def test_tensor_and_expert_parallel_together_train_like_fsdp(tmp_path: Path) -> None:
+    """TP = 2 and EP = 2 on four ranks (Qwen3-MoE; sequence parallel, which megatron needs to train
+    MoE under TP) against FSDP on the same four ranks: the same checks as above, and the logits."""
+    from milepost.train.megatron.parity import run_cases
+
+    moe = str(make_tiny_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", with_tokenizer=False))
+    cases = {"fsdp_moe": {"fn": "train_once", "args": [moe, "fsdp", 1, 1, None, None]},
+             "tp_ep": {"fn": "train_once", "args": [moe, "megatron", 2, 2, str(tmp_path / "ckpt"), None]},
+             "logits": {"fn": "logits_gaps", "args": [[(moe, 2, 2)]]}}
+    ranks = run_ranks(run_cases, 4, cases, timeout_s=300)
+    _compare(ranks, "fsdp_moe", "tp_ep")
+    for rank in ranks:
+        assert rank["tp_ep"]["metrics"] == ranks[0]["tp_ep"]["metrics"]
+        assert 1.0 < rank["logits"][0]["ref_abs_max"] and rank["logits"][0]["max_abs_diff"] < 1e-4, rank["logits"]
+
+
+@pytest.mark.slow
 def test_bench_train_runs_both_backends(tmp_path: Path) -> None:
     import json
 

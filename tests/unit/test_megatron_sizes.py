@@ -77,7 +77,7 @@ def test_convert_command_round_trip(tmp_path, capsys):
     ({"use_rollout_routing_replay": True}, ParallelSizes(), DENSE, r"--use-rollout-routing-replay: the model is a dense"),
     ({"activation_checkpointing": "layer"}, ParallelSizes(), DENSE, r"set activation_checkpointing='none'"),
     ({}, ParallelSizes(pp=2), DENSE, r"pipeline-parallel training is not wired"),
-    ({}, ParallelSizes(tp=2, ep=2), MOE, r"TP and EP together are not tested yet"),
+    ({"use_rollout_routing_replay": True}, ParallelSizes(tp=2, ep=2), MOE, r"replaying routes under sequence par"),
 ])
 def test_backend_refuses_what_it_lacks(overrides, sizes, shape, message):
     from milepost.train.megatron.backend import refuse_unsupported
@@ -86,6 +86,7 @@ def test_backend_refuses_what_it_lacks(overrides, sizes, shape, message):
     with pytest.raises(ValueError, match=message):
         refuse_unsupported(TrainerSettings(**overrides), sizes, shape)
     refuse_unsupported(TrainerSettings(), ParallelSizes(tp=2), DENSE)  # what it has passes
+    refuse_unsupported(TrainerSettings(), ParallelSizes(tp=2, ep=2), MOE)
 
 
 def test_run_config_refuses_bad_backend_settings(tmp_path):

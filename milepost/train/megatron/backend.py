@@ -69,9 +69,10 @@ def refuse_unsupported(settings: TrainerSettings, sizes: ParallelSizes, shape: M
     if sizes.pp > 1:
         raise ValueError(f"--pipeline-model-parallel-size {sizes.pp}: pipeline-parallel training is not wired into "
                          "the Megatron backend yet (conversion supports it: milepost convert)")
-    if shape.is_moe and sizes.tp > 1 and sizes.ep > 1:
-        raise ValueError(f"--tensor-model-parallel-size {sizes.tp} with --expert-model-parallel-size {sizes.ep}: "
-                         "TP and EP together are not tested yet; use one of them")
+    if shape.is_moe and sizes.tp > 1 and settings.use_rollout_routing_replay:
+        raise ValueError(f"--use-rollout-routing-replay with --tensor-model-parallel-size {sizes.tp} on a "
+                         "mixture-of-experts model: replaying routes under sequence parallel is not wired yet; "
+                         "use --expert-model-parallel-size without TP, or turn R3 off")
 
 
 class MegatronBackend:
@@ -151,7 +152,8 @@ class MegatronBackend:
 
     def _scorer(self, model: Any) -> MegatronScorer:
         pad_group = self._ep_group if self.sizes.ep > 1 else None
-        return MegatronScorer(model, self.settings.temperature, self.settings.torch_dtype, pad_group)
+        sp = self.sizes.tp if self.shape.is_moe else 1  # sequence parallel (provider.transformer_config)
+        return MegatronScorer(model, self.settings.temperature, self.settings.torch_dtype, pad_group, sp)
 
     def _require_onloaded(self, what: str) -> None:
         if self.offloaded:
@@ -285,24 +287,24 @@ class MegatronBackend:
         """Sum gradients over the ranks that hold the same weights with different data.
 
         Dense weights: the data-parallel group. Experts (megatron marks them allreduce=False): the
-        expert-data-parallel group, which with expert tensor parallel size 1 also holds the TP
-        ranks' identical copies, so that sum is divided by TP. Qwen3's per-head q/k norms are
-        replicated over TP but each rank only sees its heads: summed over TP (as megatron's
-        finalize_model_grads does).
+        expert-data-parallel group (expert tensor parallel size 1). Summed over TP too, as
+        megatron's finalize_model_grads does: Qwen3's per-head q/k norms (replicated, but each TP
+        rank sees its heads only) and, under sequence parallel (MoE with TP), the weights marked
+        `sequence_parallel` (norms, router: each TP rank sees its part of the sequence).
         """
-        tp = self.sizes.tp
+        tp_sum = self.sizes.tp > 1
+        sp = tp_sum and self.shape.is_moe
         for name, p in self.policy.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # an expert no token reached: still in the collective
-            if tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+            if tp_sum and ("q_layernorm" in name or "k_layernorm" in name
+                           or (sp and getattr(p, "sequence_parallel", False))):
                 dist.all_reduce(p.grad, group=self._tp_group)
             if getattr(p, "allreduce", True):
                 if self.data_world > 1:
                     dist.all_reduce(p.grad, group=self._dp_group)
             elif dist.get_world_size(self._edp_group) > 1:
                 dist.all_reduce(p.grad, group=self._edp_group)
-                if tp > 1:
-                    p.grad.div_(tp)
 
     def _clip_gradients(self, clip: float) -> float:
         """Global L2 norm (each weight counted once over TP and EP), then torch's clip rule."""

@@ -46,12 +46,15 @@ def logits_gap(rank: int, world_size: int, path: str, tp: int = 1, pp: int = 1, 
     model, shape = load_hf_model(path, tp=tp, pp=pp, ep=ep, dtype=DTYPES[dtype])
     model.to(device).eval()
     seqs = sequences(shape.vocab_size)
-    ids = torch.cat(seqs)[None].to(device)
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(device)
-    mask = block_causal_mask([len(s) for s in seqs], device)
+    lengths = [len(s) for s in seqs]
+    total = sum(lengths)
+    pad = -total % tp if shape.is_moe else 0  # sequence parallel (MoE under TP) splits the tokens over TP
+    ids = torch.cat([*seqs, torch.zeros(pad, dtype=torch.int64)])[None].to(device)
+    pos = torch.cat([torch.arange(n) for n in lengths + [pad]])[None].to(device)
+    mask = block_causal_mask(lengths + [pad] if pad else lengths, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     with torch.no_grad(), autocast:
-        out = model(ids, pos, attention_mask=mask)[0].float()
+        out = model(ids, pos, attention_mask=mask)[0][:total].float()
     hf = transformers.AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32).to(device).eval()
     with torch.no_grad():
         ref = torch.cat([hf(s[None].to(device)).logits[0] for s in seqs])

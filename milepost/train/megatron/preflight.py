@@ -62,6 +62,7 @@ def check_train_backend(cfg: Any) -> None:
     if sizes.pp > 1:
         raise ValueError(f"--pipeline-model-parallel-size {sizes.pp}: pipeline-parallel training is not wired into "
                          "the Megatron backend yet (conversion supports it: milepost convert)")
-    if shape.is_moe and sizes.tp > 1 and sizes.ep > 1:
-        raise ValueError(f"--tensor-model-parallel-size {sizes.tp} with --expert-model-parallel-size {sizes.ep}: "
-                         "TP and EP together are not tested yet; use one of them")
+    if shape.is_moe and sizes.tp > 1 and getattr(cfg, "use_rollout_routing_replay", False):
+        raise ValueError(f"--use-rollout-routing-replay with --tensor-model-parallel-size {sizes.tp} on a "
+                         "mixture-of-experts model: replaying routes under sequence parallel is not wired yet; "
+                         "use --expert-model-parallel-size without TP, or turn R3 off")

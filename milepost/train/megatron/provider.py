@@ -7,6 +7,8 @@ machines. Needs megatron-core (`pip install 'milepost[megatron]'`) and an initia
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -103,7 +105,9 @@ def transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int =
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
-        sequence_parallel=False,
+        # megatron trains MoE layers under TP only with sequence parallel (moe_layer.py refuses it
+        # otherwise); dense models keep the full sequence on every TP rank
+        sequence_parallel=tp > 1 and shape.is_moe,
         **moe,
     )
 
@@ -124,6 +128,8 @@ def build_model(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp:
     config = transformer_config(shape, tp=tp, pp=pp, ep=ep, cp=cp, dtype=dtype, routing_replay=routing_replay)
     if shape.is_moe:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        if config.sequence_parallel:
+            spec = _swap_norms(copy.deepcopy(spec))
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
     return GPTModel(
@@ -138,6 +144,36 @@ def build_model(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp:
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
     )
+
+
+class SequenceParallelRMSNorm:
+    """megatron's local norm (WrappedTorchNorm, which refuses sequence parallel), allowed under it:
+    RMSNorm is per token, so each TP rank normalizes its part of the sequence; the weight is marked
+    `sequence_parallel` so its gradient is summed over TP (MegatronBackend._sync_gradients), as
+    megatron does for its Transformer Engine norms."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.RMSNorm:
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def _swap_norms(spec: Any) -> Any:
+    """`spec` with every WrappedTorchNorm replaced by SequenceParallelRMSNorm (in place)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return SequenceParallelRMSNorm
+    if isinstance(spec, ModuleSpec):
+        spec.module = _swap_norms(spec.module)
+        spec.submodules = _swap_norms(spec.submodules)
+    elif isinstance(spec, list):
+        return [_swap_norms(x) for x in spec]
+    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for field in dataclasses.fields(spec):
+            setattr(spec, field.name, _swap_norms(getattr(spec, field.name)))
+    return spec
 
 
 def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:

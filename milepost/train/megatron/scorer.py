@@ -2,7 +2,8 @@
 
 The packed micro-batch runs as one sequence with a block-causal mask; logits are gathered to the
 full vocabulary (parallel_output off) before the log-softmax. Under EP the token count is padded to
-the longest over the expert-parallel group; with R3 the engine's expert ids are replayed.
+the longest over the expert-parallel group, under sequence parallel (MoE with TP) to a multiple of
+TP; with R3 the engine's expert ids are replayed.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from milepost.train.megatron.replay import ReplayRouting
 class MegatronScorer:
     """Log-probs and entropies of packed sequences under one GPTModel shard (full-vocab logits)."""
 
-    def __init__(self, model: Any, temperature: float, dtype: torch.dtype, pad_group: Any = None) -> None:
+    def __init__(self, model: Any, temperature: float, dtype: torch.dtype, pad_group: Any = None,
+                 pad_multiple: int = 1) -> None:
         """pad_group: ranks whose micro-batches must have equal token counts (megatron's allgather
-        MoE dispatcher gathers equal-sized token blocks over the expert-parallel group)."""
+        MoE dispatcher gathers equal-sized token blocks over the expert-parallel group);
+        pad_multiple: the token count must divide by it (sequence parallel splits it over TP)."""
         self.model = model
         self.temperature = temperature
         self.dtype = dtype
         self.pad_group = pad_group
+        self.pad_multiple = pad_multiple
         self.r3 = (0.0, 0.0)
 
     def score(self, packed: PackedBatch, forced: torch.Tensor | None = None,
@@ -35,19 +39,22 @@ class MegatronScorer:
         device = packed.input_ids.device
         lengths = packed.cu_seqlens.diff().tolist()
         ids, pos = packed.input_ids, packed.positions
+        target = ids.numel()
         if self.pad_group is not None:
-            longest = torch.tensor([ids.numel()], device=device)
+            longest = torch.tensor([target], device=device)
             dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.pad_group)
-            pad = int(longest) - ids.numel()
-            if pad:  # a padding sequence of its own: masked from the others, none of its rows scored
-                ids = torch.cat([ids, ids.new_zeros(pad)])
-                pos = torch.cat([pos, torch.arange(pad, device=device)])
-                lengths = lengths + [pad]
-                if forced is not None:  # any valid ids for the padding rows (they train nothing)
-                    k = forced.shape[-1]
-                    filler = torch.arange(k, device=forced.device).expand(pad, forced.shape[1], k)
-                    forced = torch.cat([forced, filler])
-                    valid = torch.cat([valid, torch.zeros(pad, dtype=torch.bool)])
+            target = int(longest)
+        target = -(-target // self.pad_multiple) * self.pad_multiple
+        pad = target - ids.numel()
+        if pad:  # a padding sequence of its own: masked from the others, none of its rows scored
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            pos = torch.cat([pos, torch.arange(pad, device=device)])
+            lengths = lengths + [pad]
+            if forced is not None:  # any valid ids for the padding rows (they train nothing)
+                k = forced.shape[-1]
+                filler = torch.arange(k, device=forced.device).expand(pad, forced.shape[1], k)
+                forced = torch.cat([forced, filler])
+                valid = torch.cat([valid, torch.zeros(pad, dtype=torch.bool)])
         mask = block_causal_mask(lengths, device)
         replay = ReplayRouting(self.model, forced, valid)
         with replay, torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
