@@ -32,6 +32,17 @@ BASE_PROBE_MIN, QUALITY_MARGIN = 0.6, 0.2
 pytestmark = [pytest.mark.xdist_group("diffusion_dir")]
 
 
+def _prepare_timeout_s() -> float:
+    from milepost.diffusion.prepare import SETTINGS
+
+    return START_S + PREPARE_STEP_S * (SETTINGS["pretrain_steps"] + SETTINGS["classifier_steps"])
+
+
+# An opt-in test may wait for the prepare fixture (2-12 min on 2 cores, by load), then trains:
+# its pytest timeout is both allowances, not the suite's fixed 600 s.
+OPTIN_TIMEOUT = pytest.mark.timeout(_prepare_timeout_s() + START_S + RL_STEP_S * 30)
+
+
 def _train(model_dir: Path, run_dir: Path, *flags: str, steps: int, classifier: Path | None = None) -> list[dict]:
     cmd = [sys.executable, "-m", "milepost", "train", str(RECIPE), "--diffusion-checkpoint", str(model_dir),
            "--classifier-path", str(classifier or "none"), "--run-dir", str(run_dir), "--num-rollout", str(steps),
@@ -86,11 +97,9 @@ def test_deterministic_runs_match_bit_for_bit(tiny_dit: Path, tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def diffusion_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from milepost.diffusion.prepare import SETTINGS
-
     work = tmp_path_factory.mktemp("diffusion-tiny")
     subprocess.run([sys.executable, "-m", "milepost.diffusion.prepare", str(work), "--log-every", "0"], check=True,
-                   timeout=START_S + PREPARE_STEP_S * (SETTINGS["pretrain_steps"] + SETTINGS["classifier_steps"]))
+                   timeout=_prepare_timeout_s())
     return work
 
 
@@ -100,6 +109,7 @@ def _probes(rows: list[dict]) -> tuple[float, list[float]]:
 
 
 @pytest.mark.optin
+@OPTIN_TIMEOUT
 def test_flow_grpo_raises_reward_and_keeps_quality(diffusion_dir: Path) -> None:
     rows = _train(diffusion_dir / "base_model", diffusion_dir / "grpo", steps=30, classifier=diffusion_dir / "classifier")
     reward = _series(rows, "rollout/reward_mean")
@@ -116,6 +126,7 @@ def test_flow_grpo_raises_reward_and_keeps_quality(diffusion_dir: Path) -> None:
 
 
 @pytest.mark.optin
+@OPTIN_TIMEOUT
 def test_quality_check_fails_on_a_collapsed_run(diffusion_dir: Path) -> None:
     """The whole-image brightness reward without a KL and at a high lr turns the images into bright
     blobs of one shape: the same probe check as above must fail on it (a check that can fail)."""
@@ -126,6 +137,7 @@ def test_quality_check_fails_on_a_collapsed_run(diffusion_dir: Path) -> None:
 
 
 @pytest.mark.optin
+@OPTIN_TIMEOUT
 @pytest.mark.parametrize("objective", ["nft", "sft"])
 def test_nft_and_sft_move_their_metrics(diffusion_dir: Path, objective: str) -> None:
     flags, steps = ["--diffusion-objective", objective], 12
