@@ -40,7 +40,8 @@ def shape_brightness(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Mean luminance of the shape's pixels (those off the grey background); 0 for an empty image.
 
     Unlike `brightness` (the whole image's luminance), a brighter colour of the same shape earns it
-    all: growing the shape or lighting the background is no shortcut, so the class can stay intact."""
+    all and growing the shape earns nothing. Not hack-proof: a frame lit all over counts as one big
+    shape (DiffusionNFT without a KL found that); the run's quality probe is what catches it."""
     x = _unit(images)
     lum = 0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]
     fg = np.abs(x - 0.5).max(axis=1) > FOREGROUND_MIN
