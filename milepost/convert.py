@@ -43,7 +43,7 @@ def hf_to_megatron_dir(hf_dir: str | Path, out_dir: str | Path, sizes: ParallelS
     hf_dir, out = Path(hf_dir), Path(out_dir)
     shape = shape_of(json.loads((hf_dir / "config.json").read_text()))
     # Offline: the ranks are exactly the model-parallel ones (data parallel copies share them).
-    validate_sizes(shape, sizes, sizes.tp * sizes.pp * sizes.ep, device="cuda")
+    validate_sizes(shape, sizes, sizes.tp * sizes.pp * sizes.ep)
     full = hf_to_megatron(shape, read_hf_weights(hf_dir))
     written = []
     for pp_rank in range(sizes.pp):

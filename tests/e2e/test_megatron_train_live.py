@@ -44,6 +44,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         "tp": train(dense, "megatron", tp=2, ckpt="ckpt_tp"),
         "wrong_split": {"fn": "wrong_split", "args": [dense]},
         "logits": {"fn": "logits_gaps", "args": [[(dense, 2, 1), (moe, 2, 1), (moe, 1, 2)]]},
+        "pp1": {"fn": "pipeline_grads", "args": [dense, 1]}, "pp2": {"fn": "pipeline_grads", "args": [dense, 2]},
     }
     from milepost.train.megatron.parity import run_cases
 
@@ -106,6 +107,21 @@ def test_tensor_and_expert_parallel_logits(two_ranks: list[dict]) -> None:
         for case, gap in zip(("qwen3 tp2", "qwen3_moe tp2", "qwen3_moe ep2"), result["logits"]):
             assert gap["ref_abs_max"] > 1.0
             assert gap["max_abs_diff"] < 1e-4, (rank, case, gap)
+
+
+@TWO_RANKS
+def test_pipeline_schedule_runs_on_cpu_like_one_stage(two_ranks: list[dict]) -> None:
+    """megatron-core's 1F1B schedule with PP = 2 on gloo (cpu_shim) gives the losses and every
+    layer's gradients of PP = 1. Not the backend (PP training is refused there): docs/megatron.md."""
+    ref = two_ranks[0]["pp1"]
+    stages = [r["pp2"] for r in two_ranks]
+    assert stages[1]["losses"] == pytest.approx(ref["losses"], rel=1e-6) and stages[0]["losses"] == []
+    layers = {**stages[0]["grads"], **stages[1]["grads"]}
+    for name, grad in ref["grads"].items():
+        if name != "embedding.word_embeddings.weight":  # tied: its two stage copies sum in finalize_model_grads
+            torch.testing.assert_close(layers[name], grad, rtol=1e-5, atol=1e-7)
+    assert sum(name.startswith("decoder.layers.") for name in layers) == sum(
+        name.startswith("decoder.layers.") for name in ref["grads"])
 
 
 @pytest.mark.slow

@@ -111,7 +111,7 @@ class MegatronBackend:
         path = Path(model_path)
         shape = shape_of(json.loads((path / "config.json").read_text()))
         world = dist.get_world_size()
-        validate_sizes(shape, sizes, world, device=settings.device)
+        validate_sizes(shape, sizes, world)
         refuse_unsupported(settings, sizes, shape)
         dp = sizes.data_parallel(world)
         if settings.global_batch_size % dp:

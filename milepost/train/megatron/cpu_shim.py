@@ -4,13 +4,18 @@ megatron-core assumes CUDA in a few places that our CPU path reaches: `torch.cud
 as an allocation device (rotary inv_freq, parallel layers), the CUDA RNG tracker used around
 attention, and `te_general_gemm` referenced in the MoE router without Transformer Engine. The
 patches below are installed only on a CPU-only build, once per process, and change no number:
-our models have no dropout, so the RNG fork is a no-op. Pipeline parallelism still needs CUDA
-(its schedules allocate on device="cuda"): `validate_sizes` refuses PP > 1 on CPU.
+our models have no dropout, so the RNG fork is a no-op. Pipeline parallel: the schedules allocate a
+token counter on device="cuda", p2p communication calls `torch.cuda.synchronize()` and a tied
+embedding is copied with `.cuda()` on the last stage: with those mapped to the CPU (below),
+`get_forward_backward_func()` with PP = 2 runs on gloo (the backend does not use it yet).
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -33,6 +38,32 @@ class _NoDropoutRngTracker:
         pass
 
 
+class _CpuTorch(types.ModuleType):
+    """`torch` as megatron's schedules.py sees it: its device="cuda" allocations land on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+@contextlib.contextmanager
+def tensors_stay_on_cpu() -> Iterator[None]:
+    """`Tensor.cuda()` returns the tensor itself while building a model on a CPU-only build (the
+    tied embedding's copy on the last pipeline stage); restored after."""
+    if torch.cuda.is_available():
+        yield
+        return
+    cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+
 def install_cpu_shim() -> bool:
     """Install the CPU patches when CUDA is absent; returns whether they are (now) installed.
 
@@ -48,11 +79,14 @@ def install_cpu_shim() -> bool:
     if _INSTALLED:
         return True
     import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core.pipeline_parallel import schedules
 
     # Megatron passes this as `device=` for new tensors; "cpu" is what a CPU build can allocate on.
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     mrandom._CUDA_RNG_STATE_TRACKER = _NoDropoutRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    schedules.torch = _CpuTorch("torch")  # total_num_tokens = torch.zeros(..., device="cuda")
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # p2p after batched send/recv; nothing to wait for
     _INSTALLED = True
     return True
 

@@ -27,7 +27,7 @@ class ParallelSizes:
         return world_size // (self.tp * self.pp * self.cp)
 
 
-def validate_sizes(shape: ModelShape, sizes: ParallelSizes, world_size: int, *, device: str = "cpu") -> None:
+def validate_sizes(shape: ModelShape, sizes: ParallelSizes, world_size: int) -> None:
     """Raise ValueError naming the first size that does not divide the model or the world."""
     tp, pp, cp, ep = sizes.tp, sizes.pp, sizes.cp, sizes.ep
     flags = (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
@@ -62,6 +62,3 @@ def validate_sizes(shape: ModelShape, sizes: ParallelSizes, world_size: int, *, 
         raise ValueError(f"--context-parallel-size {cp} needs the package transformer-engine (Megatron's context "
                          "parallel attention), which is not installed: pip install transformer-engine[pytorch] "
                          "(CUDA only), or set --context-parallel-size 1")
-    if pp > 1 and device != "cuda":
-        raise ValueError(f"--pipeline-model-parallel-size {pp} needs CUDA: megatron-core's pipeline schedules "
-                         "allocate on the GPU; on CPU use tensor / expert parallel only")

@@ -143,6 +143,42 @@ def wrong_split(rank: int, world_size: int, path: str) -> str:
     return "trained"
 
 
+def pipeline_grads(rank: int, world_size: int, path: str, pp: int, micro_batches: int = 2,
+                   seq_len: int = 16) -> dict:
+    """megatron-core's own schedule (`get_forward_backward_func`) over fixed micro-batches: the
+    losses (last stage) and this stage's gradients, layers numbered globally (PP = 1: the reference).
+
+    Not the backend's path (pipeline-parallel training is not wired into it): the evidence that
+    the schedules run on CPU with the shim (docs/megatron.md)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    init_parallel(1, pp, 1)
+    model, shape = load_hf_model(path, pp=pp)
+    g = torch.Generator().manual_seed(0)
+    data = iter([torch.randint(3, shape.vocab_size, (1, seq_len), generator=g) for _ in range(micro_batches)])
+    mask = block_causal_mask([seq_len], torch.device("cpu"))
+
+    def forward_step(batches, model):
+        out = model(next(batches), torch.arange(seq_len)[None], attention_mask=mask)
+
+        def loss_func(logits):
+            loss = logits.float().logsumexp(-1).mean()
+            return loss, {"loss": loss.detach()}
+        return out, loss_func
+
+    losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=[model],
+                                         num_microbatches=micro_batches, seq_length=seq_len, micro_batch_size=1)
+    first = ps.get_pipeline_model_parallel_rank() * (shape.num_layers // pp)
+    grads = {}
+    for name, p in model.named_parameters():
+        if name.startswith("decoder.layers."):
+            index, rest = name[len("decoder.layers."):].split(".", 1)
+            name = f"decoder.layers.{first + int(index)}.{rest}"
+        grads[name] = p.grad.clone()
+    return {"losses": [float(x["loss"]) for x in losses], "grads": grads}
+
+
 def run_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, object]:
     """Each named case in turn on this rank, Megatron's parallel state reset between cases.
 
@@ -150,7 +186,8 @@ def run_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, o
     arguments after (rank, world_size)."""
     from megatron.core import parallel_state as ps
 
-    fns = {"train_once": train_once, "wrong_split": wrong_split, "logits_gaps": logits_gaps}
+    fns = {"train_once": train_once, "wrong_split": wrong_split, "logits_gaps": logits_gaps,
+           "pipeline_grads": pipeline_grads}
     out: dict[str, object] = {}
     for name, case in cases.items():
         out[name] = fns[case["fn"]](rank, world_size, *case["args"])

@@ -10,8 +10,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from milepost.train.megatron.parallel import ParallelSizes, validate_sizes
 from milepost.train.megatron.provider import require_megatron
 from milepost.train.megatron.shape import shape_of
@@ -54,11 +52,8 @@ def check_train_backend(cfg: Any) -> None:
     if checkpoint is None or not (Path(checkpoint) / "config.json").is_file():
         return  # the checkpoint's own validator names the problem
     shape = shape_of(json.loads((Path(checkpoint) / "config.json").read_text()))
-    device = getattr(cfg, "device", "auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = sizes_of(cfg)
-    validate_sizes(shape, sizes, cfg.actor_num_gpus_per_node, device=device)
+    validate_sizes(shape, sizes, cfg.actor_num_gpus_per_node)
     if sizes.pp > 1:
         raise ValueError(f"--pipeline-model-parallel-size {sizes.pp}: pipeline-parallel training is not wired into "
                          "the Megatron backend yet (conversion supports it: milepost convert)")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from milepost.train.megatron.convert import hf_to_megatron, shard
-from milepost.train.megatron.cpu_shim import install_cpu_shim
+from milepost.train.megatron.cpu_shim import install_cpu_shim, tensors_stay_on_cpu
 from milepost.train.megatron.shape import ModelShape, shape_of
 
 INSTALL_HINT = "pip install 'milepost[megatron]' (megatron-core 0.16)"
@@ -132,18 +132,19 @@ def build_model(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp:
             spec = _swap_norms(copy.deepcopy(spec))
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=shape.vocab_size,
-        max_sequence_length=shape.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        parallel_output=parallel_output,
-        share_embeddings_and_output_weights=shape.tied_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
-    )
+    with tensors_stay_on_cpu():  # a tied embedding on the last pipeline stage calls .cuda()
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=shape.vocab_size,
+            max_sequence_length=shape.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            parallel_output=parallel_output,
+            share_embeddings_and_output_weights=shape.tied_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
+        )
 
 
 class SequenceParallelRMSNorm:
