@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import os
-import resource
 import secrets
 import shutil
 import socket
@@ -25,7 +24,6 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,18 +112,19 @@ def _claim_uid() -> tuple[int, socket.socket]:
     raise RuntimeError(f"all {_UID_COUNT} sandbox uids from {_UID_BASE} are in use on this machine")
 
 
-def _limiter(limits: SandboxLimits, uid: int) -> Callable[[], None]:
-    """The child's preexec: resource limits, then (as root) the unprivileged host `uid`."""
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds))
-        if os.geteuid() == 0:  # root's process limit is not enforced, and root is root
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-    return apply
+def _limited(argv: list[str], limits: SandboxLimits) -> list[str]:
+    """`argv` under util-linux's `prlimit`: address space, processes, file size, CPU seconds.
+    Not a `preexec_fn`: Python code in the forked child of a threaded process (the episode runs
+    on a worker thread, beside torch's threads) can deadlock before exec; CI saw a child hang
+    for good destroying a gloo process group's state inherited from the parent."""
+    return ["prlimit", f"--as={limits.memory_bytes}", f"--nproc={limits.max_processes}",
+            f"--fsize={limits.max_file_bytes}", f"--cpu={limits.cpu_seconds}", "--", *argv]
+
+
+def _as_uid(uid: int) -> dict[str, object]:
+    """Popen arguments that start the child as `uid` when milepost runs as root (root's process
+    limit is not enforced, and root is root); set in C between fork and exec, no Python there."""
+    return {"user": uid, "group": uid, "extra_groups": []} if os.geteuid() == 0 else {}
 
 
 def _seccomp_fd() -> int | None:
@@ -144,10 +143,9 @@ def _launch(script_args: list[str], limits: SandboxLimits, uid: int, stdin_data:
     fd = _seccomp_fd()
     argv = _bwrap_base(limits) + (["--seccomp", str(fd)] if fd is not None else [])
     try:
-        proc = subprocess.Popen([*argv, *script_args], stdin=subprocess.PIPE,
+        proc = subprocess.Popen(_limited([*argv, *script_args], limits), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
-                                pass_fds=(fd,) if fd is not None else (),
-                                preexec_fn=_limiter(limits, uid))  # noqa: PLW1509 (no locks)
+                                pass_fds=(fd,) if fd is not None else (), **_as_uid(uid))
     finally:
         if fd is not None:
             os.close(fd)
@@ -184,6 +182,8 @@ def isolation_problem() -> str | None:
     """None when bubblewrap can build the sandbox here (as it will for commands), else why not."""
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed (apt-get install -y bubblewrap)"
+    if shutil.which("prlimit") is None:
+        return "prlimit (util-linux) is not installed: it sets each command's resource limits"
     for attempt in range(3):  # a busy machine can fail one start; a machine without isolation fails all
         uid, claim = _claim_uid()
         try:
