@@ -87,7 +87,7 @@ class LocalLauncher:
         if cfg.true_on_policy:  # re-score finished sequences with the trainer's computation
             common += ["--true-on-policy"]
         if cfg.api_key:  # the same flag on SGLang's server and ours (milepost/auth.py)
-            common += ["--api-key", cfg.api_key]
+            common += [f"--api-key={cfg.api_key}"]  # "=": a key may start with "-"
         if cfg.engine_backend == "sglang":  # the real SGLang server takes the same flags
             return [sys.executable, "-m", "sglang.launch_server", *common, "--weight-version", "0"]
         return [sys.executable, "-m", "milepost", "serve", *common, "--weight-version", "0",
@@ -117,7 +117,7 @@ class LocalLauncher:
                "--assignment-mode", "min_load", "--log-level", "warn",
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         if self.cfg.api_key:  # the router sends it to the engines
-            cmd += ["--api-key", self.cfg.api_key]
+            cmd += [f"--api-key={self.cfg.api_key}"]  # "=": a key may start with "-"
         proc = ManagedProcess("router", cmd, self.logs / "router.log",
                               f"http://127.0.0.1:{port}/health", timeout_s=120, tied_to_parent=True)
         self.components.append(proc)

@@ -185,7 +185,7 @@ class RayLauncher(LocalLauncher):
                "--assignment-mode", "min_load", "--log-level", "warn",
                "--prometheus-host", h.node_ip, "--prometheus-port", str(metrics_port)]
         if self.cfg.api_key:
-            cmd += ["--api-key", self.cfg.api_key]
+            cmd += [f"--api-key={self.cfg.api_key}"]  # "=": a key may start with "-"
         self._start(h, cmd, {}, port)
         self._wait_ready([h], timeout_s=120)
         return h.url
@@ -325,7 +325,7 @@ def with_run_api_key(cfg: Any) -> Any:
     0600, so a resumed run uses the same one)."""
     if cfg.api_key:
         return cfg
-    return cfg.model_copy(update={"api_key": secrets.token_urlsafe(32)})
+    return cfg.model_copy(update={"api_key": secrets.token_hex(32)})
 
 
 def _import_ray() -> Any:
