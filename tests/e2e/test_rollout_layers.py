@@ -190,8 +190,8 @@ def test_milepost_train_trains_every_selected_leaf_of_a_branching_session(agent_
 def test_agent_fn_under_fully_async(agent_dir, tmp_path, forking):
     """The agent layer and the session server under --fully-async: the rollout worker runs each
     trajectory through the agent fn while the trainer trains, and every step trains groups of
-    session sequences scored by the agent's grade. Linear: weights update mid-session (in place)
-    and tool results stay untrained. Branching with every leaf selected: a trajectory yields
+    session sequences scored by the agent's grade. Linear: in-place updates, tool results stay
+    untrained. Branching with every leaf selected: a trajectory yields
     several sequences and the step is filled to whole optimizer steps."""
     rows = [{"prompt": [{"role": "user", "content": f"Weather in {c}?"}], "label": w}
             for c, w in [("Oslo", "snow"), ("Rome", "hot"), ("Lima", "mild"), ("Bern", "snow")]]
@@ -226,5 +226,8 @@ def test_agent_fn_under_fully_async(agent_dir, tmp_path, forking):
         # Session sequences: tool results and template glue in the response are not trained on
         # (a plain completion trains every response token).
         assert m["train/loss_tokens"] < m["rollout/num_samples"] * m["rollout/response_len_mean"]
-    # Weight updates reached sessions mid-trajectory (in place) at least once.
-    assert max(m["rollout/fully_async/mixed_version_frac"] for m in lines) > 0
+    # Whether an update lands mid-session here is timing (a whole episode often fits between
+    # two updates: a CI run saw none in 3 steps); in-place updates reaching trajectories
+    # mid-generation are checked where generation is made the slow side
+    # (test_fully_async.py::test_in_place_updates_reach_trajectories_mid_generation).
+    assert all(0 <= m["rollout/fully_async/mixed_version_frac"] <= 1 for m in lines)
