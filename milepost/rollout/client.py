@@ -1,6 +1,7 @@
 """HTTP client of an engine speaking SGLang's protocol (a real SGLang server or `milepost serve`).
 
-`EngineClient` is async (httpx's API, aiohttp's connections); `SyncEngineClient` offers the same calls to synchronous code.
+`EngineClient` is async (httpx's API, aiohttp's connections); `SyncEngineClient` offers the
+same calls to synchronous code.
 What the engine answers (outputs, errors by what a caller can do about them) is read by
 `engine_output.py`.
 """

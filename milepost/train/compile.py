@@ -29,17 +29,14 @@ def _scoped(compiled: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+@functools.cache  # once per process
 def _keep_attention_eager() -> None:
-    """Exclude `VarlenCausalAttention.attend` from tracing, once per process. Done here rather
-    than as a decorator: `torch.compiler.disable` imports dynamo (~1.5 s), which every engine and
-    trainer process would pay at import without ever compiling."""
+    """Exclude `VarlenCausalAttention.attend` from tracing. Done here rather than as a decorator:
+    `torch.compiler.disable` imports dynamo (~1.5 s), which every engine and trainer process
+    would pay at import without ever compiling."""
     from milepost.models.attention import VarlenCausalAttention
 
-    attend = VarlenCausalAttention.attend
-    if not getattr(attend, "_milepost_eager", False):
-        eager = torch.compiler.disable(attend)
-        eager._milepost_eager = True  # type: ignore[attr-defined]
-        VarlenCausalAttention.attend = eager  # type: ignore[method-assign]
+    VarlenCausalAttention.attend = torch.compiler.disable(VarlenCausalAttention.attend)  # type: ignore[method-assign]
 
 
 def compile_decoder_layers(layers: nn.ModuleList, backend: str = "inductor") -> None:
