@@ -43,10 +43,11 @@ def profile_step(backend: FSDPBackend, batch: TrainBatch) -> str:
 
 def bench(rank: int, world: int, path: str, samples: int, prompt: int, response: int, mb_tokens: int,
           checkpointing: str = "none", profile: bool = False, compile_layers: bool = False,
-          fused_kernels: bool = True) -> dict:
+          fused_kernels: bool = True, lora_rank: int = 0) -> dict:
+    lora = {"lora_rank": lora_rank, "lora_alpha": 2.0 * lora_rank} if lora_rank else {}
     s = TrainerSettings(lr=1e-6, global_batch_size=samples, max_tokens_per_micro_batch=mb_tokens, device="cuda",
                         dtype="bfloat16", activation_checkpointing=checkpointing, compile_layers=compile_layers,
-                        fused_kernels=fused_kernels)
+                        fused_kernels=fused_kernels, **lora)
     backend = FSDPBackend.create(path, s)
     g = torch.Generator().manual_seed(0)
     items = [
@@ -87,6 +88,8 @@ def main() -> None:
     ap.add_argument("--compile-layers", action="store_true", help="TrainerSettings.compile_layers")
     ap.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                     help="TrainerSettings.fused_kernels (--no-fused-kernels: the torch ops)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank on all seven "
+                    "projections (alpha 2 x rank) instead of the whole model")
     ap.add_argument("--profile", action="store_true", help="profile one more train step")
     ap.add_argument("--profile-out", default="train_step_profile.txt")
     a = ap.parse_args()
@@ -94,10 +97,10 @@ def main() -> None:
         path = make_tiny_checkpoint(Path(d) / "m", "qwen3", vocab_size=151936, with_tokenizer=False, **QWEN3_06B)
         [r] = run_ranks(bench, 1, str(path), a.samples, a.prompt, a.response, a.micro_batch_tokens,
                          a.activation_checkpointing, a.profile, a.compile_layers, a.fused_kernels,
-                         backend="nccl", timeout_s=540)
+                         a.lora_rank, backend="nccl", timeout_s=540)
     print(
         f"Qwen3-0.6B shape bf16, {a.samples} x ({a.prompt}+{a.response}) tokens, micro-batch {a.micro_batch_tokens}"
-        f"{'' if a.fused_kernels else ', fused kernels off'}: "
+        f"{'' if a.fused_kernels else ', fused kernels off'}{f', LoRA rank {a.lora_rank}' if a.lora_rank else ''}: "
         f"train {r['train_tok_s']:.0f} tok/s ({r['train_s']:.2f} s/step), score {r['score_tok_s']:.0f} tok/s, "
         f"peak {r['peak_gib']:.1f} GiB"
     )

@@ -114,6 +114,7 @@ def test_stacked_adapters_in_cuda_graphs_equal_merged_engines(tmp_path: Path, dt
             k = next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), len(a["ids"]))
             diffs.append((torch.tensor(a["lp"][:k]) - torch.tensor(b["lp"][:k])).abs())
         d = torch.cat(diffs)
+        print(f"lora={lora} dtype={dtype} quantization={quantization}: |dlogp| mean {d.mean():.4f} max {d.max():.4f}")
         assert d.mean() < tol[0] and d.max() < tol[1], (lora, dtype, d.mean().item(), d.max().item())
     math0, base0 = got[0]["prompt_lp"], got[1]["prompt_lp"]
     assert max(abs(a - b) for a, b in zip(math0, base0)) > 1e-2  # the adapter changes the model
