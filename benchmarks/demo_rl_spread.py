@@ -2,6 +2,10 @@
 
     python -m milepost.demo.prepare runs/tiny-demo
     python benchmarks/demo_rl_spread.py runs/tiny-demo --runs 10 [--fully-async] --log spread.jsonl
+    python benchmarks/demo_rl_spread.py runs/tiny-demo --recipe recipes/opd_demo.toml --num-rollout 5 \
+        --log opd.jsonl -- --opd-teacher-checkpoint runs/opd-teacher
+
+Arguments after `--` go to every `milepost train` command as they are (a learning test's own flags).
 
 Each run is exactly the e2e tests' command (tests/e2e/test_demo_rl.py, test_demo_fully_async.py):
 `milepost train recipes/tiny_demo.toml` for `--num-rollout` rollouts, one after another (never in
@@ -28,13 +32,14 @@ from milepost.launch.process import openmp_defaults
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train_cmd(work: Path, run_dir: Path, num_rollout: int, fully_async: bool) -> list[str]:
+def train_cmd(work: Path, run_dir: Path, num_rollout: int, fully_async: bool,
+              recipe: Path = ROOT / "recipes" / "tiny_demo.toml", extra: tuple[str, ...] = ()) -> list[str]:
     """The e2e tests' `milepost train` command on a `prepare` output `work`."""
-    cmd = [sys.executable, "-m", "milepost", "train", str(ROOT / "recipes" / "tiny_demo.toml"),
+    cmd = [sys.executable, "-m", "milepost", "train", str(recipe),
            "--hf-checkpoint", str(work / "base_model"), "--prompt-data", str(work / "rl_prompts.jsonl"),
            "--eval-prompt-data", str(work / "eval_prompts.jsonl"), "--run-dir", str(run_dir),
            "--num-rollout", str(num_rollout), "--save-hf-at-end", "false"]
-    return cmd + (["--eval-interval", "10", "--fully-async"] if fully_async else [])
+    return cmd + (["--eval-interval", "10", "--fully-async"] if fully_async else []) + list(extra)
 
 
 def summarize(run_dir: Path) -> dict:
@@ -53,12 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-rollout", type=int, default=20)
     ap.add_argument("--fully-async", action="store_true")
     ap.add_argument("--log", type=Path, default=None, help="append one JSON line per run")
+    ap.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "tiny_demo.toml")
+    ap.add_argument("extra", nargs="*", help="after --: more `milepost train` arguments for every run")
     args = ap.parse_args(argv)
     rows = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            done = subprocess.run(train_cmd(args.work, Path(tmp) / "rl", args.num_rollout, args.fully_async),
+            done = subprocess.run(train_cmd(args.work, Path(tmp) / "rl", args.num_rollout, args.fully_async,
+                                            args.recipe, tuple(args.extra)),
                                   capture_output=True, text=True, check=False,
                                   env={**os.environ, **openmp_defaults()})  # as the tests run it
             row = {"run": i, "fully_async": args.fully_async, "seconds": round(time.perf_counter() - t0, 1),
