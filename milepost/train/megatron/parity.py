@@ -179,17 +179,31 @@ def pipeline_grads(rank: int, world_size: int, path: str, pp: int, micro_batches
     return {"losses": [float(x["loss"]) for x in losses], "grads": grads}
 
 
-def run_cases(rank: int, world_size: int, cases: dict[str, dict]) -> dict[str, object]:
+def run_cases(rank: int, world_size: int, cases: dict[str, dict], keep_going: bool = False) -> dict[str, object]:
     """Each named case in turn on this rank, Megatron's parallel state reset between cases.
 
     A case is {"fn": "train_once" | "wrong_split" | "logits_gaps", "args": [...]} with the
-    arguments after (rank, world_size)."""
+    arguments after (rank, world_size). keep_going (one rank only: a failed collective would
+    leave the others waiting): a failing case's result is {"error": traceback} and the next runs;
+    out["seconds"] holds each case's wall time."""
+    import time
+    import traceback
+
     from megatron.core import parallel_state as ps
 
     fns = {"train_once": train_once, "wrong_split": wrong_split, "logits_gaps": logits_gaps,
            "pipeline_grads": pipeline_grads}
     out: dict[str, object] = {}
+    seconds: dict[str, float] = {}
     for name, case in cases.items():
-        out[name] = fns[case["fn"]](rank, world_size, *case["args"])
+        start = time.perf_counter()
+        try:
+            out[name] = fns[case["fn"]](rank, world_size, *case["args"])
+        except Exception:
+            if not keep_going:
+                raise
+            out[name] = {"error": traceback.format_exc()}
+        seconds[name] = round(time.perf_counter() - start, 2)
         ps.destroy_model_parallel()
+    out["seconds"] = seconds
     return out
