@@ -70,15 +70,19 @@ def gemms(shape: str) -> list[dict]:
 
 def engine_decode(shape: str, requests: int, prompt: int, output: int,
                   device: str = "cuda") -> dict:
+    """Decode tok/s of bf16, fp8_block weights, and fp8_block weights + an FP8 KV pool, one
+    engine at a time in this process (each closed and its pool freed before the next starts);
+    the pool is sized by --mem-fraction-static, so kv_pool_tokens shows what fits."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    native, config_dir = bench_models.native_model(None, shape, dtype, torch.device(device), 0)
-    vocab = native.vocab_size
     out = {"shape": shape, "requests": requests, "prompt": prompt, "output": output}
-    for mode in ("bf16", "fp8_block"):  # bf16 first: fp8 converts the model in place
+    modes = (("bf16", None, "auto"), ("fp8_block", "fp8_block", "auto"),
+             ("fp8_block+fp8_kv", "fp8_block", "fp8_e4m3"))
+    for mode, quant, kv in modes:  # a fresh model (same seed) each: fp8 converts it in place
+        native, config_dir = bench_models.native_model(None, shape, dtype, torch.device(device), 0)
+        vocab = native.vocab_size
         sargs = ServerArgs(model_path=config_dir, device=device, dtype=str(dtype)[6:],
-                           max_running_requests=requests, random_seed=0,
-                           quantization=None if mode == "bf16" else mode,
-                           mem_fraction_static=0.85).resolved()
+                           max_running_requests=requests, random_seed=0, quantization=quant,
+                           kv_cache_dtype=kv, mem_fraction_static=0.85).resolved()
         engine, _, _ = build_engine(sargs, model=native)
         engine.start()
         try:
@@ -86,18 +90,24 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
             bench.run(workloads.fixed(requests, prompt, output, vocab, 99))  # warm-up
             r = bench.run(workloads.fixed(requests, prompt, output, vocab, 0))
             weights = sum(p.numel() * p.element_size() for p in native.parameters())
+            weights += sum(b.numel() * b.element_size() for b in native.buffers())
             out[mode] = {"tok_s": r.output_tokens / r.seconds,
                          "decode_tok_s": (r.output_tokens - requests) / r.decode_seconds,
                          "weight_bytes": weights,
                          "kv_pool_tokens": engine.cfg.num_blocks * engine.cfg.block_size}
         finally:
             engine.close()
-        del engine
+        # The engine and everything that refers to it go before the next one sizes its pool.
+        del engine, bench, native
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
         print(json.dumps(out), flush=True)
-    out["fp8_over_bf16_decode"] = out["fp8_block"]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
+    base = out["bf16"]["decode_tok_s"]
+    for mode in ("fp8_block", "fp8_block+fp8_kv"):
+        out[f"{mode}_over_bf16_decode"] = out[mode]["decode_tok_s"] / base
+    out["fp8_kv_over_bf16_kv_tokens"] = (out["fp8_block+fp8_kv"]["kv_pool_tokens"]
+                                         / out["fp8_block"]["kv_pool_tokens"])
     return out
 
 
@@ -156,6 +166,8 @@ def main() -> None:
     parts = a.parts.split(",")
     if "gemm" in parts:
         result["gemm"] = [r for s in shapes for r in gemms(s)]
+        gc.collect()
+        torch.cuda.empty_cache()
     if "engine" in parts:
         result["engine"] = []
         for s in shapes:

@@ -37,7 +37,7 @@ def _round_e4m3(y):
 
 
 @triton.jit
-def _quant_act_kernel(X, Q, S, stride_x, stride_q, n_groups, BLOCK: tl.constexpr):
+def _quant_act_kernel(X, Q, S, stride_x, stride_q, stride_sm, stride_sk, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = g * BLOCK + tl.arange(0, BLOCK)
@@ -49,23 +49,30 @@ def _quant_act_kernel(X, Q, S, stride_x, stride_q, n_groups, BLOCK: tl.constexpr
     scale = tl.where(bad, float("nan"), scale)
     y = tl.math.div_rn(x, scale)
     tl.store(Q + row * stride_q + cols, _round_e4m3(y).to(tl.float8e4nv))
-    tl.store(S + row * n_groups + g, scale)
+    tl.store(S + row * stride_sm + g * stride_sk, scale)
 
 
-def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [M, K] (K % 128 == 0) -> (float8_e4m3fn [M, K], float32 scales [M, K/128])."""
+def quantize_act_1x128(x: torch.Tensor, pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] (K % 128 == 0) -> (float8_e4m3fn [Mp, K], float32 scales [Mp, K/128]) with Mp =
+    M rounded up to `pad_rows` (padding rows: zeros, scale 1). The scales are stored M-major
+    (stride (1, Mp)): the layout cuBLAS's 1x128 block scaling reads."""
     m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((m, k // TILE), dtype=torch.float32, device=x.device)
+    mp = -(-m // pad_rows) * pad_rows
+    q = torch.empty((mp, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((k // TILE, mp), dtype=torch.float32, device=x.device).t()
+    if mp > m:
+        q[m:].view(torch.uint8).zero_()
+        s[m:] = 1.0
     if m:
-        _quant_act_kernel[(m, k // TILE)](x, q, s, x.stride(0), q.stride(0), k // TILE, BLOCK=TILE)
+        _quant_act_kernel[(m, k // TILE)](x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                          BLOCK=TILE)
     return q, s
 
 
 @triton.jit
-def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, n_kb,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 B_ROWS: tl.constexpr):
+def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, stride_sam, stride_sak,
+                 stride_sbn, stride_sbk, n_kb, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, B_ROWS: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,12 +81,12 @@ def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, n_kb,
     for kb in range(n_kb):
         a = tl.load(A + rm[:, None] * stride_a + (kb * BLOCK_K + rk)[None, :], mask=rm[:, None] < M, other=0.0)
         b = tl.load(B + rn[:, None] * stride_b + (kb * BLOCK_K + rk)[None, :], mask=rn[:, None] < N, other=0.0)
-        sa = tl.load(SA + rm * n_kb + kb, mask=rm < M, other=0.0)
+        sa = tl.load(SA + rm * stride_sam + kb * stride_sak, mask=rm < M, other=0.0)
         if B_ROWS:  # B quantized 1x128 per row too (the weight-gradient GEMM)
-            sb = tl.load(SB + rn * n_kb + kb, mask=rn < N, other=0.0)
+            sb = tl.load(SB + rn * stride_sbn + kb * stride_sbk, mask=rn < N, other=0.0)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        else:  # B in 128x128 tiles: one scale per (N tile, K block)
-            sb = tl.load(SB + (pid_n * BLOCK_N // 128) * n_kb + kb)
+        else:  # B in 128x128 tiles: BLOCK_N divides 128, so one scale per (N tile, K block)
+            sb = tl.load(SB + (pid_n * BLOCK_N // 128) * stride_sbn + kb * stride_sbk)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb)
     tl.store(C + rm[:, None] * stride_c + rn[None, :], acc.to(C.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -88,33 +95,62 @@ def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, n_kb,
 def triton_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
                     out_dtype: torch.dtype, b_rows: bool = False) -> torch.Tensor:
     """xq [M, K] fp8, sx [M, K/128]; w [N, K] fp8, sw [N/128, K/128] (b_rows: [N, K/128], w
-    quantized 1x128 per row) -> [M, N] out_dtype."""
+    quantized 1x128 per row) -> [M, N] out_dtype. Scales may have any strides."""
     m, k = xq.shape
     n = w.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-    bm = 16 if m <= 16 else (64 if m <= 64 else 128)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, TILE))
+    # Small M (decode) reads the weight once: narrow N blocks spread it over more SMs.
+    bm, bn = (16, 32) if m <= 16 else ((64, 64) if m <= 64 else (128, 128))
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _gemm_kernel[grid](xq, sx, w, sw, out, m, n, k, xq.stride(0), w.stride(0), out.stride(0),
-                       k // TILE, BLOCK_M=bm, BLOCK_N=TILE, BLOCK_K=TILE, B_ROWS=b_rows)
+                       sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), k // TILE,
+                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=TILE, B_ROWS=b_rows)
     return out
 
 
-# Scale layouts cuBLAS may want for 1x128 (a) x 128x128 (b) scaling; the probe keeps the first
-# that gives the right product (torch versions differ in what they accept).
-_LAYOUTS = (
-    lambda sx, sw: (sx.t().contiguous().t(), sw.t()),
-    lambda sx, sw: (sx, sw.t()),
-    lambda sx, sw: (sx.t().contiguous().t(), sw.t().contiguous()),
-    lambda sx, sw: (sx, sw.t().contiguous()),
-)
-_LAYOUT: dict[int, int] = {}
+def _sw_layout(sw: torch.Tensor, padded: int) -> torch.Tensor:
+    """128x128 weight scales [N/128, K/128] as cuBLAS reads them: transposed to [K/128, N/128]
+    (K-major); `padded`: the K/128 stride rounded up to a multiple of 4 (16 bytes)."""
+    nb, kb = sw.shape
+    if not padded or kb % 4 == 0:
+        return sw.contiguous().t()
+    out = sw.new_ones((nb, -(-kb // 4) * 4))
+    out[:, :kb] = sw
+    return out[:, :kb].t()
+
+
+def _mm_v1(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    return torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
+
+
+def _mm_v2(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    F = torch.nn.functional
+    st = F.ScalingType
+    return F.scaled_mm(xq, w.t(), sx, st.BlockWise1x128, sw, st.BlockWise128x128,
+                       output_dtype=out_dtype)
+
+
+_APIS = {"v1": _mm_v1, "v2": _mm_v2}
+_CHOICE: dict[int, tuple[str, int]] = {}  # device -> (api, weight-scale layout)
 
 
 def scaled_mm_block(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
-                    out_dtype: torch.dtype, layout: int | None = None) -> torch.Tensor:
-    """torch._scaled_mm with blockwise scales (xq [M, K], w [N, K] fp8)."""
-    sa, sb = _LAYOUTS[_LAYOUT.get(xq.device.index or 0, 0) if layout is None else layout](sx, sw)
-    return torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+                    out_dtype: torch.dtype, choice: tuple[str, int] | None = None) -> torch.Tensor:
+    """torch's cuBLAS FP8 GEMM with 1x128 x 128x128 block scaling (xq [M, K], w [N, K] fp8).
+    M is padded to a multiple of 128 with M-major scales, the shapes cuBLAS's block-scaled
+    kernels are documented and tested with in torch."""
+    api, lay = choice or _CHOICE[xq.device.index or 0]
+    m = xq.shape[0]
+    if m % TILE or sx.stride(0) != 1:
+        mp = -(-m // TILE) * TILE
+        xq2 = torch.zeros((mp, xq.shape[1]), dtype=torch.uint8, device=xq.device)
+        xq2[:m] = xq.view(torch.uint8)
+        s2 = torch.ones((sx.shape[1], mp), dtype=torch.float32, device=xq.device)
+        s2[:, :m] = sx.t()
+        xq, sx = xq2.view(torch.float8_e4m3fn), s2.t()
+    return _APIS[api](xq, sx, w, _sw_layout(sw, lay), out_dtype)[:m]
 
 
 def emulated_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
@@ -124,40 +160,67 @@ def emulated_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: t
     return (x @ wd.t()).to(out_dtype)
 
 
-def _probe(device: torch.device) -> str:
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(64, 512, device=device, generator=gen, dtype=torch.bfloat16)
-    w = torch.randn(384, 512, device=device, generator=gen) * 0.05
+def _probe_cases(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Operands whose scales differ by orders of magnitude per row, K block and weight tile (a
+    scale read from the wrong place shows), at the M a decode and a prefill give."""
     from milepost.lowprec.quantize import quantize
 
-    qw = quantize(w, "fp8_block")
-    xq, sx = quantize_act_1x128(x)
-    ref = emulated_block_mm(xq, sx, qw.values, qw.scales, torch.float32)
-    tries = [("scaled_mm", i) for i in range(len(_LAYOUTS))] + [("triton", None)]
-    for name, layout in tries:
+    gen = torch.Generator(device=device).manual_seed(0)
+    cases = []
+    for m, n, k in ((1, 384, 512), (3, 256, 640), (64, 384, 512), (200, 384, 512), (300, 256, 1024)):
+        x = torch.randn(m, k, device=device, generator=gen)
+        x = x * torch.logspace(-2, 2, m, device=device)[:, None]
+        x = x * torch.logspace(-1, 1, k // TILE, device=device).repeat_interleave(TILE)[None, :]
+        w = torch.randn(n, k, device=device, generator=gen) * 0.05
+        w = w * torch.logspace(-1, 1, -(-n // TILE), device=device).repeat_interleave(TILE)[:n, None]
+        qw = quantize(w, "fp8_block")
+        xq, sx = quantize_act_1x128(x.to(torch.bfloat16))
+        cases.append((xq, sx, qw.values, qw.scales))
+    return cases
+
+
+def _agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """bf16 output vs the fp32 emulated product: per-row tolerance (rows differ in scale)."""
+    tol = 1e-2 * ref.abs() + 1e-2 * ref.abs().amax(1, keepdim=True) + 1e-30
+    return bool(torch.isfinite(out).all() and ((out - ref).abs() <= tol).all())
+
+
+def _probe(device: torch.device) -> str:
+    cases = _probe_cases(device)
+    refs = [emulated_block_mm(*c, torch.float32) for c in cases]
+    tries: list[tuple[str, tuple[str, int] | None]] = [("scaled_mm", ("v1", 0)), ("scaled_mm", ("v1", 1))]
+    if hasattr(torch.nn.functional, "scaled_mm"):
+        tries += [("scaled_mm", ("v2", 0)), ("scaled_mm", ("v2", 1))]
+    tries.append(("triton", None))
+    for name, choice in tries:
         try:
-            if name == "scaled_mm":
-                out = scaled_mm_block(xq, sx, qw.values, qw.scales, torch.bfloat16, layout).float()
-            else:
-                out = triton_block_mm(xq, sx, qw.values, qw.scales, torch.bfloat16).float()
-            if torch.allclose(out, ref, rtol=2e-2, atol=2e-2):
-                if layout is not None:
-                    _LAYOUT[device.index or 0] = layout
-                return name
-            log.warning("fp8 blockwise %s (layout %s): wrong result (max diff %.3g); not used",
-                        name, layout, (out - ref).abs().max().item())
-        except Exception as e:  # noqa: BLE001 - an unsupported layout or an old torch
-            log.warning("fp8 blockwise %s (layout %s) unavailable: %s", name, layout,
+            for c, ref in zip(cases, refs):
+                if name == "triton":
+                    out = triton_block_mm(*c, torch.bfloat16)
+                else:
+                    out = scaled_mm_block(*c, torch.bfloat16, choice)
+                torch.cuda.synchronize(device)
+                if not _agrees(out.float(), ref):
+                    raise ValueError(f"wrong product at M={c[0].shape[0]}, N={c[2].shape[0]}, "
+                                     f"K={c[0].shape[1]} (max diff {(out.float() - ref).abs().max().item():.3g})")
+            if choice is not None:
+                _CHOICE[device.index or 0] = choice
+            return name
+        except Exception as e:  # noqa: BLE001 - unsupported by this torch/cuBLAS, or wrong
+            log.warning("fp8 blockwise GEMM %s %s not used: %s", name, choice or "",
                         str(e).splitlines()[0][:200])
     return "emulated"
 
 
 def block_backend(device: torch.device) -> str:
-    """'scaled_mm' | 'triton' | 'emulated' for this CUDA device (probed once)."""
+    """'scaled_mm' | 'triton' | 'emulated' for this CUDA device (probed once, on operands that
+    show a wrong scale layout; anything but cuBLAS is announced with a warning)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _BACKEND:
         _BACKEND[idx] = _probe(torch.device("cuda", idx))
-        log.info("fp8 blockwise GEMM on cuda:%d: %s", idx, _BACKEND[idx])
+        level = logging.INFO if _BACKEND[idx] == "scaled_mm" else logging.WARNING
+        log.log(level, "fp8 blockwise GEMM on cuda:%d: %s%s", idx, _BACKEND[idx],
+                "" if _BACKEND[idx] != "emulated" else " (dequantized bf16 GEMMs: slow)")
     return _BACKEND[idx]
 
 
@@ -165,10 +228,13 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
                      backend: str | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) times fp8 weight w [N, K] with 128x128 scales sw."""
     shape = x.shape
-    xq, sx = quantize_act_1x128(x.reshape(-1, shape[-1]).contiguous())
+    backend = backend or block_backend(x.device)
+    pad = TILE if backend == "scaled_mm" else 1
+    xq, sx = quantize_act_1x128(x.reshape(-1, shape[-1]).contiguous(), pad)
     fn = {"scaled_mm": scaled_mm_block, "triton": triton_block_mm,
-          "emulated": emulated_block_mm}[backend or block_backend(x.device)]
-    return fn(xq, sx, w, sw, x.dtype).reshape(*shape[:-1], w.shape[0])
+          "emulated": emulated_block_mm}[backend]
+    m = x.numel() // shape[-1]
+    return fn(xq, sx, w, sw, x.dtype)[:m].reshape(*shape[:-1], w.shape[0])
 
 
 class Fp8BlockLinearFn(torch.autograd.Function):

@@ -32,7 +32,7 @@ def round_minifloat(x: torch.Tensor, mantissa_bits: int, min_exponent: int, max_
     e = (exp - 1).clamp(min=min_exponent)
     step = torch.ldexp(torch.ones_like(a), e - mantissa_bits)
     q = torch.round(a / step) * step  # power-of-two step: exact; torch.round ties to even
-    q = torch.minimum(q, torch.tensor(max_value))
+    q = q.clamp(max=max_value)
     return torch.where(torch.isnan(x), x, torch.copysign(q, x))
 
 
@@ -55,7 +55,7 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
     """4-bit codes (uint8, 0..15) of E2M1-representable float32 `values` (NaN -> +0)."""
-    table = torch.tensor(E2M1_VALUES)
+    table = torch.tensor(E2M1_VALUES, device=values.device)
     mag = torch.nan_to_num(values.abs(), nan=0.0)
     index = torch.searchsorted(table, mag.contiguous())
     sign = (torch.signbit(values) & (mag > 0)).to(torch.uint8) << 3
@@ -64,7 +64,7 @@ def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of 4-bit E2M1 `codes`."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=codes.device)
     return table[codes.long() & 15]
 
 

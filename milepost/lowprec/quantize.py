@@ -66,6 +66,13 @@ def check_shape(fmt: str, shape: tuple[int, ...], name: str = "tensor") -> None:
                          f"precision override or pad it to a multiple of {block}")
 
 
+def _div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c, correctly rounded on every device. CUDA turns a Python-number (or CPU-scalar)
+    divisor into a multiply by its reciprocal, which differs from the CPU's division in the
+    last bit for some values: divide by a tensor on x's device instead."""
+    return x / torch.full_like(x, c)
+
+
 def _tiles(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     """[R, C] -> [R/tr, C/tc, tr*tc] of zero-padded tiles."""
     tr, tc = tile
@@ -98,13 +105,13 @@ def quantize(x: torch.Tensor, fmt: str, role: Role = "weight", *, four_over_six:
     t = _tiles(x.detach().float().reshape(-1, shape[-1]), tile)  # [Rb, Cb, block]
     amax, bad = _block_amax(t)
     if fmt == "fp8_block":
-        scale = torch.where(amax > 0, amax / el.E4M3_MAX, 1.0)
+        scale = torch.where(amax > 0, _div(amax, el.E4M3_MAX), 1.0)
         scale = torch.where(bad, torch.nan, scale)
         values = el.to_e4m3(t / scale[..., None])
         return QTensor(fmt, _untile(values.view(torch.uint8), tile, *x.reshape(-1, shape[-1]).shape)
                        .contiguous().view(el.E4M3).reshape(shape), scale, tile, shape)
     if fmt == "int4":  # round(x / (amax / 7)) to even, in -8..7; a partial last group is fine
-        scale = torch.where(bad, torch.nan, torch.where(amax > 0, amax / 7.0, 1.0))
+        scale = torch.where(bad, torch.nan, torch.where(amax > 0, _div(amax, 7.0), 1.0))
         v = torch.round(t / scale[..., None]).clamp(-8, 7).nan_to_num(0.0).to(torch.int8)
         rows = x.reshape(-1, shape[-1]).shape
         return QTensor(fmt, _untile(v, tile, *rows).contiguous().reshape(shape), scale, tile, shape)
@@ -129,10 +136,10 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
 def _quantize_nvfp4(t: torch.Tensor, amax: torch.Tensor, bad: torch.Tensor, role: Role,
                     four_over_six: bool, shape: tuple[int, ...], outer: torch.Tensor) -> QTensor:
     scale_max = _NVFP4_SCALE_MAX[four_over_six]
-    g = torch.where(outer > 0, outer / (el.E2M1_MAX * scale_max), 1.0)  # the FP32 outer scale
+    g = torch.where(outer > 0, _div(outer, el.E2M1_MAX * scale_max), 1.0)  # the FP32 outer scale
 
     def attempt(top: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s = el.to_e4m3(amax / top / g)  # the block's E4M3 scale
+        s = el.to_e4m3(_div(amax, top) / g)  # the block's E4M3 scale
         denom = s.float() * g  # one float32 product, the same in dequantize
         q = el.round_e2m1(torch.where(denom[..., None] > 0, t / denom[..., None], 0.0))
         return s, q, q * denom[..., None]

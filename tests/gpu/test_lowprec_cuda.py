@@ -53,6 +53,8 @@ def test_triton_activation_quantizer_matches_the_reference_bits() -> None:
 
 
 def test_fp8_block_gemm_matches_the_emulated_product() -> None:
+    """The GEMM the probe picked, and the Triton fallback, against the emulated product at the
+    M of a decode and of prefills (an M that is no multiple of 128 included)."""
     from milepost.kernels.fp8_gemm import (
         block_backend,
         emulated_block_mm,
@@ -63,13 +65,15 @@ def test_fp8_block_gemm_matches_the_emulated_product() -> None:
     dev = torch.device("cuda")
     backend = block_backend(dev)
     assert backend in ("scaled_mm", "triton"), "no native FP8 blockwise GEMM on this device"
-    for m in (1, 16, 300):
-        x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
-        w = quantize(torch.randn(768, 1024, device=dev) * 0.02, "fp8_block")
-        y = fp8_block_linear(x, w.values, w.scales)
-        xq, sx = quantize_act_1x128(x)
-        ref = emulated_block_mm(xq, sx, w.values, w.scales, torch.float32)
-        assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    for use in sorted({backend, "triton"}):
+        for m in (1, 16, 200, 300):
+            x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
+            w = quantize(torch.randn(768, 1024, device=dev) * 0.02, "fp8_block")
+            y = fp8_block_linear(x, w.values, w.scales, use)
+            xq, sx = quantize_act_1x128(x)
+            ref = emulated_block_mm(xq, sx, w.values, w.scales, torch.float32)
+            assert y.shape == (m, 768) and torch.isfinite(y).all(), (use, m)
+            assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item()), (use, m)
 
 
 def test_engine_model_stores_fp8_and_keeps_the_contract(tmp_path) -> None:
