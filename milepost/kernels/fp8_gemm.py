@@ -3,9 +3,11 @@
 `quantize_act_1x128` is one Triton kernel that gives bit-for-bit what milepost.lowprec.quantize
 gives (scale = amax / 448 with IEEE division, round-to-nearest-even saturating E4M3, a block with
 NaN/Inf gets a NaN scale): the engine's and the trainer's activations stay in the contract.
-The GEMM is `torch._scaled_mm` with blockwise scales where this torch has it (probed once per
-device against the emulated product), else a Triton kernel (DeepSeek-V3's recipe: per 128-wide
-K step, an FP8 tensor-core product scaled by both blocks' scales, accumulated in fp32).
+The GEMM is `torch._scaled_mm` (cuBLAS block scaling: M-major 1x128 scales, rows padded to
+128) where a probe on operands whose scales differ by orders of magnitude gives the emulated
+product, else a Triton kernel (DeepSeek-V3's recipe: per 128-wide K step, an FP8 tensor-core
+product scaled by both blocks' scales, accumulated in fp32), else emulated with a warning; at
+decode batch sizes (M <= DECODE_M) the faster of the correct ones.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import triton.language as tl
 
 log = logging.getLogger(__name__)
 TILE = 128
-_BACKEND: dict[int, str] = {}
+_BACKEND: dict[int, str] = {}  # device -> GEMM for any M
+_SMALL: dict[int, str] = {}  # device -> GEMM for M <= DECODE_M
+_OK: dict[int, list[str]] = {}  # device -> every GEMM the probe found right
+DECODE_M = 64
 
 
 @triton.jit
@@ -185,14 +190,19 @@ def _agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(torch.isfinite(out).all() and ((out - ref).abs() <= tol).all())
 
 
-def _probe(device: torch.device) -> str:
+def _probe(device: torch.device) -> list[str]:
+    """The GEMMs that give the emulated product on every probe case (cuBLAS first), warning
+    for each one that does not."""
     cases = _probe_cases(device)
     refs = [emulated_block_mm(*c, torch.float32) for c in cases]
     tries: list[tuple[str, tuple[str, int] | None]] = [("scaled_mm", ("v1", 0)), ("scaled_mm", ("v1", 1))]
     if hasattr(torch.nn.functional, "scaled_mm"):
         tries += [("scaled_mm", ("v2", 0)), ("scaled_mm", ("v2", 1))]
     tries.append(("triton", None))
+    ok: list[str] = []
     for name, choice in tries:
+        if name in ok:
+            continue
         try:
             for c, ref in zip(cases, refs):
                 if name == "triton":
@@ -205,35 +215,61 @@ def _probe(device: torch.device) -> str:
                                      f"K={c[0].shape[1]} (max diff {(out.float() - ref).abs().max().item():.3g})")
             if choice is not None:
                 _CHOICE[device.index or 0] = choice
-            return name
+            ok.append(name)
         except Exception as e:  # noqa: BLE001 - unsupported by this torch/cuBLAS, or wrong
             log.warning("fp8 blockwise GEMM %s %s not used: %s", name, choice or "",
                         str(e).splitlines()[0][:200])
-    return "emulated"
+    return ok
 
 
-def block_backend(device: torch.device) -> str:
-    """'scaled_mm' | 'triton' | 'emulated' for this CUDA device (probed once, on operands that
-    show a wrong scale layout; anything but cuBLAS is announced with a warning)."""
+def _faster_at_decode(device: torch.device, names: list[str]) -> str:
+    """The faster of the correct GEMMs at a decode batch (the weight's bytes dominate there,
+    and cuBLAS's block-scaled kernels are tuned for large M)."""
+    w = torch.randn(4096, 4096, device=device).to(torch.float8_e4m3fn)
+    sw = torch.full((32, 32), 1e-3, device=device)
+    x = torch.randn(DECODE_M // 2, 4096, device=device, dtype=torch.bfloat16)
+    ms = {}
+    for name in names:
+        for _ in range(3):
+            fp8_block_linear(x, w, sw, name)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fp8_block_linear(x, w, sw, name)
+        end.record()
+        torch.cuda.synchronize(device)
+        ms[name] = start.elapsed_time(end) / 20
+    log.info("fp8 blockwise GEMM at M=%d: %s", DECODE_M // 2,
+             ", ".join(f"{n} {t * 1e3:.1f} us" for n, t in ms.items()))
+    return min(ms, key=ms.__getitem__)
+
+
+def block_backend(device: torch.device, m: int | None = None) -> str:
+    """'scaled_mm' | 'triton' | 'emulated' for this CUDA device, and for `m` rows when given
+    (at most DECODE_M: the faster correct one). Probed once, on operands that show a wrong
+    scale layout; a fallback from cuBLAS is announced with a warning."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _BACKEND:
-        _BACKEND[idx] = _probe(torch.device("cuda", idx))
-        level = logging.INFO if _BACKEND[idx] == "scaled_mm" else logging.WARNING
-        log.log(level, "fp8 blockwise GEMM on cuda:%d: %s%s", idx, _BACKEND[idx],
-                "" if _BACKEND[idx] != "emulated" else " (dequantized bf16 GEMMs: slow)")
-    return _BACKEND[idx]
+        dev = torch.device("cuda", idx)
+        ok = _probe(dev) or ["emulated"]
+        small = _faster_at_decode(dev, ok) if len(ok) > 1 else ok[0]
+        _BACKEND[idx], _SMALL[idx], _OK[idx] = ok[0], small, ok
+        level = logging.INFO if ok[0] == "scaled_mm" else logging.WARNING
+        log.log(level, "fp8 blockwise GEMM on cuda:%d: %s (M <= %d: %s)%s", idx, ok[0], DECODE_M,
+                small, "" if ok[0] != "emulated" else "; dequantized bf16 GEMMs: slow")
+    return _SMALL[idx] if m is not None and m <= DECODE_M else _BACKEND[idx]
 
 
 def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
                      backend: str | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) times fp8 weight w [N, K] with 128x128 scales sw."""
     shape = x.shape
-    backend = backend or block_backend(x.device)
+    m = x.numel() // shape[-1]
+    backend = backend or block_backend(x.device, m)
     pad = TILE if backend == "scaled_mm" else 1
     xq, sx = quantize_act_1x128(x.reshape(-1, shape[-1]).contiguous(), pad)
     fn = {"scaled_mm": scaled_mm_block, "triton": triton_block_mm,
           "emulated": emulated_block_mm}[backend]
-    m = x.numel() // shape[-1]
     return fn(xq, sx, w, sw, x.dtype)[:m].reshape(*shape[:-1], w.shape[0])
 
 
@@ -258,5 +294,10 @@ class Fp8BlockLinearFn(torch.autograd.Function):
         pad = (-gy2.shape[0]) % TILE
         gq, sg = quantize_act_1x128(torch.nn.functional.pad(gy2.t(), (0, pad)).contiguous())
         xq, sx = quantize_act_1x128(torch.nn.functional.pad(x2.t(), (0, pad)).contiguous())
-        gw = triton_block_mm(gq, sg, xq, sx, gy.dtype, b_rows=True)
+        block_backend(x.device)
+        if "triton" in _OK[x.device.index if x.device.index is not None else torch.cuda.current_device()]:
+            gw = triton_block_mm(gq, sg, xq, sx, gy.dtype, b_rows=True)
+        else:  # the same quantized values, multiplied dequantized
+            gw = ((gq.float() * sg.repeat_interleave(TILE, 1))
+                  @ (xq.float() * sx.repeat_interleave(TILE, 1)).t()).to(gy.dtype)
         return gx.reshape(x.shape), gw, None, None
