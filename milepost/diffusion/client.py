@@ -26,6 +26,7 @@ class GroupResult:
     log_probs: np.ndarray  # [n, S]
     timesteps: np.ndarray  # [S+1]
     weight_version: str
+    images: np.ndarray | None = None  # [n,3,H,W] decoded images of a latent model; None: latents[:, -1]
     rewards: np.ndarray = field(default_factory=lambda: np.zeros(0))
     valid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
@@ -48,6 +49,14 @@ def check_shapes(arrays: dict[str, np.ndarray], n: int, num_steps: int, image: t
                                         f"expected {shape}; engine and run disagree on the model or --num-denoising-steps")
         if not np.isfinite(got).all():
             raise TrajectoryFormatError(f"trajectory {name} holds NaN or inf")
+    images = arrays.get("images")
+    if images is not None and (images.ndim != 4 or images.shape[0] != n or not np.isfinite(images).all()):
+        raise TrajectoryFormatError(f"trajectory images: shape {tuple(images.shape)}, expected [{n}, 3, H, W] finite")
+
+
+def final_images(res: GroupResult) -> np.ndarray:
+    """The images a group's rewards see, in [-1, 1]: decoded ones (latent models) or the last latents."""
+    return np.clip(res.images if res.images is not None else res.latents[:, -1], -1, 1)
 
 
 async def collect(url: str, groups: list[tuple[int, int]], *, seeds: list[int], params: dict, fmt: str,
@@ -72,9 +81,9 @@ async def collect(url: str, groups: list[tuple[int, int]], *, seeds: list[int], 
             times.decode_s += time.perf_counter() - t
             check_shapes(arrays, n, params["num_steps"], image)
             res = GroupResult(np.asarray(meta["labels"]), arrays["latents"], arrays["log_probs"],
-                              arrays["timesteps"], str(meta["weight_version"]))
+                              arrays["timesteps"], str(meta["weight_version"]), arrays.get("images"))
             t = time.perf_counter()
-            res.rewards, res.valid = await asyncio.to_thread(score, np.clip(res.latents[:, -1], -1, 1), res.labels)
+            res.rewards, res.valid = await asyncio.to_thread(score, final_images(res), res.labels)
             times.reward_s += time.perf_counter() - t
             results[i] = res
 

@@ -112,6 +112,11 @@ class DiffusionConfig(DiffusionCheckpointTable, DiffusionOptimizerTable, Diffusi
                 raise ValueError(f"--diffusion-train-timesteps {steps}: give distinct step indices in "
                                  f"0..{max(self.num_denoising_steps - 2, 0)} (the last of --num-denoising-steps "
                                  f"{self.num_denoising_steps} is deterministic)")
+        from milepost.diffusion.hf import is_diffusers_dir
+
+        if self.diffusion_objective == "sft" and is_diffusers_dir(self.diffusion_checkpoint):
+            raise ValueError(f"--diffusion-objective sft with the diffusers pipeline {self.diffusion_checkpoint}: SFT data "
+                             "are images and this model trains on VAE latents (not supported yet); use flow_grpo or nft")
         if self.diffusion_objective == "sft" and self.sft_data is None:
             raise ValueError("--diffusion-objective sft needs --sft-data (prepare writes DIR/sft_images.npz)")
         if self.diffusion_objective != "sft" and self.n_samples_per_prompt < 2:

@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import torch
 
-from milepost.diffusion.client import GroupResult, collect
+from milepost.diffusion.client import GroupResult, collect, final_images
 from milepost.diffusion.config import DiffusionConfig
 from milepost.diffusion.grid import save_grid
 from milepost.diffusion.objectives import group_advantages
@@ -40,7 +40,7 @@ def start_engine(cfg: DiffusionConfig) -> tuple[ManagedProcess, str]:
         cmd.append("--deterministic")
     url = f"http://127.0.0.1:{port}"
     proc = ManagedProcess("diffusion-engine", cmd, cfg.run_dir / "engine.log", f"{url}/health",
-                          timeout_s=300.0, tied_to_parent=True)
+                          timeout_s=300.0, tied_to_parent=True, wait=False)  # run() waits once its trainer is built
     return proc, url
 
 
@@ -65,7 +65,13 @@ def run(cfg: DiffusionConfig) -> int:
         from milepost.diffusion.classifier import load_classifier
 
         classifier = load_classifier(cfg.classifier_path)
-    trainer = DiffusionTrainer(cfg)
+    engine, url = start_engine(cfg)  # it loads its model while this process loads the trainer's
+    try:
+        trainer = DiffusionTrainer(cfg)
+        engine.wait_ready()
+    except BaseException:
+        engine.close()
+        raise
     image = (trainer.base_config().channels, trainer.base_config().image_size, trainer.base_config().image_size)
     n_classes = trainer.base_config().num_classes
     params = {"num_steps": cfg.num_denoising_steps, "guidance_scale": cfg.guidance_scale,
@@ -75,7 +81,6 @@ def run(cfg: DiffusionConfig) -> int:
         return checked_rewards(reward_fn, images, labels, cfg.reward_fn)
 
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) if cfg.transfer_format == "bytes" else None
-    engine, url = start_engine(cfg)
 
     def probe() -> float:  # the classifier's accuracy on the fixed probe batch with the engine's weights now
         return probe_accuracy(url, classifier, size=cfg.quality_probe, n_classes=n_classes, params=params,
@@ -97,7 +102,7 @@ def run(cfg: DiffusionConfig) -> int:
                 t = time.perf_counter()
                 push_weights(trainer, url, cfg, version=str(step + 1))
                 update_s = time.perf_counter() - t
-                images = batch.latents[:, -1].clamp(-1, 1)
+                images = torch.from_numpy(np.concatenate([final_images(r) for r in results])).float()
                 row = {**train, **_rollout_metrics(batch, results, classifier, images),
                        "perf/rollout_s": times.wall_s, "perf/decode_s": times.decode_s, "perf/reward_s": times.reward_s,
                        "perf/train_s": train_s, "perf/weight_update_s": update_s, "perf/body_bytes": float(times.body_bytes),

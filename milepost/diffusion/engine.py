@@ -43,6 +43,8 @@ class DiffusionEngine:
         with self.lock:
             traj = sample(self.model, torch.tensor(labels, dtype=torch.long), num_steps=num_steps, guidance=guidance,
                           noise_level=noise_level, seed=seed, shift=shift)
+            if hasattr(self.model, "decode"):  # a latent model (diffusers pipeline): the VAE's images for rewards
+                traj.images = self.model.decode(traj.latents[:, -1])
             return traj, self.weight_version
 
     def load_named(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> int:

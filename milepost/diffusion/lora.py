@@ -35,11 +35,15 @@ class LoraLinear(nn.Module):
 
 
 def attach_lora(model: nn.Module, rank: int, alpha: float) -> list[str]:
-    """Freeze `model` and put adapters on every block linear named in TARGETS; their module names."""
+    """Freeze `model` and put adapters on every block linear named in TARGETS (or the model's own
+    `lora_targets()`); their module names."""
     for p in model.parameters():
         p.requires_grad_(False)
-    names = [n for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and n.startswith("blocks.") and n.split(".", 2)[2] in TARGETS]
+    if hasattr(model, "lora_targets"):  # a diffusers transformer names its own (milepost/diffusion/hf.py)
+        names = model.lora_targets()  # type: ignore[operator]
+    else:
+        names = [n for n, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and n.startswith("blocks.") and n.split(".", 2)[2] in TARGETS]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)

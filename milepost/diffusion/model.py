@@ -167,10 +167,15 @@ def save_model(model: TinyDiT, path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> TinyDiT:
-    """A TinyDiT directory; ValueError naming the directory when it is not one."""
+    """A TinyDiT directory, or a diffusers flow-matching pipeline directory (milepost/diffusion/hf.py);
+    ValueError naming the directory when it is neither."""
     from safetensors.torch import load_file
 
     path = Path(path)
+    from milepost.diffusion.hf import is_diffusers_dir, load_pipeline_model
+
+    if is_diffusers_dir(path):  # a diffusers pipeline (model_index.json): its transformer behind this interface
+        return load_pipeline_model(path, device)  # type: ignore[return-value]
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         raise ValueError(f"{path} is not a tiny DiT directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
                          "build one with `python -m milepost.diffusion.prepare DIR`")

@@ -13,7 +13,7 @@ import asyncio
 import numpy as np
 import torch
 
-from milepost.diffusion.client import collect
+from milepost.diffusion.client import collect, final_images
 
 PROBE_SEED = 20_261_203  # apart from the rollout seeds (numpy draws in driver.py)
 
@@ -35,7 +35,7 @@ def probe_accuracy(url: str, classifier: torch.nn.Module, *, size: int, n_classe
 
     results, _ = asyncio.run(collect(url, groups, seeds=seeds, params=params, fmt=fmt, image=image,
                                      score=no_reward, pool=None))
-    images = torch.from_numpy(np.concatenate([np.clip(r.latents[:, -1], -1, 1) for r in results])).float()
+    images = torch.from_numpy(np.concatenate([final_images(r) for r in results])).float()
     labels = torch.from_numpy(np.concatenate([r.labels for r in results])).long()
     with torch.no_grad():
         pred = classifier(images).argmax(-1)

@@ -67,6 +67,7 @@ class Trajectory:
     latents: torch.Tensor
     log_probs: torch.Tensor
     timesteps: torch.Tensor
+    images: torch.Tensor | None = None  # [B,3,H,W] decoded by a latent model's VAE; None: latents[:, -1] are the images
 
 
 @torch.no_grad()

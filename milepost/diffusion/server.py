@@ -89,6 +89,8 @@ def create_app(engine: DiffusionEngine) -> FastAPI:
         meta = {"weight_version": version, "labels": body.labels, "seed": body.seed}
         arrays = {"latents": traj.latents.numpy(), "log_probs": traj.log_probs.numpy(),
                   "timesteps": traj.timesteps.numpy().astype(np.float32)}
+        if traj.images is not None:
+            arrays["images"] = traj.images.numpy()
         if body.return_format == "json":
             return Response(await asyncio.to_thread(to_json, meta, arrays), media_type="application/json")
         return Response(pack(meta, arrays), media_type=CONTENT_TYPE)

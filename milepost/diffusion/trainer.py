@@ -9,6 +9,7 @@ the rollout's clean images (DiffusionNFT) or data images (SFT), and returns metr
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,8 +68,10 @@ class DiffusionTrainer:
         if cfg.diffusion_objective != "sft" and len(keep) == 0:
             return {"train/skipped": 1.0}
         stats: dict[str, list[float]] = {}
+        times = {"perf/rescore_s": 0.0, "perf/optimizer_s": 0.0}  # forward + backward vs clip + Adam
         model.train()
         for _ in range(cfg.inner_epochs):
+            t0 = self._clock()
             self.opt.zero_grad(set_to_none=True)
             if cfg.diffusion_objective == "flow_grpo":
                 parts = self._flow_grpo(batch, keep)
@@ -76,15 +79,24 @@ class DiffusionTrainer:
                 parts = self._nft(batch, keep, gen)
             else:
                 parts = self._sft(len(batch.labels), gen)
+            t1 = self._clock()
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in model.parameters() if p.requires_grad], cfg.clip_grad)
             self.opt.step()
+            times["perf/optimizer_s"] += self._clock() - t1
+            times["perf/rescore_s"] += t1 - t0
             parts.append({"grad_norm": grad_norm.detach()})
             for part in parts:
                 for k, v in part.items():
                     stats.setdefault(f"train/{k}", []).append(float(v))
         model.eval()
-        return {k: float(np.mean(v)) for k, v in stats.items()}
+        return {**{k: float(np.mean(v)) for k, v in stats.items()}, **times}
+
+    def _clock(self) -> float:
+        """perf_counter after the device's queued work (CUDA runs asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _flow_grpo(self, batch: RolloutBatch, keep: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         cfg, dev = self.cfg, self.device

@@ -2,8 +2,8 @@
 process, trajectories over HTTP as raw bytes, weights back through the engine's update routes and
 checked against the trainer's.
 
-Default suite (cheap: a random tiny DiT, a few steps): the loop with LoRA merged on arrival over
-disk, and deterministic mode's bit-identical metrics. Opt-in (`-m optin`, minutes): the prepared
+Default suite (cheap: random tiny models, a few steps): the loop through a diffusers SD3 pipeline
+with LoRA merged on arrival over disk, FSDP2 BF16, and deterministic mode's bit-identical metrics. Opt-in (`-m optin`, minutes): the prepared
 base model (`python -m milepost.diffusion.prepare`, built once) with Flow-GRPO's reward rise and
 image quality held (and the quality check failing on a run made to collapse), DiffusionNFT and SFT.
 """
@@ -70,12 +70,23 @@ def tiny_dit(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_model(model, tmp_path_factory.mktemp("tiny-dit") / "dit")
 
 
-def test_lora_over_disk_loop(tiny_dit: Path, tmp_path: Path) -> None:
-    rows = _train(tiny_dit, tmp_path / "run", "--lora-rank", "4", "--weight-transport", "disk",
+def test_sd3_pipeline_lora_over_disk_loop(tmp_path: Path) -> None:
+    """The same loop through a Hugging Face diffusers SD3 pipeline (tiny, random, built here): the
+    engine samples its transformer's latents and decodes them with its VAE for the rewards, LoRA on
+    the attention projections travels over disk, is merged by the engine and checked by checksum."""
+    pytest.importorskip("diffusers")
+    from safetensors.torch import load_file
+
+    from milepost.diffusion.hf_tiny import build_tiny_sd3
+
+    pipe = build_tiny_sd3(tmp_path / "sd3")
+    rows = _train(pipe, tmp_path / "run", "--lora-rank", "4", "--weight-transport", "disk", "--time-shift", "3.0",
                   "--num-denoising-steps", "4", "--diffusion-train-timesteps", "0,2", steps=2)
     assert [r["rollout/weight_version"] for r in rows] == [0.0, 1.0]  # the second rollout used update 1
-    assert all(r["train/grad_norm"] > 0 for r in rows)
-    assert (tmp_path / "run" / "weights" / "model.safetensors").is_file()  # adapters only, merged by the engine
+    assert all(r["train/grad_norm"] > 0 and r["perf/rescore_s"] > 0 for r in rows)
+    assert rows[0]["train/logp_diff_abs"] == 0.0  # engine and trainer score the same step alike before any update
+    sent = load_file(str(tmp_path / "run" / "weights" / "model.safetensors"))  # adapters only, merged by the engine
+    assert sent and all(".transformer_blocks." in k and ".lora_" in k for k in sent)
     assert (tmp_path / "run" / "grids" / "before.png").is_file() and (tmp_path / "run" / "grids" / "after.png").is_file()
 
 
