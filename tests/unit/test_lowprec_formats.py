@@ -196,3 +196,17 @@ def test_shapes_that_do_not_divide_are_refused_naming_the_tensor() -> None:
     with pytest.raises(ValueError, match="mxfp8 blocks of 32"):
         quantize(torch.randn(4, 48), "mxfp8")
     assert dequantize(quantize(torch.randn(3, 200), "fp8_block")).shape == (3, 200)
+
+
+def test_scales_are_correctly_rounded_quotients() -> None:
+    """A block's scale is amax / 448 (FP8) or amax / 7 (INT4) correctly rounded, the division
+    every device gives bit for bit; a multiply by the divisor's reciprocal (what CUDA does with
+    a Python-number divisor) is off by one ulp for about half of all amax values."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(512, 256, generator=gen) * torch.logspace(-6, 6, 512).reshape(-1, 1)
+    for fmt, role, div in (("fp8_block", "activation", 448.0), ("int4", "weight", 7.0)):
+        q = quantize(x, fmt, role)
+        amax = x.abs().reshape(512, 2, 128).amax(-1)
+        exact = (amax.double() / div).float()  # float64 then float32: correctly rounded
+        assert torch.equal(q.scales.reshape(512, 2), exact), fmt
+        assert not torch.equal(exact, amax * (1.0 / torch.tensor(div)))  # the test can tell
