@@ -12,6 +12,7 @@ decode batch sizes (M <= DECODE_M) the faster of the correct ones.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -75,15 +76,15 @@ def quantize_act_1x128(x: torch.Tensor, pad_rows: int = 1) -> tuple[torch.Tensor
 
 
 @triton.jit
-def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, stride_sam, stride_sak,
-                 stride_sbn, stride_sbk, n_kb, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, B_ROWS: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, stride_cs, stride_sam,
+                 stride_sak, stride_sbn, stride_sbk, n_kb, kb_per, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_ROWS: tl.constexpr):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(n_kb):
+    for kb in range(pid_k * kb_per, tl.minimum(pid_k * kb_per + kb_per, n_kb)):
         a = tl.load(A + rm[:, None] * stride_a + (kb * BLOCK_K + rk)[None, :], mask=rm[:, None] < M, other=0.0)
         b = tl.load(B + rn[:, None] * stride_b + (kb * BLOCK_K + rk)[None, :], mask=rn[:, None] < N, other=0.0)
         sa = tl.load(SA + rm * stride_sam + kb * stride_sak, mask=rm < M, other=0.0)
@@ -93,8 +94,13 @@ def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, stride_
         else:  # B in 128x128 tiles: BLOCK_N divides 128, so one scale per (N tile, K block)
             sb = tl.load(SB + (pid_n * BLOCK_N // 128) * stride_sbn + kb * stride_sbk)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb)
-    tl.store(C + rm[:, None] * stride_c + rn[None, :], acc.to(C.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(C + pid_k * stride_cs + rm[:, None] * stride_c + rn[None, :],
+             acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def triton_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
@@ -102,15 +108,22 @@ def triton_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
     """xq [M, K] fp8, sx [M, K/128]; w [N, K] fp8, sw [N/128, K/128] (b_rows: [N, K/128], w
     quantized 1x128 per row) -> [M, N] out_dtype. Scales may have any strides."""
     m, k = xq.shape
-    n = w.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-    # Small M (decode) reads the weight once: narrow N blocks spread it over more SMs.
+    n, n_kb = w.shape[0], k // TILE
+    # Small M (decode) reads the weight once: narrow N blocks, and the K blocks split over
+    # programs until every SM streams a part of the weight; the parts' fp32 sums are added in
+    # a fixed order (deterministic, unlike atomics).
     bm, bn = (16, 32) if m <= 16 else ((64, 64) if m <= 64 else (128, 128))
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _gemm_kernel[grid](xq, sx, w, sw, out, m, n, k, xq.stride(0), w.stride(0), out.stride(0),
-                       sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), k // TILE,
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = min(n_kb, max(1, 2 * _sm_count(xq.device) // tiles)) if m <= 64 else 1
+    kb_per = triton.cdiv(n_kb, split)
+    split = triton.cdiv(n_kb, kb_per)
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=xq.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    _gemm_kernel[grid](xq, sx, w, sw, part, m, n, k, xq.stride(0), w.stride(0), n, m * n,
+                       sx.stride(0), sx.stride(1), sw.stride(0), sw.stride(1), n_kb, kb_per,
                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=TILE, B_ROWS=b_rows)
-    return out
+    return out if split == 1 else part.sum(0).to(out_dtype)
 
 
 def _sw_layout(sw: torch.Tensor, padded: int) -> torch.Tensor:
