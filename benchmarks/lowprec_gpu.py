@@ -49,7 +49,8 @@ def gemms(shape: str) -> list[dict]:
     qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
     rows = []
     dev = torch.device("cuda")
-    print(f"fp8 blockwise backend: {block_backend(dev)}", flush=True)
+    print(f"fp8 blockwise backend: {block_backend(dev)}; at decode M: {block_backend(dev, 1)}",
+          flush=True)
     for n, k, what in ((qkv, h, "qkv"), (2 * i, h, "gate_up"), (h, i, "down")):
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
         q = quantize(w, "fp8_block")
