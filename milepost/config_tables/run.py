@@ -76,7 +76,7 @@ class PlacementTable(Table):
         "megatron-core with tensor / expert parallel sizes (pip install 'milepost[megatron]').")
     tensor_model_parallel_size: int = Field(1, ge=1, description="--train-backend megatron: tensor-parallel size.")
     pipeline_model_parallel_size: int = Field(
-        1, ge=1, description="--train-backend megatron: pipeline-parallel size (conversion only so far).")
+        1, ge=1, description="--train-backend megatron: pipeline-parallel size (megatron's 1F1B schedule).")
     context_parallel_size: int = Field(
         1, ge=1, description="--train-backend megatron: context-parallel size (needs transformer-engine).")
     expert_model_parallel_size: int = Field(1, ge=1, description="--train-backend megatron: expert-parallel size.")

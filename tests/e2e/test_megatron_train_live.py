@@ -4,7 +4,8 @@ checkpoint, and gives transformers' logits.
 
 One two-rank run (module fixture) computes every case: the FSDP references (data parallel 2), then
 EP = 2 (Qwen3-MoE, data parallel 2), R3 under EP = 2, TP = 2 (Qwen3: tied embeddings, per-head q/k
-norms), TP peers given different samples, and the logits of TP = 2 / EP = 2 vs transformers. A
+norms), PP = 2 (Qwen3, Qwen3-MoE), TP peers given different samples, and the logits of TP = 2 /
+EP = 2 vs transformers. A
 rank's start-up (imports) costs more than all the tiny cases together, so they share one.
 """
 
@@ -33,8 +34,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     dense = str(make_tiny_checkpoint(root / "qwen3", "qwen3", with_tokenizer=False))
 
     def train(path: str, backend: str, tp: int = 1, ep: int = 1, ckpt: str | None = None,
-              overrides: dict | None = None) -> dict:
-        return {"fn": "train_once", "args": [path, backend, tp, ep, ckpt and str(root / ckpt), overrides]}
+              overrides: dict | None = None, pp: int = 1) -> dict:
+        return {"fn": "train_once", "args": [path, backend, tp, ep, ckpt and str(root / ckpt), overrides, pp]}
 
     cases = {
         "fsdp_moe": train(moe, "fsdp"), "fsdp_moe_r3": train(moe, "fsdp", overrides=R3),
@@ -42,6 +43,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         "ep": train(moe, "megatron", ep=2, ckpt="ckpt_ep"),
         "ep_r3": train(moe, "megatron", ep=2, ckpt="ckpt_ep_r3", overrides=R3),
         "tp": train(dense, "megatron", tp=2, ckpt="ckpt_tp"),
+        "pp": train(dense, "megatron", pp=2, ckpt="ckpt_pp"), "pp_moe": train(moe, "megatron", pp=2, ckpt="ckpt_pp_moe"),
         "wrong_split": {"fn": "wrong_split", "args": [dense]},
         "logits": {"fn": "logits_gaps", "args": [[(dense, 2, 1), (moe, 2, 1), (moe, 1, 2)]]},
         "pp1": {"fn": "pipeline_grads", "args": [dense, 1]}, "pp2": {"fn": "pipeline_grads", "args": [dense, 2]},
@@ -97,7 +99,7 @@ def test_tensor_parallel_trains_like_fsdp(two_ranks: list[dict]) -> None:
 @TWO_RANKS
 def test_tensor_parallel_peers_with_different_samples_are_refused(two_ranks: list[dict]) -> None:
     for rank in two_ranks:
-        assert "tensor-parallel group were given different samples" in rank["wrong_split"]
+        assert "tensor/pipeline-parallel group were given different samples" in rank["wrong_split"]
 
 
 @TWO_RANKS
@@ -112,7 +114,7 @@ def test_tensor_and_expert_parallel_logits(two_ranks: list[dict]) -> None:
 @TWO_RANKS
 def test_pipeline_schedule_runs_on_cpu_like_one_stage(two_ranks: list[dict]) -> None:
     """megatron-core's 1F1B schedule with PP = 2 on gloo (cpu_shim) gives the losses and every
-    layer's gradients of PP = 1. Not the backend (PP training is refused there): docs/megatron.md."""
+    layer's gradients of PP = 1 (megatron's schedule alone; the backend's PP runs are below)."""
     ref = two_ranks[0]["pp1"]
     stages = [r["pp2"] for r in two_ranks]
     assert stages[1]["losses"] == pytest.approx(ref["losses"], rel=1e-6) and stages[0]["losses"] == []
@@ -122,6 +124,20 @@ def test_pipeline_schedule_runs_on_cpu_like_one_stage(two_ranks: list[dict]) -> 
             torch.testing.assert_close(layers[name], grad, rtol=1e-5, atol=1e-7)
     assert sum(name.startswith("decoder.layers.") for name in layers) == sum(
         name.startswith("decoder.layers.") for name in ref["grads"])
+
+
+@TWO_RANKS
+def test_pipeline_parallel_trains_like_fsdp(two_ranks: list[dict]) -> None:
+    """PP = 2 through megatron's 1F1B schedule (packed micro-batches of varying length; Qwen3's tied
+    embedding split over the two stages, its gradient summed over them): the FSDP numbers."""
+    _compare(two_ranks, "fsdp_dense", "pp")
+
+
+@TWO_RANKS
+def test_pipeline_parallel_moe_trains_like_fsdp(two_ranks: list[dict]) -> None:
+    """PP = 2 on Qwen3-MoE (each schedule call's micro-batches padded to one length: megatron's
+    allgather dispatcher refuses variable lengths)."""
+    _compare(two_ranks, "fsdp_moe", "pp_moe")
 
 
 @pytest.mark.slow

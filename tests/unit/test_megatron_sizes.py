@@ -75,7 +75,7 @@ def test_convert_command_round_trip(tmp_path, capsys):
     ({"critic_lr": 1e-5}, ParallelSizes(), DENSE, r"critic_lr=1e-05 is not available"),
     ({"use_rollout_routing_replay": True}, ParallelSizes(), DENSE, r"--use-rollout-routing-replay: the model is a dense"),
     ({"activation_checkpointing": "layer"}, ParallelSizes(), DENSE, r"set activation_checkpointing='none'"),
-    ({}, ParallelSizes(pp=2), DENSE, r"pipeline-parallel training is not wired"),
+    ({"use_rollout_routing_replay": True}, ParallelSizes(pp=2), MOE, r"replaying routes on pipeline stages"),
     ({"use_rollout_routing_replay": True}, ParallelSizes(tp=2, ep=2), MOE, r"replaying routes under sequence par"),
 ])
 def test_backend_refuses_what_it_lacks(overrides, sizes, shape, message):
@@ -86,6 +86,7 @@ def test_backend_refuses_what_it_lacks(overrides, sizes, shape, message):
         refuse_unsupported(TrainerSettings(**overrides), sizes, shape)
     refuse_unsupported(TrainerSettings(), ParallelSizes(tp=2), DENSE)  # what it has passes
     refuse_unsupported(TrainerSettings(), ParallelSizes(tp=2, ep=2), MOE)
+    refuse_unsupported(TrainerSettings(), ParallelSizes(pp=2), MOE)
 
 
 def test_run_config_refuses_bad_backend_settings(tmp_path):
@@ -111,3 +112,5 @@ def test_run_config_refuses_bad_backend_settings(tmp_path):
     if importlib.util.find_spec("megatron") is not None:
         cfg = load("--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2")
         assert (cfg.train_backend, cfg.tensor_model_parallel_size) == ("megatron", 2)
+        cfg = load("--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2")
+        assert cfg.pipeline_model_parallel_size == 2  # pipeline parallel is accepted now

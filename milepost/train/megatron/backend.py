@@ -7,8 +7,8 @@ backend's (milepost/train/micro.py, losses.py, corrections.py): packed micro-bat
 mask), the loss pre-divided by the global loss-token count, gradients summed over the data-parallel
 group (experts: over their expert-data-parallel group), then clip and AdamW on each rank's shard.
 Deviation from the report: the optimizer is torch AdamW on local shards (the same update as
-Megatron's distributed Adam, without its sharding of optimizer state); pipeline parallel training is
-not wired yet (refused).
+Megatron's distributed Adam, without its sharding of optimizer state). Pipeline parallel (PP > 1)
+runs megatron's 1F1B schedule (pipeline.py); the loss and scores come from the last stage.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss
 from milepost.train.megatron import checkpoint as mckpt
 from milepost.train.megatron.convert import megatron_to_hf, unshard
 from milepost.train.megatron.parallel import ParallelSizes, validate_sizes
+from milepost.train.megatron.pipeline import broadcast_scores, run_pipeline
 from milepost.train.megatron.provider import (
     build_model,
     init_parallel,
@@ -66,9 +67,9 @@ def refuse_unsupported(settings: TrainerSettings, sizes: ParallelSizes, shape: M
     if settings.use_rollout_routing_replay and not shape.is_moe:
         raise ValueError(f"--use-rollout-routing-replay: the model is a dense {shape.model_type} (no expert routing "
                          "to replay); turn it off or train a mixture-of-experts model")
-    if sizes.pp > 1:
-        raise ValueError(f"--pipeline-model-parallel-size {sizes.pp}: pipeline-parallel training is not wired into "
-                         "the Megatron backend yet (conversion supports it: milepost convert)")
+    if sizes.pp > 1 and settings.use_rollout_routing_replay:
+        raise ValueError(f"--use-rollout-routing-replay with --pipeline-model-parallel-size {sizes.pp}: replaying "
+                         "routes on pipeline stages is not wired yet; set --pipeline-model-parallel-size 1 or turn R3 off")
     if shape.is_moe and sizes.tp > 1 and settings.use_rollout_routing_replay:
         raise ValueError(f"--use-rollout-routing-replay with --tensor-model-parallel-size {sizes.tp} on a "
                          "mixture-of-experts model: replaying routes under sequence parallel is not wired yet; "
@@ -99,6 +100,8 @@ class MegatronBackend:
         self._tp_group = ps.get_tensor_model_parallel_group()
         self._ep_group = ps.get_expert_model_parallel_group()
         self._edp_group = ps.get_expert_data_parallel_group()
+        self._pp_group = ps.get_pipeline_model_parallel_group()
+        self._mp_group = ps.get_model_parallel_group()  # TP x PP: ranks that must see the same samples
 
     @classmethod
     def create(cls, model_path: str | Path, settings: TrainerSettings,
@@ -163,6 +166,14 @@ class MegatronBackend:
     def _score(self, model: Any, batch: TrainBatch, plan: list[list[int]]) -> list[torch.Tensor]:
         model.eval()
         out: list[torch.Tensor | None] = [None] * len(batch)
+        if self.sizes.pp > 1:
+            def keep(i: int, logits: torch.Tensor) -> None:
+                logp, _ = scorer.finish(logits, packed[i])
+                for j, x in zip(plan[i], logp.split([batch.response_lengths[j] for j in plan[i]])):
+                    out[j] = x.float()
+            scorer, packed = self._scorer(model), [micro.packed(batch, mb, self.device) for mb in plan]
+            run_pipeline(scorer, packed, keep, forward_only=True)
+            return broadcast_scores(out, batch.response_lengths, self.device)
         for mb in plan:
             logp, _ = self._scorer(model).score(micro.packed(batch, mb, self.device), *self._forced(batch, mb))
             for i, x in zip(mb, logp.split([batch.response_lengths[i] for i in mb])):
@@ -206,13 +217,13 @@ class MegatronBackend:
             raise ValueError(f"train_step needs the same non-zero multiple of global_batch_size / data-parallel size "
                              f"= {per_rank} samples on every rank, got {sizes} per rank; split the rollout with "
                              "split_for_rank(samples, backend.data_rank, backend.data_world, ...)")
-        if self.sizes.tp > 1:  # TP peers must see the same samples, or their shards train on different data
+        if self.sizes.tp * self.sizes.pp > 1:  # TP peers and PP stages must see the same samples
             mine = (len(batch), [int(t.sum()) for t in batch.tokens])
-            peers: list = [None] * self.sizes.tp
-            dist.all_gather_object(peers, mine, group=self._tp_group)
+            peers: list = [None] * (self.sizes.tp * self.sizes.pp)
+            dist.all_gather_object(peers, mine, group=self._mp_group)
             if any(p != mine for p in peers):
-                raise ValueError("the ranks of one tensor-parallel group were given different samples; split the "
-                                 "rollout with split_for_rank(samples, backend.data_rank, backend.data_world, ...)")
+                raise ValueError("the ranks of one tensor/pipeline-parallel group were given different samples; split "
+                                 "the rollout with split_for_rank(samples, backend.data_rank, backend.data_world, ...)")
         return [list(range(i, i + per_rank)) for i in range(0, len(batch), per_rank)]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -242,8 +253,11 @@ class MegatronBackend:
         self.policy.train()
         for step, plan, denom in zip(steps, plans, denoms):
             loss_tokens += denom[0]
-            for local in plan:
-                acc += self._micro_step(batch, [step[j] for j in local], old, ref, weights, denom, r3)
+            if self.sizes.pp > 1:
+                acc += self._pipeline_step(batch, [[step[j] for j in local] for local in plan], old, ref, weights, denom)
+            else:
+                for local in plan:
+                    acc += self._micro_step(batch, [step[j] for j in local], old, ref, weights, denom, r3)
             self._sync_gradients()
             grad_norms.append(self._clip_gradients(self.settings.clip_grad))
             lr = self.optimizer.param_groups[0]["lr"]
@@ -253,6 +267,8 @@ class MegatronBackend:
             for o, r, m in zip(old, batch.rollout_logprobs, batch.loss_masks):
                 abs_diff += float((o - r).abs()[m > 0].sum())
         n_tokens = float(sum(t.numel() for t in batch.tokens))
+        if self.sizes.pp > 1:  # the loss sums exist on the last stage only
+            dist.all_reduce(acc, group=self._pp_group)
         reduced = self._reduce(acc.tolist() + list(correction_sums) + r3 + [abs_diff, n_tokens])
         per_token, n = max(loss_tokens, 1.0), len(METRIC_SUMS)
         metrics = {k: v / per_token for k, v in zip(METRIC_SUMS, reduced)}
@@ -283,6 +299,29 @@ class MegatronBackend:
         zero = torch.zeros((), device=self.device)
         return torch.stack([*(sums.get(k, zero).detach().to(self.device) for k in METRIC_SUMS), loss.detach()]).double()
 
+    def _pipeline_step(self, batch: TrainBatch, mbs: list[list[int]], old, ref, weights, denoms) -> torch.Tensor:
+        """Forward and backward of one optimizer step's micro-batches through the 1F1B schedule;
+        the metric and loss sums (non-zero on the last stage only)."""
+        scorer = self._scorer(self.policy)
+        packed = [micro.packed(batch, mb, self.device) for mb in mbs]
+        acc = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64, device=self.device)
+
+        def loss_of(i: int, logits: torch.Tensor) -> torch.Tensor:
+            nonlocal acc
+            logp, entropy = scorer.finish(logits, packed[i])
+            lb = micro.loss_batch(batch, mbs[i], logp, entropy, denoms, self.device, old=old, ref=ref, weights=weights)
+            loss, sums = self.loss_fn(lb, self.loss_settings)
+            unknown = set(sums) - set(METRIC_SUMS)
+            if unknown:
+                raise ValueError(f"the loss returned metric sums {sorted(unknown)}; allowed: {METRIC_SUMS}")
+            zero = torch.zeros((), device=self.device)
+            acc += torch.stack([*(sums.get(k, zero).detach().to(self.device) for k in METRIC_SUMS),
+                                loss.detach()]).double()
+            return loss
+
+        run_pipeline(scorer, packed, loss_of, forward_only=False)
+        return acc
+
     def _sync_gradients(self) -> None:
         """Sum gradients over the ranks that hold the same weights with different data.
 
@@ -297,6 +336,9 @@ class MegatronBackend:
         for name, p in self.policy.named_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # an expert no token reached: still in the collective
+            if self.sizes.pp > 1 and getattr(p, "shared_embedding", False):
+                # the tied embedding's copies on the first and last stage: one gradient, one update
+                dist.all_reduce(p.grad, group=self._embedding_group())
             if tp_sum and ("q_layernorm" in name or "k_layernorm" in name
                            or (sp and getattr(p, "sequence_parallel", False))):
                 dist.all_reduce(p.grad, group=self._tp_group)
@@ -313,12 +355,17 @@ class MegatronBackend:
         dense = torch.zeros((), dtype=torch.float64, device=self.device)
         expert = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.policy.parameters():
+            if getattr(p, "shared", False):
+                continue  # the last stage's copy of a tied embedding: counted on the first stage
             if not getattr(p, "allreduce", True):
                 expert += p.grad.double().pow(2).sum()
             elif param_is_not_tensor_parallel_duplicate(p):
                 dense += p.grad.double().pow(2).sum()
         dist.all_reduce(dense, group=self._tp_group)
         dist.all_reduce(expert, group=self._ep_group)
+        if self.sizes.pp > 1:
+            dist.all_reduce(dense, group=self._pp_group)
+            dist.all_reduce(expert, group=self._pp_group)
         norm = float((dense + expert).sqrt())
         if clip > 0 and math.isfinite(norm):
             coef = clip / (norm + 1e-6)
@@ -330,8 +377,8 @@ class MegatronBackend:
     # --- weights, checkpoints, export --------------------------------------------------------------
 
     def _full_megatron_state(self) -> dict[str, torch.Tensor]:
-        """Every weight, unsharded, under TP=PP=EP=1 Megatron names (a collective over TP and EP)."""
-        tp, ep = self.sizes.tp, self.sizes.ep
+        """Every weight, unsharded, under TP=PP=EP=1 Megatron names (a collective over TP, EP, PP)."""
+        tp, ep, pp = self.sizes.tp, self.sizes.ep, self.sizes.pp
         pieces: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {
             (t, 0, e): {} for t in range(tp) for e in range(ep)}
         with torch.no_grad():
@@ -347,10 +394,21 @@ class MegatronBackend:
                     for t in range(tp) if expert else [r]:
                         for e in [r] if expert else range(ep):
                             pieces[(t, 0, e)][name] = part
-        full = unshard(self.shape, pieces, tp=tp, ep=ep)
+        if pp > 1:  # each stage's pieces (local layer numbers) to every stage, through host memory
+            stages: list = [None] * pp
+            dist.all_gather_object(stages, {k: {n: t.cpu() for n, t in v.items()} for k, v in pieces.items()},
+                                   group=self._pp_group)
+            pieces = {(t, s, e): part for s, stage in enumerate(stages) for (t, _, e), part in stage.items()}
+        full = unshard(self.shape, pieces, tp=tp, pp=pp, ep=ep)
         if self.shape.tied_embeddings:
             full.pop("output_layer.weight", None)
         return full
+
+    @staticmethod
+    def _embedding_group() -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_embedding_group()
 
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._require_onloaded("named_hf_weights")

@@ -7,7 +7,7 @@ patches below are installed only on a CPU-only build, once per process, and chan
 our models have no dropout, so the RNG fork is a no-op. Pipeline parallel: the schedules allocate a
 token counter on device="cuda", p2p communication calls `torch.cuda.synchronize()` and a tied
 embedding is copied with `.cuda()` on the last stage: with those mapped to the CPU (below),
-`get_forward_backward_func()` with PP = 2 runs on gloo (the backend does not use it yet).
+`get_forward_backward_func()` with PP = 2 runs on gloo (the backend's pipeline.py).
 """
 
 from __future__ import annotations

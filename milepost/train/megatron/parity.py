@@ -81,7 +81,7 @@ def random_routings(path: str, tokens: list[torch.Tensor], seed: int = 7) -> lis
 
 
 def train_once(rank: int, world_size: int, path: str, backend: str = "megatron", tp: int = 1, ep: int = 1,
-               checkpoint_dir: str | None = None, overrides: dict | None = None) -> dict:
+               checkpoint_dir: str | None = None, overrides: dict | None = None, pp: int = 1) -> dict:
     """One rollout of 8 random samples (2 optimizer steps) on `backend`; metrics, HF weights after,
     and the log-probs of fixed probes. With `checkpoint_dir`: save after the first rollout, train a
     second one, reload and train it again (the two second-rollout results must be equal)."""
@@ -100,7 +100,7 @@ def train_once(rank: int, world_size: int, path: str, backend: str = "megatron",
         from milepost.train.megatron.backend import MegatronBackend
         from milepost.train.megatron.parallel import ParallelSizes
 
-        trainer = MegatronBackend.create(path, settings, ParallelSizes(tp=tp, ep=ep))
+        trainer = MegatronBackend.create(path, settings, ParallelSizes(tp=tp, ep=ep, pp=pp))
         data_rank, data_world = trainer.data_rank, trainer.data_world
 
     def mine(batch):
@@ -148,8 +148,8 @@ def pipeline_grads(rank: int, world_size: int, path: str, pp: int, micro_batches
     """megatron-core's own schedule (`get_forward_backward_func`) over fixed micro-batches: the
     losses (last stage) and this stage's gradients, layers numbered globally (PP = 1: the reference).
 
-    Not the backend's path (pipeline-parallel training is not wired into it): the evidence that
-    the schedules run on CPU with the shim (docs/megatron.md)."""
+    Not the backend's path (that is pipeline.py): megatron's schedule alone, the evidence that it
+    runs on CPU with the shim (docs/megatron.md)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

@@ -54,9 +54,9 @@ def check_train_backend(cfg: Any) -> None:
     shape = shape_of(json.loads((Path(checkpoint) / "config.json").read_text()))
     sizes = sizes_of(cfg)
     validate_sizes(shape, sizes, cfg.actor_num_gpus_per_node)
-    if sizes.pp > 1:
-        raise ValueError(f"--pipeline-model-parallel-size {sizes.pp}: pipeline-parallel training is not wired into "
-                         "the Megatron backend yet (conversion supports it: milepost convert)")
+    if sizes.pp > 1 and getattr(cfg, "use_rollout_routing_replay", False):
+        raise ValueError(f"--use-rollout-routing-replay with --pipeline-model-parallel-size {sizes.pp}: replaying "
+                         "routes on pipeline stages is not wired yet; set --pipeline-model-parallel-size 1 or turn R3 off")
     if shape.is_moe and sizes.tp > 1 and getattr(cfg, "use_rollout_routing_replay", False):
         raise ValueError(f"--use-rollout-routing-replay with --tensor-model-parallel-size {sizes.tp} on a "
                          "mixture-of-experts model: replaying routes under sequence parallel is not wired yet; "

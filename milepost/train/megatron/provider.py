@@ -72,7 +72,7 @@ def transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int =
             "moe_router_dtype": "fp32",
             "moe_enable_routing_replay": routing_replay,  # R3 (milepost/train/megatron/replay.py)
         }
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads,
@@ -93,7 +93,9 @@ def transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int =
         perform_initialization=True,
         params_dtype=torch.float32,  # fp32 master weights, like the FSDP backend
         bf16=False,  # compute dtype through torch.autocast (MegatronScorer); parameters stay fp32
-        pipeline_dtype=dtype,
+        # activations between pipeline stages: the residual stream stays fp32 under autocast
+        pipeline_dtype=torch.float32,
+        calculate_per_token_loss=True,  # our loss is pre-divided by the global token count: no rescaling
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         persist_layer_norm=False,
@@ -110,6 +112,11 @@ def transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int =
         sequence_parallel=tp > 1 and shape.is_moe,
         **moe,
     )
+    # Packed micro-batches differ in length: pipeline stages send each activation's shape first.
+    # Set after the checks: they refuse it with the allgather dispatcher, which is the default even
+    # for dense models; MoE models pad a pipeline call's micro-batches to one length (pipeline.py).
+    config.variable_seq_lengths = pp > 1 and not shape.is_moe
+    return config
 
 
 def build_model(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,

@@ -33,13 +33,15 @@ class MegatronScorer:
         self.pad_multiple = pad_multiple
         self.r3 = (0.0, 0.0)
 
-    def score(self, packed: PackedBatch, forced: torch.Tensor | None = None,
-              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """forced [T, layers, top_k] / valid [T]: routing replay (R3); `self.r3` holds its counts."""
+    def prepare(self, packed: PackedBatch, forced: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                min_tokens: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The model's inputs for a packed micro-batch: ids [T'], positions [T'], the block-causal
+        mask and the R3 ids, padded to T' >= min_tokens tokens (a collective over pad_group when set)."""
         device = packed.input_ids.device
         lengths = packed.cu_seqlens.diff().tolist()
         ids, pos = packed.input_ids, packed.positions
-        target = ids.numel()
+        target = max(ids.numel(), min_tokens)
         if self.pad_group is not None:
             longest = torch.tensor([target], device=device)
             dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.pad_group)
@@ -55,11 +57,10 @@ class MegatronScorer:
                 filler = torch.arange(k, device=forced.device).expand(pad, forced.shape[1], k)
                 forced = torch.cat([forced, filler])
                 valid = torch.cat([valid, torch.zeros(pad, dtype=torch.bool)])
-        mask = block_causal_mask(lengths, device)
-        replay = ReplayRouting(self.model, forced, valid)
-        with replay, torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-            logits = self.model(ids[None], pos[None], attention_mask=mask)[0]
-        self.r3 = replay.counts()
+        return ids, pos, block_causal_mask(lengths, device), forced, valid
+
+    def finish(self, logits: torch.Tensor, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the targets and entropies of the scored rows, from logits [T', V]."""
         logits = logits.index_select(0, packed.rows).float()  # [N, V]: TP-gathered (parallel_output off)
         if self.temperature != 1.0:
             logits = logits / self.temperature
@@ -67,3 +68,13 @@ class MegatronScorer:
         logp = logp_all.gather(1, packed.targets[:, None])[:, 0]
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
+
+    def score(self, packed: PackedBatch, forced: torch.Tensor | None = None,
+              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forced [T, layers, top_k] / valid [T]: routing replay (R3); `self.r3` holds its counts."""
+        ids, pos, mask, forced, valid = self.prepare(packed, forced, valid)
+        replay = ReplayRouting(self.model, forced, valid)
+        with replay, torch.autocast(ids.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            logits = self.model(ids[None], pos[None], attention_mask=mask)[0]
+        self.r3 = replay.counts()
+        return self.finish(logits, packed)
