@@ -32,7 +32,8 @@ def _tokenizer(max_length: int):
 
 def build_tiny_sd3(path: str | Path, *, seed: int = 0, sample_size: int = 8, width: int = 32,
                    layers: int = 2) -> Path:
-    """Write a tiny random SD3 pipeline (latents [16, sample_size, sample_size], images 8x larger)."""
+    """Write a tiny random SD3 pipeline (latents [16, sample_size, sample_size], images 8x larger;
+    transformer width `width` = T5 width, heads of 8)."""
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -56,7 +57,7 @@ def build_tiny_sd3(path: str | Path, *, seed: int = 0, sample_size: int = 8, wid
                   eos_token_id=3, decoder_start_token_id=0)
     transformer = SD3Transformer2DModel(
         sample_size=sample_size, patch_size=2, in_channels=16, num_layers=layers, attention_head_dim=8,
-        num_attention_heads=4, joint_attention_dim=width, caption_projection_dim=width, pooled_projection_dim=32,
+        num_attention_heads=width // 8, joint_attention_dim=width, caption_projection_dim=width, pooled_projection_dim=32,
         out_channels=16, pos_embed_max_size=sample_size)
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(8, 8, 8, 8),
                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
