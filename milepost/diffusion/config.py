@@ -78,7 +78,7 @@ class DiffusionOptimizerTable(_Table):
 
 class DiffusionCheckpointTable(_Table):
     run_dir: Path | None = Field(None, description="Directory of this run (metrics.jsonl, engine log, image grids).")
-    weight_transport: Literal["tensor", "disk"] = Field("tensor", description="tensor: /update_weights_from_tensor (SGLang's body); disk: safetensors in run_dir + /update_weights_from_disk.")
+    weight_transport: Literal["tensor", "disk", "broadcast", "p2p"] = Field("tensor", description="tensor: /update_weights_from_tensor (SGLang's body); disk: safetensors in run_dir + /update_weights_from_disk; broadcast: a gloo group of trainer and engine, /update_weights_from_distributed (the text engine's BroadcastTransport); p2p: refused (one engine, one trainer rank: nothing to spread).")
     check_weight_update: bool = Field(True, description="After each update, compare the engine's weight checksums with the trainer's.")
     save_grids: bool = Field(True, description="Write before/after image grids (run_dir/grids) for `milepost report`.")
 
@@ -122,6 +122,9 @@ class DiffusionConfig(DiffusionCheckpointTable, DiffusionOptimizerTable, Diffusi
         if self.diffusion_objective != "sft" and self.n_samples_per_prompt < 2:
             raise ValueError(f"--diffusion-objective {self.diffusion_objective} normalizes rewards within a group: "
                              "--n-samples-per-prompt must be >= 2")
+        if self.weight_transport == "p2p":
+            raise ValueError("--weight-transport p2p spreads an update over several trainer ranks and engines; a "
+                             "diffusion run has one of each: use broadcast (a gloo group), tensor or disk")
         if self.reward_fn == "shape_classifier" and self.classifier_path is None:
             raise ValueError("--reward-fn shape_classifier needs --classifier-path (prepare writes DIR/classifier)")
         if self.quality_probe and self.classifier_path is None:

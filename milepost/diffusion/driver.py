@@ -27,6 +27,7 @@ from milepost.diffusion.trainer import DiffusionTrainer, RolloutBatch
 from milepost.diffusion.weights import push_weights
 from milepost.launch.process import ManagedProcess, free_port
 from milepost.observe.metrics import MetricsLogger
+from milepost.weights.transport import BroadcastTransport
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def run(cfg: DiffusionConfig) -> int:
         return checked_rewards(reward_fn, images, labels, cfg.reward_fn)
 
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) if cfg.transfer_format == "bytes" else None
+    transport = BroadcastTransport([url], "gloo") if cfg.weight_transport == "broadcast" else None
 
     def probe() -> float:  # the classifier's accuracy on the fixed probe batch with the engine's weights now
         return probe_accuracy(url, classifier, size=cfg.quality_probe, n_classes=n_classes, params=params,
@@ -100,7 +102,7 @@ def run(cfg: DiffusionConfig) -> int:
                 train = trainer.train_step(batch, step)
                 train_s = time.perf_counter() - t
                 t = time.perf_counter()
-                push_weights(trainer, url, cfg, version=str(step + 1))
+                push_weights(trainer, url, cfg, version=str(step + 1), transport=transport)
                 update_s = time.perf_counter() - t
                 images = torch.from_numpy(np.concatenate([final_images(r) for r in results])).float()
                 row = {**train, **_rollout_metrics(batch, results, classifier, images),
@@ -119,6 +121,8 @@ def run(cfg: DiffusionConfig) -> int:
                 if cfg.save_grids and step in (0, cfg.num_rollout - 1):
                     save_grid(images, cfg.run_dir / "grids" / ("before.png" if step == 0 else "after.png"))
     finally:
+        if transport is not None:
+            transport.close()
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     return 0

@@ -89,6 +89,23 @@ class DiffusionEngine:
                 self.weight_version = str(version)
         return len(full) + 2 * len(adapters)
 
+    def receive_broadcast(self, group: object, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                          version: str | None) -> int:
+        """`/update_weights_from_distributed`: receive the trainer's broadcast (CPU buffers, gloo) and
+        apply it with `load_named`'s checks. Everything announced is received before any check refuses,
+        so the trainer's broadcast completes and the group stays in step; the size is capped first."""
+        from milepost.engine.weight_update import parse_dtype
+
+        specs = [(parse_dtype(d), [int(s) for s in shp]) for d, shp in zip(dtypes, shapes, strict=True)]
+        limit = 4 * sum(v.numel() * v.element_size() for v in self.model.state_dict().values())
+        announced = sum(torch.Size(shp).numel() * dt.itemsize for dt, shp in specs)
+        if announced > limit or any(s < 0 for _, shp in specs for s in shp):
+            raise WeightUpdateError(f"weight update refused: {announced} bytes announced, more than 4x this "
+                                    f"model's {limit // 4} (or a negative shape); the group is out of step, destroy it")
+        buffers = [torch.empty(shp, dtype=dt) for dt, shp in specs]
+        group.broadcast_many(buffers, src=0)  # type: ignore[attr-defined]
+        return self.load_named(list(zip(names, buffers, strict=True)), version)
+
     def load_dir(self, path: str | Path, version: str | None) -> int:
         from safetensors.torch import load_file
 

@@ -22,9 +22,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from milepost.diffusion.codec import CONTENT_TYPE, pack, to_json
 from milepost.diffusion.engine import DiffusionEngine
+from milepost.engine.protocol import (
+    DestroyWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqInput,
+    UpdateWeightsFromDistributedReqInput,
+)
 from milepost.weights.codec import WeightUpdateError, deserialize_named_tensors
+from milepost.weights.process_group import WeightGroupRegistry
 
 MAX_BATCH = 4096
+GROUP_SETUP_TIMEOUT_S = 120.0  # a trainer that never joins frees the group's name after this
 
 
 class GenerateBody(BaseModel):
@@ -117,6 +124,39 @@ def create_app(engine: DiffusionEngine) -> FastAPI:
         if body.load_format not in (None, "auto", "safetensors"):
             return _fail(f"load_format {body.load_format!r} is not supported; use 'safetensors'")
         return await _update(lambda: engine.load_dir(body.model_path, body.weight_version), body.weight_version)
+
+    groups = WeightGroupRegistry()  # --weight-transport broadcast: the text engine's weight groups (gloo)
+
+    @app.post("/init_weights_update_group")
+    async def init_group(body: InitWeightsUpdateGroupReqInput) -> JSONResponse:
+        if body.backend != "gloo" or body.world_size != 2:
+            return _fail(f"backend {body.backend!r}, world_size {body.world_size}: this engine joins a gloo group of "
+                         "2 (trainer and engine may share one GPU, where NCCL cannot have both)")
+        try:  # the rendezvous blocks until the trainer joins: off the event loop
+            await asyncio.to_thread(groups.init, body.master_address, body.master_port, body.rank_offset,
+                                    body.world_size, body.group_name, "gloo", setup_timeout_s=GROUP_SETUP_TIMEOUT_S)
+        except (WeightUpdateError, ValueError, RuntimeError) as e:
+            return _fail(f"init_weights_update_group failed: {e}")
+        return JSONResponse({"success": True, "message": f"joined group {body.group_name!r}"})
+
+    @app.post("/update_weights_from_distributed")
+    async def from_distributed(body: UpdateWeightsFromDistributedReqInput) -> JSONResponse:
+        if body.load_format is not None:
+            return _fail(f"load_format {body.load_format!r} is not supported; use null")
+        try:
+            group = groups.get(body.group_name)
+        except (KeyError, WeightUpdateError) as e:
+            return _fail(str(e))
+        return await _update(lambda: engine.receive_broadcast(group, body.names, body.dtypes, body.shapes,
+                                                              body.weight_version), body.weight_version)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(body: DestroyWeightsUpdateGroupReqInput) -> JSONResponse:
+        try:
+            await asyncio.to_thread(groups.destroy, body.group_name)
+        except WeightUpdateError as e:
+            return _fail(str(e))
+        return JSONResponse({"success": True, "message": f"left group {body.group_name!r}"})
 
     @app.get("/weights_checksum")
     async def weights_checksum() -> dict:

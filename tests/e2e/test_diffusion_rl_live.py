@@ -3,7 +3,7 @@ process, trajectories over HTTP as raw bytes, weights back through the engine's 
 checked against the trainer's.
 
 Default suite (cheap: random tiny models, a few steps): the loop through a diffusers SD3 pipeline
-with LoRA merged on arrival over disk, FSDP2 BF16, and deterministic mode's bit-identical metrics. Opt-in (`-m optin`, minutes): the prepared
+with LoRA merged on arrival over disk, FSDP2 BF16 over broadcast, and deterministic mode's bit-identical metrics. Opt-in (`-m optin`, minutes): the prepared
 base model (`python -m milepost.diffusion.prepare`, built once) with Flow-GRPO's reward rise and
 image quality held (and the quality check failing on a run made to collapse), DiffusionNFT and SFT.
 """
@@ -90,11 +90,14 @@ def test_sd3_pipeline_lora_over_disk_loop(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "grids" / "before.png").is_file() and (tmp_path / "run" / "grids" / "after.png").is_file()
 
 
-def test_fsdp2_bf16_loop(tiny_dit: Path, tmp_path: Path) -> None:
+def test_fsdp2_bf16_loop_over_broadcast(tiny_dit: Path, tmp_path: Path) -> None:
     rows = _train(tiny_dit, tmp_path / "run", "--trainer-backend", "fsdp2", "--param-dtype", "bfloat16",
-                  "--num-denoising-steps", "4", "--diffusion-train-timesteps", "none", steps=2)
+                  "--num-denoising-steps", "4", "--diffusion-train-timesteps", "none", "--weight-transport", "broadcast",
+                  steps=2)
     # BF16 blocks in the trainer vs the FP32 engine: close, not equal; the weights sent are FP32
-    # masters, which the engine's checksums matched (--check-weight-update is on by default)
+    # masters, broadcast over a gloo group, which the engine's checksums matched (--check-weight-update
+    # is on by default) and the second rollout used
+    assert [r["rollout/weight_version"] for r in rows] == [0.0, 1.0]
     assert all(0 < r["train/logp_diff_abs"] < 1e-2 for r in rows)
 
 

@@ -25,6 +25,7 @@ RECIPE = ROOT / "recipes" / "diffusion_tiny.toml"
     (["--reward-fn", "sparkle"], "module:function"),
     (["--noise-level", "0"], "--noise-level: Input should be greater than 0"),
     (["--quality-probe", "48", "--classifier-path", "none"], "--quality-probe needs --classifier-path"),
+    (["--weight-transport", "p2p"], "--weight-transport p2p .* use broadcast"),
 ])
 def test_bad_combinations_are_refused(flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

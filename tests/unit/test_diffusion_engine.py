@@ -89,3 +89,43 @@ def test_not_a_flow_matching_model_is_refused(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="flow-matching scheduler"):
         load_model(tmp_path)
+
+
+def test_broadcast_update_is_checked_then_applied(model_dir: Path) -> None:
+    """--weight-transport broadcast: the text engine's BroadcastTransport over a real gloo group to a
+    live engine server; a bucket the engine refuses changes nothing, a good one lands whole."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from milepost.launch.process import free_port
+    from milepost.weights.transport import BroadcastTransport, TransportError
+
+    engine = DiffusionEngine(model_dir)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "engine server did not start"
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        before = digest_named(engine.model.state_dict().items())
+        with BroadcastTransport([url], "gloo", timeout_s=120) as bad:
+            bad.begin("1")
+            with pytest.raises(TransportError, match=r"blocks.0.qkv.weight: shape \(3, 3\)"):
+                bad.send([("blocks.0.qkv.weight", torch.zeros(3, 3))], last=True)
+        assert digest_named(engine.model.state_dict().items()) == before and engine.weight_version == "0"
+        new = [(k, v + 1) for k, v in load_model(model_dir).state_dict().items()]
+        with BroadcastTransport([url], "gloo", timeout_s=120) as good:
+            good.begin("1")
+            good.send(new[:3])  # two buckets: the version moves with the last
+            good.send(new[3:], last=True)
+            good.finish("1")
+        assert engine.weight_version == "1" and digest_named(engine.model.state_dict().items()) == digest_named(new)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
