@@ -62,6 +62,7 @@ class DiffusionAlgorithmTable(_Table):
     kl_loss_coef: float = Field(0.01, ge=0.0, description="Weight of the KL to the reference (base) model.")
     adv_clip_max: float = Field(5.0, gt=0.0, description="Advantages clipped to +-this.")
     nft_beta: float = Field(1.0, gt=0.0, description="DiffusionNFT's beta: implicit policies v_old +- beta (v_theta - v_old).")
+    nft_kl_coef: float = Field(0.0, ge=0.0, description="DiffusionNFT: weight of ||v_theta - v_ref||^2, the squared velocity gap to the reference (base) model (the paper's KL for flow models); restrains reward hacking. 0 = off.")
     sft_data: Path | None = Field(None, description="For sft: .npz with images [N,3,H,W] in [-1,1] and labels [N] (prepare writes DIR/sft_images.npz).")
     inner_epochs: int = Field(1, ge=1, description="Optimizer passes over one rollout batch.")
 

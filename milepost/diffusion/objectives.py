@@ -6,8 +6,9 @@
 - DiffusionNFT (Zheng et al. 2025): forward-process training on the rollout's clean images. With
   r in [0, 1] from the advantage (r = 0.5 + 0.5 clip(A, -1, 1)), the implicit positive policy
   v+ = (1 - beta) v_old + beta v_theta and negative v- = (1 + beta) v_old - beta v_theta are fit
-  to the flow-matching target: r ||v+ - v||^2 + (1 - r) ||v- - v||^2. Deviation: v_old is the
-  rollout's model itself (no EMA of old policies) and no adaptive loss weighting.
+  to the flow-matching target: r ||v+ - v||^2 + (1 - r) ||v- - v||^2, plus (--nft-kl-coef) the
+  squared velocity gap to the reference model. Deviation: v_old is the rollout's model itself (no
+  EMA of old policies) and no adaptive loss weighting.
 - SFT: the flow-matching loss on data images (milepost/diffusion/base_model.py).
 """
 
@@ -57,9 +58,13 @@ def nft_optimality(adv: torch.Tensor) -> torch.Tensor:
 
 
 def nft_loss(model: TinyDiT, *, x0: torch.Tensor, labels: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
-             v_old: torch.Tensor, r: torch.Tensor, beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             v_old: torch.Tensor, r: torch.Tensor, beta: float, v_ref: torch.Tensor | None = None,
+             kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The NFT loss (scalar) at times t [B] with fresh noise [B,C,H,W]; v_old: the rollout model's
-    velocity at the same x_t (no grad)."""
+    velocity at the same x_t (no grad). With v_ref (the reference model's velocity there) and
+    kl_coef > 0, adds kl_coef * ||v_theta - v_ref||^2 (pixel mean): DiffusionNFT's KL to the
+    reference for flow models (the squared velocity gap, Girsanov's KL between the two SDEs up
+    to a time weight), which its code adds the same way."""
     tt = t.reshape(-1, 1, 1, 1)
     x_t = (1 - tt) * x0 + tt * noise
     target = noise - x0
@@ -69,8 +74,12 @@ def nft_loss(model: TinyDiT, *, x0: torch.Tensor, labels: torch.Tensor, t: torch
     pos = ((v_pos - target) ** 2).mean(dim=(1, 2, 3))
     neg = ((v_neg - target) ** 2).mean(dim=(1, 2, 3))
     loss = (r * pos + (1 - r) * neg).mean()
+    kl = torch.zeros((), device=x0.device)
+    if v_ref is not None and kl_coef > 0:
+        kl = ((v - v_ref) ** 2).mean()
+        loss = loss + kl_coef * kl
     return loss, {"nft_pos_mse": pos.mean().detach(), "nft_neg_mse": neg.mean().detach(),
-                  "nft_r": r.mean().detach()}
+                  "nft_r": r.mean().detach(), "kl": kl.detach()}
 
 
 def group_advantages(rewards: torch.Tensor, valid: torch.Tensor, group_size: int, clip: float) -> torch.Tensor:

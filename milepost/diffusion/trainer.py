@@ -43,7 +43,8 @@ class DiffusionTrainer:
         self.model: TinyDiT = load_model(cfg.diffusion_checkpoint, self.device)
         self.model.set_attention(cfg.attention_backend)
         self.ref: TinyDiT | None = None
-        if cfg.kl_loss_coef > 0 and cfg.diffusion_objective == "flow_grpo":
+        if (cfg.kl_loss_coef > 0 and cfg.diffusion_objective == "flow_grpo") or \
+                (cfg.nft_kl_coef > 0 and cfg.diffusion_objective == "nft"):
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
         if cfg.lora_rank:
             lora.attach_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
@@ -127,8 +128,11 @@ class DiffusionTrainer:
             noise = torch.randn(x0.shape, generator=gen).to(dev)
             with torch.no_grad():
                 tt = t.reshape(-1, 1, 1, 1)
-                v_old = self.model(((1 - tt) * x0 + tt * noise), t, labels)
-            loss, part = nft_loss(self.model, x0=x0, labels=labels, t=t, noise=noise, v_old=v_old, r=r, beta=cfg.nft_beta)
+                x_t = (1 - tt) * x0 + tt * noise
+                v_old = self.model(x_t, t, labels)
+                v_ref = self.ref(x_t, t, labels) if self.ref is not None else None
+            loss, part = nft_loss(self.model, x0=x0, labels=labels, t=t, noise=noise, v_old=v_old, r=r, beta=cfg.nft_beta,
+                                  v_ref=v_ref, kl_coef=cfg.nft_kl_coef)
             (loss / len(steps)).backward()
             parts.append({**part, "loss": loss.detach()})
         return parts

@@ -59,3 +59,30 @@ def test_nft_at_r1_beta1_is_the_flow_matching_loss() -> None:
     loss, stats = nft_loss(model, x0=x0, labels=labels, t=t, noise=noise, v_old=v_old, r=torch.ones(3), beta=1.0)
     torch.testing.assert_close(loss, ((v_old - (noise - x0)) ** 2).mean())
     torch.testing.assert_close(stats["nft_pos_mse"], loss.detach())
+
+
+def test_nft_kl_to_the_reference_pulls_toward_it() -> None:
+    """--nft-kl-coef: zero where the policy is the reference; where it is not, the term is the
+    squared velocity gap and its gradient moves the policy's velocity toward the reference's."""
+    torch.manual_seed(0)
+    model = TinyDiT(DiTConfig(dim=16, depth=1, heads=2))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x0, noise, labels, t = torch.randn(3, 3, 32, 32), torch.randn(3, 3, 32, 32), torch.tensor([0, 1, 2]), torch.full((3,), 0.6)
+    x_t = (1 - t.reshape(-1, 1, 1, 1)) * x0 + t.reshape(-1, 1, 1, 1) * noise  # as nft_loss forms it
+    with torch.no_grad():
+        v_same = model(x_t, t, labels)
+    kw = {"x0": x0, "labels": labels, "t": t, "noise": noise, "v_old": v_same, "r": torch.full((3,), 0.5), "beta": 1.0}
+    plain, _ = nft_loss(model, **kw)
+    same, stats = nft_loss(model, **kw, v_ref=v_same, kl_coef=10.0)
+    assert stats["kl"] == 0 and torch.equal(plain, same)
+    v_ref = v_same + 0.1
+    model.zero_grad()
+    only_kl, stats = nft_loss(model, **kw, v_ref=v_ref, kl_coef=1e6)  # the KL dominates the gradient
+    torch.testing.assert_close(stats["kl"], torch.tensor(0.01), rtol=1e-4, atol=0)
+    only_kl.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 1e-9 * p.grad
+        gap_after = ((model(x_t, t, labels) - v_ref) ** 2).mean()
+    assert gap_after < 0.01
