@@ -74,16 +74,25 @@ def test_trains_like_fsdp_on_cuda(one_gpu, arch, dtype):
     ref = _case(one_gpu, f"fsdp_{arch}_{dtype}")
     got = _case(one_gpu, f"megatron_{arch}_{dtype}")
     rel = 1e-3 if dtype == "float32" else 5e-2
+    # pg_clipfrac counts tokens (26 loss tokens: steps of 0.038) whose ratio passes a 0.01 clip; in
+    # bf16 (log-probs rounded at ~0.03 for logits ~5) a token or two may cross it on one backend only
+    clip_abs = 0.0 if dtype == "float32" else 0.1
+
+    def near(key: str, a: float, b: float, rel: float, abs_: float) -> bool:
+        return a == pytest.approx(b, rel=rel, abs=max(abs_, clip_abs if key == "pg_clipfrac" else 0.0))
+
     print(arch, dtype, {k: (round(v, 6), round(got["metrics"][0][k], 6)) for k, v in ref["metrics"][0].items()})
     misses = {k: (v, got["metrics"][0][k]) for k, v in ref["metrics"][0].items()
-              if got["metrics"][0][k] != pytest.approx(v, rel=rel, abs=rel * 0.1)}
+              if not near(k, got["metrics"][0][k], v, rel, rel * 0.1)}
     assert not misses, f"metrics (fsdp, megatron) outside rel {rel}: {misses}"
     atol = 1e-3 if dtype == "float32" else 2e-2
     gaps = {n: float((got["hf"][n].float() - w.float()).abs().max()) for n, w in ref["hf"].items()}
     worst = max(gaps, key=gaps.get)
     assert gaps[worst] <= atol, f"HF weights after training: {worst} differs by {gaps[worst]:.3g} (> {atol})"
-    for key, value in got["second"].items():  # resume: CUDA's atomics may reorder sums, hence approx
-        assert got["again"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    # resume: CUDA's atomics (MoE token scatter) may reorder sums, hence approx (and in bf16 that can
+    # move a token across the clip)
+    misses = {k: (v, got["again"][k]) for k, v in got["second"].items() if not near(k, got["again"][k], v, 1e-4, 1e-6)}
+    assert not misses, f"second rollout (straight on, after reload) differs: {misses}"
 
 
 @pytest.mark.timeout(240)
