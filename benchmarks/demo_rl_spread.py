@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fully-async", action="store_true")
     ap.add_argument("--log", type=Path, default=None, help="append one JSON line per run")
     ap.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "tiny_demo.toml")
-    ap.add_argument("extra", nargs="*", help="after --: more `milepost train` arguments for every run")
-    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    args.extra = argv[cut + 1:]  # after --: more `milepost train` arguments for every run
     rows = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
