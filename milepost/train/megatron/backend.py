@@ -285,42 +285,41 @@ class MegatronBackend:
             metrics["train_rollout_logprob_abs_diff"] = reduced[-2] / per_token
         return metrics
 
-    def _micro_step(self, batch: TrainBatch, mb: list[int], old, ref, weights, denoms, r3: list[float]) -> torch.Tensor:
-        scorer = self._scorer(self.policy)
-        logp, entropy = scorer.score(micro.packed(batch, mb, self.device), *self._forced(batch, mb))
-        r3[0] += scorer.r3[0]
-        r3[1] += scorer.r3[1]
+    def _loss(self, batch: TrainBatch, mb: list[int], logp: torch.Tensor, entropy: torch.Tensor, old, ref, weights,
+              denoms) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's loss and its [metric sums..., loss] row (float64)."""
         lb = micro.loss_batch(batch, mb, logp, entropy, denoms, self.device, old=old, ref=ref, weights=weights)
         loss, sums = self.loss_fn(lb, self.loss_settings)
         unknown = set(sums) - set(METRIC_SUMS)
         if unknown:
             raise ValueError(f"the loss returned metric sums {sorted(unknown)}; allowed: {METRIC_SUMS}")
-        loss.backward()
         zero = torch.zeros((), device=self.device)
-        return torch.stack([*(sums.get(k, zero).detach().to(self.device) for k in METRIC_SUMS), loss.detach()]).double()
+        row = torch.stack([*(sums.get(k, zero).detach().to(self.device) for k in METRIC_SUMS), loss.detach()])
+        return loss, row.double()
+
+    def _micro_step(self, batch: TrainBatch, mb: list[int], old, ref, weights, denoms, r3: list[float]) -> torch.Tensor:
+        scorer = self._scorer(self.policy)
+        logp, entropy = scorer.score(micro.packed(batch, mb, self.device), *self._forced(batch, mb))
+        r3[0] += scorer.r3[0]
+        r3[1] += scorer.r3[1]
+        loss, row = self._loss(batch, mb, logp, entropy, old, ref, weights, denoms)
+        loss.backward()
+        return row
 
     def _pipeline_step(self, batch: TrainBatch, mbs: list[list[int]], old, ref, weights, denoms) -> torch.Tensor:
         """Forward and backward of one optimizer step's micro-batches through the 1F1B schedule;
         the metric and loss sums (non-zero on the last stage only)."""
         scorer = self._scorer(self.policy)
         packed = [micro.packed(batch, mb, self.device) for mb in mbs]
-        acc = torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64, device=self.device)
+        rows: list[torch.Tensor] = []
 
         def loss_of(i: int, logits: torch.Tensor) -> torch.Tensor:
-            nonlocal acc
-            logp, entropy = scorer.finish(logits, packed[i])
-            lb = micro.loss_batch(batch, mbs[i], logp, entropy, denoms, self.device, old=old, ref=ref, weights=weights)
-            loss, sums = self.loss_fn(lb, self.loss_settings)
-            unknown = set(sums) - set(METRIC_SUMS)
-            if unknown:
-                raise ValueError(f"the loss returned metric sums {sorted(unknown)}; allowed: {METRIC_SUMS}")
-            zero = torch.zeros((), device=self.device)
-            acc += torch.stack([*(sums.get(k, zero).detach().to(self.device) for k in METRIC_SUMS),
-                                loss.detach()]).double()
+            loss, row = self._loss(batch, mbs[i], *scorer.finish(logits, packed[i]), old, ref, weights, denoms)
+            rows.append(row)
             return loss
 
         run_pipeline(scorer, packed, loss_of, forward_only=False)
-        return acc
+        return sum(rows, torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64, device=self.device))
 
     def _sync_gradients(self) -> None:
         """Sum gradients over the ranks that hold the same weights with different data.
