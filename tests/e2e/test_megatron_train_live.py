@@ -144,17 +144,25 @@ def test_pipeline_parallel_moe_trains_like_fsdp(two_ranks: list[dict]) -> None:
 @pytest.mark.optin  # four ranks on two cores: 91 s at load 9-10, past the default suite's budget
 def test_tensor_and_expert_parallel_together_train_like_fsdp(tmp_path: Path) -> None:
     """TP = 2 and EP = 2 on four ranks (Qwen3-MoE; sequence parallel, which megatron needs to train
-    MoE under TP) against FSDP on the same four ranks: the same checks as above, and the logits."""
+    MoE under TP) against FSDP on the same four ranks: the same checks as above, and the logits.
+    Pipeline parallel composed with the others on the same four ranks: PP = 2 x TP = 2 (Qwen3, tied
+    embedding) and PP = 2 x EP = 2 (Qwen3-MoE, data parallel 2)."""
     from milepost.train.megatron.parity import run_cases
 
     moe = str(make_tiny_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", with_tokenizer=False))
+    dense = str(make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", with_tokenizer=False))
     cases = {"fsdp_moe": {"fn": "train_once", "args": [moe, "fsdp", 1, 1, None, None]},
+             "fsdp_dense": {"fn": "train_once", "args": [dense, "fsdp", 1, 1, None, None]},
              "tp_ep": {"fn": "train_once", "args": [moe, "megatron", 2, 2, str(tmp_path / "ckpt"), None]},
+             "pp_tp": {"fn": "train_once", "args": [dense, "megatron", 2, 1, str(tmp_path / "ckpt_pp_tp"), None, 2]},
+             "pp_ep": {"fn": "train_once", "args": [moe, "megatron", 1, 2, str(tmp_path / "ckpt_pp_ep"), None, 2]},
              "logits": {"fn": "logits_gaps", "args": [[(moe, 2, 2)]]}}
-    ranks = run_ranks(run_cases, 4, cases, timeout_s=300)
-    _compare(ranks, "fsdp_moe", "tp_ep")
+    ranks = run_ranks(run_cases, 4, cases, timeout_s=400)
+    for ref, case in (("fsdp_moe", "tp_ep"), ("fsdp_dense", "pp_tp"), ("fsdp_moe", "pp_ep")):
+        _compare(ranks, ref, case)
+        for rank in ranks:
+            assert rank[case]["metrics"] == ranks[0][case]["metrics"], case
     for rank in ranks:
-        assert rank["tp_ep"]["metrics"] == ranks[0]["tp_ep"]["metrics"]
         assert 1.0 < rank["logits"][0]["ref_abs_max"] and rank["logits"][0]["max_abs_diff"] < 1e-4, rank["logits"]
 
 
