@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 @pytest.mark.parametrize("layout", [
     "tp",
-    # PP = 2 (megatron's 1F1B schedule): 0.301 -> 0.379 -> 0.566, log-prob gap 1.5e-6 to 2.0e-6, 82 s
-    # at load 10 (2026-12-03); opt-in (-m optin) to keep the default suite's time
+    # PP = 2 (megatron's 1F1B schedule), rollout 1 -> 3 in three runs (2026-12-03, load 10-16):
+    # 0.301 -> 0.566, 0.266 -> 0.559, 0.316 -> 0.574, 65-82 s; opt-in (-m optin): the suite's time
     pytest.param("pp", marks=pytest.mark.optin),
 ])
 def test_tiny_demo_learns_with_megatron(
