@@ -82,6 +82,8 @@ class DiffusersFlowModel(nn.Module):
         self.attention = "math"
         self._cond: dict[tuple[int, str], torch.Tensor] = {}
 
+    fsdp_cast_inputs = True  # FSDP2's BF16 policy casts each unit's inputs (milepost/diffusion/precision.py)
+
     @property
     def blocks(self) -> nn.ModuleList:  # FSDP2 wraps each block (milepost/diffusion/precision.py)
         return self.transformer.transformer_blocks

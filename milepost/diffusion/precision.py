@@ -55,7 +55,9 @@ def apply_precision(model: nn.Module, cfg: object) -> nn.Module:
     _ensure_process_group(str(getattr(cfg, "device", "cpu")))
     low = getattr(torch, getattr(cfg, "param_dtype", "float32"))
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    mixed = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    # the tiny DiT casts inside its blocks; a diffusers transformer expects inputs in its own dtype
+    mixed = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32,
+                                 cast_forward_inputs=bool(getattr(model, "fsdp_cast_inputs", False)))
     for name in fp32_module_names(model, list(getattr(cfg, "fp32_modules", []))):
         fully_shard(model.get_submodule(name), mp_policy=fp32)
     for block in model.blocks:  # type: ignore[attr-defined]
