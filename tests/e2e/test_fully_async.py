@@ -93,22 +93,18 @@ def test_two_ranks_fully_async_trains_every_step_and_accounts_for_every_prompt(p
     assert (run.run_dir / "checkpoints").is_dir()
 
 
-def test_staleness_limit_zero_trains_on_policy_only(plugins):
-    run = ok(train(plugins, plugins / "onpolicy", "--fully-async", max_staleness=0,
-                   stale_group_policy="retry"))
+def test_staleness_limit_zero_and_abort_mode_retry_and_train_on_policy_only(plugins):
+    # One run for both retry policies (a run costs ~12 CPU-seconds): groups past the staleness
+    # limit and groups aborted at an update (abort mode, group granularity) are both retried.
+    run = ok(train(plugins, plugins / "onpolicy-abort", "--fully-async", max_staleness=0,
+                   stale_group_policy="retry", pause_generation_mode="abort",
+                   rollout_granularity="group", aborted_group_policy="retry",
+                   rollout_max_response_len=24))
     records = run.metrics()
     assert len(records) == 4
     assert all(r["rollout/fully_async/max_staleness"] == 0 for r in records)
     a = check_accounts(run)
     assert a["prompts_trained"] == 4 * 2
-
-
-def test_abort_mode_with_group_granularity_retries_and_accounts(plugins):
-    run = ok(train(plugins, plugins / "abort", "--fully-async", pause_generation_mode="abort",
-                   rollout_granularity="group", aborted_group_policy="retry",
-                   rollout_max_response_len=24))
-    check_accounts(run)
-    assert len(run.metrics()) == 4
 
 
 def test_evaluation_on_shared_engines_scores_the_version_of_its_step(plugins):
