@@ -7,7 +7,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,20 +26,15 @@ from milepost.rollout.layers import (
 )
 from milepost.session.runner import SessionServerThread
 from milepost.session.service import SessionSettings
-from milepost.testing.agent_model import make_agent_model
 from milepost.testing.server_process import ServerProcess
 from milepost.types import Status
 
 
-@pytest.fixture(scope="module")
-def agent_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_agent_model(tmp_path_factory.getbasetemp() / "agent_model_shared")
-
-
-@pytest.fixture(scope="module")
-def engine(agent_dir: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(agent_dir, "--max-total-tokens", "16384") as srv:
-        yield srv
+@pytest.fixture
+def engine(agent_engine: ServerProcess) -> ServerProcess:
+    """The session's shared engine of `agent_dir` (tests/e2e/conftest.py): the session tests'
+    engine, not one more process start; these tests only generate on it."""
+    return agent_engine
 
 
 class _Items:
