@@ -66,7 +66,8 @@ def test_sampling_throughput_and_formats(tmp_path: Path) -> None:
     traj = sample(model, labels, num_steps=20, guidance=2.0, noise_level=0.7, seed=0)
     torch.cuda.synchronize()
     secs = time.perf_counter() - t
-    arrays = {"latents": traj.latents.numpy(), "log_probs": traj.log_probs.numpy()}
+    # the formats on 32 of the images: the JSON of all 256 (347 MB) took 28 s on the H200's host
+    arrays = {"latents": traj.latents[:32].numpy(), "log_probs": traj.log_probs[:32].numpy()}
     t = time.perf_counter()
     raw = pack({}, arrays)
     unpack(raw)
@@ -75,7 +76,7 @@ def test_sampling_throughput_and_formats(tmp_path: Path) -> None:
     js = to_json({}, arrays)
     from_json(js)
     json_s = time.perf_counter() - t
-    print(f"\nrollout: {256 / secs:.1f} images/s (256 images, 20 steps, CFG 2); trajectory "
+    print(f"\nrollout: {256 / secs:.1f} images/s (256 images, 20 steps, CFG 2); 32 images' trajectories "
           f"{len(raw) / 1e6:.1f} MB raw in {raw_s:.3f} s vs {len(js) / 1e6:.1f} MB JSON in {json_s:.3f} s (pack+unpack)")
     assert torch.isfinite(traj.log_probs).all() and raw_s < json_s
 
