@@ -76,6 +76,7 @@ def test_convert_command_round_trip(tmp_path, capsys):
     ({"use_rollout_routing_replay": True}, ParallelSizes(), DENSE, r"--use-rollout-routing-replay: the model is a dense"),
     ({"activation_checkpointing": "layer"}, ParallelSizes(), DENSE, r"set activation_checkpointing='none'"),
     ({"use_rollout_routing_replay": True}, ParallelSizes(pp=2), MOE, r"replaying routes on pipeline stages"),
+    ({"dtype": "bfloat16"}, ParallelSizes(), DENSE, r"dtype='bfloat16' on device='cpu'"),
     ({"use_rollout_routing_replay": True}, ParallelSizes(tp=2, ep=2), MOE, r"replaying routes under sequence par"),
 ])
 def test_backend_refuses_what_it_lacks(overrides, sizes, shape, message):

@@ -67,6 +67,10 @@ def refuse_unsupported(settings: TrainerSettings, sizes: ParallelSizes, shape: M
     if settings.use_rollout_routing_replay and not shape.is_moe:
         raise ValueError(f"--use-rollout-routing-replay: the model is a dense {shape.model_type} (no expert routing "
                          "to replay); turn it off or train a mixture-of-experts model")
+    if settings.device == "cpu" and settings.dtype != "float32":
+        raise ValueError(f"dtype={settings.dtype!r} on device='cpu' with --train-backend megatron: megatron's "
+                         "linear layers run their backward outside CPU autocast (they re-enter CUDA's only) and "
+                         "fail; train in float32 on the CPU, or on a GPU")
     if sizes.pp > 1 and settings.use_rollout_routing_replay:
         raise ValueError(f"--use-rollout-routing-replay with --pipeline-model-parallel-size {sizes.pp}: replaying "
                          "routes on pipeline stages is not wired yet; set --pipeline-model-parallel-size 1 or turn R3 off")

@@ -179,6 +179,30 @@ def pipeline_grads(rank: int, world_size: int, path: str, pp: int, micro_batches
     return {"losses": [float(x["loss"]) for x in losses], "grads": grads}
 
 
+def router_gate_under_autocast(rank: int, world_size: int, path: str) -> dict:
+    """One MoE router's gate under torch.autocast(bfloat16) on this device, forward and backward:
+    the logits' dtype, its weight's gradient, and the error of megatron's own gate (the class's
+    method, which provider.gate_like_a_linear_under_autocast replaces on each router)."""
+    from megatron.core.transformer.moe.router import Router
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    init_parallel(1, 1, 1)
+    model, shape = load_hf_model(path)
+    router = next(m for m in model.to(device).modules() if isinstance(m, Router))
+    hidden = torch.randn(6, shape.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        logits = router.gating(hidden)
+    logits.sum().backward()
+    out = {"dtype": str(logits.dtype), "grad_abs_sum": float(router.weight.grad.abs().sum()), "megatron_error": ""}
+    try:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = type(router).gating(router, hidden)
+        logits.float().sum().backward()
+    except RuntimeError as err:
+        out["megatron_error"] = str(err)
+    return out
+
+
 def run_cases(rank: int, world_size: int, cases: dict[str, dict], keep_going: bool = False) -> dict[str, object]:
     """Each named case in turn on this rank, Megatron's parallel state reset between cases.
 
@@ -192,7 +216,7 @@ def run_cases(rank: int, world_size: int, cases: dict[str, dict], keep_going: bo
     from megatron.core import parallel_state as ps
 
     fns = {"train_once": train_once, "wrong_split": wrong_split, "logits_gaps": logits_gaps,
-           "pipeline_grads": pipeline_grads}
+           "pipeline_grads": pipeline_grads, "router_gate_under_autocast": router_gate_under_autocast}
     out: dict[str, object] = {}
     seconds: dict[str, float] = {}
     for name, case in cases.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -140,7 +141,7 @@ def build_model(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp:
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
     with tensors_stay_on_cpu():  # a tied embedding on the last pipeline stage calls .cuda()
-        return GPTModel(
+        model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=shape.vocab_size,
@@ -152,6 +153,29 @@ def build_model(shape: ModelShape, *, tp: int = 1, pp: int = 1, ep: int = 1, cp:
             position_embedding_type="rope",
             rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
         )
+    gate_like_a_linear_under_autocast(model)
+    return model
+
+
+def gate_like_a_linear_under_autocast(model: Any) -> None:
+    """Give every MoE router of `model` a gate that trains under torch.autocast.
+
+    megatron's gate is an autograd Function that casts to moe_router_dtype (fp32) in forward; under
+    autocast its matmul still runs in bf16, and its backward then multiplies the bf16 gradient with
+    the fp32 weight: RuntimeError (bf16 Qwen3-MoE on the H200, 2026-12-03). Under autocast the gate
+    is a plain linear (autocast picks its dtype, as for every other linear here and for
+    transformers' router), its logits fp32 for the routing; without autocast megatron's gate runs."""
+    from megatron.core.transformer.moe.router import Router
+
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.gating = functools.partial(_gating, module, module.gating)
+
+
+def _gating(router: Any, megatron_gating: Any, hidden: torch.Tensor) -> torch.Tensor:
+    if torch.is_autocast_enabled(hidden.device.type):
+        return F.linear(hidden, router.weight, router.bias).float()
+    return megatron_gating(hidden)
 
 
 class SequenceParallelRMSNorm:
