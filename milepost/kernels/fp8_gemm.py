@@ -3,11 +3,12 @@
 `quantize_act_1x128` is one Triton kernel that gives bit-for-bit what milepost.lowprec.quantize
 gives (scale = amax / 448 with IEEE division, round-to-nearest-even saturating E4M3, a block with
 NaN/Inf gets a NaN scale): the engine's and the trainer's activations stay in the contract.
-The GEMM is `torch._scaled_mm` (cuBLAS block scaling: M-major 1x128 scales, rows padded to
-128) where a probe on operands whose scales differ by orders of magnitude gives the emulated
-product, else a Triton kernel (DeepSeek-V3's recipe: per 128-wide K step, an FP8 tensor-core
-product scaled by both blocks' scales, accumulated in fp32), else emulated with a warning; at
-decode batch sizes (M <= DECODE_M) the faster of the correct ones.
+The GEMM is cuBLAS's block-scaled FP8 GEMM through `torch._scaled_mm` (M-major 1x128 scales, M
+padded to a multiple of 4; K/128 a multiple of 4, see `cublas_takes`) where a probe on operands
+whose scales differ by orders of magnitude gives the emulated product, else a Triton kernel
+(DeepSeek-V3's recipe: per 128-wide K step, an FP8 tensor-core product scaled by both blocks'
+scales, accumulated in fp32), else emulated with a warning; at decode batch sizes (M <=
+DECODE_M) the faster of the correct ones, timed once from CUDA graphs.
 """
 
 from __future__ import annotations
@@ -126,49 +127,37 @@ def triton_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
     return out if split == 1 else part.sum(0).to(out_dtype)
 
 
-def _sw_layout(sw: torch.Tensor, padded: int) -> torch.Tensor:
-    """128x128 weight scales [N/128, K/128] as cuBLAS reads them: transposed to [K/128, N/128]
-    (K-major); `padded`: the K/128 stride rounded up to a multiple of 4 (16 bytes)."""
-    nb, kb = sw.shape
-    if not padded or kb % 4 == 0:
-        return sw.contiguous().t()
-    out = sw.new_ones((nb, -(-kb // 4) * 4))
-    out[:, :kb] = sw
-    return out[:, :kb].t()
+def cublas_takes(k: int) -> bool:
+    """Whether cuBLAS's block-scaled GEMM gives the right product for contraction dim k. It
+    reads the 128x128 weight scales with a 16-byte aligned leading dimension, which torch
+    2.11's _scaled_mm cannot express: K/128 must be a multiple of 4 (measured on the H200:
+    K = 640 gave a wrong product, K = 512 the right one; every Qwen3 K qualifies)."""
+    return k % TILE == 0 and (k // TILE) % 4 == 0
 
 
-def _mm_v1(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
-           out_dtype: torch.dtype) -> torch.Tensor:
-    return torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
-
-
-def _mm_v2(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
-           out_dtype: torch.dtype) -> torch.Tensor:
-    F = torch.nn.functional
-    st = F.ScalingType
-    return F.scaled_mm(xq, w.t(), sx, st.BlockWise1x128, sw, st.BlockWise128x128,
-                       output_dtype=out_dtype)
-
-
-_APIS = {"v1": _mm_v1, "v2": _mm_v2}
-_CHOICE: dict[int, tuple[str, int]] = {}  # device -> (api, weight-scale layout)
+_FALLBACK: dict[int, str] = {}  # device -> GEMM for the K that cuBLAS does not take
 
 
 def scaled_mm_block(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
-                    out_dtype: torch.dtype, choice: tuple[str, int] | None = None) -> torch.Tensor:
-    """torch's cuBLAS FP8 GEMM with 1x128 x 128x128 block scaling (xq [M, K], w [N, K] fp8).
-    M is padded to a multiple of 128 with M-major scales, the shapes cuBLAS's block-scaled
-    kernels are documented and tested with in torch."""
-    api, lay = choice or _CHOICE[xq.device.index or 0]
-    m = xq.shape[0]
-    if m % TILE or sx.stride(0) != 1:
-        mp = -(-m // TILE) * TILE
-        xq2 = torch.zeros((mp, xq.shape[1]), dtype=torch.uint8, device=xq.device)
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLAS's FP8 GEMM with 1x128 x 128x128 block scaling through torch._scaled_mm (xq [M, K],
+    w [N, K] fp8). The 1x128 scales are M-major with M padded to a multiple of 4 (cuBLAS
+    refuses M = 1 and 2: their leading dimension must be 16-byte aligned); the weight scales
+    K-major. A K that cuBLAS does not take (cublas_takes) goes to the fallback GEMM."""
+    m, k = xq.shape
+    if not cublas_takes(k):
+        fallback = _FALLBACK.get(xq.device.index or 0, "emulated")
+        return {"triton": triton_block_mm, "emulated": emulated_block_mm}[fallback](
+            xq, sx, w, sw, out_dtype)
+    if m % 4 or sx.stride(0) != 1:
+        mp = -(-m // 4) * 4
+        xq2 = torch.zeros((mp, k), dtype=torch.uint8, device=xq.device)
         xq2[:m] = xq.view(torch.uint8)
         s2 = torch.ones((sx.shape[1], mp), dtype=torch.float32, device=xq.device)
         s2[:, :m] = sx.t()
         xq, sx = xq2.view(torch.float8_e4m3fn), s2.t()
-    return _APIS[api](xq, sx, w, _sw_layout(sw, lay), out_dtype)[:m]
+    out = torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=sw.contiguous().t(), out_dtype=out_dtype)
+    return out[:m]
 
 
 def emulated_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
@@ -208,50 +197,53 @@ def _probe(device: torch.device) -> list[str]:
     for each one that does not."""
     cases = _probe_cases(device)
     refs = [emulated_block_mm(*c, torch.float32) for c in cases]
-    tries: list[tuple[str, tuple[str, int] | None]] = [("scaled_mm", ("v1", 0)), ("scaled_mm", ("v1", 1))]
-    if hasattr(torch.nn.functional, "scaled_mm"):
-        tries += [("scaled_mm", ("v2", 0)), ("scaled_mm", ("v2", 1))]
-    tries.append(("triton", None))
     ok: list[str] = []
-    for name, choice in tries:
-        if name in ok:
-            continue
+    for name in ("triton", "scaled_mm"):
+        if name == "scaled_mm":  # the K cuBLAS does not take go to the checked fallback
+            _FALLBACK[device.index or 0] = "triton" if ok else "emulated"
         try:
             for c, ref in zip(cases, refs):
-                if name == "triton":
-                    out = triton_block_mm(*c, torch.bfloat16)
-                else:
-                    out = scaled_mm_block(*c, torch.bfloat16, choice)
+                out = (triton_block_mm if name == "triton" else scaled_mm_block)(*c, torch.bfloat16)
                 torch.cuda.synchronize(device)
                 if not _agrees(out.float(), ref):
                     raise ValueError(f"wrong product at M={c[0].shape[0]}, N={c[2].shape[0]}, "
                                      f"K={c[0].shape[1]} (max diff {(out.float() - ref).abs().max().item():.3g})")
-            if choice is not None:
-                _CHOICE[device.index or 0] = choice
             ok.append(name)
-        except Exception as e:  # noqa: BLE001 - unsupported by this torch/cuBLAS, or wrong
-            log.warning("fp8 blockwise GEMM %s %s not used: %s", name, choice or "",
-                        str(e).splitlines()[0][:200])
-    return ok
+        except Exception as e:  # noqa: BLE001 - unsupported by this torch/cuBLAS/Triton, or wrong
+            log.warning("fp8 blockwise GEMM %s not used: %s", name, str(e).splitlines()[0][:200])
+    return sorted(ok, key=lambda n: n != "scaled_mm")
+
+
+def _replay_ms(fn, device: torch.device, reps: int = 20) -> float:
+    """Milliseconds per call of `fn` replayed from a CUDA graph, as the engine's decode runs it
+    (eager when it cannot be captured): launch costs are not what is compared."""
+    fn()
+    torch.cuda.synchronize(device)
+    run = fn
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    except Exception as e:  # noqa: BLE001 - time it eagerly then
+        log.info("fp8 GEMM timing without a CUDA graph: %s", str(e).splitlines()[0][:120])
+    for _ in range(3):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / reps
 
 
 def _faster_at_decode(device: torch.device, names: list[str]) -> str:
-    """The faster of the correct GEMMs at a decode batch (the weight's bytes dominate there,
-    and cuBLAS's block-scaled kernels are tuned for large M)."""
+    """The faster of the correct GEMMs at a decode batch (the weight's bytes dominate there)."""
     w = torch.randn(4096, 4096, device=device).to(torch.float8_e4m3fn)
     sw = torch.full((32, 32), 1e-3, device=device)
     x = torch.randn(DECODE_M // 2, 4096, device=device, dtype=torch.bfloat16)
-    ms = {}
-    for name in names:
-        for _ in range(3):
-            fp8_block_linear(x, w, sw, name)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fp8_block_linear(x, w, sw, name)
-        end.record()
-        torch.cuda.synchronize(device)
-        ms[name] = start.elapsed_time(end) / 20
+    ms = {n: _replay_ms(lambda n=n: fp8_block_linear(x, w, sw, n), device) for n in names}
     log.info("fp8 blockwise GEMM at M=%d: %s", DECODE_M // 2,
              ", ".join(f"{n} {t * 1e3:.1f} us" for n, t in ms.items()))
     return min(ms, key=ms.__getitem__)
@@ -279,7 +271,7 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
     shape = x.shape
     m = x.numel() // shape[-1]
     backend = backend or block_backend(x.device, m)
-    pad = TILE if backend == "scaled_mm" else 1
+    pad = 4 if backend == "scaled_mm" else 1
     xq, sx = quantize_act_1x128(x.reshape(-1, shape[-1]).contiguous(), pad)
     fn = {"scaled_mm": scaled_mm_block, "triton": triton_block_mm,
           "emulated": emulated_block_mm}[backend]
