@@ -54,7 +54,7 @@ def test_triton_activation_quantizer_matches_the_reference_bits() -> None:
 
 def test_fp8_block_gemm_matches_the_emulated_product() -> None:
     """The GEMM the probe picked, and the Triton fallback, against the emulated product at the
-    M of a decode and of prefills (an M that is no multiple of 128 included)."""
+    M of a decode and of prefills, and at a K that cuBLAS does not take (routed to the fallback)."""
     from milepost.kernels.fp8_gemm import (
         block_backend,
         emulated_block_mm,
@@ -66,9 +66,9 @@ def test_fp8_block_gemm_matches_the_emulated_product() -> None:
     backend = block_backend(dev)
     assert backend in ("scaled_mm", "triton"), "no native FP8 blockwise GEMM on this device"
     for use in sorted({backend, "triton"}):
-        for m in (1, 16, 200, 300):
-            x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
-            w = quantize(torch.randn(768, 1024, device=dev) * 0.02, "fp8_block")
+        for m, k in ((1, 1024), (16, 1024), (200, 1024), (300, 1024), (5, 640)):  # K/128 = 5: fallback
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            w = quantize(torch.randn(768, k, device=dev) * 0.02, "fp8_block")
             y = fp8_block_linear(x, w.values, w.scales, use)
             xq, sx = quantize_act_1x128(x)
             ref = emulated_block_mm(xq, sx, w.values, w.scales, torch.float32)
