@@ -39,9 +39,13 @@ def merged_checkpoint(base: Path, out: Path, settings: LoraSettings, adapter: di
     return out
 
 
-def dequantized_checkpoint(base: Path, out: Path) -> Path:
+def dequantized_checkpoint(base: Path, out: Path, dtype: torch.dtype | None = None) -> Path:
     """A copy of `base` whose projection weights are what an `--quantization fp8` engine holds
-    (fp8 rows dequantized): the base that engine's adapters must be compared against."""
+    (fp8 rows dequantized): the base that engine's adapters must be compared against.
+
+    dtype: the engine's dtype. The engine casts the checkpoint to it before quantizing, so a row's
+    scale comes from the cast values; quantizing the file's fp32 values instead picks other
+    scales (61 of 64 rows of a tiny Qwen3's q_proj differed in bf16)."""
     from milepost.engine.weight_fp8 import QUANTIZED_LINEARS
     from milepost.weights.fp8 import dequantize_rows, quantize_rows
 
@@ -49,6 +53,6 @@ def dequantized_checkpoint(base: Path, out: Path) -> Path:
     weights = load_file(str(base / "model.safetensors"))
     for name, w in weights.items():
         if name.endswith(".weight") and name.removesuffix(".weight").rsplit(".", 1)[-1] in QUANTIZED_LINEARS:
-            weights[name] = dequantize_rows(*quantize_rows(w)).to(w.dtype)
+            weights[name] = dequantize_rows(*quantize_rows(w.to(dtype or w.dtype))).to(dtype or w.dtype)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -74,7 +74,8 @@ def test_stacked_adapters_in_cuda_graphs_equal_merged_engines(tmp_path: Path, dt
     `--quantization fp8` the base is stored in fp8 rows and the references merge the adapters
     into its dequantized values."""
     base = make_tiny_checkpoint(tmp_path / "base", "qwen3", with_tokenizer=False)
-    ref_base = dequantized_checkpoint(base, tmp_path / "dequantized") if quantization else base
+    ref_base = (dequantized_checkpoint(base, tmp_path / "dequantized", getattr(torch, dtype)) if quantization
+                else base)
     specs, merged = [], {None: ref_base}
     for name, (settings, seed) in ADAPTERS.items():
         tensors = random_adapter(base, settings, seed, scale=0.1)
