@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 TILE = 128
 _BACKEND: dict[int, str] = {}  # device -> GEMM for any M
 _SMALL: dict[int, str] = {}  # device -> GEMM for M <= DECODE_M
-_OK: dict[int, list[str]] = {}  # device -> every GEMM the probe found right
+_ROWS: dict[int, str] = {}  # device -> weight-gradient GEMM (both operands 1x128 along tokens)
 DECODE_M = 64
 
 
@@ -160,6 +160,38 @@ def scaled_mm_block(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
     return out[:m]
 
 
+def rows_mm(aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor,
+            out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """aq [M, T] x bq [N, T]^T with both quantized 1x128 along T (the weight-gradient GEMM;
+    scales [M, T/128], [N, T/128]). scaled_mm needs T/128 a multiple of 4 and M-major scales."""
+    if backend == "scaled_mm":
+        return torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype)
+    if backend == "triton":
+        return triton_block_mm(aq, sa, bq, sb, out_dtype, b_rows=True)
+    return ((aq.float() * sa.repeat_interleave(TILE, 1))
+            @ (bq.float() * sb.repeat_interleave(TILE, 1)).t()).to(out_dtype)
+
+
+def _probe_rows(device: torch.device) -> str:
+    """The first of cuBLAS, Triton that gives the emulated weight-gradient product."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    a = torch.randn(256, 1024, device=device, generator=gen) * torch.logspace(-2, 2, 256, device=device)[:, None]
+    b = torch.randn(384, 1024, device=device, generator=gen) * torch.logspace(2, -2, 384, device=device)[:, None]
+    (aq, sa), (bq, sb) = quantize_act_1x128(a), quantize_act_1x128(b)
+    ref = rows_mm(aq, sa, bq, sb, torch.float32, "emulated")
+    for name in ("scaled_mm", "triton"):
+        try:
+            out = rows_mm(aq, sa, bq, sb, torch.bfloat16, name).float()
+            torch.cuda.synchronize(device)
+            if _agrees(out, ref):
+                return name
+            log.warning("fp8 weight-gradient GEMM %s: wrong product (max diff %.3g); not used",
+                        name, (out - ref).abs().max().item())
+        except Exception as e:  # noqa: BLE001 - unsupported here
+            log.warning("fp8 weight-gradient GEMM %s not used: %s", name, str(e).splitlines()[0][:200])
+    return "emulated"
+
+
 def emulated_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
     x = xq.float() * sx.repeat_interleave(TILE, 1)
@@ -258,10 +290,12 @@ def block_backend(device: torch.device, m: int | None = None) -> str:
         dev = torch.device("cuda", idx)
         ok = _probe(dev) or ["emulated"]
         small = _faster_at_decode(dev, ok) if len(ok) > 1 else ok[0]
-        _BACKEND[idx], _SMALL[idx], _OK[idx] = ok[0], small, ok
+        _BACKEND[idx], _SMALL[idx] = ok[0], small
+        _ROWS[idx] = _probe_rows(dev) if ok[0] != "emulated" else "emulated"
         level = logging.INFO if ok[0] == "scaled_mm" else logging.WARNING
-        log.log(level, "fp8 blockwise GEMM on cuda:%d: %s (M <= %d: %s)%s", idx, ok[0], DECODE_M,
-                small, "" if ok[0] != "emulated" else "; dequantized bf16 GEMMs: slow")
+        log.log(level, "fp8 blockwise GEMM on cuda:%d: %s (M <= %d: %s; weight gradient: %s)%s",
+                idx, ok[0], DECODE_M, small, _ROWS[idx],
+                "" if ok[0] != "emulated" else "; dequantized bf16 GEMMs: slow")
     return _SMALL[idx] if m is not None and m <= DECODE_M else _BACKEND[idx]
 
 
@@ -296,13 +330,12 @@ class Fp8BlockLinearFn(torch.autograd.Function):
         x, wv, ws = ctx.saved_tensors
         x2, gy2 = x.reshape(-1, x.shape[-1]), gy.reshape(-1, gy.shape[-1]).contiguous()
         gx = fp8_block_linear(gy2, wv.t().contiguous(), ws.t().contiguous())
-        pad = (-gy2.shape[0]) % TILE
+        block_backend(x.device)
+        rows = _ROWS[x.device.index if x.device.index is not None else torch.cuda.current_device()]
+        # The tokens are the contraction dim here: zero-padded to whole 1x128 blocks (cuBLAS:
+        # a multiple of 4 blocks).
+        pad = (-gy2.shape[0]) % (4 * TILE if rows == "scaled_mm" else TILE)
         gq, sg = quantize_act_1x128(torch.nn.functional.pad(gy2.t(), (0, pad)).contiguous())
         xq, sx = quantize_act_1x128(torch.nn.functional.pad(x2.t(), (0, pad)).contiguous())
-        block_backend(x.device)
-        if "triton" in _OK[x.device.index if x.device.index is not None else torch.cuda.current_device()]:
-            gw = triton_block_mm(gq, sg, xq, sx, gy.dtype, b_rows=True)
-        else:  # the same quantized values, multiplied dequantized
-            gw = ((gq.float() * sg.repeat_interleave(TILE, 1))
-                  @ (xq.float() * sx.repeat_interleave(TILE, 1)).t()).to(gy.dtype)
+        gw = rows_mm(gq, sg, xq, sx, gy.dtype, rows)
         return gx.reshape(x.shape), gw, None, None
