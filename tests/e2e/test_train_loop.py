@@ -432,14 +432,32 @@ def test_missing_reward_function_fails_at_start(work):
     assert not (run.run_dir / "logs" / "engine-0.log").exists()  # refused before any engine
 
 
-def test_reward_errors_are_counted_and_never_trained_on(work):
-    run = ok(train(work, work / "some-errors", "--save-rollouts", str(work / "some-errors-r"),
-                   reward_fn="e2e_train_rewards:fails_on_the_first_prompt", num_rollout=2))
-    records = run.metrics()
+@pytest.fixture(scope="module")
+def engine_killed(work: Path) -> tuple[Run, Path]:
+    """One run for two claims (a run costs ~10 CPU-seconds): its reward fails for every sample
+    of the first prompt it sees, its rollouts are saved, and its engine is SIGKILLed once two
+    steps are logged. (run, the saved rollouts)."""
+    run_dir, saved = work / "engine-killed", work / "engine-killed-rollouts"
+    t0 = time.monotonic()
+    proc = start(work, run_dir, "--save-rollouts", str(saved), num_rollout=1000, save_interval=0,
+                 reward_fn="e2e_train_rewards:fails_on_the_first_prompt")
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() - t0 < RUN_TIMEOUT_S
+        time.sleep(0.1)
+    (pid,) = engine_pids(proc.pid)
+    os.kill(pid, signal.SIGKILL)
+    return finish(proc, run_dir, t0, timeout=120), saved
+
+
+def test_reward_errors_are_counted_and_never_trained_on(engine_killed):
+    run, saved = engine_killed  # its first two steps, logged before the engine was killed
+    records = run.metrics()[:2]
     assert [r["rollout/reward_errors"] for r in records] == [1, 0]
     broken = int(run.out.split("no reward for prompt #")[1].split("#")[0])
     for step in (0, 1):
-        groups = load_rollout(work / "some-errors-r", step)
+        groups = load_rollout(saved, step)
         indices = [g[0].metadata["prompt_index"] for g in groups]
         assert len(indices) == 2 and broken not in indices, (broken, indices)
         assert all(s.reward is not None for g in groups for s in g)
@@ -457,18 +475,9 @@ def test_reward_function_that_always_raises_stops_the_run(work):
     assert not (run.run_dir / "checkpoints").exists()
 
 
-def test_engine_killed_mid_run_fails_naming_the_engine(work):
-    run_dir = work / "engine-killed"
-    t0 = time.monotonic()
-    proc = start(work, run_dir, num_rollout=1000, save_interval=0)
-    metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        assert time.monotonic() - t0 < RUN_TIMEOUT_S
-        time.sleep(0.1)
-    (pid,) = engine_pids(proc.pid)
-    os.kill(pid, signal.SIGKILL)
-    run = finish(proc, run_dir, t0, timeout=120)
+def test_engine_killed_mid_run_fails_naming_the_engine(engine_killed):
+    run, _ = engine_killed
+    run_dir = run.run_dir
     assert run.rc != 0
     assert "engine 0" in run.out and str(run_dir / "logs" / "engine-0.log") in run.out, run.out[-3000:]
 
