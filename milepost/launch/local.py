@@ -237,6 +237,26 @@ class _sigterm_as_exit:
             signal.signal(signal.SIGTERM, self._old)
 
 
+class noted_ctrl_c:
+    """While waiting on the ranks, Ctrl-C raises KeyboardInterrupt as usual and is also noted
+    (`seen`): a library call it lands in (Ray's `get`) may turn it into an error of its own, and
+    the run must still say that it stopped because of Ctrl-C."""
+
+    def __enter__(self) -> "noted_ctrl_c":
+        self.seen, self._old = False, None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._raise)
+        return self
+
+    def _raise(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
 def _terminate(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from milepost.launch import ray_placement
-from milepost.launch.local import LocalLauncher, _how_it_ended, _sigterm_as_exit
+from milepost.launch.local import LocalLauncher, _how_it_ended, _sigterm_as_exit, noted_ctrl_c
 from milepost.launch.process import ComponentStartError
 from milepost.launch.ray_actor import ComponentHost
 from milepost.launch.rendezvous import NODE_ADDRESS_ENV
@@ -219,10 +219,10 @@ class RayLauncher(LocalLauncher):
                    "WORLD_SIZE": str(n), "LOCAL_RANK": "0",  # Ray shows each rank its own GPU only
                    NODE_ADDRESS_ENV: h.node_ip, "OMP_NUM_THREADS": str(threads)}
             self._start(h, cmd, env, None)
-        with _sigterm_as_exit():
-            return self._watch(ranks)
+        with _sigterm_as_exit(), noted_ctrl_c() as ctrl_c:
+            return self._watch(ranks, ctrl_c)
 
-    def _watch(self, ranks: list[_Hosted]) -> int:
+    def _watch(self, ranks: list[_Hosted], ctrl_c: noted_ctrl_c) -> int:
         """Like LocalLauncher._wait_all: the first rank to fail, or any engine / the router
         dying, stops the run with a message naming it."""
         others = [h for h in self.hosted if h not in ranks]
@@ -248,9 +248,9 @@ class RayLauncher(LocalLauncher):
                     return 1 if h.lost else (h.code if h.code > 0 else 128 - h.code)
                 time.sleep(0.5)
         except BaseException as e:
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            if ctrl_c.seen or isinstance(e, (KeyboardInterrupt, SystemExit)):
                 log.warning("interrupted (%s); stopping the trainer ranks and engines",
-                            "Ctrl-C" if isinstance(e, KeyboardInterrupt) else "SIGTERM")
+                            "Ctrl-C" if ctrl_c.seen or isinstance(e, KeyboardInterrupt) else "SIGTERM")
             raise
 
     def _dead(self, hosts: list[_Hosted]) -> str:
