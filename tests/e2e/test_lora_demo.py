@@ -14,6 +14,10 @@ torch 2.13, demo base model of seed 0; two of the runs also evaluated once at th
 - mean of the last five (bound >= 0.85): 0.966 0.959 0.941 0.940 0.960 0.965 0.944
   (mean 0.954, std 0.011); the same prediction bound is 0.915, and the issue asks >= 0.8: 0.85
   sits between them, 9 std below the mean.
+Four more runs (2026-12-03, load 8-14, `benchmarks/demo_rl_spread.py --recipe recipes/tiny_demo_lora.toml`
+with this test's flags): first 0.281 0.328 0.281 0.297, last five 0.941 0.972 0.975 0.916. Over all
+11 runs: first mean 0.291, sd 0.033, 99% upper prediction bound 0.39 (bound 0.5); last five mean
+0.953, sd 0.018, lower prediction bound 0.90 (bound 0.85).
 One run took 39-164 s at that load (the recipe's 256 samples per rollout take ~4x longer).
 """
 
