@@ -165,6 +165,21 @@ def resume_checkpoint(cfg: TrainConfig) -> Path | None:
     return path
 
 
+def finished_checkpoint(cfg: TrainConfig) -> Path | None:
+    """The checkpoint this run would resume from when it already holds the last step
+    (--num-rollout), else None: rerunning a finished run need not start engines and ranks that
+    would load, train no step and stop (seconds on a tiny model, minutes on a large one)."""
+    if cfg.rollout_only:
+        return None
+    path = resume_checkpoint(cfg)
+    if path is None:
+        return None
+    from milepost.train.checkpoint import META_FILE
+
+    step = json.loads((path / META_FILE).read_text()).get("extra", {}).get("step")
+    return path if isinstance(step, int) and step + 1 >= cfg.num_rollout else None
+
+
 def model_fingerprint(hf_checkpoint: Path) -> dict[str, Any]:
     """What a checkpoint records of the model it was trained from: its path and its config."""
     config = json.loads((Path(hf_checkpoint) / "config.json").read_text())

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from milepost.config import TrainConfig
 from milepost.connectors.env import resolve_env
-from milepost.driver.preflight import RunError, preflight
+from milepost.driver.preflight import RunError, finished_checkpoint, preflight
 from milepost.launch.local import LocalLauncher
 from milepost.launch.process import ComponentStartError
 from milepost.launch.ray import RayLauncher, with_run_api_key
@@ -41,6 +41,10 @@ def run(cfg: TrainConfig) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # health polls would flood the log
     try:
         preflight(cfg)
+        if (done := finished_checkpoint(cfg)) is not None:
+            log.info("every step of this run (--num-rollout %d) is in %s: nothing to train "
+                     "(raise --num-rollout to go on)", cfg.num_rollout, done)
+            return 0
         with (RayLauncher if cfg.launcher == "ray" else LocalLauncher)(cfg, cfg.run_dir) as launch:
             # Trainer ranks start while engines load, unless they share devices (colocated: an
             # engine sizes its KV cache from the free memory it sees) or a router must see

@@ -357,6 +357,7 @@ def test_kill_then_resume_continues_with_the_same_data(work, reference):
     # Rerunning a finished run does nothing more (every step is in its checkpoint).
     again = ok(train(work, run_dir, *args, **settings))
     assert [r["step"] for r in again.metrics()] == list(range(STEPS))
+    assert "nothing to train" in again.out and "engine 0" not in again.out, again.out[-3000:]
 
 
 # ---- debug modes ---------------------------------------------------------------------------------
