@@ -48,11 +48,28 @@ def _demo_build_started(request: pytest.FixtureRequest, tmp_path_factory: pytest
 _MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has added the group names to the node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Longest modules first under pytest-xdist (a module's tests stay together and in order, so
     its module-scoped fixtures are set up once per worker); unlisted modules keep their order."""
-    if not os.environ.get("PYTEST_XDIST_WORKER") or not _MODULE_SECONDS.exists():
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    _refuse_ignored_xdist_groups(config, items)
+    if not _MODULE_SECONDS.exists():
         return
     seconds = json.loads(_MODULE_SECONDS.read_text())["modules"]
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::", 1)[0], 0.0), order[id(item)]))
+
+
+def _refuse_ignored_xdist_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """--dist loadgroup marks a grouped test by suffixing its node id with "@group"; pytest 9.2 with
+    pytest-xdist 3.8 silently did not, so tests sharing one Ray cluster or one two-rank run started
+    it twice, on both workers at once, and missed their limits on a busy machine."""
+    if not getattr(config.option, "loadgroup", False):  # what xdist sets on its workers
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rsplit("]", 1)[-1]:
+            raise pytest.UsageError(
+                f"--dist loadgroup did not group {item.nodeid}: this pytest-xdist does not work with "
+                f"pytest {pytest.__version__}; install the versions in pyproject.toml's test extra")

@@ -27,6 +27,10 @@ pytest.importorskip("ray")
 
 from milepost.launch.ray_cluster import LocalRayCluster
 
+# One worker runs this module, so one Ray cluster (the module fixture) serves all its tests: two
+# clusters at once, one per xdist worker, pushed both training tests past their limits when loaded
+pytestmark = pytest.mark.xdist_group("ray_cluster")
+
 ROOT = Path(__file__).resolve().parents[2]
 _STARTED = re.compile(r"(engine \d+|trainer rank \d+) started on node (\S+) \(ray node (\w+)\)(?: at (\S+))?")
 

@@ -74,12 +74,14 @@ def test_trains_like_fsdp_on_cuda(one_gpu, arch, dtype):
     ref = _case(one_gpu, f"fsdp_{arch}_{dtype}")
     got = _case(one_gpu, f"megatron_{arch}_{dtype}")
     rel = 1e-3 if dtype == "float32" else 5e-2
-    # pg_clipfrac counts tokens (26 loss tokens: steps of 0.038) whose ratio passes a 0.01 clip; in
-    # bf16 (log-probs rounded at ~0.03 for logits ~5) a token or two may cross it on one backend only
-    clip_abs = 0.0 if dtype == "float32" else 0.1
+    # In bf16 log-probs are rounded at ~0.03 (logits ~5), so: pg_clipfrac counts tokens (26 loss
+    # tokens: steps of 0.038) whose ratio passes a 0.01 clip, and a token or two may cross it on one
+    # backend only; ppo_kl and kl are means of log-prob differences over those 26 tokens, whose
+    # rounding noise is ~0.03 / sqrt(26) = 0.006 (measured on the H200: MoE ppo_kl -0.0072 vs -0.0130)
+    noise_abs = {} if dtype == "float32" else {"pg_clipfrac": 0.1, "ppo_kl": 0.015, "kl": 0.015}
 
     def near(key: str, a: float, b: float, rel: float, abs_: float) -> bool:
-        return a == pytest.approx(b, rel=rel, abs=max(abs_, clip_abs if key == "pg_clipfrac" else 0.0))
+        return a == pytest.approx(b, rel=rel, abs=max(abs_, noise_abs.get(key, 0.0)))
 
     print(arch, dtype, {k: (round(v, 6), round(got["metrics"][0][k], 6)) for k, v in ref["metrics"][0].items()})
     misses = {k: (v, got["metrics"][0][k]) for k, v in ref["metrics"][0].items()
