@@ -50,16 +50,22 @@ _MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist has added the group names to the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest modules first under pytest-xdist (a module's tests stay together and in order, so
-    its module-scoped fixtures are set up once per worker); unlisted modules keep their order."""
+    """Under pytest-xdist: tests that do not need the demo base model first, so the workers have
+    work while it builds in the background (about 3 minutes; started by `_demo_build_started`)
+    instead of waiting on it from their first test; within each part, longest modules first (a
+    module's tests stay together and in order, so its module-scoped fixtures are set up once per
+    worker); unlisted modules keep their order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     _refuse_ignored_xdist_groups(config, items)
     if not _MODULE_SECONDS.exists():
         return
+    from milepost.testing.demo_build import uses_demo_dir
+
     seconds = json.loads(_MODULE_SECONDS.read_text())["modules"]
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::", 1)[0], 0.0), order[id(item)]))
+    items.sort(key=lambda item: (uses_demo_dir(item), -seconds.get(item.nodeid.split("::", 1)[0], 0.0),
+                                 order[id(item)]))
 
 
 def _refuse_ignored_xdist_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
