@@ -64,15 +64,68 @@ TASKS: tuple[TerminalTask, ...] = (
                  {"user.json": json.dumps({"id": 7, "name": "Ada", "role": "admin"}) + "\n"}),
 )
 
-TASKS_BY_NAME = {t.name: t for t in TASKS}
 
 
-def write_task_prompts(path: str | Path) -> Path:
-    """A prompt dataset of the task set for `milepost train` (prompt = instruction, label = name)."""
+# The easy tier (issue 25 item 4): one-command goals, so a 135M model's first call can solve one
+# and GRPO sees groups with both outcomes (the 12 above: 0 of 96 SmolLM2 episodes). Each kind is
+# instantiated with several names; the first five of each kind train, the other three are held
+# out (`easy_heldout`): the same commands on names the policy was never rewarded on. Binary
+# grades only: the tests also check what must survive (keep.txt, the source of a copy), so a
+# blanket `rm -rf *` or `touch *` earns nothing, and no part marks for a well-formed call (that
+# would pay for the format, not the goal).
+_EASY_KINDS: tuple[tuple[str, str, str, str, dict[str, str], tuple[str, ...]], ...] = (
+    # kind, instruction, test, solution, files ({n} = the name), names
+    ("touch", "Create an empty file named {n}.", "test -f {n}", "touch {n}", {},
+     ("notes.txt", "todo.txt", "data.csv", "main.py", "index.html", "list.txt", "report.md",
+      "app.log")),
+    ("mkdir", "Create a directory named {n}.", "test -d {n}", "mkdir {n}", {},
+     ("build", "docs", "src", "logs", "images", "backup", "output", "scripts")),
+    ("rm", "Delete the file {n}.", "! test -e {n} && test -f keep.txt", "rm {n}",
+     {"{n}": "old\n", "keep.txt": "keep\n"},
+     ("old.txt", "temp.txt", "junk.log", "draft.md", "cache.tmp", "error.log", "copy.txt",
+      "test.py")),
+    ("cp", "Copy the file {n} to backup_{n}.", "test -f {n} && cmp -s {n} backup_{n}",
+     "cp {n} backup_{n}", {"{n}": "line one\nline two\n"},
+     ("notes.txt", "data.csv", "config.ini", "main.py", "todo.txt", "readme.md", "list.txt",
+      "report.md")),
+    ("echo", "Write the word {n} into the file word.txt.",
+     'test "$(tr -d " \\n" < word.txt)" = "{n}"', "echo {n} > word.txt", {},
+     ("hello", "apple", "green", "python", "river", "orange", "tiger", "music")),
+    ("mv", "Rename the file {n} to new_{n}.", "test -f new_{n} && ! test -e {n}",
+     "mv {n} new_{n}", {"{n}": "text\n"},
+     ("notes.txt", "data.csv", "photo.png", "main.py", "todo.txt", "song.mp3", "plan.md",
+      "list.txt")),
+)
+_EASY_TRAIN_NAMES = 5
+
+
+def _easy(held_out: bool) -> tuple[TerminalTask, ...]:
+    tasks = []
+    for kind, instruction, test, solution, files, names in _EASY_KINDS:
+        picked = names[_EASY_TRAIN_NAMES:] if held_out else names[:_EASY_TRAIN_NAMES]
+        for n in picked:
+            tasks.append(TerminalTask(
+                f"easy_{kind}_{n}", instruction.format(n=n), test.format(n=n),
+                solution.format(n=n), {k.format(n=n): v for k, v in files.items()}))
+    return tuple(tasks)
+
+
+EASY_TASKS = _easy(held_out=False)
+EASY_HELDOUT_TASKS = _easy(held_out=True)
+TIERS: dict[str, tuple[TerminalTask, ...]] = {
+    "standard": TASKS, "easy": EASY_TASKS, "easy_heldout": EASY_HELDOUT_TASKS}
+TASKS_BY_NAME = {t.name: t for tier in TIERS.values() for t in tier}
+
+
+def write_task_prompts(path: str | Path, tier: str = "standard") -> Path:
+    """A prompt dataset of one tier of the task set for `milepost train` (prompt = instruction,
+    label = name): `standard` (the 12 above), `easy` or `easy_heldout`."""
+    if tier not in TIERS:
+        raise ValueError(f"tier {tier!r} is not one of {sorted(TIERS)}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"prompt": t.instruction, "label": t.name}) + "\n"
-                            for t in TASKS))
+                            for t in TIERS[tier]))
     return path
 
 
@@ -81,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="Write the terminal task set as a prompt dataset.")
     ap.add_argument("path", help="JSONL file to write (prompt = instruction, label = task name)")
-    print(write_task_prompts(ap.parse_args(argv).path))
+    ap.add_argument("--tier", default="standard", choices=sorted(TIERS),
+                    help="which tasks: the 12 standard ones, or the easy tier's train or "
+                         "held-out part")
+    args = ap.parse_args(argv)
+    print(write_task_prompts(args.path, args.tier))
     return 0
 
 
