@@ -72,3 +72,24 @@ def test_bad_rewards_are_counted_not_trained_on(caplog: pytest.LogCaptureFixture
     assert "shape (1,) for 4 images" in caplog.text and "non-finite" in caplog.text
     with pytest.raises(ValueError, match="--reward-fn"):
         make_reward("no_such_module_xyz:fn")
+
+
+def test_shape_classifier_reward_pays_for_the_requested_shape(tmp_path) -> None:
+    """The OCR-free built-in: milepost's own classifier (trained here on the synthetic shapes, as
+    `prepare` does, briefly) loaded by path; the reward is its probability of the requested class."""
+    import torch
+
+    from milepost.diffusion.classifier import save_classifier, train_classifier
+    from milepost.diffusion.shapes import make_dataset
+
+    torch.set_num_threads(1)
+    clf, held_out = train_classifier(steps=60, seed=0)
+    assert held_out > 0.9
+    fn = make_reward("shape_classifier", classifier_path=save_classifier(clf, tmp_path / "clf"))
+    images, labels = make_dataset(30, seed=7)
+    right = checked_rewards(fn, images, labels, "shape_classifier")[0]
+    wrong = checked_rewards(fn, images, (labels + 1) % 3, "shape_classifier")[0]
+    assert right.shape == (30,) and np.all((right >= 0) & (right <= 1))
+    assert right.mean() > 0.8 and wrong.mean() < 0.2 and np.all(right > wrong)
+    with pytest.raises(ValueError, match="classifier-path"):
+        make_reward("shape_classifier")
