@@ -81,7 +81,8 @@ def run(cfg: DiffusionConfig) -> int:
     def score(images: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return checked_rewards(reward_fn, images, labels, cfg.reward_fn)
 
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) if cfg.transfer_format == "bytes" else None
+    # bodies are unpacked off the event loop in either format (a JSON parse holds the GIL for seconds)
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     transport = BroadcastTransport([url], "gloo") if cfg.weight_transport == "broadcast" else None
 
     def probe() -> float:  # the classifier's accuracy on the fixed probe batch with the engine's weights now
@@ -123,8 +124,7 @@ def run(cfg: DiffusionConfig) -> int:
     finally:
         if transport is not None:
             transport.close()
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
+        pool.shutdown(cancel_futures=True)
     return 0
 
 
