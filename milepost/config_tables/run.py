@@ -78,7 +78,8 @@ class PlacementTable(Table):
     pipeline_model_parallel_size: int = Field(
         1, ge=1, description="--train-backend megatron: pipeline-parallel size (megatron's 1F1B schedule).")
     context_parallel_size: int = Field(
-        1, ge=1, description="--train-backend megatron: context-parallel size (needs transformer-engine).")
+        1, ge=1, description="--train-backend megatron: context-parallel size (not wired yet: sizes above 1 "
+        "are refused; it would need transformer-engine).")
     expert_model_parallel_size: int = Field(1, ge=1, description="--train-backend megatron: expert-parallel size.")
 
     @model_validator(mode="after")

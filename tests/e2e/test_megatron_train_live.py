@@ -4,8 +4,8 @@ checkpoint, and gives transformers' logits.
 
 One two-rank run (module fixture) computes every case: the FSDP references (data parallel 2), then
 EP = 2 (Qwen3-MoE, data parallel 2), R3 under EP = 2, TP = 2 (Qwen3: tied embeddings, per-head q/k
-norms), PP = 2 (Qwen3, Qwen3-MoE), TP peers given different samples, and the logits of TP = 2 /
-EP = 2 vs transformers. A
+norms; also with GSPO + TIS), PP = 2 (Qwen3, Qwen3-MoE), offload / onload under EP = 2, TP peers
+given different samples, and the logits of TP = 2 / EP = 2 vs transformers. A
 rank's start-up (imports) costs more than all the tiny cases together, so they share one.
 """
 
@@ -25,6 +25,14 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
 TWO_RANKS = pytest.mark.xdist_group("megatron_two_ranks")  # one worker runs the shared fixture once
 
 R3 = {"use_rollout_routing_replay": True}
+# Another objective and a correction through the shared loss path: GSPO's sequence-level ratio,
+# sequence-mean aggregation, TIS weights on the rollout ratio (the random rollout log-probs make
+# them ~0.07, inside the default [0, 2]: every token's own weight), the low-variance KL. With
+# bounds [0.5, 1.5] every weight is clipped to 0.5, and after the first step the layouts spread
+# past 1e-5 (FSDP, Megatron TP = 2 and PP = 2 alike: grad_norm 4.21667 / 4.21659 / 4.21664;
+# one optimizer step agrees to 2e-7): fp32 noise grown by Adam, not a difference of the backends.
+GSPO_TIS = {"ratio_level": "sequence", "loss_aggregation": "sequence_mean", "ratio_correction": "tis",
+            "kl_loss_type": "low_var_kl"}
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +47,12 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
     cases = {
         "fsdp_moe": train(moe, "fsdp"), "fsdp_moe_r3": train(moe, "fsdp", overrides=R3),
-        "fsdp_dense": train(dense, "fsdp"),
+        "fsdp_dense": train(dense, "fsdp"), "fsdp_dense_gspo": train(dense, "fsdp", overrides=GSPO_TIS),
         "ep": train(moe, "megatron", ep=2, ckpt="ckpt_ep"),
         "ep_r3": train(moe, "megatron", ep=2, ckpt="ckpt_ep_r3", overrides=R3),
         "tp": train(dense, "megatron", tp=2, ckpt="ckpt_tp"),
+        "tp_gspo": train(dense, "megatron", tp=2, ckpt="ckpt_tp_gspo", overrides=GSPO_TIS),
+        "offload": {"fn": "offload_round_trip", "args": [moe, 1, 2]},
         "pp": train(dense, "megatron", pp=2, ckpt="ckpt_pp"), "pp_moe": train(moe, "megatron", pp=2, ckpt="ckpt_pp_moe"),
         "wrong_split": {"fn": "wrong_split", "args": [dense]},
         "logits": {"fn": "logits_gaps", "args": [[(dense, 2, 1), (moe, 2, 1), (moe, 1, 2)]]},
@@ -95,6 +105,27 @@ def test_routing_replay_with_expert_parallel_like_fsdp(two_ranks: list[dict]) ->
 @TWO_RANKS
 def test_tensor_parallel_trains_like_fsdp(two_ranks: list[dict]) -> None:
     _compare(two_ranks, "fsdp_dense", "tp")
+
+
+@TWO_RANKS
+def test_sequence_ratio_and_tis_correction_like_fsdp(two_ranks: list[dict]) -> None:
+    """GSPO-style sequence ratio, sequence-mean aggregation, TIS and the low-variance KL under
+    TP = 2: the FSDP numbers, the correction's metrics included."""
+    ranks = _compare(two_ranks, "fsdp_dense_gspo", "tp_gspo")
+    metrics = ranks[0]["metrics"][0]
+    assert 0 < metrics["rollout_ratio"] < 0.5, metrics  # the weights differ from 1: TIS acts
+
+
+@TWO_RANKS
+def test_offload_and_onload_keep_training_exact(two_ranks: list[dict]) -> None:
+    """EP = 2 on Qwen3-MoE: a train step while offloaded is refused; after onload the second
+    rollout equals the same two rollouts with no offload (CPU: the same bits)."""
+    for rank in two_ranks:
+        result = rank["offload"]
+        assert "called while offloaded; call onload() first" in result["refused"]
+        assert result["offload"]["metrics"] == result["straight"]["metrics"]
+        for name, weight in result["straight"]["hf"].items():
+            assert torch.equal(result["offload"]["hf"][name], weight), name
 
 
 @TWO_RANKS

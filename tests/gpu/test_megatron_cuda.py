@@ -44,6 +44,7 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> dict:
             cases[f"fsdp_{arch}_{dtype}"] = {"fn": "train_once", "args": [paths[arch], "fsdp", 1, 1, None, overrides]}
             cases[f"megatron_{arch}_{dtype}"] = {
                 "fn": "train_once", "args": [paths[arch], "megatron", 1, 1, str(root / f"ckpt_{arch}_{dtype}"), overrides]}
+    cases["offload"] = {"fn": "offload_round_trip", "args": [paths["qwen3"], 1, 1, {"device": "cuda"}]}
     [out] = run_ranks(run_cases, 1, cases, True, backend="nccl", timeout_s=200)
     print("case seconds:", out["seconds"])
     return out
@@ -95,6 +96,22 @@ def test_trains_like_fsdp_on_cuda(one_gpu, arch, dtype):
     # move a token across the clip)
     misses = {k: (v, got["again"][k]) for k, v in got["second"].items() if not near(k, got["again"][k], v, 1e-4, 1e-6)}
     assert not misses, f"second rollout (straight on, after reload) differs: {misses}"
+
+
+@FIXTURE_LIMIT
+def test_offload_frees_the_gpu_and_training_goes_on(one_gpu):
+    """offload() moves weights, gradients and Adam state to host memory (the device memory drops
+    by at least 90% of their bytes), a train step meanwhile is refused, and after onload() the
+    second rollout equals the same two rollouts with no offload (fp32, dense Qwen3)."""
+    got = _case(one_gpu, "offload")
+    (before, during), moved = got["allocated_gib"], got["moved_gib"]
+    print(f"offload: allocated {before * 2**10:.2f} -> {during * 2**10:.2f} MiB, tensors moved {moved * 2**10:.2f} MiB")
+    assert moved > 0 and before - during >= 0.9 * moved
+    assert "called while offloaded; call onload() first" in got["refused"]
+    for a, b in zip(got["straight"]["metrics"], got["offload"]["metrics"]):
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    for name, weight in got["straight"]["hf"].items():
+        torch.testing.assert_close(got["offload"]["hf"][name], weight, rtol=0, atol=1e-6)
 
 
 @pytest.mark.timeout(240)

@@ -46,6 +46,38 @@ def test_context_parallel_names_the_missing_package():
         validate_sizes(DENSE, ParallelSizes(cp=2), 2)
 
 
+def test_context_parallel_is_refused_even_with_the_package(monkeypatch):
+    """The backend builds megatron's local layers (their attention refuses CP) and splits no
+    sequence over CP ranks: with transformer-engine present, CP > 1 is still refused at start."""
+    import milepost.train.megatron.parallel as parallel
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(parallel.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
+    with pytest.raises(ValueError, match=r"--context-parallel-size 2: context parallel is not wired"):
+        validate_sizes(DENSE, ParallelSizes(cp=2), 2)
+    validate_sizes(DENSE, ParallelSizes(cp=1), 2)
+
+
+def test_missing_megatron_core_is_refused_naming_the_package(monkeypatch):
+    """Without megatron-core: `MegatronBackend.create` (ImportError) and the run config (ValueError,
+    with the other refusals) name the package and the install command."""
+    import milepost.train.megatron.provider as provider
+    from milepost.train.megatron.preflight import check_train_backend
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(provider.importlib.util, "find_spec",
+                        lambda name, *a: None if name.split(".")[0] == "megatron" else real(name, *a))
+    with pytest.raises(ImportError, match=r"needs the package megatron-core.*pip install 'milepost\[megatron\]'"):
+        provider.require_megatron()
+
+    class Cfg:
+        train_backend = "megatron"
+
+    with pytest.raises(ValueError, match=r"--train-backend megatron needs the package megatron-core.*pip install"):
+        check_train_backend(Cfg())
+
+
 def test_good_sizes_pass():
     validate_sizes(DENSE, ParallelSizes(tp=2), 4)
     validate_sizes(MOE, ParallelSizes(tp=2, ep=4), 4)

@@ -62,3 +62,7 @@ def validate_sizes(shape: ModelShape, sizes: ParallelSizes, world_size: int) -> 
         raise ValueError(f"--context-parallel-size {cp} needs the package transformer-engine (Megatron's context "
                          "parallel attention), which is not installed: pip install transformer-engine[pytorch] "
                          "(CUDA only), or set --context-parallel-size 1")
+    if cp > 1:  # with the package present the backend still builds local (non-TE) layers
+        raise ValueError(f"--context-parallel-size {cp}: context parallel is not wired in the Megatron backend yet "
+                         "(it builds megatron's local layers, whose attention refuses CP, and does not split "
+                         "sequences over CP ranks); set --context-parallel-size 1")

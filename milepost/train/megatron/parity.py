@@ -106,7 +106,8 @@ def train_once(rank: int, world_size: int, path: str, backend: str = "megatron",
     def mine(batch):
         if settings.use_rollout_routing_replay:
             batch.routed_experts = random_routings(path, batch.tokens)
-        return batch.select(split_for_rank([t.numel() for t in batch.tokens], data_rank, data_world, 4))
+        return batch.select(split_for_rank([t.numel() for t in batch.tokens], data_rank, data_world,
+                                           settings.global_batch_size))
 
     metrics = [trainer.train_step(mine(random_train_batch(8, 1)))]
     probe = [Sample(0, 0, tokens=list(range(3, 3 + k)), response_length=k - 2) for k in (5, 9, 13)]
@@ -125,6 +126,53 @@ def train_once(rank: int, world_size: int, path: str, backend: str = "megatron",
         out["extra"] = trainer.load_checkpoint(checkpoint_dir)
         out["again"] = trainer.train_step(second)
         out["again_hf"] = {n: t.clone().cpu() for n, t in trainer.named_hf_weights()}
+    return out
+
+
+def offload_round_trip(rank: int, world_size: int, path: str, tp: int = 1, ep: int = 1,
+                       overrides: dict | None = None) -> dict:
+    """Two rollouts with offload / onload between them, then the same two rollouts on a fresh
+    backend without: metrics and HF weights of both, the refusal of a train step while offloaded,
+    and (CUDA) the device memory this rank's tensors held before and during the offload."""
+    import gc
+
+    from milepost.testing.batches import random_train_batch
+    from milepost.train.batch import split_for_rank
+    from milepost.train.megatron.backend import MegatronBackend
+    from milepost.train.megatron.parallel import ParallelSizes
+    from milepost.train.settings import TrainerSettings
+
+    settings = TrainerSettings(**{**PARITY_SETTINGS, **(overrides or {})})
+    cuda = settings.device == "cuda"
+    out: dict = {}
+    for run in ("offload", "straight"):
+        trainer = MegatronBackend.create(path, settings, ParallelSizes(tp=tp, ep=ep))
+        batches = [random_train_batch(8, seed) for seed in (1, 2)]
+        mine = [b.select(split_for_rank([t.numel() for t in b.tokens], trainer.data_rank, trainer.data_world,
+                                        settings.global_batch_size)) for b in batches]
+        metrics = [trainer.train_step(mine[0])]
+        if run == "offload":
+            held = [*trainer.policy.parameters(), *(p.grad for p in trainer.policy.parameters() if p.grad is not None),
+                    *(trainer.reference.parameters() if trainer.reference is not None else ()),
+                    *(v for st in trainer.optimizer.state.values() for k, v in st.items()
+                      if isinstance(v, torch.Tensor) and k != "step")]
+            before = torch.cuda.memory_allocated() if cuda else 0
+            trainer.offload()
+            out["allocated_gib"] = (before / 2**30, torch.cuda.memory_allocated() / 2**30 if cuda else 0.0)
+            out["moved_gib"] = sum(t.numel() * t.element_size() for t in held) / 2**30
+            del held
+            try:
+                trainer.train_step(mine[1])
+                out["refused"] = ""
+            except RuntimeError as err:
+                out["refused"] = str(err)
+            trainer.onload()
+        metrics.append(trainer.train_step(mine[1]))
+        out[run] = {"metrics": metrics, "hf": {n: t.clone().cpu() for n, t in trainer.named_hf_weights()}}
+        del trainer
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     return out
 
 
@@ -216,7 +264,8 @@ def run_cases(rank: int, world_size: int, cases: dict[str, dict], keep_going: bo
     from megatron.core import parallel_state as ps
 
     fns = {"train_once": train_once, "wrong_split": wrong_split, "logits_gaps": logits_gaps,
-           "pipeline_grads": pipeline_grads, "router_gate_under_autocast": router_gate_under_autocast}
+           "pipeline_grads": pipeline_grads, "router_gate_under_autocast": router_gate_under_autocast,
+           "offload_round_trip": offload_round_trip}
     out: dict[str, object] = {}
     seconds: dict[str, float] = {}
     for name, case in cases.items():
