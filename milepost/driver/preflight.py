@@ -5,7 +5,8 @@ row of the prompt files parses and tokenizes, the longest prompt plus the respon
 the model's context, and the checkpoint a resume would load was trained from this model. (Rank 0
 reads the prompt files again as it starts: a second tokenization, for a refusal in seconds
 instead of after the engines' start.) A checkpoint records the model it was trained from
-(`model_fingerprint`, in the checkpoint's extra) so a resume can tell.
+(`model_fingerprint`, in the checkpoint's extra) so a resume can tell, and its LoRA layout
+(`lora_fingerprint`): an adapter of another rank, targets or names would not load into this run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from milepost.config import TrainConfig
+from milepost.lora.settings import parse_target_modules
 from milepost.rollout.rewards import load_group_reward_fn, load_reward_fn
 
 log = logging.getLogger(__name__)
@@ -187,19 +189,42 @@ def model_fingerprint(hf_checkpoint: Path) -> dict[str, Any]:
             "config": {k: v for k, v in config.items() if k not in _NOT_THE_MODEL}}
 
 
+def lora_fingerprint(cfg: TrainConfig) -> dict[str, Any] | None:
+    """What a checkpoint records of the run's LoRA layout; None for full-parameter training."""
+    if not cfg.lora_rank:
+        return None
+    return {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha,
+            "target_modules": list(parse_target_modules(cfg.lora_target_modules)),
+            "adapters": [a["name"] for a in cfg.adapters or []]}
+
+
+def _lora_text(lora: dict[str, Any] | None) -> str:
+    if lora is None:
+        return "full-parameter training (no --lora-rank)"
+    names = f" and [[lora.adapters]] {lora['adapters']}" if lora["adapters"] else ""
+    return (f"--lora-rank {lora['rank']} --lora-alpha {lora['alpha']} "
+            f"--lora-target-modules {','.join(lora['target_modules'])}{names}")
+
+
 def check_resume(cfg: TrainConfig, path: Path) -> None:
     """Refuse a checkpoint trained from another model (its weights would not fit, or would be
     silently trained on as if they were this model's)."""
     from milepost.train.checkpoint import META_FILE
 
-    saved = json.loads((path / META_FILE).read_text()).get("extra", {}).get("model")
+    extra = json.loads((path / META_FILE).read_text()).get("extra", {})
+    which = (f"--resume {path}" if cfg.resume != "auto"
+             else f"the latest checkpoint of --run-dir {cfg.run_dir} ({path})")
+    if "lora" in extra and extra["lora"] != lora_fingerprint(cfg):
+        raise RunError(
+            f"{which} was trained with {_lora_text(extra['lora'])}, but this run has "
+            f"{_lora_text(lora_fingerprint(cfg))}; resume with the LoRA settings it was trained "
+            "with, or start afresh in another --run-dir (or with --resume never)")
+    saved = extra.get("model")
     if saved is None:  # written before checkpoints recorded their model: nothing to compare
         return
     now = model_fingerprint(cfg.hf_checkpoint)
     diffs = sorted(k for k in saved["config"].keys() | now["config"].keys()
                    if saved["config"].get(k) != now["config"].get(k))
-    which = (f"--resume {path}" if cfg.resume != "auto"
-             else f"the latest checkpoint of --run-dir {cfg.run_dir} ({path})")
     if diffs:
         shown = "; ".join(f"{k}: {saved['config'].get(k)!r} there, {now['config'].get(k)!r} here"
                           for k in diffs[:6])

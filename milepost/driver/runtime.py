@@ -27,6 +27,7 @@ from milepost.driver.preflight import (
     RunError,
     check_resume,
     load_reward_fns,
+    lora_fingerprint,
     model_fingerprint,
     resume_checkpoint,
 )
@@ -289,7 +290,7 @@ class Runtime:
         next step's metrics."""
         t0 = time.perf_counter()
         extra = {"step": step, "data": self.data_state(),
-                 "model": model_fingerprint(self.cfg.hf_checkpoint)}
+                 "model": model_fingerprint(self.cfg.hf_checkpoint), "lora": lora_fingerprint(self.cfg)}
         box = [extra]
         if self.world > 1:  # the data state lives on rank 0; every rank writes the same extra
             dist.broadcast_object_list(box, src=0)

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from milepost.lora.adapters import is_adapter_name
@@ -66,7 +67,12 @@ def read_peft_adapter(path: str | Path) -> tuple[LoraSettings, dict[str, torch.T
     path = Path(path)
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         raise ValueError(f"{path} is not a PEFT LoRA adapter directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = json.loads((path / CONFIG_FILE).read_text())
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: {CONFIG_FILE} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: {CONFIG_FILE} holds {type(config).__name__}, not PEFT's JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {config.get('peft_type')!r}, only LORA adapters are served")
     for key, default in _UNSUPPORTED.items():
@@ -74,9 +80,23 @@ def read_peft_adapter(path: str | Path) -> tuple[LoraSettings, dict[str, torch.T
         if value not in (default, None, {}):
             raise ValueError(f"{path}: {CONFIG_FILE} sets {key}={config[key]!r}; only plain LoRA "
                              f"({key}={default!r}) is supported")
-    settings = LoraSettings(int(config["r"]), float(config["lora_alpha"]), config.get("target_modules") or ())
+    missing = [k for k in ("r", "lora_alpha") if k not in config]
+    if missing:
+        raise ValueError(f"{path}: {CONFIG_FILE} has no {missing} (PEFT writes r and lora_alpha)")
+    r, alpha, targets = config["r"], config["lora_alpha"], config.get("target_modules") or ()
+    try:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise ValueError(f"lora_alpha {alpha!r} is not a number")
+        settings = LoraSettings(r, float(alpha), targets)  # refuses a rank that is not an int > 0
+    except ValueError as e:  # e.g. target_modules naming lm_head, which no engine adapts
+        raise ValueError(f"{path}: {CONFIG_FILE} (r={r!r}, lora_alpha={alpha!r}, "
+                         f"target_modules={targets!r}): {e}") from None
+    try:
+        stored = load_file(str(path / WEIGHTS_FILE))
+    except SafetensorError as e:
+        raise ValueError(f"{path}: {WEIGHTS_FILE} is not a readable safetensors file ({e})") from None
     tensors = {}
-    for key, t in load_file(str(path / WEIGHTS_FILE)).items():
+    for key, t in stored.items():
         name = key.removeprefix(PEFT_PREFIX).replace(".default.", ".")
         if not is_adapter_name(name):
             raise ValueError(f"{path}: tensor {key!r} is not a LoRA A/B matrix")

@@ -118,7 +118,7 @@ class AdapterPool:
         try:
             settings, tensors = read_peft_adapter(path)
         except (ValueError, OSError) as e:
-            raise AdapterError(f"lora_path: {e}") from None
+            raise AdapterError(f"adapter {name!r}: lora_path {e}") from None
         self.load_tensors(name, settings, tensors, str(path))
 
     def load_tensors(self, name: str, settings: LoraSettings, tensors: dict[str, torch.Tensor],

@@ -11,6 +11,9 @@
    on the device and the offloaded state going to disk: the adapter, the critic's losses and the
    policy's losses come out bitwise the same as a run where everything stays resident
    (opt-in, `-m optin`: two more processes; the default suite's PPO-turns test covers full models).
+5. `--colocate` (opt-in, `-m optin`: another run): the adapter crosses by in-host tensor handoff
+   while the trainer is offloaded; the equality and per-update checks pass, each update the adapter
+   alone.
 """
 
 from __future__ import annotations
@@ -176,3 +179,27 @@ def test_ppo_critic_with_offload_turns_changes_nothing(tmp_path: Path) -> None:
     b = load_file(str(turns / "hf" / "adapter_model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert any(t.abs().sum() > 0 for n, t in a.items() if "lora_B" in n)  # the adapter trained
+
+
+@pytest.mark.optin  # one more run (~50 s on 2 busy cores): -m optin
+def test_colocated_tensor_handoff_carries_the_adapter(tmp_path: Path) -> None:
+    model = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3)
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "lora_compose_rewards.py").write_text(REWARD)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    run_dir = tmp_path / "rl"
+    train(["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--run-dir", str(run_dir),
+           "--reward-fn", "lora_compose_rewards:parity", "--rollout-batch-size", "2",
+           "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8", "--lr", "1e-2",
+           "--engine-max-total-tokens", "2048", "--num-rollout", "2", "--device", "cpu", *LORA,
+           "--colocate", "--check-weight-update-equal", "--check-weight-update", "--save-hf-at-end", "true"],
+          {"PYTHONPATH": os.pathsep.join([str(tmp_path / "rewards"), os.environ.get("PYTHONPATH", "")])})
+    assert 'update_weight_transfer_mode = "tensor"' in (run_dir / "config.resolved.toml").read_text()
+    records = metrics(run_dir)
+    assert len(records) == 2
+    adapter = load_file(str(run_dir / "hf" / "adapter_model.safetensors"))
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+    base_bytes = (model / "model.safetensors").stat().st_size
+    assert all(r["perf/update_weights_bytes"] == adapter_bytes < base_bytes / 10 for r in records)
+    assert any(t.abs().sum() > 0 for n, t in adapter.items() if "lora_B" in n)  # the adapter trained

@@ -130,3 +130,45 @@ def test_multi_lora_bad_entries_refused_naming_them(tmp_path: Path, entries: lis
                            "--session-model-family", "qwen3"])
     with pytest.raises(ConfigError, match="needs --lora-rank > 0"):
         load_config(None, [*args[:2], *args[4:-2], "--lora-adapters", ok])
+
+
+def test_resume_with_other_lora_settings_refused_naming_both(tmp_path: Path) -> None:
+    """A checkpoint records its LoRA layout: resuming it with another rank, targets, adapter names,
+    or with LoRA switched on or off, is refused before anything starts (the adapter would not load,
+    or the base would be trained as if it were the adapter)."""
+    import json
+
+    from milepost.driver.preflight import RunError, check_resume, lora_fingerprint, model_fingerprint
+    from milepost.train.checkpoint import META_FILE, checkpoint_path
+
+    args = stub_run_args(tmp_path, "--num-rollout", "4", "--rollout-batch-size", "4", "--device", "cpu")
+    trained = load_config(None, [*args, "--lora-rank", "4", "--lora-target-modules", "q_proj,v_proj"])
+    path = checkpoint_path(trained.run_dir, 1)
+    path.mkdir(parents=True)
+
+    def write(lora: object) -> None:
+        extra = {"step": 1, "model": model_fingerprint(trained.hf_checkpoint)}
+        (path / META_FILE).write_text(json.dumps({"extra": extra if lora == "absent" else extra | {"lora": lora}}))
+
+    write(lora_fingerprint(trained))
+    check_resume(trained, path)  # the same settings resume
+    check_resume(load_config(None, [*args, "--lora-rank", "4", "--lora-target-modules", "v_proj,q_proj"]), path)
+    was = "trained with --lora-rank 4 --lora-alpha 16.0 --lora-target-modules q_proj,v_proj, but this run has"
+    for flags, now in [(["--lora-rank", "8", "--lora-target-modules", "q_proj,v_proj"], "--lora-rank 8 "),
+                       (["--lora-rank", "4"], "--lora-rank 4 --lora-alpha 16.0 --lora-target-modules q_proj,k_proj,"),
+                       ([], "full-parameter training")]:
+        with pytest.raises(RunError, match=f"latest checkpoint of --run-dir .*{was} {now}"):
+            check_resume(load_config(None, [*args, *flags]), path)
+    write(None)  # a full-parameter checkpoint
+    check_resume(load_config(None, args), path)
+    with pytest.raises(RunError, match="trained with full-parameter training .* this run has --lora-rank 4"):
+        check_resume(trained, path)
+    write("absent")  # written before checkpoints recorded LoRA: nothing to compare
+    check_resume(trained, path)
+    prompts = args[3]
+    multi = [*args[:2], *args[4:], "--lora-rank", "4", "--lora-target-modules", "q_proj,v_proj"]
+    one = load_config(None, [*multi, "--lora-adapters", json.dumps([{"name": "a", "prompt_data": prompts}])])
+    write(lora_fingerprint(one))
+    two = json.dumps([{"name": "a", "prompt_data": prompts}, {"name": "b", "prompt_data": prompts}])
+    with pytest.raises(RunError, match=r"\[\[lora.adapters\]\] \['a'\], but .*\[\[lora.adapters\]\] \['a', 'b'\]"):
+        check_resume(load_config(None, [*multi, "--lora-adapters", two]), path)

@@ -165,6 +165,61 @@ def test_bad_adapters_refused_and_weights_addressable(setup: dict) -> None:
     assert len(flat(out["fine"])[0]) == 6
 
 
+def test_adapters_that_do_not_fit_are_refused_naming_them(setup: dict) -> None:
+    """The issue's bad input at load: unknown target modules, targets the engine does not serve, a
+    rank that does not match the tensors, an adapter for another base (more layers), a config or
+    weights file that cannot be read. Each is an AdapterError naming the adapter; the adapter
+    already loaded keeps serving."""
+    import json
+
+    root = setup["root"] / "unfit"
+    engine = make_engine(setup["base"], enable_lora=True, max_lora_rank=2,
+                         lora_target_modules="q_proj,v_proj,down_proj", lora_paths=f"chat={setup['dirs']['chat']}")
+    pool = engine.runner.lora
+
+    def write(name: str, settings: LoraSettings, tensors: dict[str, torch.Tensor], **config: object) -> Path:
+        write_peft_adapter(tensors.items(), settings, setup["base"], root / name)
+        if config:
+            path = root / name / "adapter_config.json"
+            path.write_text(json.dumps(json.loads(path.read_text()) | config))
+        return root / name
+
+    small = LoraSettings(2, 4.0, "q_proj,v_proj")
+    fits = random_adapter(setup["base"], small, 5)
+    more_layers = make_tiny_checkpoint(root / "deeper", "qwen3", with_tokenizer=False, num_hidden_layers=3)
+    cases = {
+        "head": (write("head", small, fits, target_modules=["q_proj", "lm_head"]),
+                 r"adapter 'head': lora_path .*target_modules.*unknown module\(s\) \['lm_head'\]"),
+        "o": (write("o", LoraSettings(2, 4.0, "q_proj,o_proj"),
+                    random_adapter(setup["base"], LoraSettings(2, 4.0, "q_proj,o_proj"), 6)),
+              r"adapter 'o' targets \['o_proj'\], which this engine does not serve"),
+        "r": (write("r", small, random_adapter(setup["base"], LoraSettings(1, 4.0, "q_proj,v_proj"), 7)),
+              r"adapter 'r' does not fit this model: .*lora_A \[1, \d+\].*expected \[2, \d+\].*\(rank 2 on"),
+        "deep": (write("deep", small, random_adapter(more_layers, small, 8)),
+                 r"adapter 'deep' does not fit this model: tensors \['model.layers.2.*an adapter for another base"),
+        "norank": (write("norank", small, fits, r=None),
+                   r"adapter 'norank': lora_path .*rank must be a positive integer"),
+    }
+    (root / "noalpha").mkdir()
+    (root / "noalpha" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    (root / "noalpha" / "adapter_model.safetensors").write_bytes(b"")
+    cases["noalpha"] = (root / "noalpha", r"adapter 'noalpha': lora_path .*has no \['lora_alpha'\]")
+    broken = write("broken", small, fits)
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    cases["broken"] = (broken, r"adapter 'broken': lora_path .*not a readable safetensors file")
+    garbled = write("garbled", small, fits)
+    (garbled / "adapter_config.json").write_text("{r: 2")
+    cases["garbled"] = (garbled, r"adapter 'garbled': lora_path .*garbled: adapter_config.json is not valid JSON")
+    for name, (path, message) in cases.items():
+        with pytest.raises(AdapterError, match=message):
+            pool.load(name, path)
+    assert sorted(pool.loaded) == ["chat"]  # nothing of the refused ones stays
+    assert pool.scaling.count_nonzero() == 1
+    pool.load("fits", write("fits", small, fits))  # the same files, well-formed, do load
+    out = run(engine, [("chat", PROMPTS[0], "chat"), ("fits", PROMPTS[0], "fits"), ("base", PROMPTS[0], None)])
+    assert all(len(flat(out[rid])[0]) == 6 for rid in ("chat", "fits", "base"))
+
+
 def test_graph_rows_weight_each_decode_row_by_its_adapter(setup: dict) -> None:
     """The decode CUDA graphs read per-row adapter weights from one static buffer (stacked path):
     each row gets its adapter's scaling in its slot's column, padding rows and base rows zeros."""
