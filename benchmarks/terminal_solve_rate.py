@@ -37,12 +37,13 @@ def _record_commands() -> None:
 
 
 async def _play(url: str, tasks: list, episodes: int, max_new: int, max_turns: int,
-                parallel: int) -> list[dict]:
+                parallel: int, unsafe: bool) -> list[dict]:
     from milepost.data.source import PromptItem
-    from milepost.envs.terminal import run_episode
+    from milepost.envs.terminal import DEMO, run_episode
     from milepost.rollout.layers import AgentContext
 
     gate = asyncio.Semaphore(parallel)
+    shown_calls = sum(m["role"] == "assistant" for m in DEMO)  # the demonstrations' replies
 
     async def one(http: httpx.AsyncClient, task, k: int) -> dict:
         async with gate:
@@ -51,14 +52,15 @@ async def _play(url: str, tasks: list, episodes: int, max_new: int, max_turns: i
             sid = (await http.post(f"{url}/sessions")).json()["session_id"]
             item = PromptItem(index=0, prompt="", prompt_ids=[], label=task.name)
             ctx = AgentContext(f"{url}/sessions/{sid}/v1", item, k, http, max_new)
-            out = await run_episode(ctx, max_turns=max_turns, timeout_s=600)
+            out = await run_episode(ctx, max_turns=max_turns, timeout_s=600,
+                                    allow_unsafe_no_sandbox=unsafe)
             shown = (await http.get(f"{url}/sessions/{sid}")).json()
             await http.delete(f"{url}/sessions/{sid}")
             replies = [m.get("content") or json.dumps(m.get("tool_calls"))
                        for m in shown["messages"] if m["role"] == "assistant"]
             return {"task": task.name, "reward": out.reward, **out.metadata,
                     "ran": commands[:-1],  # the last one is the task's test
-                    "first_reply": replies[1] if len(replies) > 1 else None}  # [0]: the demo
+                    "first_reply": replies[shown_calls] if len(replies) > shown_calls else None}
 
     async with httpx.AsyncClient(timeout=900) as http:
         return await asyncio.gather(*(one(http, t, k) for t in tasks for k in range(episodes)))
@@ -77,6 +79,9 @@ def main() -> int:
     p.add_argument("--parallel", type=int, default=16, help="episodes at once")
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("--allow-unsafe-no-sandbox", action="store_true",
+                   help="where bubblewrap cannot isolate (the summary's `sandboxed` says so): "
+                        "run the model's commands unisolated, as terminal_agent_fn_unsafe_no_sandbox")
     a = p.parse_args()
 
     from milepost.session.runner import SessionServerThread
@@ -91,7 +96,8 @@ def main() -> int:
     with ServerProcess(a.model, "--device", a.device, "--max-total-tokens", "32768",
                        timeout_s=600) as engine, \
             SessionServerThread(a.model, engine.url, family="chatml", settings=settings) as srv:
-        rows = asyncio.run(_play(srv.url, tasks, a.episodes, a.max_new, a.max_turns, a.parallel))
+        rows = asyncio.run(_play(srv.url, tasks, a.episodes, a.max_new, a.max_turns, a.parallel,
+                                a.allow_unsafe_no_sandbox))
     solved = sum(r["reward"] for r in rows)
     kinds: Counter[str] = Counter()
     kinds_solved: Counter[str] = Counter()
@@ -104,6 +110,7 @@ def main() -> int:
         "episodes": len(rows), "solved": int(solved), "solve_rate": solved / len(rows),
         "commands": sum(r["commands"] for r in rows),
         "by_kind": {k: f"{kinds_solved[k]}/{kinds[k]}" for k in sorted(kinds)},
+        "sandboxed": all(r["sandboxed"] for r in rows),
         "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(summary))
     if a.json_out:

@@ -9,7 +9,8 @@ processes, file size, CPU seconds) and a wall-clock limit per command. The works
 between commands as a host copy that goes in and comes back as a tar stream, so it never holds
 more than the tmpfs did. If bubblewrap is missing or the machine forbids user namespaces,
 `Sandbox` refuses to start, unless `allow_unsafe_no_sandbox=True` (then commands run as plain
-subprocesses in the temp directory: NO isolation; for machines where you trust the model).
+subprocesses in the temp directory: NO isolation; for machines where you trust the model; as
+root, they still run as the sandbox's own unprivileged uid under the same resource limits).
 """
 
 from __future__ import annotations
@@ -235,6 +236,9 @@ class Sandbox:
                 raise ValueError(f"sandbox file {rel!r} is outside the workspace")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)
+        if not self.isolated and os.geteuid() == 0:  # the unprivileged uid works in its own copy
+            for p in [self.workdir, *self.workdir.rglob("*")]:
+                os.chown(p, self.uid, self.uid, follow_symlinks=False)
 
     def run(self, command: str) -> CommandResult:
         if not self.isolated:
@@ -285,10 +289,13 @@ class Sandbox:
 
     def _run_unisolated(self, command: str) -> CommandResult:
         lim = self.limits
-        try:
-            out = subprocess.run(["/bin/sh", "-c", command], check=False, cwd=self.workdir,
-                                 capture_output=True, text=True, errors="replace",
-                                 timeout=lim.command_timeout_s, stdin=subprocess.DEVNULL)
+        argv = ["/bin/sh", "-c", command]
+        if shutil.which("prlimit") is not None:
+            argv = _limited(argv, lim)
+        try:  # as root: as the sandbox's uid, so nothing it runs is host root
+            out = subprocess.run(argv, check=False, cwd=self.workdir, capture_output=True,
+                                 text=True, errors="replace", timeout=lim.command_timeout_s,
+                                 stdin=subprocess.DEVNULL, **_as_uid(self.uid))
         except subprocess.TimeoutExpired as e:
             text = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes)
                     else (e.stdout or ""))

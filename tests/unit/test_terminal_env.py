@@ -3,6 +3,8 @@ test fails on the starting files and passes after its reference solution)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from milepost.envs.sandbox import (
@@ -47,6 +49,10 @@ def test_refuses_without_isolation_unless_unsafe(monkeypatch) -> None:
         Sandbox()
     with Sandbox({"f": "x"}, allow_unsafe_no_sandbox=True) as box:
         assert not box.isolated and box.run("cat f").output == "x"
+        assert box.run("echo y > g && cat g").output == "y\n"
+        if os.geteuid() == 0:  # unisolated, but as the sandbox's own uid: not host root
+            assert box.run("id -u").output.strip() == str(box.uid) != "0"
+            assert box.run("touch /etc/milepost-probe").exit_code != 0
 
 
 @needs_bwrap
