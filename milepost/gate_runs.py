@@ -32,6 +32,12 @@ _UNREGISTERED = {"step", "time", "rollout/prefix_cache_hit_rate"}
 # bits: 2.5e-7 to 3.3e-7 over the same steps of two identical runs (2026-12-03). The band is
 # three times that spread's top; a real mismatch regression is orders of magnitude larger.
 DEFAULT_BANDS = {"train/train_rollout_logprob_abs_diff": 1e-6}
+# A standard is compared bit for bit on whichever x86 machine CI lands on, so no library may choose
+# its kernels by the processor: torch's own vector kernels, MKL's GEMMs (its conditional numerical
+# reproducibility mode) and oneDNN are held to their AVX2 code. Unpinned, the standard written on
+# one CI machine differed on another (an AVX-512/AMX Xeon, 2026-12-04) from step 0's grad_norm on,
+# by 1e-7; each of the three pins alone moved this machine's numbers.
+PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def registrable(name: str) -> bool:
@@ -114,11 +120,14 @@ RUNS: dict[str, GateRun] = {r.name: r for r in (
 
 def run_fresh(run: GateRun, work: Path, extra_args: list[str] | None = None) -> list[dict[str, Any]]:
     """Run `run` in `work` (plus `extra_args` for `milepost train`, e.g. a perturbation) and return
-    its metrics.jsonl records. Engines and trainer get one thread each (OMP_NUM_THREADS=1)."""
+    its metrics.jsonl records. Engines and trainer get one thread each (OMP_NUM_THREADS=1) and
+    the pinned kernels (PINNED_KERNELS)."""
+    _require_avx2()
     work.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work / "run", ignore_errors=True)  # a reused work dir: never resume an old run
     argv = run.prepare(work) + list(extra_args or [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **run.extra_env}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **PINNED_KERNELS,
+           **run.extra_env}
     log = work / "train.log"
     with log.open("w") as out:
         done = subprocess.run([sys.executable, "-m", "milepost", "train", *argv], env=env,
@@ -128,3 +137,14 @@ def run_fresh(run: GateRun, work: Path, extra_args: list[str] | None = None) -> 
         raise RuntimeError(f"gate run {run.name!r} failed (exit {done.returncode}); log {log}:\n{tail}")
     metrics = work / "run" / "metrics.jsonl"
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def _require_avx2() -> None:
+    """The pinned kernels need an x86-64 processor with AVX2; elsewhere the standards cannot hold."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    if " avx2" not in flags or " fma" not in flags:
+        raise RuntimeError("the metric gate's standards are bit for bit with torch, MKL and oneDNN held "
+                           "to their AVX2 kernels (milepost/gate_runs.py PINNED_KERNELS); this "
+                           "machine reports no AVX2/FMA in /proc/cpuinfo: run the gate on an x86-64 "
+                           "machine that has them")
