@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from milepost.gate_runs import PINNED_KERNELS
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "diffusion_tiny.toml"
 # Allowances on 2 cores shared with other jobs (load 10-14 measured: a pretraining step 0.5 s,
@@ -47,7 +49,9 @@ def _train(model_dir: Path, run_dir: Path, *flags: str, steps: int, classifier: 
     cmd = [sys.executable, "-m", "milepost", "train", str(RECIPE), "--diffusion-checkpoint", str(model_dir),
            "--classifier-path", str(classifier or "none"), "--run-dir", str(run_dir), "--num-rollout", str(steps),
            "--device", "cpu", *([] if classifier else ["--quality-probe", "0"]), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The gate's pinned kernels: on an AVX-512 processor, unpinned, the engine's and the trainer's
+    # batches of different shapes took different kernels and scored step 0 2e-8 apart (2026-12-04).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **PINNED_KERNELS}
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=START_S + RL_STEP_S * steps, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
