@@ -81,6 +81,10 @@ class PlacementTable(Table):
         1, ge=1, description="--train-backend megatron: context-parallel size (not wired yet: sizes above 1 "
         "are refused; it would need transformer-engine).")
     expert_model_parallel_size: int = Field(1, ge=1, description="--train-backend megatron: expert-parallel size.")
+    use_distributed_optimizer: bool = Field(
+        False, description="--train-backend megatron: megatron-core's distributed optimizer: gradients "
+        "reduce-scattered over data parallel, each rank keeps the Adam state of its 1/DP shard of the "
+        "weights (off: AdamW state for every weight of the rank's model shard).")
 
     @model_validator(mode="after")
     def _train_backend(self) -> PlacementTable:

@@ -446,6 +446,7 @@ def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
                              if cfg.stream_optimizer_state_to_disk else None),
         optimizer_bucket_bytes=cfg.optimizer_state_bucket_bytes,
         optimizer_moment_dtype=cfg.optimizer_moment_dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
         dtype=cfg.dtype, device=cfg.device, true_on_policy=cfg.true_on_policy,
         opd_teacher_checkpoint=(None if cfg.opd_teacher_checkpoint is None
                                 else str(cfg.opd_teacher_checkpoint)),

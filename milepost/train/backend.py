@@ -109,6 +109,9 @@ def create_backend(model_path: str | Path, settings: Any, train_backend: str = "
         return MegatronBackend.create(model_path, settings, sizes)
     if train_backend != "fsdp":
         raise ValueError(f"--train-backend {train_backend!r}: choose fsdp or megatron")
+    if getattr(settings, "use_distributed_optimizer", False):
+        raise ValueError("use_distributed_optimizer=True needs --train-backend megatron (FSDP already shards "
+                         "the optimizer state over its ranks)")
     from milepost.train.fsdp import FSDPBackend
 
     return FSDPBackend.create(model_path, settings)

@@ -67,6 +67,8 @@ class TrainerSettings:
         tensors: pinned host memory, or per-rank files under offload_dir through a staging buffer.
     actor_critic_turns: with a critic, the actor and the critic take turns on the device within a
         step (--offload-actor-for-critic): one is evicted while the other computes or trains.
+    use_distributed_optimizer: --train-backend megatron: megatron-core's distributed optimizer (DDP
+        grad buffers reduce-scattered over data parallel, each rank's Adam state 1/DP of the weights).
     optimizer_state_dir: set = stream the Adam moments from per-rank files there (bucketed by
         optimizer_bucket_bytes; moments in optimizer_moment_dtype, float32 = bitwise AdamW).
     true_on_policy: the kernel contract of milepost/onpolicy/contract.py: one sample per
@@ -122,6 +124,7 @@ class TrainerSettings:
     offload_dir: str | None = None
     offload_staging_bytes: int = 64 << 20
     actor_critic_turns: bool = False
+    use_distributed_optimizer: bool = False
     optimizer_state_dir: str | None = None
     optimizer_bucket_bytes: int = 256 << 20
     optimizer_moment_dtype: Literal["float32", "bfloat16"] = "float32"

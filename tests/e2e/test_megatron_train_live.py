@@ -4,8 +4,9 @@ checkpoint, and gives transformers' logits.
 
 One two-rank run (module fixture) computes every case: the FSDP references (data parallel 2), then
 EP = 2 (Qwen3-MoE, data parallel 2), R3 under EP = 2, TP = 2 (Qwen3: tied embeddings, per-head q/k
-norms; also with GSPO + TIS), PP = 2 (Qwen3, Qwen3-MoE), offload / onload under EP = 2, TP peers
-given different samples, and the logits of TP = 2 / EP = 2 vs transformers. A
+norms; also with GSPO + TIS), PP = 2 (Qwen3, Qwen3-MoE), offload / onload under EP = 2, megatron's
+distributed optimizer (EP = 2 and plain data parallel 2; its offload), TP peers given different
+samples, and the logits of TP = 2 / EP = 2 vs transformers. A
 rank's start-up (imports) costs more than all the tiny cases together, so they share one.
 """
 
@@ -33,6 +34,7 @@ R3 = {"use_rollout_routing_replay": True}
 # one optimizer step agrees to 2e-7): fp32 noise grown by Adam, not a difference of the backends.
 GSPO_TIS = {"ratio_level": "sequence", "loss_aggregation": "sequence_mean", "ratio_correction": "tis",
             "kl_loss_type": "low_var_kl"}
+DIST_OPT = {"use_distributed_optimizer": True}  # megatron's DDP buffers + DistributedOptimizer
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         "tp": train(dense, "megatron", tp=2, ckpt="ckpt_tp"),
         "tp_gspo": train(dense, "megatron", tp=2, ckpt="ckpt_tp_gspo", overrides=GSPO_TIS),
         "offload": {"fn": "offload_round_trip", "args": [moe, 1, 2]},
+        "ep_dopt": train(moe, "megatron", ep=2, ckpt="ckpt_ep_dopt", overrides=DIST_OPT),
+        "dp_dopt": train(dense, "megatron", ckpt="ckpt_dp_dopt", overrides=DIST_OPT),
+        "offload_dopt": {"fn": "offload_round_trip", "args": [moe, 1, 2, DIST_OPT]},
         "pp": train(dense, "megatron", pp=2, ckpt="ckpt_pp"), "pp_moe": train(moe, "megatron", pp=2, ckpt="ckpt_pp_moe"),
         "wrong_split": {"fn": "wrong_split", "args": [dense]},
         "logits": {"fn": "logits_gaps", "args": [[(dense, 2, 1), (moe, 2, 1), (moe, 1, 2)]]},
@@ -122,6 +127,44 @@ def test_offload_and_onload_keep_training_exact(two_ranks: list[dict]) -> None:
     rollout equals the same two rollouts with no offload (CPU: the same bits)."""
     for rank in two_ranks:
         result = rank["offload"]
+        assert "called while offloaded; call onload() first" in result["refused"]
+        assert result["offload"]["metrics"] == result["straight"]["metrics"]
+        for name, weight in result["straight"]["hf"].items():
+            assert torch.equal(result["offload"]["hf"][name], weight), name
+
+
+@TWO_RANKS
+def test_distributed_optimizer_trains_like_adamw_and_fsdp(two_ranks: list[dict]) -> None:
+    """--use-distributed-optimizer (megatron's DDP buffers, reduce-scatter, DistributedOptimizer,
+    all-gather) on Qwen3-MoE with EP = 2 (dense weights data parallel 2, experts 1) and on Qwen3
+    with data parallel 2: FSDP's numbers and the AdamW path's, resume bit-exact (in _compare)."""
+    _compare(two_ranks, "fsdp_moe", "ep_dopt")
+    _compare(two_ranks, "ep", "ep_dopt")
+    _compare(two_ranks, "fsdp_dense", "dp_dopt")
+
+
+@TWO_RANKS
+def test_distributed_optimizer_keeps_one_shard_of_adam_state_per_rank(two_ranks: list[dict]) -> None:
+    """Each rank holds Adam moments (2 x fp32) for its half of megatron's flat buffer only: the two
+    shards add up to every weight exactly once; the halves differ by the buffer's alignment padding.
+    Experts (expert data parallel 1 under EP = 2) stay whole on their rank."""
+    dense_numel = sum(w.numel() for w in two_ranks[0]["fsdp_dense"]["hf"].values())
+    full = 8 * dense_numel  # exp_avg and exp_avg_sq, fp32, every weight (tied embedding once)
+    ranks = [r["dp_dopt"]["adam_bytes"] for r in two_ranks]
+    print("dense DP=2: Adam bytes per rank", ranks, "of", full)
+    assert sum(ranks) == full and max(ranks) <= 0.55 * full
+    moe = {k: w.numel() for k, w in two_ranks[0]["fsdp_moe"]["hf"].items()}
+    dense_moe = 8 * sum(n for k, n in moe.items() if ".experts." not in k)
+    saved = [r["ep"]["adam_bytes"] - r["ep_dopt"]["adam_bytes"] for r in two_ranks]
+    print("MoE EP=2: Adam bytes per rank, AdamW", [r["ep"]["adam_bytes"] for r in two_ranks],
+          "distributed", [r["ep_dopt"]["adam_bytes"] for r in two_ranks], "dense state", dense_moe)
+    assert sum(saved) == dense_moe and min(saved) >= 0.45 * dense_moe  # half the dense state each, experts kept
+
+
+@TWO_RANKS
+def test_distributed_optimizer_offload_and_onload_keep_training_exact(two_ranks: list[dict]) -> None:
+    for rank in two_ranks:
+        result = rank["offload_dopt"]
         assert "called while offloaded; call onload() first" in result["refused"]
         assert result["offload"]["metrics"] == result["straight"]["metrics"]
         for name, weight in result["straight"]["hf"].items():

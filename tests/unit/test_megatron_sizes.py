@@ -147,3 +147,22 @@ def test_run_config_refuses_bad_backend_settings(tmp_path):
         assert (cfg.train_backend, cfg.tensor_model_parallel_size) == ("megatron", 2)
         cfg = load("--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2")
         assert cfg.pipeline_model_parallel_size == 2  # pipeline parallel is accepted now
+
+
+def test_distributed_optimizer_needs_the_megatron_backend():
+    """--use-distributed-optimizer with --train-backend fsdp is refused when the config is built and
+    by create_backend, naming the setting."""
+    from milepost.train.backend import create_backend
+    from milepost.train.megatron.preflight import check_train_backend
+    from milepost.train.settings import TrainerSettings
+
+    class Cfg:
+        train_backend = "fsdp"
+        tensor_model_parallel_size = pipeline_model_parallel_size = 1
+        context_parallel_size = expert_model_parallel_size = 1
+        use_distributed_optimizer = True
+
+    with pytest.raises(ValueError, match=r"--use-distributed-optimizer needs --train-backend megatron"):
+        check_train_backend(Cfg())
+    with pytest.raises(ValueError, match=r"use_distributed_optimizer=True needs --train-backend megatron"):
+        create_backend("unused", TrainerSettings(use_distributed_optimizer=True), "fsdp")

@@ -6,9 +6,10 @@ directory. Ranks of one model-parallel group must be given the same samples: spl
 backend's (milepost/train/micro.py, losses.py, corrections.py): packed micro-batches (block-causal
 mask), the loss pre-divided by the global loss-token count, gradients summed over the data-parallel
 group (experts: over their expert-data-parallel group), then clip and AdamW on each rank's shard.
-Deviation from the report: the optimizer is torch AdamW on local shards (the same update as
-Megatron's distributed Adam, without its sharding of optimizer state). Pipeline parallel (PP > 1)
-runs megatron's 1F1B schedule (pipeline.py); the loss and scores come from the last stage.
+The optimizer: torch AdamW on each rank's model shard, or with `--use-distributed-optimizer`
+megatron-core's distributed optimizer (dist_optim.py: the same update, its Adam state sharded
+over data parallel). Pipeline parallel (PP > 1) runs megatron's 1F1B schedule (pipeline.py); the
+loss and scores come from the last stage.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from milepost.train.logprobs import plan_micro_batches
 from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss
 from milepost.train.megatron import checkpoint as mckpt
 from milepost.train.megatron.convert import megatron_to_hf, unshard
+from milepost.train.megatron.dist_optim import DistributedAdam
 from milepost.train.megatron.parallel import ParallelSizes, validate_sizes
 from milepost.train.megatron.pipeline import broadcast_scores, run_pipeline
 from milepost.train.megatron.provider import (
@@ -93,7 +95,12 @@ class MegatronBackend:
         self.policy, self.reference = policy, reference
         self.critic = self.teacher = None  # not available on this backend (refused at start)
         self.offloaded = False
-        self.optimizer, self.scheduler = build_optimizer(list(policy.parameters()), settings)
+        # --use-distributed-optimizer: megatron's DDP buffers and DistributedOptimizer (Adam state 1/DP)
+        self.dist_adam = DistributedAdam(policy, settings) if settings.use_distributed_optimizer else None
+        if self.dist_adam is not None:
+            self.optimizer, self.scheduler = self.dist_adam, self.dist_adam.schedules
+        else:
+            self.optimizer, self.scheduler = build_optimizer(list(policy.parameters()), settings)
         self.loss_fn = get_loss(settings.loss_type, settings.custom_loss_function_path)
         self.loss_settings = LossSettings(
             eps_clip=settings.eps_clip, eps_clip_high=settings.clip_high, ratio_level=settings.ratio_level,
@@ -263,9 +270,14 @@ class MegatronBackend:
                 for local in plan:
                     acc += self._micro_step(batch, [step[j] for j in local], old, ref, weights, denom, r3)
             self._sync_gradients()
-            grad_norms.append(self._clip_gradients(self.settings.clip_grad))
             lr = self.optimizer.param_groups[0]["lr"]
-            nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
+            if self.dist_adam is not None:
+                norm, skipped = self.dist_adam.step(self.settings.clip_grad)
+                grad_norms.append(norm)
+                nonfinite += skipped
+            else:
+                grad_norms.append(self._clip_gradients(self.settings.clip_grad))
+                nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
         abs_diff = 0.0
         if batch.rollout_logprobs is not None and old is not None:
             for o, r, m in zip(old, batch.rollout_logprobs, batch.loss_masks):
@@ -333,23 +345,33 @@ class MegatronBackend:
         megatron's finalize_model_grads does: Qwen3's per-head q/k norms (replicated, but each TP
         rank sees its heads only) and, under sequence parallel (MoE with TP), the weights marked
         `sequence_parallel` (norms, router: each TP rank sees its part of the sequence).
+        Distributed optimizer: the same sums on DDP's `main_grad`, the TP and embedding ones first
+        (on every rank's whole local gradient), then megatron's reduce-scatter over data parallel.
         """
         tp_sum = self.sizes.tp > 1
         sp = tp_sum and self.shape.is_moe
         for name, p in self.policy.named_parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # an expert no token reached: still in the collective
+            if self.dist_adam is not None:
+                grad = p.main_grad
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)  # an expert no token reached: still in the collective
+                grad = p.grad
             if self.sizes.pp > 1 and getattr(p, "shared_embedding", False):
                 # the tied embedding's copies on the first and last stage: one gradient, one update
-                dist.all_reduce(p.grad, group=self._embedding_group())
+                dist.all_reduce(grad, group=self._embedding_group())
             if tp_sum and ("q_layernorm" in name or "k_layernorm" in name
                            or (sp and getattr(p, "sequence_parallel", False))):
-                dist.all_reduce(p.grad, group=self._tp_group)
+                dist.all_reduce(grad, group=self._tp_group)
+            if self.dist_adam is not None:
+                continue  # data parallel: the reduce-scatter below
             if getattr(p, "allreduce", True):
                 if self.data_world > 1:
                     dist.all_reduce(p.grad, group=self._dp_group)
             elif dist.get_world_size(self._edp_group) > 1:
                 dist.all_reduce(p.grad, group=self._edp_group)
+        if self.dist_adam is not None:
+            self.dist_adam.reduce_scatter()
 
     def _clip_gradients(self, clip: float) -> float:
         """Global L2 norm (each weight counted once over TP and EP), then torch's clip rule."""
@@ -420,7 +442,10 @@ class MegatronBackend:
             yield name, t.to(self.device, dtype)
 
     def _layout(self) -> dict[str, int]:
-        return {"tp": self.sizes.tp, "pp": self.sizes.pp, "ep": self.sizes.ep, "cp": self.sizes.cp}
+        layout = {"tp": self.sizes.tp, "pp": self.sizes.pp, "ep": self.sizes.ep, "cp": self.sizes.cp}
+        if self.dist_adam is not None:  # per-rank Adam shards: resume with the same setting and sizes
+            layout["use_distributed_optimizer"] = 1
+        return layout
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         self._require_onloaded("save_checkpoint")
@@ -435,7 +460,27 @@ class MegatronBackend:
 
     # --- offload -----------------------------------------------------------------------------------
 
+    def optimizer_state_tensors(self) -> list[torch.Tensor]:
+        """The Adam moments this rank holds (with the distributed optimizer: its 1/DP shards)."""
+        if self.dist_adam is not None:
+            return self.dist_adam.state_tensors()
+        return [v for st in self.optimizer.state.values() for k, v in st.items()
+                if isinstance(v, torch.Tensor) and k != "step"]
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """What `offload` moves: weights, gradients, Adam state, the reference model."""
+        ref = list(self.reference.parameters()) if self.reference is not None else []
+        if self.dist_adam is not None:
+            return self.dist_adam.device_tensors() + ref
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        return [*self.policy.parameters(), *grads, *ref, *self.optimizer_state_tensors()]
+
     def _move(self, device: torch.device) -> None:
+        if self.dist_adam is not None:  # weights live in DDP's buffers: megatron's buffer offload
+            self.dist_adam.move(device)
+            if self.reference is not None:
+                self.reference.to(device)
+            return
         for model in (self.policy, self.reference):
             if model is not None:
                 model.to(device)

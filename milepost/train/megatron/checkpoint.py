@@ -1,4 +1,5 @@
-"""Megatron backend checkpoints: each rank's model shard, AdamW state, schedule and RNG, atomically.
+"""Megatron backend checkpoints: each rank's model shard, Adam state (its shard of it with the distributed
+optimizer), schedule and RNG, atomically.
 
 Same directory contract as the FSDP checkpoints, through the same staging and atomic publish
 (`staged_checkpoint_dir` in milepost/train/checkpoint.py): `milepost_checkpoint.json` (written
@@ -25,7 +26,7 @@ from milepost.train.checkpoint import (
 )
 
 
-def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+def save(path: str | Path, model: nn.Module, optimizer: Any, scheduler: Any,
          layout: dict[str, int], extra: dict[str, Any] | None = None) -> None:
     """Collective: every rank writes its own file; rank 0 renames the directory into place."""
     meta = {"format_version": FORMAT_VERSION, "world_size": dist.get_world_size(), "backend": "megatron",
@@ -36,7 +37,7 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, s
         torch.save(state, tmp / f"megatron_rank_{dist.get_rank()}.pt")
 
 
-def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+def load(path: str | Path, model: nn.Module, optimizer: Any, scheduler: Any,
          layout: dict[str, int]) -> dict[str, Any]:
     """Collective inverse of `save`; refuses a checkpoint of another backend, world or layout."""
     path = Path(path)
@@ -49,7 +50,8 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, s
     world = dist.get_world_size()
     if meta["world_size"] != world or meta["layout"] != layout:
         raise ValueError(f"{path} was saved by {meta['world_size']} ranks with parallel sizes {meta['layout']}; "
-                         f"this run has {world} ranks with {layout}: resume with the same sizes")
+                         f"this run has {world} ranks with {layout}: resume with the same sizes (and the same "
+                         "--use-distributed-optimizer setting)")
     own = torch.load(path / f"megatron_rank_{dist.get_rank()}.pt", map_location="cpu", weights_only=False)
     device = next(model.parameters()).device
     model.load_state_dict({k: v.to(device) for k, v in own["model"].items()}, strict=False)

@@ -7,7 +7,10 @@ patches below are installed only on a CPU-only build, once per process, and chan
 our models have no dropout, so the RNG fork is a no-op. Pipeline parallel: the schedules allocate a
 token counter on device="cuda", p2p communication calls `torch.cuda.synchronize()` and a tied
 embedding is copied with `.cuda()` on the last stage: with those mapped to the CPU (below),
-`get_forward_backward_func()` with PP = 2 runs on gloo (the backend's pipeline.py).
+`get_forward_backward_func()` with PP = 2 runs on gloo (the backend's pipeline.py). The
+distributed optimizer (dist_optim.py) allocates two scalars on device="cuda" and checks that its
+parameters are `torch.cuda.*Tensor`s while it is built: `install_cpu_optimizer_shim` and
+`cpu_tensors_named_as_cuda`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ class _CpuTorch(types.ModuleType):
     @staticmethod
     def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    @staticmethod
+    def tensor(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 @contextlib.contextmanager
@@ -89,6 +96,40 @@ def install_cpu_shim() -> bool:
     torch.cuda.synchronize = lambda *args, **kwargs: None  # p2p after batched send/recv; nothing to wait for
     _INSTALLED = True
     return True
+
+
+def install_cpu_optimizer_shim() -> None:
+    """On a CPU-only build, megatron's optimizer module allocates on the CPU where it names "cuda"
+    (MixedPrecisionOptimizer's `_dummy_overflow_buf` and `_scale_one`, unused by our fp32 step)."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.optimizer import optimizer
+
+    if not isinstance(optimizer.torch, _CpuTorch):
+        optimizer.torch = _CpuTorch("torch")
+
+
+@contextlib.contextmanager
+def cpu_tensors_named_as_cuda() -> Iterator[None]:
+    """`Tensor.type()` names a CPU tensor as its CUDA type (torch.cuda.FloatTensor), on a CPU-only
+    build only, while megatron's DistributedOptimizer is built: it sorts parameters into fp32 and
+    16-bit groups by that name and refuses any other. Restored after."""
+    if torch.cuda.is_available():
+        yield
+        return
+    type_of = torch.Tensor.type
+
+    def cuda_named(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:  # a conversion, not a query
+            return type_of(self, *args, **kwargs)
+        name = type_of(self)
+        return name if self.is_cuda else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_named  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = type_of  # type: ignore[method-assign]
 
 
 def block_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor:

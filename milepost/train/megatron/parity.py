@@ -110,6 +110,9 @@ def train_once(rank: int, world_size: int, path: str, backend: str = "megatron",
                                            settings.global_batch_size))
 
     metrics = [trainer.train_step(mine(random_train_batch(8, 1)))]
+    # the Adam moments this rank holds, in bytes (the distributed optimizer keeps its 1/DP shard)
+    state = trainer.optimizer_state_tensors() if backend == "megatron" else []
+    adam_bytes = sum(t.numel() * t.element_size() for t in state)
     probe = [Sample(0, 0, tokens=list(range(3, 3 + k)), response_length=k - 2) for k in (5, 9, 13)]
     if settings.use_rollout_routing_replay:
         import base64
@@ -117,6 +120,7 @@ def train_once(rank: int, world_size: int, path: str, backend: str = "megatron",
         for s, r in zip(probe, random_routings(path, [torch.tensor(s.tokens) for s in probe])):
             s.routed_experts = base64.b64encode(r.to(torch.int32).numpy().tobytes()).decode()  # SGLang's format
     out = {"metrics": metrics, "hf": {n: t.clone().cpu() for n, t in trainer.named_hf_weights()},
+           "adam_bytes": adam_bytes,
            "logprobs": trainer.compute_logprobs(probe), "ref_logprobs": trainer.compute_logprobs(probe, reference=True)}
     if checkpoint_dir is not None:
         trainer.save_checkpoint(checkpoint_dir, {"step": 1})
@@ -152,10 +156,7 @@ def offload_round_trip(rank: int, world_size: int, path: str, tp: int = 1, ep: i
                                         settings.global_batch_size)) for b in batches]
         metrics = [trainer.train_step(mine[0])]
         if run == "offload":
-            held = [*trainer.policy.parameters(), *(p.grad for p in trainer.policy.parameters() if p.grad is not None),
-                    *(trainer.reference.parameters() if trainer.reference is not None else ()),
-                    *(v for st in trainer.optimizer.state.values() for k, v in st.items()
-                      if isinstance(v, torch.Tensor) and k != "step")]
+            held = trainer.device_tensors()  # weights, gradients, Adam state, reference
             # Counted, then let go: a reference kept here would hold the old device tensors that
             # offload replaces (the first H200 run of this case measured its own list: 0.82 of 1.63 MiB).
             out["moved_gib"] = sum(t.numel() * t.element_size() for t in held) / 2**30

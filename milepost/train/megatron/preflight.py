@@ -37,6 +37,9 @@ def check_train_backend(cfg: Any) -> None:
         if set_sizes:
             raise ValueError(f"{', '.join(set_sizes)} need --train-backend megatron (the FSDP backend is data "
                              "parallel only)")
+        if getattr(cfg, "use_distributed_optimizer", False):
+            raise ValueError("--use-distributed-optimizer needs --train-backend megatron (FSDP already shards "
+                             "the optimizer state over its ranks)")
         return
     try:
         require_megatron()
