@@ -231,7 +231,9 @@ def test_tensor_and_expert_parallel_together_train_like_fsdp(tmp_path: Path) -> 
     """TP = 2 and EP = 2 on four ranks (Qwen3-MoE; sequence parallel, which megatron needs to train
     MoE under TP) against FSDP on the same four ranks: the same checks as above, and the logits.
     Pipeline parallel composed with the others on the same four ranks: PP = 2 x TP = 2 (Qwen3, tied
-    embedding) and PP = 2 x EP = 2 (Qwen3-MoE, data parallel 2)."""
+    embedding) and PP = 2 x EP = 2 (Qwen3-MoE, data parallel 2). The distributed optimizer under
+    TP = 2 x EP = 2 (experts sharded over expert data parallel 2) and PP = 2 x DP = 2 (the tied
+    embedding's two stage copies summed before the data-parallel reduce-scatter)."""
     from milepost.train.megatron.parity import run_cases
 
     moe = str(make_tiny_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", with_tokenizer=False))
@@ -241,9 +243,16 @@ def test_tensor_and_expert_parallel_together_train_like_fsdp(tmp_path: Path) -> 
              "tp_ep": {"fn": "train_once", "args": [moe, "megatron", 2, 2, str(tmp_path / "ckpt"), None]},
              "pp_tp": {"fn": "train_once", "args": [dense, "megatron", 2, 1, str(tmp_path / "ckpt_pp_tp"), None, 2]},
              "pp_ep": {"fn": "train_once", "args": [moe, "megatron", 1, 2, str(tmp_path / "ckpt_pp_ep"), None, 2]},
+             # the distributed optimizer where its shards split more than dense weights: experts over
+             # expert data parallel 2 (TP 2 x EP 2), and the tied embedding of two stages (PP 2 x DP 2)
+             "tp_ep_dopt": {"fn": "train_once", "args": [moe, "megatron", 2, 2, str(tmp_path / "ckpt_tp_ep_dopt"),
+                                                         DIST_OPT]},
+             "pp_dp_dopt": {"fn": "train_once", "args": [dense, "megatron", 1, 1, str(tmp_path / "ckpt_pp_dp_dopt"),
+                                                         DIST_OPT, 2]},
              "logits": {"fn": "logits_gaps", "args": [[(moe, 2, 2)]]}}
     ranks = run_ranks(run_cases, 4, cases, timeout_s=400)
-    for ref, case in (("fsdp_moe", "tp_ep"), ("fsdp_dense", "pp_tp"), ("fsdp_moe", "pp_ep")):
+    for ref, case in (("fsdp_moe", "tp_ep"), ("fsdp_dense", "pp_tp"), ("fsdp_moe", "pp_ep"),
+                      ("fsdp_moe", "tp_ep_dopt"), ("fsdp_dense", "pp_dp_dopt")):
         _compare(ranks, ref, case)
         for rank in ranks:
             assert rank[case]["metrics"] == ranks[0][case]["metrics"], case
