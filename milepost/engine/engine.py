@@ -196,6 +196,9 @@ class Engine(Stepper):
         if req.lora_name is not None and (lora is None or req.lora_name not in lora.loaded):
             req.on_output(_abort_output(req, f"LoRA adapter {req.lora_name!r} is not loaded"))
             return
+        if lora is not None and (why := lora.refusal(req.lora_name)) is not None:
+            req.on_output(_abort_output(req, why))
+            return
         self._by_rid[req.rid] = req
         if req.params.max_new_tokens == 0 and req.logprob_start_len < 0:
             self._finish(req, {"type": "length", "length": 0})

@@ -104,6 +104,9 @@ class WeightLoader:
                 self.fp8.write(dst, src)
             else:
                 dst.copy_(src)
+        after = getattr(self.model, "after_weight_commit", None)
+        if after is not None:  # e.g. LoRA expert deltas re-merged (milepost/lora/expert_merge.py)
+            after()
 
     @staticmethod
     def refuse_non_finite(named: Sequence[tuple[str, torch.Tensor]], note: str = "") -> None:

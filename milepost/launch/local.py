@@ -28,6 +28,7 @@ from milepost.launch.process import (
     openmp_defaults,
 )
 from milepost.launch.rendezvous import LOOPBACK_SOCKET_ENV
+from milepost.lora.rules import adapts_experts
 from milepost.lowprec.train_setup import engine_precision_flags
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,8 @@ class LocalLauncher:
                        "--lora-target-modules", cfg.lora_target_modules]
             if cfg.adapters and len(cfg.adapters) > 8:  # multi-LoRA: a slot for each (8 by default)
                 common += ["--max-loras-per-batch", str(len(cfg.adapters))]
+            elif not cfg.adapters and adapts_experts(cfg.hf_checkpoint, cfg.lora_target_modules):
+                common += ["--max-loras-per-batch", "1"]  # expert deltas are merged: one adapter
         if cfg.true_on_policy:  # re-score finished sequences with the trainer's computation
             common += ["--true-on-policy"]
         if cfg.api_key:  # the same flag on SGLang's server and ours (milepost/auth.py)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from milepost.lora.experts import attach_expert_lora
 from milepost.lora.settings import ATTENTION_MODULES, LoraSettings
 
 
@@ -94,8 +95,11 @@ def attach_lora(lm: nn.Module, settings: LoraSettings) -> list[str]:
     `settings.adapters` names several adapters (multi-LoRA; `lm.lora_routing` then says which
     adapter each token uses); empty: one unnamed adapter.
 
+    On a mixture-of-experts layer the MLP targets adapt the stacked experts (milepost/lora/experts.py:
+    gate_proj + up_proj -> `experts.gate_up_proj`, down_proj -> `experts.down_proj`).
     Refuses (ValueError naming the layer and module) models whose layers lack a targeted plain
-    projection: mixture-of-experts MLPs, MLA attention, models run through transformers.
+    projection (MLA attention, experts of another kind, models run through transformers), and
+    multi-LoRA on experts.
     """
     layers = getattr(getattr(lm, "model", None), "layers", None)
     if layers is None or not getattr(lm, "native", False):
@@ -104,14 +108,33 @@ def attach_lora(lm: nn.Module, settings: LoraSettings) -> list[str]:
     wrapped = []
     routing = AdapterRouting(settings.adapters) if settings.adapters else None
     lm.lora_routing = routing
+    moe = [i for i, layer in enumerate(layers) if getattr(layer.mlp, "experts", None) is not None]
     for i, layer in enumerate(layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if moe and experts is None and any(m not in ATTENTION_MODULES for m in settings.target_modules):
+            raise ValueError(f"--lora-target-modules {','.join(settings.target_modules)}: layer {i} of "
+                             f"{type(lm).__name__} is a dense MLP beside mixture-of-experts layers {moe}; peft "
+                             "maps gate_proj/up_proj/down_proj onto the experts only, so its adapters could not "
+                             "be exported: target attention only, or train a model without dense layers")
+        if experts is not None:  # a mixture-of-experts layer: its MLP targets are the experts'
+            where = f"layer {i} ({type(layer.mlp).__name__} of {type(lm).__name__})"
+            adapted = attach_expert_lora(layer.mlp, where, settings.rank, settings.scaling,
+                                         settings.target_modules)
+            if adapted is not None and routing is not None:
+                raise ValueError(f"[[lora.adapters]] with --lora-target-modules on mixture-of-experts experts "
+                                 f"({where}): multi-LoRA adapts attention and dense MLPs only; target "
+                                 f"attention only (--lora-target-modules {','.join(ATTENTION_MODULES)})")
+            if adapted is not None:
+                layer.mlp.experts = adapted
+                wrapped += [f"model.layers.{i}.mlp.experts.{t}" for t in adapted.targets]
         for module in settings.target_modules:
+            if experts is not None and module not in ATTENTION_MODULES:
+                continue
             parent = _parent(layer, module)
             base = getattr(parent, module, None)
             if type(base) is not nn.Linear:
                 kind = type(parent).__name__
-                hint = ("LoRA on mixture-of-experts layers is not supported yet: target attention only "
-                        f"(--lora-target-modules {','.join(ATTENTION_MODULES)})"
+                hint = ("this MLP is neither a plain gated MLP nor native stacked experts"
                         if module not in ATTENTION_MODULES else "this attention has no such projection")
                 raise ValueError(f"--lora-target-modules {module}: layer {i} ({kind} of {type(lm).__name__}) "
                                  f"has no plain linear '{module}'; {hint}")
@@ -127,6 +150,24 @@ def freeze_base(module: nn.Module) -> None:
     """Only adapter matrices train: the base gets no gradients and no optimizer state."""
     for name, p in module.named_parameters():
         p.requires_grad_(is_adapter_name(name))
+
+
+def store_frozen_in(module: nn.Module, dtype: torch.dtype) -> int:
+    """Store every parameter that does not train (the base under an adapter, or a whole frozen
+    model) in `dtype`; adapter matrices keep their fp32 masters. Returns the bytes this saved.
+
+    For a bf16 run this changes no result: FSDP2's mixed precision casts each parameter to bf16
+    when it gathers it, and a bf16-stored one is already those values. Parameters are converted
+    in place (`.data`), so tied ones (embeddings / LM head) stay tied; buffers (RoPE) keep theirs."""
+    saved = 0
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if is_adapter_name(name) or p.dtype == dtype or not p.dtype.is_floating_point:
+                continue
+            before = p.numel() * p.element_size()
+            p.data = p.data.to(dtype)
+            saved += before - p.numel() * p.element_size()
+    return saved
 
 
 def adapter_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

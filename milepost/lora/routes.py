@@ -58,6 +58,7 @@ def install_names(model: object, pool: AdapterPool) -> None:
 
     model.weight_view = weight_view  # type: ignore[attr-defined]
     model.hf_weight_names = hf_weight_names  # type: ignore[attr-defined]
+    model.after_weight_commit = pool.after_weight_commit  # type: ignore[attr-defined]
 
 
 def _result(pool: AdapterPool, error: str | None = None) -> JSONResponse:
@@ -91,6 +92,9 @@ def lora_router(engine: object) -> APIRouter:
                 pool.load(body.lora_name, body.lora_path)
             except AdapterError as e:
                 return _result(pool, str(e))
+            # Experts merged: requests of the base (or another adapter) would now see its deltas.
+            engine.abort_where(lambda r: pool.refusal(r.lora_name) is not None,
+                               f"LoRA adapter {body.lora_name!r} was merged into the expert weights")
             return _result(pool)
 
         return await asyncio.wrap_future(engine.call(run))

@@ -1,7 +1,7 @@
 """Run-config refusals of LoRA RL (report 5.1): what a LoRA run cannot combine with yet.
 
 Disk-delta's refusal lives with the other weight-transport rules (config_rules.py); the checks
-that need the model (mixture-of-experts MLPs, non-native architectures) run in the launcher's
+that need the model (MoE blocks, non-native architectures) run in the launcher's
 preflight (`check_lora_model`, before any process starts) and again when the trainer attaches the
 adapter (milepost/lora/adapters.py).
 """
@@ -41,7 +41,8 @@ def lora_refusals(c: TrainConfig) -> list[str]:
                  "engines evaluate with the adapter)")
     if not p and (Path(c.hf_checkpoint) / "config.json").is_file():
         try:
-            check_lora_model(c.hf_checkpoint, LoraSettings(c.lora_rank, c.lora_alpha, c.lora_target_modules))
+            names = tuple(str(a.get("name")) for a in c.adapters or ())  # multi-LoRA: not on experts
+            check_lora_model(c.hf_checkpoint, LoraSettings(c.lora_rank, c.lora_alpha, c.lora_target_modules, names))
         except (ValueError, OSError) as e:
             p.append(str(e))
     return p
@@ -50,8 +51,8 @@ def lora_refusals(c: TrainConfig) -> list[str]:
 def check_lora_model(hf_checkpoint: str | Path, settings: LoraSettings) -> None:
     """Before any process starts: the adapter attaches to this checkpoint's native model (built
     on the meta device, nothing allocated). ValueError naming the layer and module otherwise:
-    mixture-of-experts MLPs (experts get no adapters yet), architectures that run through the
-    transformers fallback."""
+    MoE blocks other than Qwen3-MoE's, gate_proj without up_proj on experts, multi-LoRA on
+    experts, architectures that run through the transformers fallback."""
     from milepost.lora.adapters import attach_lora
     from milepost.models.registry import checkpoint_config, model_class, native_reason
 
@@ -66,6 +67,20 @@ def check_lora_model(hf_checkpoint: str | Path, settings: LoraSettings) -> None:
     with torch.device("meta"):
         lm = model_class(config)(config)
     attach_lora(lm, settings)
+
+
+def adapts_experts(hf_checkpoint: str | Path, target_modules: str | tuple[str, ...]) -> bool:
+    """True when an adapter on `target_modules` adapts this checkpoint's mixture-of-experts experts
+    (then the engines merge its expert deltas and hold that one adapter: milepost/lora/expert_merge.py)."""
+    from milepost.lora.experts import EXPERT_MODULES
+    from milepost.models.registry import checkpoint_config
+
+    if not (Path(hf_checkpoint) / "config.json").is_file():
+        return False
+    config = checkpoint_config(hf_checkpoint)
+    modules = parse_target_modules(target_modules)
+    return bool(getattr(config, "num_experts", 0)) and any(
+        all(m in modules for m in mods) for mods in EXPERT_MODULES.values())
 
 
 ADAPTER_KEYS = ("name", "prompt_data", "reward_fn", "lr", "eval_prompt_data")

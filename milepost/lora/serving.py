@@ -6,6 +6,8 @@ exact zeros; slot 0 = the base model has no storage). Before each forward the ru
 token its adapter's slot; a forward hook on every projection (q/k/v/o, gate/up/down, fused or
 not) adds x A^T B^T * scaling for the tokens of each adapter, by one of the two paths of
 milepost/lora/kernels.py: `segment` (CPU) or `stacked` (CUDA, capturable in decode CUDA graphs).
+Adapters on mixture-of-experts experts are merged into the expert weights instead, one adapter at
+a time (milepost/lora/expert_merge.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from milepost.lora.expert_merge import MergedExperts
 from milepost.lora.kernels import KERNELS, segment_delta, stacked_deltas
 from milepost.lora.peft_format import read_peft_adapter
 from milepost.lora.settings import ATTENTION_MODULES, LoraSettings
@@ -89,14 +92,17 @@ class AdapterPool:
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None or not getattr(model, "native", False):
             raise ValueError(f"--enable-lora needs a native model (milepost/models/), not {type(model).__name__}")
+        # MoE experts: merged on arrival (one adapter); refuses other MoE blocks / several slots.
+        self.experts = MergedExperts(layers, self.target_modules, max_rank, max_loras, device, dtype)
         by_module: dict[int, tuple[nn.Linear, list[_Part]]] = {}
         for i, layer in enumerate(layers):
             for module in self.target_modules:
+                if module not in ATTENTION_MODULES and getattr(layer.mlp, "experts", None) is not None:
+                    continue  # the experts' adapters: self.experts
                 found = _parts(layer, i, module)
                 if found is None:
                     raise ValueError(f"--lora-target-modules {module}: layer {i} of {type(model).__name__} "
-                                     "has no such plain projection (mixture-of-experts MLPs are not "
-                                     "supported yet: target attention only)")
+                                     "has no such plain projection; target the projections it has")
                 linear, part = found
                 by_module.setdefault(id(linear), (linear, []))[1].append(part)
         for linear, parts in by_module.values():
@@ -136,7 +142,7 @@ class AdapterPool:
         if extra:
             raise AdapterError(f"adapter {name!r} targets {extra}, which this engine does not serve "
                                f"(--lora-target-modules {','.join(self.target_modules)})")
-        staged = self._stage(name, settings, tensors)
+        staged, staged_experts = self._stage(name, settings, tensors)
         slot = free[0]
         i = slot - 1
         with torch.no_grad():
@@ -147,14 +153,17 @@ class AdapterPool:
                 self.A[key][i, : settings.rank].copy_(a)
                 self.B[key][:, i, : settings.rank].copy_(b)
         self.scaling[slot] = settings.scaling
+        self.experts.write(name, settings.scaling, settings.rank, staged_experts)
         self.loaded[name] = _Loaded(slot, settings, path, sorted(tensors))
 
     def _stage(self, name: str, settings: LoraSettings, tensors: dict[str, torch.Tensor]
-               ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        """Check every tensor against the base's shapes before anything is written."""
-        problems, staged = [], []
+               ) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], list[tuple[str, torch.Tensor, torch.Tensor]]]:
+        """Check every tensor against the base's shapes before anything is written: (projections,
+        experts) as (key, A, B)."""
+        problems, staged, staged_experts = [], [], []
         keys = [k for k in self.A if k.rsplit(".", 1)[1] in settings.target_modules]
-        expected = {f"{k}.lora_{m}.weight" for k in keys for m in "AB"}
+        expert_keys = self.experts.expected(settings.target_modules)
+        expected = {f"{k}.lora_{m}.weight" for k in keys + expert_keys for m in "AB"}
         unknown = sorted(set(tensors) - expected)
         missing = sorted(expected - set(tensors))
         if unknown:
@@ -175,9 +184,21 @@ class AdapterPool:
                 problems.append(f"{key}: NaN or infinite values")
                 continue
             staged.append((key, a, b))
+        for key in expert_keys:
+            a, b = tensors.get(f"{key}.lora_A.weight"), tensors.get(f"{key}.lora_B.weight")
+            want_a, want_b = self.experts.shapes(key, settings.rank)
+            if a is None or b is None:
+                continue
+            if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+                problems.append(f"{key}: lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected "
+                                f"{list(want_a)} / {list(want_b)} (experts x rank {settings.rank} on this base)")
+            elif not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                problems.append(f"{key}: NaN or infinite values")
+            else:
+                staged_experts.append((key, a, b))
         if problems:
             raise AdapterError(f"adapter {name!r} does not fit this model: " + "; ".join(problems[:5]))
-        return staged
+        return staged, staged_experts
 
     def unload(self, name: str) -> None:
         entry = self.loaded.pop(name, None)
@@ -188,6 +209,16 @@ class AdapterPool:
                 self.A[key][entry.slot - 1].zero_()
                 self.B[key][:, entry.slot - 1].zero_()
         self.scaling[entry.slot] = 0.0
+        self.experts.unload(name)
+
+    def refusal(self, lora_name: str | None) -> str | None:
+        """Why a request for `lora_name` cannot be admitted now (None: it can)."""
+        return self.experts.refusal(lora_name)
+
+    def after_weight_commit(self) -> None:
+        """A weight update wrote adapter tensors: re-merge the expert deltas (no-op without)."""
+        if self.experts.owner is not None:
+            self.experts.refresh()
 
     def slot_of(self, name: str | None) -> int:
         """0 for the base model (None), else the adapter's slot; AdapterError for an unknown name."""
@@ -213,6 +244,8 @@ class AdapterPool:
         entry = self.loaded[adapter]
         key, which = name.rsplit(".lora_", 1)
         r = entry.settings.rank
+        if key in self.experts.A:  # written by weight updates, merged by after_weight_commit
+            return self.experts.view(key, which[0], r)
         i = entry.slot - 1
         return self.A[key][i, :r] if which == "A.weight" else self.B[key][:, i, :r]
 

@@ -1,8 +1,8 @@
 """`LoraSettings`: rank, alpha and target modules of one adapter, validated once for trainer and engine.
 
-Target modules use Hugging Face / PEFT names of the decoder's linear projections. Experts of
-mixture-of-experts layers are not adapted yet: a model whose targeted MLP is a MoE block is refused
-when the adapter is attached (milepost/lora/adapters.py), naming the layer.
+Target modules use Hugging Face / PEFT names of the decoder's linear projections. On a
+mixture-of-experts layer gate_proj + up_proj and down_proj name the experts' stacked projections
+(milepost/lora/experts.py).
 """
 
 from __future__ import annotations

@@ -38,14 +38,19 @@ class StackedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.fused_train = False  # set_fused_training: grouped GEMMs with backward in training
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) the forward uses; LoRA on experts (milepost/lora/experts.py) adds its deltas."""
+        return self.w13, self.w2
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H], ids: [T, k] int64, weights: [T, k] (x.dtype) -> [T, H]."""
+        w13, w2 = self.expert_weights()
         if grouped_available(x):  # GPU: two grouped GEMMs, no host sync (CUDA-graph safe)
-            return grouped_expert_mlp(x, ids, weights, self.w13, self.w2)
+            return grouped_expert_mlp(x, ids, weights, w13, w2)
         if self.fused_train and grouped_train_available(x):  # the trainer: the same, differentiable
             from milepost.kernels import train_fused
 
-            return grouped_expert_mlp(x, ids, weights, self.w13, self.w2, act=train_fused.silu_mul)
+            return grouped_expert_mlp(x, ids, weights, w13, w2, act=train_fused.silu_mul)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -60,8 +65,8 @@ class StackedExperts(nn.Module):
             pairs = order[start : start + n]
             start += n
             tok = pairs // k
-            gate, up = F.linear(x.index_select(0, tok), self.w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e])
+            gate, up = F.linear(x.index_select(0, tok), w13[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[e])
             outs.append(y * flat_w.index_select(0, pairs)[:, None])
             tokens.append(tok)
         # One out-of-place scatter-add at the end: autograd-safe and a single pass over [T, H].

@@ -4,7 +4,8 @@ Every rank of the default process group (gloo on CPU, NCCL on GPU) loads the che
 `load_model`, then `fully_shard`s each decoder layer and the root (`TokenScorer`, which owns the LM
 head so its chunked log-prob pass runs inside the root forward). Pure data parallel: each rank trains
 on the samples it is given; gradients are summed across ranks and the loss is pre-divided by the
-global loss-token count. Master weights and AdamW state are fp32; `dtype` only sets compute.
+global loss-token count. Master weights and AdamW state are fp32; `dtype` sets compute, and the
+storage of what never trains (a LoRA base, the reference, the teacher).
 """
 
 from __future__ import annotations

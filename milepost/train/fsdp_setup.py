@@ -12,7 +12,7 @@ from torch.distributed._composable import checkpoint as checkpoint_layer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from milepost.lora.adapters import attach_lora, freeze_base
+from milepost.lora.adapters import attach_lora, freeze_base, store_frozen_in
 from milepost.models.layers import set_fused_training
 from milepost.models.registry import load_model
 from milepost.onpolicy.contract import LOGPROB_CHUNK
@@ -37,10 +37,15 @@ def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
 
 
 def shard_model(model_path: Path, s: TrainerSettings, device: torch.device, trainable: bool) -> TokenScorer:
-    """Load `model_path` as fp32 masters, wrap it for scoring, and `fully_shard` each layer and the root."""
+    """Load `model_path` as fp32 masters, wrap it for scoring, and `fully_shard` each layer and the root.
+
+    What never trains (a LoRA run's frozen base, the reference, the teacher) is stored in the
+    compute dtype: a bf16 run keeps 2 bytes per frozen parameter, not 4, with the same results."""
     lm = load_model(model_path, torch.float32, "cpu")  # fp32 master weights; fully_shard moves each shard
     if trainable and s.lora is not None:
         attach_lora(lm, s.lora)  # the reference / teacher stay the plain base
+    if (not trainable or s.lora is not None) and s.precision == "bf16":  # quantized trainers quantize fp32
+        store_frozen_in(lm, s.torch_dtype)
     if s.precision != "bf16":  # quantized linears, the engines' quantizer (milepost/lowprec/)
         from milepost.lowprec.train_setup import quantize_trainer
 

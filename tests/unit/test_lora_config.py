@@ -53,7 +53,8 @@ def test_lora_refusals_name_the_setting(base: list[str], flags: list[str], messa
 
 
 def test_models_lora_cannot_adapt_refused_at_start(tmp_path: Path) -> None:
-    """Before any process starts: MoE experts as targets, and a transformers-fallback architecture."""
+    """Before any process starts: half of the experts' fused gate_up as targets, and a
+    transformers-fallback architecture (MoE experts themselves are adapted: test_lora_experts.py)."""
     import json
 
     from milepost.testing.checkpoints import make_tiny_checkpoint
@@ -61,9 +62,13 @@ def test_models_lora_cannot_adapt_refused_at_start(tmp_path: Path) -> None:
     moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", with_tokenizer=False)
     args = stub_run_args(tmp_path, "--num-rollout", "2", "--rollout-batch-size", "4", "--device", "cpu")
     args[1] = str(moe)
-    with pytest.raises(ConfigError, match="gate_proj: layer 0 .*mixture-of-experts layers is not supported"):
-        load_config(None, [*args, "--lora-rank", "4"])
+    with pytest.raises(ConfigError, match="target both gate_proj and up_proj, or neither"):
+        load_config(None, [*args, "--lora-rank", "4", "--lora-target-modules", "q_proj,gate_proj"])
+    load_config(None, [*args, "--lora-rank", "4"])  # all-linear: the experts too
     load_config(None, [*args, "--lora-rank", "4", "--lora-target-modules", "q_proj,k_proj,v_proj,o_proj"])
+    entries = [{"name": n, "prompt_data": args[3]} for n in ("a", "b")]
+    with pytest.raises(ConfigError, match="multi-LoRA adapts attention and dense MLPs only"):
+        load_config(None, [*args[:2], *args[4:], *_adapters(tmp_path, *entries), "--lora-rank", "4"])
     args[1] = str(tmp_path / "mixtral")
     (tmp_path / "mixtral").mkdir()
     (tmp_path / "mixtral" / "config.json").write_text(json.dumps(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,9 @@ def test_settings_refuse_bad_values() -> None:
     assert LoraSettings(4, 8.0, "v_proj, q_proj").target_modules == ("q_proj", "v_proj")  # canonical order
 
 
-def test_moe_experts_refused_attention_accepted(tmp_path: Path) -> None:
+def test_moe_attention_only_adapter(tmp_path: Path) -> None:
+    """Experts get adapters only when MLP modules are targeted (tests/unit/test_lora_experts.py)."""
     path = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", with_tokenizer=False)
-    with pytest.raises(ValueError, match="gate_proj: layer 0 .*mixture-of-experts layers is not supported"):
-        attach_lora(load_model(path, torch.float32, "cpu"), LoraSettings(2, 4.0, "q_proj,gate_proj"))
     lm = load_model(path, torch.float32, "cpu")
     assert len(attach_lora(lm, LoraSettings(2, 4.0, "q_proj,k_proj,v_proj,o_proj"))) == 8
     freeze_base(lm)
@@ -120,3 +120,58 @@ def test_two_ranks_train_resume_and_export_loads_in_peft(tmp_path: Path) -> None
         logits = model(input_ids=tokens[None]).logits[0].float()
     logp = torch.log_softmax(logits, -1)[2:-1].gather(1, tokens[3:, None])[:, 0]
     torch.testing.assert_close(logp, r["after"], rtol=0, atol=1e-5)
+
+
+def _local_bytes(params) -> int:
+    return sum((p.to_local() if isinstance(p, DTensor) else p).untyped_storage().nbytes() for p in params)
+
+
+def bf16_base_worker(rank: int, world: int, path: str, run_dir: str) -> dict:
+    from unittest import mock
+
+    settings = TrainerSettings(lr=1e-2, global_batch_size=4, max_tokens_per_micro_batch=48, dtype="bfloat16",
+                               use_kl_loss=True, kl_loss_coef=0.1, **LORA)  # a reference model too
+    batches = [random_train_batch(4, seed) for seed in range(2)]
+    batches = [b.select(split_for_rank([t.numel() for t in b.tokens], rank, world, 4)) for b in batches]
+    out = {}
+    for kind in ("fp32 base", "bf16 base"):  # the first as before: the frozen base kept as loaded
+        keep = mock.patch("milepost.train.fsdp_setup.store_frozen_in", lambda *a: 0)
+        with keep if kind == "fp32 base" else contextlib.nullcontext():
+            backend = FSDPBackend.create(path, settings)
+        named = list(backend.policy.lm.named_parameters())
+        base = [p for n, p in named if ".lora_" not in n]
+        adapter = [p for n, p in named if ".lora_" in n]
+        losses = [backend.train_step(b)["loss"] for b in batches]
+        backend.save_checkpoint(Path(run_dir) / kind, {"step": 2})
+        after = backend.compute_logprobs(PROBE)[0]
+        backend.load_checkpoint(Path(run_dir) / kind)
+        out[kind] = {
+            "base_bytes": _local_bytes(base), "adapter_bytes": _local_bytes(adapter),
+            "reference_bytes": _local_bytes(backend.reference.parameters()),
+            "reference_dtypes": {p.dtype for p in backend.reference.parameters()},
+            "base_dtypes": {p.dtype for p in base}, "adapter_dtypes": {p.dtype for p in adapter},
+            "adam_dtypes": {t.dtype for s in backend.optimizer.state.values() for t in s.values() if t.ndim},
+            "losses": losses, "after": after, "resumed": backend.compute_logprobs(PROBE)[0],
+            "sent": {n: t.dtype for n, t in backend.named_hf_weights()},
+        }
+        backend.export_hf(Path(run_dir) / f"{kind} adapter")
+    return out
+
+
+def test_bf16_run_stores_the_frozen_base_in_bf16_with_fp32_adapters(tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", with_tokenizer=False)
+    r = run_ranks(bf16_base_worker, 2, str(path), str(tmp_path / "run"))[0]
+    old, new = r["fp32 base"], r["bf16 base"]
+    assert old["base_dtypes"] == {torch.float32} and new["base_dtypes"] == {torch.bfloat16}
+    assert new["adapter_dtypes"] == new["adam_dtypes"] == {torch.float32}  # fp32 masters and moments
+    assert new["base_bytes"] * 2 == old["base_bytes"] and new["adapter_bytes"] == old["adapter_bytes"]
+    assert new["reference_dtypes"] == {torch.bfloat16} and new["reference_bytes"] * 2 == old["reference_bytes"]
+    print(f"per-rank parameter bytes: base {old['base_bytes']} -> {new['base_bytes']}, adapter "
+          f"{new['adapter_bytes']}, reference {old['reference_bytes']} -> {new['reference_bytes']}")
+    # FSDP2 gathered the fp32 base as bf16 anyway: the same compute (KL to the reference included), bit for bit.
+    assert new["losses"] == old["losses"]
+    assert torch.equal(new["after"], old["after"]) and torch.equal(new["resumed"], new["after"])
+    assert new["sent"] == old["sent"] and set(new["sent"].values()) == {torch.bfloat16}  # adapter only
+    settings, tensors = read_peft_adapter(tmp_path / "run" / "bf16 base adapter")
+    _, old_tensors = read_peft_adapter(tmp_path / "run" / "fp32 base adapter")
+    assert all(t.dtype == torch.float32 and torch.equal(t, old_tensors[n]) for n, t in tensors.items())
