@@ -4,6 +4,7 @@ Each targeted `nn.Linear` becomes a `LoraLinear` that keeps the same `weight`/`b
 (so the base keeps its Hugging Face names) and adds `lora_A` [r, in] and `lora_B` [out, r] in fp32,
 named as PEFT names them: `model.layers.0.self_attn.q_proj.lora_A.weight`. Initialization follows
 PEFT's default (A Kaiming-uniform, B zero), so a fresh adapter leaves the model's outputs unchanged.
+Mixture-of-experts experts get per-expert A/B on their stacked weights (milepost/lora/experts.py).
 Multi-LoRA: several named adapters per projection (PEFT's in-memory names,
 `...q_proj.lora_A.<adapter>.weight`); each token goes through the adapter its sample names.
 """
