@@ -1,7 +1,8 @@
 """The tiny demo learns with `--train-backend megatron --tensor-model-parallel-size 2` (two trainer
 ranks of one tensor-parallel group, gloo; opt-in: `--pipeline-model-parallel-size 2`), as a user
 runs it: 3 rollouts, the engine served the Megatron weights after every update, the final
-checkpoint and Hugging Face export are written.
+checkpoint and Hugging Face export are written. Opt-in too: `--use-distributed-optimizer` with data
+parallel 2.
 
 Bounds (rollout 3 comes after two updates; lr warms up over 5). Seen: the FSDP demo's 10 runs
 (benchmarks/RESULTS.md, "Tiny demo"): rollout 1 0.27-0.33, rollout 3 0.55-0.64; Megatron TP = 2,
@@ -35,17 +36,21 @@ ROOT = Path(__file__).resolve().parents[2]
     # PP = 2 (megatron's 1F1B schedule), rollout 1 -> 3 in three runs (2026-12-03, load 10-16):
     # 0.301 -> 0.566, 0.266 -> 0.559, 0.316 -> 0.574, 65-82 s; opt-in (-m optin): the suite's time
     pytest.param("pp", marks=pytest.mark.optin),
+    # --use-distributed-optimizer with data parallel 2 (Adam state sharded over the two ranks): opt-in
+    pytest.param("dopt", marks=pytest.mark.optin),
 ])
 def test_tiny_demo_learns_with_megatron(
     demo_dir: Path, demo_train_timeout_s: Callable[[int], float], tmp_path: Path, layout: str
 ) -> None:
-    flag = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size"}[layout]
+    flags, (key, value) = {"tp": (["--tensor-model-parallel-size", "2"], ("tp", 2)),
+                           "pp": (["--pipeline-model-parallel-size", "2"], ("pp", 2)),
+                           "dopt": (["--use-distributed-optimizer"], ("use_distributed_optimizer", 1))}[layout]
     run_dir = tmp_path / "rl"
     done = subprocess.run(
         [sys.executable, "-m", "milepost", "train", str(ROOT / "recipes" / "tiny_demo.toml"),
          "--hf-checkpoint", str(demo_dir / "base_model"), "--prompt-data", str(demo_dir / "rl_prompts.jsonl"),
          "--run-dir", str(run_dir), "--num-rollout", "3", "--eval-interval", "0", "--eval-prompt-data", "none",
-         "--train-backend", "megatron", flag, "2", "--actor-num-gpus-per-node", "2"],
+         "--train-backend", "megatron", *flags, "--actor-num-gpus-per-node", "2"],
         timeout=demo_train_timeout_s(6), check=False,  # two trainer ranks share the cores: twice the time
     )
     assert done.returncode == 0
@@ -60,6 +65,6 @@ def test_tiny_demo_learns_with_megatron(
     assert max(gaps) < 1e-4, gaps
     [ckpt] = (run_dir / "checkpoints").iterdir()
     meta = json.loads((ckpt / "milepost_checkpoint.json").read_text())
-    assert meta["backend"] == "megatron" and meta["layout"][layout] == 2 and meta["extra"]["step"] == 2
+    assert meta["backend"] == "megatron" and meta["layout"][key] == value and meta["extra"]["step"] == 2
     assert sorted(p.name for p in ckpt.glob("megatron_rank_*.pt")) == ["megatron_rank_0.pt", "megatron_rank_1.pt"]
     assert (run_dir / "hf" / "config.json").is_file() and list((run_dir / "hf").glob("*.safetensors"))
