@@ -118,3 +118,20 @@ def test_engine_expert_adapter_equals_merged_checkpoint(moe: Path, tmp_path: Pat
     engine.runner.lora.unload("x")  # the base's expert weights come back exactly
     again = run(engine, [("base2", PROMPT, None)])["base2"]
     assert flat(again) == flat(base_out)
+
+
+def test_peft_expert_names_round_trip_and_bad_target_parameters(moe: Path, tmp_path: Path) -> None:
+    import json
+
+    tensors = random_adapter(moe, SETTINGS, 4)
+    write_peft_adapter(tensors.items(), SETTINGS, moe, tmp_path / "a")
+    settings, back = read_peft_adapter(tmp_path / "a")
+    assert settings == SETTINGS and all(torch.equal(back[n], t) for n, t in tensors.items())
+    down_only = LoraSettings(2, 4.0, "q_proj,down_proj")
+    only = {n: t for n, t in random_adapter(moe, down_only, 5).items()}
+    write_peft_adapter(only.items(), down_only, moe, tmp_path / "b")  # one wrapper: no base_layer
+    assert read_peft_adapter(tmp_path / "b")[0] == down_only
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config | {"target_parameters": ["mlp.w1"]}))
+    with pytest.raises(ValueError, match="only mixture-of-experts experts"):
+        read_peft_adapter(tmp_path / "a")
