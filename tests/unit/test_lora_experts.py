@@ -135,3 +135,25 @@ def test_peft_expert_names_round_trip_and_bad_target_parameters(moe: Path, tmp_p
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config | {"target_parameters": ["mlp.w1"]}))
     with pytest.raises(ValueError, match="only mixture-of-experts experts"):
         read_peft_adapter(tmp_path / "a")
+
+
+def bf16_worker(rank: int, world: int, path: str) -> dict:
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        settings = TrainerSettings(lr=5e-2, global_batch_size=2, max_tokens_per_micro_batch=64, dtype=dtype,
+                                   lora_rank=SETTINGS.rank, lora_alpha=SETTINGS.alpha)
+        backend = FSDPBackend.create(path, settings)
+        backend.train_step(random_train_batch(2, 0))
+        named = list(backend.policy.lm.named_parameters())
+        out[dtype] = {"logprobs": backend.compute_logprobs(PROBE)[0],
+                      "base": {p.dtype for n, p in named if ".lora_" not in n},
+                      "adapter": {p.dtype for n, p in named if ".lora_" in n}}
+    return out
+
+
+def test_bf16_run_keeps_experts_bf16_and_their_adapters_fp32(moe: Path) -> None:
+    r = run_ranks(bf16_worker, 1, str(moe))[0]
+    assert r["bfloat16"]["base"] == {torch.bfloat16} and r["bfloat16"]["adapter"] == {torch.float32}
+    assert r["float32"]["base"] == {torch.float32}
+    diff = (r["bfloat16"]["logprobs"] - r["float32"]["logprobs"]).abs()
+    assert diff.max() < 0.1, diff  # bf16 rounding of one trained step (measured: max 0.022, mean 0.012)
