@@ -84,6 +84,8 @@ class MemoryOccupation:
                 extra += [*draft_kv.k, *draft_kv.v]
             return [*runner.kv.k, *runner.kv.v, *extra]
         extra = [*draft_model.parameters(), *draft_model.buffers()] if draft_model is not None else []
+        if getattr(runner, "lora", None) is not None:  # LoRA on experts: the base copies (expert_merge.py)
+            extra += runner.lora.experts.tensors()
         return [*runner.model.parameters(), *runner.model.buffers(), *extra]
 
     def held_bytes(self) -> dict[str, int]:

@@ -6,16 +6,23 @@ base) and, whenever the adapter's tensors change (load, weight update), rewrites
 as base + s * B_e A_e (`expert_delta`, the trainer's own computation). That is exact for one
 adapter, so an engine serving expert targets holds one adapter (`--max-loras-per-batch 1`) and,
 while it is merged, serves only requests that name it. Costs one extra copy of the targeted
-expert weights in device memory.
+expert weights in device memory. The base's Hugging Face names of those weights address the base
+copy (`base_view`), so a base weight update lands there and reaches the live weights with the
+delta re-added, and checksums read the base.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
 
 from milepost.lora.experts import EXPERT_PARAMS, expert_delta, expert_targets
 from milepost.models.qwen3_moe import SparseMoeBlock, StackedExperts
+
+# The hub's per-expert names and transformers 5's stacked ones (milepost/models/qwen3_moe.py)
+_EXPERT_WEIGHT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(?:\d+\.(gate|up|down)_proj\.weight|(gate_up_proj|down_proj))")
 
 
 class MergedExperts:
@@ -45,6 +52,8 @@ class MergedExperts:
             for name in targets:
                 key = f"model.layers.{i}.mlp.experts.{name}"
                 w = getattr(block.experts, EXPERT_PARAMS[name])  # [E, out, in]
+                if not w.is_contiguous():
+                    raise ValueError(f"layer {i}: stacked expert weight {EXPERT_PARAMS[name]} is not contiguous")
                 e, out, d_in = w.shape
                 self.live[key] = w.detach()
                 self.base[key] = w.detach().clone()
@@ -75,6 +84,24 @@ class MergedExperts:
     def view(self, key: str, which: str, rank: int) -> torch.Tensor:
         """The live [E, r, in] / [E, out, r] block a weight update writes (then `refresh`)."""
         return self.A[key][:, :rank] if which == "A" else self.B[key][:, :, :rank]
+
+    def base_view(self, name: str, view: torch.Tensor) -> torch.Tensor:
+        """The view of base weight `name` (HF name) into a live expert weight -> the same view of
+        its base copy; other views as given."""
+        m = _EXPERT_WEIGHT.fullmatch(name)
+        if m is None or not self.live:
+            return view
+        which = m.group(2) or m.group(3)
+        key = f"{m.group(1)}.{'down_proj' if which in ('down', 'down_proj') else 'gate_up_proj'}"
+        if key not in self.live:
+            return view
+        live, base = self.live[key], self.base[key]  # same shape, both contiguous
+        return base.as_strided(view.shape, view.stride(),
+                               view.storage_offset() - live.storage_offset() + base.storage_offset())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What this holds on the device (freed with the weights by /release_memory_occupation)."""
+        return [*self.base.values(), *self.A.values(), *self.B.values()]
 
     @torch.no_grad()
     def refresh(self) -> None:

@@ -42,8 +42,8 @@ def install_names(model: object, pool: AdapterPool) -> None:
     base_names: Callable[[], list[str]] = model.hf_weight_names
 
     def weight_view(name: str) -> torch.Tensor:
-        if SEP not in name:
-            return base_view(name)
+        if SEP not in name:  # merged expert weights: their base copy (milepost/lora/expert_merge.py)
+            return pool.experts.base_view(name, base_view(name))
         adapter, tensor = name.split(SEP, 1)
         entry = pool.loaded.get(adapter)
         if entry is None:

@@ -216,8 +216,9 @@ class AdapterPool:
         return self.experts.refusal(lora_name)
 
     def after_weight_commit(self) -> None:
-        """A weight update wrote adapter tensors: re-merge the expert deltas (no-op without)."""
-        if self.experts.owner is not None:
+        """After any weight update: live expert weights = their base copy + the merged adapter's
+        delta (an update may have written either); a no-op without expert targets."""
+        if self.experts.live:
             self.experts.refresh()
 
     def slot_of(self, name: str | None) -> int:

@@ -4,10 +4,12 @@ deltas) with the trainer's log-probs, the PEFT export loads in peft, and the ref
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from milepost.lora.adapters import attach_lora, freeze_base
 from milepost.lora.peft_format import read_peft_adapter, write_peft_adapter
@@ -118,6 +120,28 @@ def test_engine_expert_adapter_equals_merged_checkpoint(moe: Path, tmp_path: Pat
     engine.runner.lora.unload("x")  # the base's expert weights come back exactly
     again = run(engine, [("base2", PROMPT, None)])["base2"]
     assert flat(again) == flat(base_out)
+
+    # A base update while the adapter is merged lands in the base copy; the delta is re-added.
+    engine.runner.lora.load("x", tmp_path / "adapter")
+    name = "model.layers.0.mlp.experts.3.gate_proj.weight"
+    weights = load_file(str(moe / "model.safetensors"))
+    weights[name] = weights[name] * 0.5 + 0.1
+    assert WeightLoader(engine.runner.model).from_named([(name, weights[name])]) == 1
+    shutil.copytree(moe, tmp_path / "base2")
+    save_file(weights, str(tmp_path / "base2" / "model.safetensors"), metadata={"format": "pt"})
+    merged2 = merged_checkpoint(tmp_path / "base2", tmp_path / "merged2", SETTINGS, tensors)
+    got2 = run(engine, [("x2", PROMPT, "x")])["x2"]
+    ref2 = run(make_engine(merged2), [("ref2", PROMPT, None)])["ref2"]
+    torch.testing.assert_close(torch.tensor(flat(got2)[1]), torch.tensor(flat(ref2)[1]), rtol=0, atol=1e-5)
+    assert flat(got2)[1] != flat(got)[1]
+    # Colocated engines free the weights between rollouts: the base copies go with them and come back.
+    from milepost.engine.memory import MemoryOccupation
+
+    memory = MemoryOccupation(engine)
+    memory.release(["weights"])
+    assert all(t.untyped_storage().nbytes() == 0 for t in engine.runner.lora.experts.tensors())
+    memory.resume(["weights"])
+    assert flat(run(engine, [("x3", PROMPT, "x")])["x3"]) == flat(got2)
 
 
 def test_peft_expert_names_round_trip_and_bad_target_parameters(moe: Path, tmp_path: Path) -> None:
