@@ -22,7 +22,8 @@ from milepost.lora.experts import EXPERT_PARAMS, expert_delta, expert_targets
 from milepost.models.qwen3_moe import SparseMoeBlock, StackedExperts
 
 # The hub's per-expert names and transformers 5's stacked ones (milepost/models/qwen3_moe.py)
-_EXPERT_WEIGHT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(?:\d+\.(gate|up|down)_proj\.weight|(gate_up_proj|down_proj))")
+_EXPERT_WEIGHT = re.compile(
+    r"(model\.layers\.\d+\.mlp\.experts)\.(?:\d+\.(gate|up|down)_proj\.weight|(gate_up_proj|down_proj))")
 
 
 class MergedExperts:

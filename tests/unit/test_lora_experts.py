@@ -110,8 +110,6 @@ def test_engine_expert_adapter_equals_merged_checkpoint(moe: Path, tmp_path: Pat
     merged = merged_checkpoint(moe, tmp_path / "merged", SETTINGS, tensors)
     engine = make_engine(moe, enable_lora=True, max_lora_rank=2, max_loras_per_batch=1)
     base_out = run(engine, [("base", PROMPT, None)])["base"]
-    from milepost.lora.routes import install_names  # noqa: F401 (the pool's names are installed)
-
     engine.runner.lora.load("x", tmp_path / "adapter")
     got = run(engine, [("x", PROMPT, "x")])["x"]
     ref = run(make_engine(merged), [("ref", PROMPT, None)])["ref"]
