@@ -9,17 +9,24 @@ Asserts that each adapter's own reward rises and the other task's reward on its 
 both adapters (both stepped) and nothing else, and that the run ends with one PEFT directory each;
 after the last update each adapter is evaluated (greedy) on the held-out prompts, eval/<name>/...
 
-Bounds, from runs of this training (2026-12-03, 2-core VM shared with other jobs, load 10-20,
-torch 2.13, the session demo base of seed 0; docs/lora.md, "Multi-LoRA"): over the first and last
-3 of 12 rollouts, `exact` rose +0.56 to +0.64 and `estimate` +0.21 to +0.28 (5 runs, one of them
-the recipe's first 12 rollouts), and the other task's reward on each adapter's samples fell by
-0.27 to 0.70. Five more runs of this test's command (2026-12-03, load 4-6 beside a clean-clone
-CI run): `exact` +0.578 +0.589 +0.662 +0.578 +0.625, `estimate` +0.208 +0.172 +0.214 +0.219 +0.245
-(mean 0.211, sd 0.027), the other task on each adapter's samples -0.65 to -0.69 and -0.27 to -0.30.
-So 10 runs in all, the smallest own-task rise 0.172. The test asks a rise of at least 0.1 and no
-rise of the other task; the one-sided 99% prediction bound from the five runs with recorded values
-alone, 0.211 - t(0.99, 4) * 0.027 * sqrt(1 + 1/5), is 0.100: the `estimate` bound is the one to
-watch if the recipe changes.
+Bounds, from runs of this test's command on each of the two base models seed 0 builds
+(docs/testing.md, "The demo's base model"; rises are the mean of the last 3 of 12 rollouts minus
+the first 3):
+- base A (925 drill + 150 tutor steps; 2026-12-03, load 4-20; docs/lora.md, "Multi-LoRA"):
+  `exact` +0.578 +0.589 +0.662 +0.578 +0.625, `estimate` +0.208 +0.172 +0.214 +0.219 +0.245, the
+  other task on each adapter's samples -0.65 to -0.69 and -0.27 to -0.30 (five runs with recorded
+  values; five earlier ones within the same ranges).
+- base B (1175 + 125 steps, an AVX-512 Xeon like CI's; 2026-12-04, load 8-12 beside a CI run;
+  `estimate` rose less on it, for a reason not studied):
+  `exact` 0.641 0.568 0.500 0.531 0.594 0.536 0.573 0.500 0.630 0.552 (mean 0.562, sd 0.049),
+  `estimate` 0.125 0.146 0.083 0.224 0.193 0.151 0.177 0.109 0.135 0.135 (mean 0.148, sd 0.041),
+  the estimate reward on `exact`'s samples -0.47 to -0.58 (mean -0.532, sd 0.032), the exact
+  reward on `estimate`'s samples -0.23 to -0.32 (mean -0.265, sd 0.027).
+Each bound is the lower of the two bases' one-sided 99% prediction bounds for a new run,
+mean -/+ t(0.99, n - 1) * sd * sqrt(1 + 1/n), rounded outward: own-task rise `exact` >= 0.40
+(A 0.46, B 0.42), `estimate` >= 0.02 (A 0.10, B 0.026); the other task must fall, on `exact`'s
+samples by >= 0.40 (B -0.437) and on `estimate`'s by >= 0.15 (B -0.186). The old bound of 0.1
+for `estimate` failed base B's run 2 (0.083): a 13% chance per run on that base.
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[2]
 NUM_ROLLOUT = 12
 WINDOW = 3  # rollouts averaged at each end
-MIN_RISE = 0.1  # own task: mean of the last WINDOW - mean of the first WINDOW
-MAX_CROSS_RISE = 0.0  # the other task on this adapter's samples must not rise
+# Bounds: see the docstring. Own task: mean of the last WINDOW - mean of the first WINDOW.
+MIN_RISE = {"exact/reward_mean": 0.40, "estimate/reward_mean": 0.02}
+# The other task's reward on this adapter's samples must fall by at least this much.
+MAX_CROSS_RISE = {"exact/reward_of/estimate": -0.40, "estimate/reward_of/exact": -0.15}
 
 
 def _mean(xs: list[float]) -> float:
@@ -67,10 +76,8 @@ def test_two_adapters_each_learn_their_own_task(
               ("exact/reward_mean", "estimate/reward_mean", "exact/reward_of/estimate", "estimate/reward_of/exact")}
     assert all(r["rollout/exact/num_samples"] == r["rollout/estimate/num_samples"] == 64 for r in records)
     rise = {k: _mean(v[-WINDOW:]) - _mean(v[:WINDOW]) for k, v in curves.items()}
-    assert rise["exact/reward_mean"] >= MIN_RISE, curves
-    assert rise["estimate/reward_mean"] >= MIN_RISE, curves
-    assert rise["exact/reward_of/estimate"] <= MAX_CROSS_RISE, curves
-    assert rise["estimate/reward_of/exact"] <= MAX_CROSS_RISE, curves
+    assert all(rise[k] >= bound for k, bound in MIN_RISE.items()), (rise, curves)
+    assert all(rise[k] <= bound for k, bound in MAX_CROSS_RISE.items()), (rise, curves)
     # Per-adapter evaluation after the last update: each adapter's requests name it and its own
     # reward scores them; greedy, each beats what sampling gave it at the start of the run.
     n_eval = len((work / "eval_prompts.jsonl").read_text().splitlines())
