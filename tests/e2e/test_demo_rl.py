@@ -18,6 +18,11 @@ torch 2.13, load average 5-14, base model of seed 0: 925 drill + 150 tutor steps
   (mean 0.975, std 0.017, min 0.941, max 0.996); the same bound: 0.924, rounded down.
 Each bound fails a correct build with an estimated chance below 1% (normal spread assumed; all
 three together below 3%). One run took 187-429 s at that load.
+The same 10 runs on the other base model seed 0 builds (1175 drill + 125 tutor steps, sampled
+0.350: an AVX-512 Xeon like CI's; 2026-12-04, load 8-12 beside a CI run; docs/testing.md, "The
+demo's base model"): first rollout 0.309-0.355 (mean 0.328, std 0.016; 99% bound 0.375), last five
+0.926-0.963 (mean 0.948, std 0.013; 0.910), final evaluation 0.980-1.000 (mean 0.993, std 0.005;
+0.978): the bounds above hold there with more room. 45-90 s a run.
 """
 
 from __future__ import annotations
