@@ -97,10 +97,12 @@ def _prepare_pipeline(work: Path) -> list[str]:
 
 
 def _prepare_tiny_demo_proxy(work: Path) -> list[str]:
-    # The demo's base model: built once (reused when `work` holds it), bitwise the same for the
-    # same torch build (prepare trains with 2 threads; its phases end on measurements).
-    subprocess.run([sys.executable, "-m", "milepost.demo.prepare", str(work / "demo")], check=True)
-    demo = work / "demo"
+    # The demo's base model: built once (reused when `work` holds it) under the pinned kernels
+    # too, so it is bitwise the same on any AVX2 processor for the same torch build. Unpinned,
+    # seed 0 builds another model per processor type (docs/testing.md, "The demo's base model").
+    demo = work / "demo-pinned"
+    subprocess.run([sys.executable, "-m", "milepost.demo.prepare", str(demo)], check=True,
+                   env={**os.environ, **PINNED_KERNELS})
     return [str(ROOT / "recipes" / "tiny_demo.toml"), "--hf-checkpoint", str(demo / "base_model"),
             "--prompt-data", str(demo / "rl_prompts.jsonl"),
             "--eval-prompt-data", str(demo / "eval_prompts.jsonl"), "--run-dir", str(work / "run"),
