@@ -15,7 +15,8 @@ the first 3):
 - base A (925 drill + 150 tutor steps; 2026-12-03, load 4-20; docs/lora.md, "Multi-LoRA"):
   `exact` +0.578 +0.589 +0.662 +0.578 +0.625, `estimate` +0.208 +0.172 +0.214 +0.219 +0.245, the
   other task on each adapter's samples -0.65 to -0.69 and -0.27 to -0.30 (five runs with recorded
-  values; five earlier ones within the same ranges).
+  values; five earlier ones: `exact` +0.56 to +0.64, `estimate` +0.21 to +0.28, the other task
+  falling 0.27 to 0.70).
 - base B (1175 + 125 steps, an AVX-512 Xeon like CI's; 2026-12-04, load 8-12 beside a CI run;
   `estimate` rose less on it, for a reason not studied):
   `exact` 0.641 0.568 0.500 0.531 0.594 0.536 0.573 0.500 0.630 0.552 (mean 0.562, sd 0.049),
