@@ -55,12 +55,21 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_fully_async_fp8_engines_gspo_tis(tmp_path: Path) -> None:
-    model = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3)
+def parity_run_inputs(tmp_path: Path, arch: str) -> tuple[Path, Path, dict[str, str]]:
+    """A tiny `arch` checkpoint, the four ROWS as prompts and the REWARD module
+    `lora_compose_rewards` (parity, anti_parity): the model, the prompt file and the environment
+    in which `milepost train` imports the rewards."""
+    model = make_tiny_checkpoint(tmp_path / "m", arch, seed=3)
     (tmp_path / "rewards").mkdir()
     (tmp_path / "rewards" / "lora_compose_rewards.py").write_text(REWARD)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    path = os.pathsep.join([str(tmp_path / "rewards"), os.environ.get("PYTHONPATH", "")])
+    return model, prompts, {"PYTHONPATH": path}
+
+
+def test_fully_async_fp8_engines_gspo_tis(tmp_path: Path) -> None:
+    model, prompts, env = parity_run_inputs(tmp_path, "qwen3")
     run_dir = tmp_path / "rl"
     train(["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--run-dir", str(run_dir),
            "--reward-fn", "lora_compose_rewards:parity", "--rollout-batch-size", "2",
@@ -69,7 +78,7 @@ def test_fully_async_fp8_engines_gspo_tis(tmp_path: Path) -> None:
            "--fully-async", "--engine-quantization", "fp8", "--advantage-estimator", "gspo",
            "--ratio-correction", "tis", "--check-weight-update-equal", "--check-weight-update",
            "--save-hf-at-end", "true"],
-          {"PYTHONPATH": os.pathsep.join([str(tmp_path / "rewards"), os.environ.get("PYTHONPATH", "")])})
+          env)
     records = metrics(run_dir)
     assert len(records) == 2
     # Each update carries the adapter alone: A [4, in] and B [out, 4] of 3 projections x 2 layers.
@@ -86,11 +95,7 @@ def test_fully_async_fp8_engines_gspo_tis(tmp_path: Path) -> None:
 def test_multi_lora_fully_async(tmp_path: Path) -> None:
     """Two adapters under --fully-async: the worker's requests name each prompt's adapter, both
     train in every step (metrics per adapter), each update carries the adapters that stepped."""
-    model = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3)
-    (tmp_path / "rewards").mkdir()
-    (tmp_path / "rewards" / "lora_compose_rewards.py").write_text(REWARD)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    model, prompts, env = parity_run_inputs(tmp_path, "qwen3")
     adapters = [{"name": "odd", "prompt_data": str(prompts), "reward_fn": "lora_compose_rewards:parity"},
                 {"name": "even", "prompt_data": str(prompts), "reward_fn": "lora_compose_rewards:anti_parity"}]
     run_dir = tmp_path / "rl"
@@ -98,7 +103,7 @@ def test_multi_lora_fully_async(tmp_path: Path) -> None:
            "--rollout-batch-size", "2", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8",
            "--lr", "1e-2", "--engine-max-total-tokens", "2048", "--num-rollout", "2", "--device", "cpu",
            *LORA, "--fully-async", "--check-weight-update", "--save-hf-at-end", "true"],
-          {"PYTHONPATH": os.pathsep.join([str(tmp_path / "rewards"), os.environ.get("PYTHONPATH", "")])})
+          env)
     records = metrics(run_dir)
     assert len(records) == 2
     # The worker draws the adapters' prompts in turn; groups finish in any order, so a step's two
@@ -183,18 +188,14 @@ def test_ppo_critic_with_offload_turns_changes_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.optin  # one more run (~50 s on 2 busy cores): -m optin
 def test_colocated_tensor_handoff_carries_the_adapter(tmp_path: Path) -> None:
-    model = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3)
-    (tmp_path / "rewards").mkdir()
-    (tmp_path / "rewards" / "lora_compose_rewards.py").write_text(REWARD)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    model, prompts, env = parity_run_inputs(tmp_path, "qwen3")
     run_dir = tmp_path / "rl"
     train(["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--run-dir", str(run_dir),
            "--reward-fn", "lora_compose_rewards:parity", "--rollout-batch-size", "2",
            "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8", "--lr", "1e-2",
            "--engine-max-total-tokens", "2048", "--num-rollout", "2", "--device", "cpu", *LORA,
            "--colocate", "--check-weight-update-equal", "--check-weight-update", "--save-hf-at-end", "true"],
-          {"PYTHONPATH": os.pathsep.join([str(tmp_path / "rewards"), os.environ.get("PYTHONPATH", "")])})
+          env)
     assert 'update_weight_transfer_mode = "tensor"' in (run_dir / "config.resolved.toml").read_text()
     records = metrics(run_dir)
     assert len(records) == 2

@@ -6,29 +6,23 @@ equality and per-update checks pass, and the run ends with a PEFT directory with
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from safetensors.torch import load_file
 
-from milepost.testing.checkpoints import make_tiny_checkpoint
-from tests.e2e.test_lora_composes import REWARD, ROWS, metrics, train
+from tests.e2e.test_lora_composes import metrics, parity_run_inputs, train
 
 
 def test_moe_expert_adapter_rl_run(tmp_path: Path) -> None:
-    model = make_tiny_checkpoint(tmp_path / "m", "qwen3_moe", seed=3)
-    (tmp_path / "rewards").mkdir()
-    (tmp_path / "rewards" / "lora_moe_rewards.py").write_text(REWARD)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    model, prompts, env = parity_run_inputs(tmp_path, "qwen3_moe")
     run_dir = tmp_path / "rl"
     train(["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--run-dir", str(run_dir),
-           "--reward-fn", "lora_moe_rewards:parity", "--rollout-batch-size", "2",
+           "--reward-fn", "lora_compose_rewards:parity", "--rollout-batch-size", "2",
            "--n-samples-per-prompt", "8", "--rollout-max-response-len", "8", "--lr", "1e-2",
            "--engine-max-total-tokens", "2048", "--num-rollout", "2", "--device", "cpu",
            "--lora-rank", "4", "--lora-alpha", "8", "--check-weight-update-equal", "--check-weight-update",
            "--save-hf-at-end", "true"],
-          {"PYTHONPATH": os.pathsep.join([str(tmp_path / "rewards"), os.environ.get("PYTHONPATH", "")])})
+          env)
     records = metrics(run_dir)
     assert len(records) == 2
     config = json.loads((run_dir / "hf" / "adapter_config.json").read_text())
