@@ -58,7 +58,7 @@ def gemms(shape: str) -> list[dict]:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             row = {"shape": shape, "gemm": what, "M": m, "N": n, "K": k,
                    "bf16_ms": cuda_ms(lambda x=x, w=w: F.linear(x, w))}
-            for backend in ("scaled_mm", "triton"):
+            for backend in ("scaled_mm", "triton", "decode"):
                 try:
                     row[f"fp8_{backend}_ms"] = cuda_ms(
                         lambda x=x, q=q, b=backend: fp8_block_linear(x, q.values, q.scales, b))
@@ -69,16 +69,19 @@ def gemms(shape: str) -> list[dict]:
     return rows
 
 
+MODES = {"bf16": (None, "auto"), "fp8_block": ("fp8_block", "auto"),
+         "fp8_block+fp8_kv": ("fp8_block", "fp8_e4m3")}
+
+
 def engine_decode(shape: str, requests: int, prompt: int, output: int,
-                  device: str = "cuda") -> dict:
+                  device: str = "cuda", modes: tuple[str, ...] = tuple(MODES)) -> dict:
     """Decode tok/s of bf16, fp8_block weights, and fp8_block weights + an FP8 KV pool, one
     engine at a time in this process (each closed and its pool freed before the next starts);
     the pool is sized by --mem-fraction-static, so kv_pool_tokens shows what fits."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out = {"shape": shape, "requests": requests, "prompt": prompt, "output": output}
-    modes = (("bf16", None, "auto"), ("fp8_block", "fp8_block", "auto"),
-             ("fp8_block+fp8_kv", "fp8_block", "fp8_e4m3"))
-    for mode, quant, kv in modes:  # a fresh model (same seed) each: fp8 converts it in place
+    for mode in modes:  # a fresh model (same seed) each: fp8 converts it in place
+        quant, kv = MODES[mode]
         native, config_dir = bench_models.native_model(None, shape, dtype, torch.device(device), 0)
         vocab = native.vocab_size
         sargs = ServerArgs(model_path=config_dir, device=device, dtype=str(dtype)[6:],
@@ -96,6 +99,10 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
                          "decode_tok_s": (r.output_tokens - requests) / r.decode_seconds,
                          "weight_bytes": weights,
                          "kv_pool_tokens": engine.cfg.num_blocks * engine.cfg.block_size}
+            if quant and device == "cuda":  # the GEMM each decode M bucket got (probe + timing)
+                from milepost.kernels import fp8_gemm
+
+                out[mode]["fp8_gemm_by_m"] = dict(fp8_gemm._SMALL.get(torch.cuda.current_device(), {}))
         finally:
             engine.close()
         # The engine and everything that refers to it go before the next one sizes its pool.
@@ -104,11 +111,13 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
         if device == "cuda":
             torch.cuda.empty_cache()
         print(json.dumps(out), flush=True)
-    base = out["bf16"]["decode_tok_s"]
-    for mode in ("fp8_block", "fp8_block+fp8_kv"):
-        out[f"{mode}_over_bf16_decode"] = out[mode]["decode_tok_s"] / base
-    out["fp8_kv_over_bf16_kv_tokens"] = (out["fp8_block+fp8_kv"]["kv_pool_tokens"]
-                                         / out["fp8_block"]["kv_pool_tokens"])
+    if "bf16" in out:
+        for mode in ("fp8_block", "fp8_block+fp8_kv"):
+            if mode in out:
+                out[f"{mode}_over_bf16_decode"] = out[mode]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
+    if "fp8_block" in out and "fp8_block+fp8_kv" in out:
+        out["fp8_kv_over_bf16_kv_tokens"] = (out["fp8_block+fp8_kv"]["kv_pool_tokens"]
+                                             / out["fp8_block"]["kv_pool_tokens"])
     return out
 
 
@@ -157,6 +166,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=256)
     p.add_argument("--parts", default="gemm,engine,train")
+    p.add_argument("--modes", default=",".join(MODES), help="engine part: which of " + ", ".join(MODES))
     p.add_argument("--json-out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: the engine part only (a dry run)")
     a = p.parse_args()
@@ -173,7 +183,8 @@ def main() -> None:
         result["engine"] = []
         for s in shapes:
             try:
-                result["engine"].append(engine_decode(s, a.requests, a.prompt, a.output, a.device))
+                result["engine"].append(engine_decode(s, a.requests, a.prompt, a.output, a.device,
+                                                        tuple(a.modes.split(","))))
             except Exception as e:  # noqa: BLE001 - report, go on with the next shape
                 result["engine"].append({"shape": s, "failed": repr(e)[:300]})
                 print(json.dumps(result["engine"][-1]), flush=True)

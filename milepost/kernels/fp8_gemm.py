@@ -7,14 +7,17 @@ The GEMM is cuBLAS's block-scaled FP8 GEMM through `torch._scaled_mm` (M-major 1
 padded to a multiple of 4; K/128 a multiple of 4, see `cublas_takes`) where a probe on operands
 whose scales differ by orders of magnitude gives the emulated product, else a Triton kernel
 (DeepSeek-V3's recipe: per 128-wide K step, an FP8 tensor-core product scaled by both blocks'
-scales, accumulated in fp32), else emulated with a warning; at decode batch sizes (M <=
-DECODE_M) the faster of the correct ones, timed once from CUDA graphs.
+scales, accumulated in fp32), else emulated with a warning. At decode batch sizes (M <=
+DECODE_M) a third, `decode_block_mm`, fuses the activation quantization into a split-K FP8 GEMM
+with configs measured per shape (DECODE_TABLE); per M bucket the fastest correct GEMM is used,
+timed once from CUDA graphs.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,9 +26,9 @@ import triton.language as tl
 log = logging.getLogger(__name__)
 TILE = 128
 _BACKEND: dict[int, str] = {}  # device -> GEMM for any M
-_SMALL: dict[int, str] = {}  # device -> GEMM for M <= DECODE_M
+_SMALL: dict[int, dict[int, str]] = {}  # device -> M bucket (<= DECODE_M) -> GEMM
 _ROWS: dict[int, str] = {}  # device -> weight-gradient GEMM (both operands 1x128 along tokens)
-DECODE_M = 64
+DECODE_M = 256
 
 
 @triton.jit
@@ -127,6 +130,119 @@ def triton_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
     return out if split == 1 else part.sum(0).to(out_dtype)
 
 
+# --- Decode-M GEMM: activation quantization fused into the FP8 GEMM ---------------------------
+# At decode M (a few to a few hundred rows) the weight's bytes dominate: one kernel reads each
+# fp8 weight tile once per program, quantizes the program's activation rows per 1x128 block
+# itself (the same operations as _quant_act_kernel, so the same bits), and splits K over
+# programs when N alone leaves SMs idle. Split parts are summed by a second kernel in a fixed
+# order (no atomics: a result never depends on timing).
+
+
+class DecodeConfig(NamedTuple):
+    block_m: int  # rows per program (16, 32, 64, 128)
+    block_n: int  # weight rows per program (32, 64, 128: divides the 128-row scale tile)
+    split: int  # programs along K (1: no partial sums)
+    warps: int
+    stages: int  # software-pipelined loads
+    fused: bool  # quantize the activations in the GEMM (else quantize_act_1x128 first)
+
+
+DECODE_BUCKETS = (1, 8, 16, 32, 64, 128, 256)  # M rounded up to one of these picks the config
+# (N, K, M bucket) -> config, filled from benchmarks/fp8_gemm_sweep.py on the H200 (see
+# docs/low_precision.md); a (N, K) not listed gets decode_config's rule.
+DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}
+
+
+def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
+    """The table's config for this M bucket, else: the smallest row block that holds M (64 at
+    most), 64-wide weight blocks, and K split until about two programs per SM stream a part."""
+    bucket = next((b for b in DECODE_BUCKETS if m <= b), DECODE_BUCKETS[-1])
+    cfg = DECODE_TABLE.get((n, k, bucket))
+    if cfg is not None:
+        return cfg
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn = 64 if n % 64 == 0 else 32
+    tiles = triton.cdiv(m, bm) * (n // bn)
+    split = max(1, min(k // TILE // 4, 2 * sms // tiles))
+    return DecodeConfig(bm, bn, split, 4, 4, m <= 32)
+
+
+# Only the row strides (multiples of 16: vectorized loads) are specialized: one compiled kernel
+# serves every M and shape.
+@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_sxk", "stride_swn", "stride_swk",
+                               "stride_cs", "n_kb", "kb_per"])
+def _decode_kernel(X, SX, W, SW, C, M, stride_x, stride_sxm, stride_sxk, stride_w, stride_swn,
+                   stride_swk, stride_c, stride_cs, n_kb, kb_per, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, FUSED: tl.constexpr):
+    """C[pid_k] = sum over this program's K blocks of Q(X) Q(W)^T, per block scaled by both
+    scales. FUSED: X is the bf16/fp16/fp32 activation, quantized here; else fp8 with scales SX."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, 128)
+    row_ok = rm < M
+    x_ptr = X + rm[:, None].to(tl.int64) * stride_x + rk[None, :]
+    w_ptr = W + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    sw_ptr = SW + (pid_n * BLOCK_N // 128) * stride_swn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k0 = pid_k * kb_per
+    for kb in range(k0, tl.minimum(k0 + kb_per, n_kb)):
+        w = tl.load(w_ptr + kb * 128)  # N is a multiple of BLOCK_N: no mask
+        sw = tl.load(sw_ptr + kb * stride_swk)
+        if FUSED:  # _quant_act_kernel's operations, per row of the block
+            x = tl.load(x_ptr + kb * 128, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            finite = tl.abs(x) < float("inf")  # False for NaN and +-Inf
+            amax = tl.max(tl.where(finite, tl.abs(x), 0.0), 1)
+            bad = tl.min(finite.to(tl.int32), 1) == 0
+            sx = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+            sx = tl.where(bad, float("nan"), sx)
+            xq = _round_e4m3(tl.math.div_rn(x, sx[:, None])).to(tl.float8e4nv)
+        else:
+            xq = tl.load(x_ptr + kb * 128, mask=row_ok[:, None], other=0.0)
+            sx = tl.load(SX + rm * stride_sxm + kb * stride_sxk, mask=row_ok, other=1.0)
+        acc += tl.dot(xq, tl.trans(w)) * (sx[:, None] * sw)
+    c_ptr = C + pid_k * stride_cs + rm[:, None].to(tl.int64) * stride_c + rn[None, :]
+    tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _sum_parts_kernel(P, C, size, split, BLOCK: tl.constexpr):
+    """C = P[0] + P[1] + ... in that order (fp32), cast to C's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    acc = tl.load(P + offs, mask=ok, other=0.0)
+    for s in range(1, split):
+        acc += tl.load(P + s * size + offs, mask=ok, other=0.0)
+    tl.store(C + offs, acc.to(C.dtype.element_ty), mask=ok)
+
+
+def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype,
+                    cfg: DecodeConfig | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32, contiguous rows) times fp8 w [N, K] with 128x128 scales sw
+    [N/128, K/128] -> [M, N] out_dtype; N a multiple of 128. The activation values are
+    quantize_act_1x128's (fused or not, per `cfg`; decode_config's when None)."""
+    m, k = x.shape
+    n, n_kb = w.shape[0], k // TILE
+    cfg = cfg or decode_config(m, n, k, _sm_count(x.device))
+    if cfg.fused:
+        xa, sx, s_strides = x, x, (0, 0)
+    else:
+        xa, sx = quantize_act_1x128(x)
+        s_strides = (sx.stride(0), sx.stride(1))
+    kb_per = triton.cdiv(n_kb, cfg.split)
+    split = triton.cdiv(n_kb, kb_per)  # no program without K blocks
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), n // cfg.block_n, split)
+    _decode_kernel[grid](xa, sx, w, sw, part, m, xa.stride(0), *s_strides, w.stride(0),
+                         sw.stride(0), sw.stride(1), n, m * n, n_kb, kb_per,
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FUSED=cfg.fused,
+                         num_warps=cfg.warps, num_stages=cfg.stages)
+    if split > 1:
+        _sum_parts_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, split, BLOCK=1024)
+    return out
+
+
 def cublas_takes(k: int) -> bool:
     """Whether cuBLAS's block-scaled GEMM gives the right product for contraction dim k. It
     reads the 128x128 weight scales with a 16-byte aligned leading dimension, which torch
@@ -201,7 +317,8 @@ def emulated_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: t
 
 def _probe_cases(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
     """Operands whose scales differ by orders of magnitude per row, K block and weight tile (a
-    scale read from the wrong place shows), at the M a decode and a prefill give."""
+    scale read from the wrong place shows), at the M a decode and a prefill give:
+    (xq, sx, w, sw, x) with x the bf16 activation that xq, sx quantize."""
     from milepost.lowprec.quantize import quantize
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -213,8 +330,9 @@ def _probe_cases(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         w = torch.randn(n, k, device=device, generator=gen) * 0.05
         w = w * torch.logspace(-1, 1, -(-n // TILE), device=device).repeat_interleave(TILE)[:n, None]
         qw = quantize(w, "fp8_block")
-        xq, sx = quantize_act_1x128(x.to(torch.bfloat16))
-        cases.append((xq, sx, qw.values, qw.scales))
+        xb = x.to(torch.bfloat16)
+        xq, sx = quantize_act_1x128(xb)
+        cases.append((xq, sx, qw.values, qw.scales, xb))
     return cases
 
 
@@ -224,26 +342,44 @@ def _agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(torch.isfinite(out).all() and ((out - ref).abs() <= tol).all())
 
 
+def _decode_variants(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
+    """decode_config's choice and its opposite in fusion, wide blocks and an uneven K split:
+    the code paths the table's configs take."""
+    cfg = decode_config(m, n, k, sms)
+    return [cfg, cfg._replace(block_n=128, split=3, stages=3, fused=not cfg.fused),
+            cfg._replace(block_n=32, split=1, stages=2)]
+
+
+def _run_case(name: str, case: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    xq, sx, w, sw, x = case
+    if name == "decode":
+        m, k = x.shape
+        return [decode_block_mm(x, w, sw, torch.bfloat16, c)
+                for c in _decode_variants(m, w.shape[0], k, _sm_count(x.device))]
+    return [(triton_block_mm if name == "triton" else scaled_mm_block)(xq, sx, w, sw, torch.bfloat16)]
+
+
 def _probe(device: torch.device) -> list[str]:
-    """The GEMMs that give the emulated product on every probe case (cuBLAS first), warning
-    for each one that does not."""
+    """The GEMMs that give the emulated product on every probe case (cuBLAS first, the decode
+    kernel last: it serves only decode M), warning for each one that does not."""
     cases = _probe_cases(device)
-    refs = [emulated_block_mm(*c, torch.float32) for c in cases]
+    refs = [emulated_block_mm(*c[:4], torch.float32) for c in cases]
     ok: list[str] = []
-    for name in ("triton", "scaled_mm"):
+    for name in ("triton", "scaled_mm", "decode"):
         if name == "scaled_mm":  # the K cuBLAS does not take go to the checked fallback
             _FALLBACK[device.index or 0] = "triton" if ok else "emulated"
         try:
             for c, ref in zip(cases, refs):
-                out = (triton_block_mm if name == "triton" else scaled_mm_block)(*c, torch.bfloat16)
-                torch.cuda.synchronize(device)
-                if not _agrees(out.float(), ref):
-                    raise ValueError(f"wrong product at M={c[0].shape[0]}, N={c[2].shape[0]}, "
-                                     f"K={c[0].shape[1]} (max diff {(out.float() - ref).abs().max().item():.3g})")
+                for out in _run_case(name, c):
+                    torch.cuda.synchronize(device)
+                    if not _agrees(out.float(), ref):
+                        raise ValueError(f"wrong product at M={c[0].shape[0]}, N={c[2].shape[0]}, "
+                                         f"K={c[0].shape[1]} (max diff "
+                                         f"{(out.float() - ref).abs().max().item():.3g})")
             ok.append(name)
         except Exception as e:  # noqa: BLE001 - unsupported by this torch/cuBLAS/Triton, or wrong
             log.warning("fp8 blockwise GEMM %s not used: %s", name, str(e).splitlines()[0][:200])
-    return sorted(ok, key=lambda n: n != "scaled_mm")
+    return sorted(ok, key=lambda n: (n != "scaled_mm", n == "decode"))
 
 
 def _replay_ms(fn, device: torch.device, reps: int = 20) -> float:
@@ -270,33 +406,40 @@ def _replay_ms(fn, device: torch.device, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _faster_at_decode(device: torch.device, names: list[str]) -> str:
-    """The faster of the correct GEMMs at a decode batch (the weight's bytes dominate there)."""
-    w = torch.randn(4096, 4096, device=device).to(torch.float8_e4m3fn)
+def _faster_at_decode(device: torch.device, names: list[str]) -> dict[int, str]:
+    """Per decode M bucket, the fastest of the correct GEMMs on four 4096 x 4096 weights in
+    turn (64 MB: more than L2 holds, as a model's layers are)."""
+    ws = [torch.randn(4096, 4096, device=device).to(torch.float8_e4m3fn) for _ in range(4)]
     sw = torch.full((32, 32), 1e-3, device=device)
-    x = torch.randn(DECODE_M // 2, 4096, device=device, dtype=torch.bfloat16)
-    ms = {n: _replay_ms(lambda n=n: fp8_block_linear(x, w, sw, n), device) for n in names}
-    log.info("fp8 blockwise GEMM at M=%d: %s", DECODE_M // 2,
-             ", ".join(f"{n} {t * 1e3:.1f} us" for n, t in ms.items()))
-    return min(ms, key=ms.__getitem__)
+    best = {}
+    for m in DECODE_BUCKETS:
+        x = torch.randn(m, 4096, device=device, dtype=torch.bfloat16)
+        ms = {n: _replay_ms(lambda n=n: [fp8_block_linear(x, w, sw, n) for w in ws], device)
+              for n in names}
+        log.info("fp8 blockwise GEMM at M=%d: %s", m,
+                 ", ".join(f"{n} {t * 1e3 / len(ws):.1f} us" for n, t in ms.items()))
+        best[m] = min(ms, key=ms.__getitem__)
+    return best
 
 
 def block_backend(device: torch.device, m: int | None = None) -> str:
-    """'scaled_mm' | 'triton' | 'emulated' for this CUDA device, and for `m` rows when given
-    (at most DECODE_M: the faster correct one). Probed once, on operands that show a wrong
-    scale layout; a fallback from cuBLAS is announced with a warning."""
+    """'scaled_mm' | 'triton' | 'decode' | 'emulated' for this CUDA device, and for `m` rows
+    when given (at most DECODE_M: the fastest correct one for m's bucket). Probed once, on
+    operands that show a wrong scale layout; a fallback from cuBLAS is announced with a warning."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _BACKEND:
         dev = torch.device("cuda", idx)
         ok = _probe(dev) or ["emulated"]
-        small = _faster_at_decode(dev, ok) if len(ok) > 1 else ok[0]
+        small = _faster_at_decode(dev, ok) if len(ok) > 1 else dict.fromkeys(DECODE_BUCKETS, ok[0])
         _BACKEND[idx], _SMALL[idx] = ok[0], small
         _ROWS[idx] = _probe_rows(dev) if ok[0] != "emulated" else "emulated"
         level = logging.INFO if ok[0] == "scaled_mm" else logging.WARNING
-        log.log(level, "fp8 blockwise GEMM on cuda:%d: %s (M <= %d: %s; weight gradient: %s)%s",
-                idx, ok[0], DECODE_M, small, _ROWS[idx],
+        log.log(level, "fp8 blockwise GEMM on cuda:%d: %s (decode M buckets: %s; weight gradient: %s)%s",
+                idx, ok[0], small, _ROWS[idx],
                 "" if ok[0] != "emulated" else "; dequantized bf16 GEMMs: slow")
-    return _SMALL[idx] if m is not None and m <= DECODE_M else _BACKEND[idx]
+    if m is not None and m <= DECODE_M:
+        return _SMALL[idx][next(b for b in DECODE_BUCKETS if m <= b)]
+    return _BACKEND[idx]
 
 
 def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
@@ -305,8 +448,13 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
     shape = x.shape
     m = x.numel() // shape[-1]
     backend = backend or block_backend(x.device, m)
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    if backend == "decode" and w.shape[0] % TILE == 0:
+        return decode_block_mm(x2, w, sw, x.dtype).reshape(*shape[:-1], w.shape[0])
+    if backend == "decode":  # N not whole tiles: the GEMM for any M
+        backend = block_backend(x.device)
     pad = 4 if backend == "scaled_mm" else 1
-    xq, sx = quantize_act_1x128(x.reshape(-1, shape[-1]).contiguous(), pad)
+    xq, sx = quantize_act_1x128(x2, pad)
     fn = {"scaled_mm": scaled_mm_block, "triton": triton_block_mm,
           "emulated": emulated_block_mm}[backend]
     return fn(xq, sx, w, sw, x.dtype)[:m].reshape(*shape[:-1], w.shape[0])

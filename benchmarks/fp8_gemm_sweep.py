@@ -1,0 +1,232 @@
+"""FP8 blockwise GEMMs at decode M on the GPU, one call: for each projection of the Qwen3-4B and
+0.6B shapes and M in 1..256, bf16 F.linear (cuBLAS), the FP8 Triton GEMM (`triton`), cuBLAS's
+block-scaled FP8 GEMM (`scaled_mm`), the decode kernel with its current config (`decode`) and
+the decode kernel over a grid of configs, each checked against the emulated product first.
+
+Every time is per call from a CUDA graph (as the engine's decode replays them) that calls the GEMM
+on enough copies of the weight to overflow L2 (a model's layers do): weight bytes come from HBM.
+The grid is searched in two passes (row/weight block, K split, fusion at 4 stages; then stages and
+warps around the best) after compiling every variant in parallel processes (Triton's disk cache).
+Prints a table, the per-layer sum, and the DECODE_TABLE entries for milepost/kernels/fp8_gemm.py.
+
+    PYTHONPATH=$PWD python benchmarks/fp8_gemm_sweep.py --json-out fp8_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from milepost.kernels import fp8_gemm as fg
+from milepost.kernels.fp8_gemm import DecodeConfig
+
+LINEARS = {  # shape -> projection -> (N, K)
+    "qwen3-4b": {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)},
+    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
+}
+MS = (1, 8, 16, 32, 64, 128, 256)
+L2_BYTES = 96 << 20  # weights cycled per graph: about twice the H200's L2
+STAGES, WARPS = (2, 4, 6), (4, 8)
+
+
+def row_blocks(m: int) -> tuple[int, ...]:
+    return (16,) if m <= 16 else (32,) if m <= 32 else (64,) if m <= 64 else (64, 128)
+
+
+def splits(m: int, n: int, k: int, bm: int, bn: int, sms: int) -> list[int]:
+    tiles = math.ceil(m / bm) * (n // bn)
+    out = [s for s in (1, 2, 4, 8, 16) if s <= k // 128 and (s == 1 or tiles * s <= 4 * sms)]
+    return sorted({math.ceil(k // 128 / math.ceil(k // 128 / s)) for s in out})  # splits that differ
+
+
+def first_pass(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
+    return [DecodeConfig(bm, bn, s, 4 if bm * bn < 64 * 128 else 8, 4, fused)
+            for bm in row_blocks(m) for bn in (32, 64, 128) for s in splits(m, n, k, bm, bn, sms)
+            for fused in (True, False)]
+
+
+def second_pass(best: DecodeConfig) -> list[DecodeConfig]:
+    warps = WARPS if best.block_m * best.block_n >= 64 * 64 else (4,)
+    return [best._replace(stages=st, warps=w) for st in STAGES for w in warps
+            if (st, w) != (best.stages, best.warps)]
+
+
+def _compile_variants(variants: list[tuple]) -> int:
+    """Worker: run each (block_m, block_n, warps, stages, fused, parts) once on a small problem,
+    so Triton compiles it into its disk cache; the number that failed to compile."""
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda")
+    w = torch.randn(256, 512, device=dev).to(torch.float8_e4m3fn)
+    sw = torch.ones(2, 4, device=dev)
+    failed = 0
+    for bm, bn, warps, stages, fused, parts in variants:
+        x = torch.randn(bm, 512, device=dev, dtype=torch.bfloat16)
+        try:
+            fg.decode_block_mm(x, w, sw, torch.bfloat16,
+                               DecodeConfig(bm, bn, 2 if parts else 1, warps, stages, fused))
+        except Exception:  # noqa: BLE001 - out of shared memory etc.: the sweep reports it
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def precompile(workers: int) -> None:
+    variants = [(bm, bn, w, st, fu, pa) for bm, bn, w, st, fu, pa in itertools.product(
+        (16, 32, 64, 128), (32, 64, 128), WARPS, STAGES, (True, False), (True, False))
+        if w == 4 or bm * bn >= 64 * 64]
+    t = time.time()
+    try:
+        with mp.get_context("spawn").Pool(workers) as pool:
+            failed = sum(pool.map(_compile_variants, [variants[i::workers] for i in range(workers)]))
+        print(f"compiled {len(variants)} decode-kernel variants in {time.time() - t:.1f} s "
+              f"({workers} processes; {failed} did not compile)", flush=True)
+    except Exception as e:  # noqa: BLE001 - compile on first use then
+        print(f"parallel compile failed ({e!r:.200}); compiling on first use", flush=True)
+
+
+def graph_us(calls, reps: int = 3) -> float:
+    """Microseconds per call: `calls` (one per weight copy) captured in one graph, replayed."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps / len(calls)
+
+
+class Case:
+    """One (N, K) weight in `copies` copies, bf16 and fp8, and the emulated products per M."""
+
+    def __init__(self, n: int, k: int, dev: torch.device) -> None:
+        from milepost.lowprec.quantize import quantize
+
+        w = torch.randn(n, k, device=dev) * 0.02
+        q = quantize(w, "fp8_block")
+        self.n, self.k = n, k
+        self.copies = max(2, min(32, math.ceil(L2_BYTES / (n * k))))
+        self.wb = [w.to(torch.bfloat16) for _ in range(self.copies)]
+        self.wq = [q.values.clone() for _ in range(self.copies)]
+        self.sw = [q.scales.clone() for _ in range(self.copies)]
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        xq, sx = fg.quantize_act_1x128(x)
+        return fg.emulated_block_mm(xq, sx, self.wq[0], self.sw[0], torch.float32)
+
+    def time(self, fn, x: torch.Tensor, ref: torch.Tensor | None) -> float | str:
+        """fn(x, i) -> output for copy i; checked on copy 0 against `ref` (None: not checked)."""
+        try:
+            if ref is not None:
+                out = fn(x, 0).float()
+                if not fg._agrees(out, ref):
+                    return f"wrong (max diff {(out - ref).abs().max().item():.3g})"
+            return graph_us([lambda i=i: fn(x, i) for i in range(self.copies)])
+        except Exception as e:  # noqa: BLE001 - report, go on
+            return f"failed: {str(e).splitlines()[0][:100]}"
+
+
+def sweep_case(case: Case, m: int, sms: int, deadline: float) -> dict:
+    dev = case.wq[0].device
+    x = torch.randn(m, case.k, device=dev, dtype=torch.bfloat16)
+    ref = case.reference(x)
+    row = {"M": m, "N": case.n, "K": case.k, "copies": case.copies,
+           "bf16": case.time(lambda x, i: F.linear(x, case.wb[i]), x, None)}
+    for name in ("triton", "scaled_mm", "decode"):
+        row[name] = case.time(lambda x, i, b=name: fg.fp8_block_linear(x, case.wq[i], case.sw[i], b), x, ref)
+    row["decode_config"] = list(fg.decode_config(m, case.n, case.k, sms))
+    grid: dict[str, float | str] = {}
+
+    def run(cfgs: list[DecodeConfig]) -> None:
+        for cfg in cfgs:
+            if time.time() > deadline:
+                grid[str(tuple(cfg))] = "skipped: time budget"
+                continue
+            grid[str(tuple(cfg))] = case.time(
+                lambda x, i, c=cfg: fg.decode_block_mm(x, case.wq[i], case.sw[i], torch.bfloat16, c), x, ref)
+
+    def best() -> tuple[DecodeConfig, float] | None:
+        timed = [(DecodeConfig(*eval(c)), t) for c, t in grid.items() if isinstance(t, float)]  # noqa: S307
+        return min(timed, key=lambda ct: ct[1]) if timed else None
+
+    run(first_pass(m, case.n, case.k, sms))
+    b = best()
+    if b is not None:
+        run(second_pass(b[0]))
+        b = best()
+    row["grid"] = grid
+    row["best"] = list(b[0]) if b else None
+    row["best_us"] = b[1] if b else None
+    return row
+
+
+def fmt(t) -> str:
+    return f"{t:7.1f}" if isinstance(t, float) else f"{str(t)[:7]:>7}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--shapes", default="qwen3-4b,qwen3-0.6b")
+    p.add_argument("--ms", default=",".join(map(str, MS)))
+    p.add_argument("--budget-s", type=float, default=90.0, help="grid configs past this are skipped")
+    p.add_argument("--workers", type=int, default=min(15, max(1, (os.cpu_count() or 2) - 1)))
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args()
+    t0 = time.time()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    print(f"{torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}", flush=True)
+    precompile(a.workers)
+    deadline = t0 + a.budget_s
+    rows = []
+    ms = [int(v) for v in a.ms.split(",")]
+    print(f"{'shape':10} {'gemm':7} {'M':>4} | us/call: {'bf16':>7} {'triton':>7} {'scl_mm':>7} "
+          f"{'decode':>7} {'best':>7} | best/bf16 | best config (bm, bn, split, warps, stages, fused)")
+    for shape in a.shapes.split(","):
+        for name, (n, k) in LINEARS[shape].items():
+            case = Case(n, k, dev)
+            for m in ms:
+                row = {"shape": shape, "gemm": name, **sweep_case(case, m, sms, deadline)}
+                rows.append(row)
+                ratio = (row["bf16"] / row["best_us"]) if row["best_us"] and isinstance(row["bf16"], float) else None
+                print(f"{shape:10} {name:7} {m:4} | {'':8} {fmt(row['bf16'])} {fmt(row['triton'])} "
+                      f"{fmt(row['scaled_mm'])} {fmt(row['decode'])} {fmt(row['best_us'])} | "
+                      f"{f'{ratio:.2f}x' if ratio else '-':>9} | {row['best']}", flush=True)
+            del case
+            torch.cuda.empty_cache()
+    print("\nper layer (sum over the projections), us: bf16 | best fp8 | ratio", flush=True)
+    for shape in a.shapes.split(","):
+        for m in ms:
+            sel = [r for r in rows if r["shape"] == shape and r["M"] == m]
+            if all(isinstance(r["bf16"], float) and r["best_us"] for r in sel):
+                b16, f8 = sum(r["bf16"] for r in sel), sum(r["best_us"] for r in sel)
+                print(f"{shape:10} M={m:4}: {b16:8.1f} | {f8:8.1f} | {b16 / f8:.2f}x")
+    print("\nDECODE_TABLE entries (N, K, M bucket): DecodeConfig(...):", flush=True)
+    for r in rows:
+        if r["best"]:
+            print(f"    ({r['N']}, {r['K']}, {r['M']}): DecodeConfig{tuple(r['best'])},  "
+                  f"# {r['shape']} {r['gemm']} {r['best_us']:.1f} us, bf16 {fmt(r['bf16']).strip()} us")
+    print(f"\nsweep took {time.time() - t0:.1f} s", flush=True)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

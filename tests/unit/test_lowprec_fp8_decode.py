@@ -1,0 +1,75 @@
+"""The decode-M FP8 block GEMM (milepost/kernels/fp8_gemm.py `decode_block_mm`) against the
+emulated product: fused and separate activation quantization, split-K sums, row and weight
+blocks of every width. Without CUDA it runs under Triton's interpreter (float8 tl.dot included).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first triton import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from milepost.kernels.fp8_gemm import DecodeConfig, decode_block_mm, decode_config, emulated_block_mm
+from milepost.lowprec.quantize import quantize
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CONFIGS = [DecodeConfig(16, 64, 1, 4, 2, True), DecodeConfig(16, 128, 2, 4, 3, False),
+           DecodeConfig(16, 32, 3, 4, 3, True), DecodeConfig(32, 128, 3, 4, 4, True)]
+
+
+def _reference(x: torch.Tensor, w) -> torch.Tensor:
+    xq = quantize(x.float().cpu(), "fp8_block", "activation")
+    return emulated_block_mm(xq.values, xq.scales, w.values.cpu(), w.scales.cpu(), torch.float32)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_decode_gemm_equals_the_emulated_product(cfg: DecodeConfig) -> None:
+    """Rows whose scales span eight orders of magnitude, 3 K blocks (an uneven split), two row
+    blocks (M = 20 > 16), and a row holding Inf (its 1x128 block's NaN scale: a NaN row)."""
+    g = torch.Generator().manual_seed(0)
+    m, n, k = 20, 256, 384
+    x = torch.randn(m, k, generator=g) * torch.logspace(-4, 4, m)[:, None]
+    x[5, 200] = math.inf
+    x = x.to(torch.bfloat16)
+    w = quantize(torch.randn(n, k, generator=g) * torch.logspace(-1, 1, k)[None, :], "fp8_block")
+    ref = _reference(x, w)
+    y = decode_block_mm(x.to(DEV), w.values.to(DEV), w.scales.to(DEV), torch.float32, cfg).cpu()
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.isnan(y[5]).all()
+    ok = ~torch.isnan(ref)
+    tol = 1e-5 * ref.abs().nan_to_num().amax(1, keepdim=True).expand_as(ref)
+    assert ((y - ref).abs()[ok] <= tol[ok]).all()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_gemm_quantizes_activations_to_the_reference_bits(fused: bool) -> None:
+    """With 128 x 128 identity weight tiles the output is each quantized activation times its
+    scale: one E4M3 code off would move it by 1/16 or more. Row 0's block has amax 448 (scale
+    exactly 1) and values on rounding ties (1.0625 -> 1, 1.1875 -> 1.25), subnormal ties and
+    values past the largest normal; the other rows are random at several scales."""
+    g = torch.Generator().manual_seed(1)
+    m, k = 5, 256
+    x = torch.randn(m, k, generator=g) * torch.tensor([1.0, 1e-3, 1.0, 1e3, 1e-20])[:, None]
+    ties = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 3 * 2.0**-10, 2.0**-10, -416.0, 432.0])
+    x[0, : ties.numel()] = ties
+    x = x.to(torch.bfloat16)
+    w = quantize(torch.eye(k), "fp8_block")
+    xq = quantize(x.float(), "fp8_block", "activation")
+    ref = xq.values.float() * xq.scales.repeat_interleave(128, 1)
+    cfg = DecodeConfig(16, 64, 2, 4, 2, fused)
+    y = decode_block_mm(x.to(DEV), w.values.to(DEV), w.scales.to(DEV), torch.float32, cfg).cpu()
+    assert torch.equal(y == 0, ref == 0)
+    assert ((y - ref).abs() <= 1e-5 * ref.abs()).all()
+    assert ref[0, 1] == 1.0 and ref[0, 2] == 1.25  # the ties went to even, as the check needs
+
+
+def test_decode_config_rule_and_table_lookup() -> None:
+    """Without a table entry: the smallest row block holding M, K split while SMs are idle."""
+    cfg = decode_config(1, 2560, 9728, 132)
+    assert cfg.block_m == 16 and cfg.split > 1 and (2560 // cfg.block_n) * cfg.split <= 2 * 132
+    assert decode_config(200, 19456, 2560, 132).block_m == 64
