@@ -65,7 +65,7 @@ def test_fp8_block_gemm_matches_the_emulated_product() -> None:
     dev = torch.device("cuda")
     backend = block_backend(dev)
     assert backend in ("scaled_mm", "triton"), "no native FP8 blockwise GEMM on this device"
-    for use in sorted({backend, "triton"}):
+    for use in sorted({backend, "triton", "decode"}):
         for m, k in ((1, 1024), (16, 1024), (200, 1024), (300, 1024), (5, 640)):  # K/128 = 5: fallback
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             w = quantize(torch.randn(768, k, device=dev) * 0.02, "fp8_block")
@@ -74,6 +74,29 @@ def test_fp8_block_gemm_matches_the_emulated_product() -> None:
             ref = emulated_block_mm(xq, sx, w.values, w.scales, torch.float32)
             assert y.shape == (m, 768) and torch.isfinite(y).all(), (use, m)
             assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item()), (use, m)
+
+
+def test_decode_gemm_configs_give_the_emulated_product() -> None:
+    """Every DECODE_TABLE config (the rule's for the Qwen3-4B projections when the table is
+    empty) at its own shape and M, and the per-M-bucket choice of the GEMM at decode M."""
+    from milepost.kernels import fp8_gemm as fg
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    cases = {(n, k, m): cfg for (n, k, m), cfg in fg.DECODE_TABLE.items()} or {
+        (n, k, m): fg.decode_config(m, n, k, sms) for n, k in ((6144, 2560), (2560, 4096), (19456, 2560),
+                                                               (2560, 9728)) for m in fg.DECODE_BUCKETS}
+    weights = {}
+    for (n, k, m), cfg in sorted(cases.items()):
+        if (n, k) not in weights:
+            weights[(n, k)] = quantize(torch.randn(n, k, device=dev) * 0.02, "fp8_block")
+        w = weights[(n, k)]
+        x = torch.randn(max(1, m - 3), k, device=dev, dtype=torch.bfloat16)  # M inside the bucket
+        xq, sx = fg.quantize_act_1x128(x)
+        ref = fg.emulated_block_mm(xq, sx, w.values, w.scales, torch.float32)
+        y = fg.decode_block_mm(x, w.values, w.scales, torch.bfloat16, cfg)
+        assert fg._agrees(y.float(), ref), ((n, k, m), cfg)
+    assert {fg.block_backend(dev, m) for m in fg.DECODE_BUCKETS} <= {"scaled_mm", "triton", "decode"}
 
 
 def test_engine_model_stores_fp8_and_keeps_the_contract(tmp_path) -> None:
