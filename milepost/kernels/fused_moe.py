@@ -47,6 +47,21 @@ class MoeConfig:
                 f"{' hist' if self.hist_align else ''}")
 
 
+# Where the fused path was measured faster than grouped_experts.py, per expert shape
+# (experts, hidden, moe_intermediate, top_k): (largest token count, config or None = grouped faster),
+# ascending; token counts past the last bucket, and shapes not listed, keep the grouped GEMMs.
+# Filled from benchmarks/moe_sweep.py runs on one H200 (benchmarks/RESULTS.md).
+MEASURED: dict[tuple[int, int, int, int], tuple[tuple[int, MoeConfig | None], ...]] = {}
+
+
+def config_for(tokens: int, num_experts: int, hidden: int, inter: int, top_k: int) -> MoeConfig | None:
+    """The measured config for `tokens` (smallest bucket that holds it), or None: use grouped GEMMs."""
+    for max_tokens, cfg in MEASURED.get((num_experts, hidden, inter, top_k), ()):
+        if tokens <= max_tokens:
+            return cfg
+    return None
+
+
 @triton.jit(do_not_specialize=["n_pairs"])
 def _align_kernel(IDS, SORTED, BLOCK_EXPERT, TOTAL, n_pairs, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                   COUNT_CHUNK: tl.constexpr, PLACE_CHUNK: tl.constexpr, HIST: tl.constexpr):

@@ -29,6 +29,16 @@ def grouped_available(x: torch.Tensor) -> bool:
             and hasattr(torch, "_grouped_mm"))
 
 
+def fused_config(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> object | None:
+    """Under grouped_available: the Triton fused MoE config (kernels/fused_moe.py) where it was
+    measured faster than the grouped GEMMs for this expert shape and token count, else None."""
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        return None
+    from milepost.kernels.fused_moe import config_for  # triton: imported on GPU only
+
+    return config_for(x.shape[0], w13.shape[0], w13.shape[2], w2.shape[2], ids.shape[1])
+
+
 def grouped_train_available(x: torch.Tensor) -> bool:
     """The trainer on CUDA in bf16 (outside inference_mode): torch's grouped GEMM has a backward."""
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")

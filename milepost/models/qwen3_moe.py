@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from milepost.kernels.grouped_experts import (
+    fused_config,
     grouped_available,
     grouped_expert_mlp,
     grouped_train_available,
@@ -45,7 +46,12 @@ class StackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H], ids: [T, k] int64, weights: [T, k] (x.dtype) -> [T, H]."""
         w13, w2 = self.expert_weights()
-        if grouped_available(x):  # GPU: two grouped GEMMs, no host sync (CUDA-graph safe)
+        if grouped_available(x):  # GPU inference: no host sync either way (CUDA-graph safe)
+            cfg = fused_config(x, ids, w13, w2)  # the fused Triton MoE where measured faster
+            if cfg is not None:
+                from milepost.kernels.fused_moe import fused_expert_mlp
+
+                return fused_expert_mlp(x, ids, weights, w13, w2, cfg)
             return grouped_expert_mlp(x, ids, weights, w13, w2)
         if self.fused_train and grouped_train_available(x):  # the trainer: the same, differentiable
             from milepost.kernels import train_fused
