@@ -34,7 +34,7 @@ LINEARS = {  # shape -> projection -> (N, K)
 }
 MS = (1, 8, 16, 32, 64, 128, 256)
 L2_BYTES = 96 << 20  # weights cycled per graph: about twice the H200's L2
-STAGES, WARPS = (2, 4, 6), (4, 8)
+STAGES, WARPS = (3, 4, 6), (4, 8)
 
 
 def row_blocks(m: int) -> tuple[int, ...]:
@@ -48,9 +48,9 @@ def splits(m: int, n: int, k: int, bm: int, bn: int, sms: int) -> list[int]:
 
 
 def first_pass(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
-    return [DecodeConfig(bm, bn, s, 4 if bm * bn < 64 * 128 else 8, 4, fused)
+    return [DecodeConfig(bm, bn, s, 4 if bm * bn < 64 * 128 else 8, 4, fused, ticket)
             for bm in row_blocks(m) for bn in (32, 64, 128) for s in splits(m, n, k, bm, bn, sms)
-            for fused in (True, False)]
+            for fused in (True, False) for ticket in ((False, True) if s > 1 else (False,))]
 
 
 def second_pass(best: DecodeConfig) -> list[DecodeConfig]:
@@ -60,18 +60,19 @@ def second_pass(best: DecodeConfig) -> list[DecodeConfig]:
 
 
 def _compile_variants(variants: list[tuple]) -> int:
-    """Worker: run each (block_m, block_n, warps, stages, fused, parts) once on a small problem,
-    so Triton compiles it into its disk cache; the number that failed to compile."""
+    """Worker: run each (block_m, block_n, warps, stages, fused, mode) once on a small problem
+    (mode 0: no split, 1: parts summed by a second kernel, 2: by ticket), so Triton compiles it
+    into its disk cache; the number that failed to compile."""
     torch.cuda.set_device(0)
     dev = torch.device("cuda")
     w = torch.randn(256, 512, device=dev).to(torch.float8_e4m3fn)
     sw = torch.ones(2, 4, device=dev)
     failed = 0
-    for bm, bn, warps, stages, fused, parts in variants:
+    for bm, bn, warps, stages, fused, mode in variants:
         x = torch.randn(bm, 512, device=dev, dtype=torch.bfloat16)
         try:
             fg.decode_block_mm(x, w, sw, torch.bfloat16,
-                               DecodeConfig(bm, bn, 2 if parts else 1, warps, stages, fused))
+                               DecodeConfig(bm, bn, 2 if mode else 1, warps, stages, fused, mode == 2))
         except Exception:  # noqa: BLE001 - out of shared memory etc.: the sweep reports it
             failed += 1
     torch.cuda.synchronize()
@@ -79,8 +80,8 @@ def _compile_variants(variants: list[tuple]) -> int:
 
 
 def precompile(workers: int) -> None:
-    variants = [(bm, bn, w, st, fu, pa) for bm, bn, w, st, fu, pa in itertools.product(
-        (16, 32, 64, 128), (32, 64, 128), WARPS, STAGES, (True, False), (True, False))
+    variants = [(bm, bn, w, st, fu, mo) for bm, bn, w, st, fu, mo in itertools.product(
+        (16, 32, 64, 128), (32, 64, 128), WARPS, STAGES, (True, False), (0, 1, 2))
         if w == 4 or bm * bn >= 64 * 64]
     t = time.time()
     try:
@@ -196,7 +197,7 @@ def main() -> None:
     rows = []
     ms = [int(v) for v in a.ms.split(",")]
     print(f"{'shape':10} {'gemm':7} {'M':>4} | us/call: {'bf16':>7} {'triton':>7} {'scl_mm':>7} "
-          f"{'decode':>7} {'best':>7} | best/bf16 | best config (bm, bn, split, warps, stages, fused)")
+          f"{'decode':>7} {'best':>7} | best/bf16 | best config (bm, bn, split, warps, stages, fused, ticket)")
     for shape in a.shapes.split(","):
         for name, (n, k) in LINEARS[shape].items():
             case = Case(n, k, dev)

@@ -134,8 +134,10 @@ def triton_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
 # At decode M (a few to a few hundred rows) the weight's bytes dominate: one kernel reads each
 # fp8 weight tile once per program, quantizes the program's activation rows per 1x128 block
 # itself (the same operations as _quant_act_kernel, so the same bits), and splits K over
-# programs when N alone leaves SMs idle. Split parts are summed by a second kernel in a fixed
-# order (no atomics: a result never depends on timing).
+# programs when N alone leaves SMs idle. The split parts (fp32) are summed in the order
+# 0, 1, 2, ... either by a second kernel or, `ticket`, by whichever program of an output tile
+# finishes last (an atomic counter only picks that program; no value is accumulated
+# atomically): the same sums either way, never dependent on timing.
 
 
 class DecodeConfig(NamedTuple):
@@ -145,12 +147,15 @@ class DecodeConfig(NamedTuple):
     warps: int
     stages: int  # software-pipelined loads
     fused: bool  # quantize the activations in the GEMM (else quantize_act_1x128 first)
+    ticket: bool = False  # split parts summed by the tile's last program (else a second kernel)
 
 
 DECODE_BUCKETS = (1, 8, 16, 32, 64, 128, 256)  # M rounded up to one of these picks the config
 # (N, K, M bucket) -> config, filled from benchmarks/fp8_gemm_sweep.py on the H200 (see
 # docs/low_precision.md); a (N, K) not listed gets decode_config's rule.
 DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}
+_TICKETS: dict[int, torch.Tensor] = {}  # device -> int32 counters, zero between kernels
+_TICKET_SLOTS = 1 << 16
 
 
 def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
@@ -170,12 +175,14 @@ def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
 # Only the row strides (multiples of 16: vectorized loads) are specialized: one compiled kernel
 # serves every M and shape.
 @triton.jit(do_not_specialize=["M", "stride_sxm", "stride_sxk", "stride_swn", "stride_swk",
-                               "stride_cs", "n_kb", "kb_per"])
-def _decode_kernel(X, SX, W, SW, C, M, stride_x, stride_sxm, stride_sxk, stride_w, stride_swn,
-                   stride_swk, stride_c, stride_cs, n_kb, kb_per, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, FUSED: tl.constexpr):
-    """C[pid_k] = sum over this program's K blocks of Q(X) Q(W)^T, per block scaled by both
-    scales. FUSED: X is the bf16/fp16/fp32 activation, quantized here; else fp8 with scales SX."""
+                               "stride_ps", "n_kb", "kb_per", "split"])
+def _decode_kernel(X, SX, W, SW, C, P, CNT, M, stride_x, stride_sxm, stride_sxk, stride_w,
+                   stride_swn, stride_swk, stride_c, stride_ps, n_kb, kb_per, split,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED: tl.constexpr,
+                   MODE: tl.constexpr):
+    """Over this program's K blocks, sum Q(X) Q(W)^T per block scaled by both scales. FUSED: X is
+    the bf16/fp16/fp32 activation, quantized here; else fp8 with scales SX. MODE 0: the sum is
+    the output C; 1: it is part pid_k of P; 2: also, the tile's last program sums P into C."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -201,19 +208,43 @@ def _decode_kernel(X, SX, W, SW, C, M, stride_x, stride_sxm, stride_sxk, stride_
             xq = tl.load(x_ptr + kb * 128, mask=row_ok[:, None], other=0.0)
             sx = tl.load(SX + rm * stride_sxm + kb * stride_sxk, mask=row_ok, other=1.0)
         acc += tl.dot(xq, tl.trans(w)) * (sx[:, None] * sw)
-    c_ptr = C + pid_k * stride_cs + rm[:, None].to(tl.int64) * stride_c + rn[None, :]
-    tl.store(c_ptr, acc.to(C.dtype.element_ty), mask=row_ok[:, None])
+    offs = rm[:, None].to(tl.int64) * stride_c + rn[None, :]
+    if MODE == 0:
+        tl.store(C + offs, acc.to(C.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(P + pid_k * stride_ps + offs, acc, mask=row_ok[:, None])
+        if MODE == 2:
+            tl.debug_barrier()  # every thread's part is stored before the ticket (release) is taken
+            cnt = CNT + pid_m * tl.num_programs(1) + pid_n
+            ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if ticket == split - 1:  # the last program of this tile: the parts in order 0, 1, ...
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(0, split):
+                    total += tl.load(P + s * stride_ps + offs, mask=row_ok[:, None], other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(C + offs, total.to(C.dtype.element_ty), mask=row_ok[:, None])
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero for the next kernel
 
 
 @triton.jit
 def _sum_parts_kernel(P, C, size, split, BLOCK: tl.constexpr):
-    """C = P[0] + P[1] + ... in that order (fp32), cast to C's dtype."""
+    """C = 0 + P[0] + P[1] + ... in that order (fp32; the ticket's sums), cast to C's dtype."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
-    acc = tl.load(P + offs, mask=ok, other=0.0)
-    for s in range(1, split):
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, split):
         acc += tl.load(P + s * size + offs, mask=ok, other=0.0)
     tl.store(C + offs, acc.to(C.dtype.element_ty), mask=ok)
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    """Zeroed counters for the ticket sums, one set per device: kernels of one stream run one
+    after another, and each counter is back at zero when its kernel ends."""
+    idx = device.index if device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else -1)
+    if idx not in _TICKETS:
+        _TICKETS[idx] = torch.zeros(_TICKET_SLOTS, dtype=torch.int32, device=device)
+    return _TICKETS[idx]
 
 
 def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype,
@@ -231,17 +262,18 @@ def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtyp
         s_strides = (sx.stride(0), sx.stride(1))
     kb_per = triton.cdiv(n_kb, cfg.split)
     split = triton.cdiv(n_kb, kb_per)  # no program without K blocks
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m), n // cfg.block_n, split)
-    _decode_kernel[grid](xa, sx, w, sw, part, m, xa.stride(0), *s_strides, w.stride(0),
-                         sw.stride(0), sw.stride(1), n, m * n, n_kb, kb_per,
-                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FUSED=cfg.fused,
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    mode = 0 if split == 1 else (2 if cfg.ticket and grid[0] * grid[1] <= _TICKET_SLOTS else 1)
+    part = out if mode == 0 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    cnt = _tickets(x.device) if mode == 2 else part
+    _decode_kernel[grid](xa, sx, w, sw, out, part, cnt, m, xa.stride(0), *s_strides, w.stride(0),
+                         sw.stride(0), sw.stride(1), n, m * n, n_kb, kb_per, split,
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FUSED=cfg.fused, MODE=mode,
                          num_warps=cfg.warps, num_stages=cfg.stages)
-    if split > 1:
+    if mode == 1:
         _sum_parts_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, split, BLOCK=1024)
     return out
-
 
 def cublas_takes(k: int) -> bool:
     """Whether cuBLAS's block-scaled GEMM gives the right product for contraction dim k. It
@@ -343,11 +375,12 @@ def _agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 def _decode_variants(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
-    """decode_config's choice and its opposite in fusion, wide blocks and an uneven K split:
-    the code paths the table's configs take."""
+    """decode_config's choice and its opposite in fusion, wide blocks, an uneven K split and
+    both ways of summing the parts: the code paths the table's configs take."""
     cfg = decode_config(m, n, k, sms)
     return [cfg, cfg._replace(block_n=128, split=3, stages=3, fused=not cfg.fused),
-            cfg._replace(block_n=32, split=1, stages=2)]
+            cfg._replace(block_n=32, split=1, stages=2),
+            cfg._replace(split=3, ticket=True), cfg._replace(split=2, ticket=True, fused=not cfg.fused)]
 
 
 def _run_case(name: str, case: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:

@@ -20,7 +20,8 @@ from milepost.lowprec.quantize import quantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = [DecodeConfig(16, 64, 1, 4, 2, True), DecodeConfig(16, 128, 2, 4, 3, False),
-           DecodeConfig(16, 32, 3, 4, 3, True), DecodeConfig(32, 128, 3, 4, 4, True)]
+           DecodeConfig(16, 32, 3, 4, 3, True), DecodeConfig(32, 128, 3, 4, 4, True, True),
+           DecodeConfig(16, 64, 2, 4, 2, False, True)]
 
 
 def _reference(x: torch.Tensor, w) -> torch.Tensor:
@@ -66,6 +67,21 @@ def test_decode_gemm_quantizes_activations_to_the_reference_bits(fused: bool) ->
     assert torch.equal(y == 0, ref == 0)
     assert ((y - ref).abs() <= 1e-5 * ref.abs()).all()
     assert ref[0, 1] == 1.0 and ref[0, 2] == 1.25  # the ties went to even, as the check needs
+
+
+def test_split_sums_are_the_same_by_ticket_or_second_kernel() -> None:
+    """The parts are added in one order either way: bit-identical outputs, and the ticket
+    counters are back at zero afterwards (the next kernel, or graph replay, starts clean)."""
+    from milepost.kernels import fp8_gemm
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(24, 640, generator=g).to(torch.bfloat16).to(DEV)
+    w = quantize(torch.randn(384, 640, generator=g), "fp8_block")
+    wv, ws = w.values.to(DEV), w.scales.to(DEV)
+    a = decode_block_mm(x, wv, ws, torch.bfloat16, DecodeConfig(16, 32, 4, 4, 2, True, False))
+    b = decode_block_mm(x, wv, ws, torch.bfloat16, DecodeConfig(16, 32, 4, 4, 2, True, True))
+    assert torch.equal(a, b)
+    assert not fp8_gemm._tickets(torch.device(DEV)).any()
 
 
 def test_decode_config_rule_and_table_lookup() -> None:
