@@ -31,6 +31,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # M blocks that walk the N tiles together (weight tiles reused from L2)
+    swap_ab: bool = False  # weight rows on the MMA's M side, tokens on N (few rows per expert)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class MoeConfig:
     def label(self) -> str:
         g, d = self.gate_up, self.down
         return (f"m{self.block_m} gu:n{g.block_n}k{g.block_k}w{g.num_warps}s{g.num_stages}g{g.group_m}"
-                f" dn:n{d.block_n}k{d.block_k}w{d.num_warps}s{d.num_stages}g{d.group_m}"
+                f"{'T' if g.swap_ab else ''} dn:n{d.block_n}k{d.block_k}w{d.num_warps}s{d.num_stages}"
+                f"g{d.group_m}{'T' if d.swap_ab else ''}"
                 f"{' hist' if self.hist_align else ''}")
 
 
@@ -115,11 +117,68 @@ def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _weight_ptrs(W, e, stride_we, cols, stride_wn, ks, SWAP: tl.constexpr):
+    """Tile of rows `cols` of expert e's [N, K] weight: [BLOCK_K, BLOCK_N], or [BLOCK_N, BLOCK_K]
+    when SWAP (the weight rows then fill the MMA's M side: a few tokens become its N side)."""
+    base = W + e * stride_we
+    if SWAP:
+        ptrs = base + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    else:
+        ptrs = base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    return ptrs
+
+
+@triton.jit
+def _load_weight(ptrs, col_ok, k_ok, SWAP: tl.constexpr, EVEN_K: tl.constexpr):
+    if SWAP:
+        if EVEN_K:
+            w = tl.load(ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            w = tl.load(ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    else:
+        if EVEN_K:
+            w = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            w = tl.load(ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+    return w
+
+
+@triton.jit
+def _mma(a, w, acc, SWAP: tl.constexpr):
+    """acc += a @ w, or acc^T += w @ a^T when SWAP (acc is then [BLOCK_N, BLOCK_M])."""
+    if SWAP:
+        out = tl.dot(w, tl.trans(a), acc)
+    else:
+        out = tl.dot(a, w, acc)
+    return out
+
+
+@triton.jit
+def _acc_init(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _acc_rows(acc, SWAP: tl.constexpr):
+    """The accumulator as [BLOCK_M, BLOCK_N]."""
+    if SWAP:
+        out = tl.trans(acc)
+    else:
+        out = acc
+    return out
+
+
 @triton.jit(do_not_specialize=["n_pairs", "num_m"])
 def _gate_up_kernel(X, W13, SORTED, BLOCK_EXPERT, TOTAL, ACT, n_pairs, inter, hidden, num_m,
                     stride_xt, stride_we, stride_wn, stride_at,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                    SWAP: tl.constexpr):
     """ACT[row, n] = silu(x[token(row)] . w13[e, n]) * (x[token(row)] . w13[e, I + n])."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(TOTAL):
@@ -133,28 +192,24 @@ def _gate_up_kernel(X, W13, SORTED, BLOCK_EXPERT, TOTAL, ACT, n_pairs, inter, hi
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
     a_ptr = X + tokens[:, None] * stride_xt + ks[None, :]
-    g_ptr = W13 + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    g_ptr = _weight_ptrs(W13, e, stride_we, cols, stride_wn, ks, SWAP)
     u_ptr = g_ptr + inter * stride_wn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_g = _acc_init(BLOCK_M, BLOCK_N, SWAP)
+    acc_u = _acc_init(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, hidden, BLOCK_K):
+        k_ok = ks < hidden - k0
         if EVEN_K:
             a = tl.load(a_ptr, mask=valid[:, None], other=0.0)
-            g = tl.load(g_ptr, mask=col_ok[None, :], other=0.0)
-            u = tl.load(u_ptr, mask=col_ok[None, :], other=0.0)
         else:
-            k_ok = ks < hidden - k0
             a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            u = tl.load(u_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        acc_g = _mma(a, _load_weight(g_ptr, col_ok, k_ok, SWAP, EVEN_K), acc_g, SWAP)
+        acc_u = _mma(a, _load_weight(u_ptr, col_ok, k_ok, SWAP, EVEN_K), acc_u, SWAP)
         a_ptr += BLOCK_K
         g_ptr += BLOCK_K
         u_ptr += BLOCK_K
     dtype = ACT.dtype.element_ty
-    gate = acc_g.to(dtype).to(tl.float32)  # rounded like the grouped GEMM's output
-    up = acc_u.to(dtype).to(tl.float32)
+    gate = _acc_rows(acc_g, SWAP).to(dtype).to(tl.float32)  # rounded like the grouped GEMM's output
+    up = _acc_rows(acc_u, SWAP).to(dtype).to(tl.float32)
     act = gate / (1.0 + tl.exp(-gate)) * up
     out = ACT + rows[:, None].to(tl.int64) * stride_at + cols[None, :]
     tl.store(out, act.to(dtype), mask=col_ok[None, :])
@@ -164,7 +219,7 @@ def _gate_up_kernel(X, W13, SORTED, BLOCK_EXPERT, TOTAL, ACT, n_pairs, inter, hi
 def _down_kernel(ACT, W2, SORTED, BLOCK_EXPERT, TOTAL, WEIGHTS, Y, n_pairs, hidden, inter, num_m,
                  stride_at, stride_we, stride_wn, stride_yp,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
     """Y[pair, n] = round(ACT[row] . w2[e, n]) * weight[pair], stored at the pair's own row."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(TOTAL):
@@ -177,22 +232,20 @@ def _down_kernel(ACT, W2, SORTED, BLOCK_EXPERT, TOTAL, WEIGHTS, Y, n_pairs, hidd
     col_ok = cols < hidden
     ks = tl.arange(0, BLOCK_K)
     a_ptr = ACT + rows[:, None].to(tl.int64) * stride_at + ks[None, :]
-    b_ptr = W2 + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_ptr = _weight_ptrs(W2, e, stride_we, cols, stride_wn, ks, SWAP)
+    acc = _acc_init(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, inter, BLOCK_K):
+        k_ok = ks < inter - k0
         if EVEN_K:
             a = tl.load(a_ptr)
-            b = tl.load(b_ptr, mask=col_ok[None, :], other=0.0)
         else:
-            k_ok = ks < inter - k0
             a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptr, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = _mma(a, _load_weight(b_ptr, col_ok, k_ok, SWAP, EVEN_K), acc, SWAP)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
     dtype = Y.dtype.element_ty
     w = tl.load(WEIGHTS + pairs, mask=valid, other=0.0).to(dtype).to(tl.float32)
-    y = acc.to(dtype).to(tl.float32) * w[:, None]
+    y = _acc_rows(acc, SWAP).to(dtype).to(tl.float32) * w[:, None]
     out = Y + pairs[:, None].to(tl.int64) * stride_yp + cols[None, :]
     tl.store(out, y.to(dtype), mask=valid[:, None] & col_ok[None, :])
 
@@ -245,7 +298,8 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, routing: tuple, top_k: int, bloc
         x, w13, sorted_ids, block_expert, total, act, x.shape[0] * top_k, inter, hidden, num_m,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=hidden % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=hidden % cfg.block_k == 0, SWAP=cfg.swap_ab, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return act
 
 
@@ -262,7 +316,8 @@ def down(act: torch.Tensor, w2: torch.Tensor, routing: tuple, weights: torch.Ten
         act, w2, sorted_ids, block_expert, total, flat_w, y, flat_w.numel(), hidden, inter, num_m,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=inter % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=inter % cfg.block_k == 0, SWAP=cfg.swap_ab, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return y
 
 

@@ -24,7 +24,8 @@ def _configs():
 
     cfgs = [fm.MoeConfig(16, fm.GemmConfig(64, 128), fm.GemmConfig(64, 128)),
             fm.MoeConfig(32, fm.GemmConfig(64, 64, 4, 4), fm.GemmConfig(128, 64), hist_align=True),
-            fm.MoeConfig(64, fm.GemmConfig(128, 64, 8, 3), fm.GemmConfig(128, 64, 8, 3))]
+            fm.MoeConfig(64, fm.GemmConfig(128, 64, 8, 3), fm.GemmConfig(128, 64, 8, 3)),
+            fm.MoeConfig(16, fm.GemmConfig(128, 64, swap_ab=True), fm.GemmConfig(64, 128, swap_ab=True))]
     for buckets in fm.MEASURED.values():  # whatever the engine would use
         cfgs += [c for _, c in buckets if c is not None]
     return cfgs
