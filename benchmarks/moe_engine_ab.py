@@ -24,10 +24,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--max-total-tokens", type=int, default=120000,
+                    help="KV pool tokens (the 2026-12-02 30B run was refused without it)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None)
     ap.add_argument("--json-out", default="")
     args = ap.parse_args()
     bench = BenchArgs(shape="qwen3-30b-a3b", scenarios="fixed", hf=False, requests=args.requests,
-                      prompt_len=args.prompt_len, output_len=args.output_len)
+                      prompt_len=args.prompt_len, output_len=args.output_len,
+                      max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size)
     measured = dict(fused_moe.MEASURED)
     results = {}
     for mode in ("grouped", "fused"):
