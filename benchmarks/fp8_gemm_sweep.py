@@ -49,7 +49,8 @@ def splits(m: int, n: int, k: int, bm: int, bn: int, sms: int) -> list[int]:
 
 def first_pass(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
     return [DecodeConfig(bm, bn, s, 4 if bm * bn < 64 * 128 else 8, 4, fused, ticket)
-            for bm in row_blocks(m) for bn in (32, 64, 128) for s in splits(m, n, k, bm, bn, sms)
+            for bm in row_blocks(m) for bn in (32, 64, 128, 256)[: 4 if m >= 64 else 3]
+            for s in splits(m, n, k, bm, bn, sms)
             for fused in (True, False) for ticket in ((False, True) if s > 1 else (False,))]
 
 
@@ -81,8 +82,8 @@ def _compile_variants(variants: list[tuple]) -> int:
 
 def precompile(workers: int) -> None:
     variants = [(bm, bn, w, st, fu, mo) for bm, bn, w, st, fu, mo in itertools.product(
-        (16, 32, 64, 128), (32, 64, 128), WARPS, STAGES, (True, False), (0, 1, 2))
-        if w == 4 or bm * bn >= 64 * 64]
+        (16, 32, 64, 128), (32, 64, 128, 256), WARPS, STAGES, (True, False), (0, 1, 2))
+        if (w == 4 or bm * bn >= 64 * 64) and (bn < 256 or bm >= 64)]
     t = time.time()
     try:
         with mp.get_context("spawn").Pool(workers) as pool:

@@ -142,7 +142,7 @@ def triton_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
 
 class DecodeConfig(NamedTuple):
     block_m: int  # rows per program (16, 32, 64, 128)
-    block_n: int  # weight rows per program (32, 64, 128: divides the 128-row scale tile)
+    block_n: int  # weight rows per program (32, 64, 128: within one 128-row scale tile; 256)
     split: int  # programs along K (1: no partial sums)
     warps: int
     stages: int  # software-pipelined loads
@@ -190,7 +190,10 @@ def _decode_kernel(X, SX, W, SW, C, P, CNT, M, stride_x, stride_sxm, stride_sxk,
     row_ok = rm < M
     x_ptr = X + rm[:, None].to(tl.int64) * stride_x + rk[None, :]
     w_ptr = W + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
-    sw_ptr = SW + (pid_n * BLOCK_N // 128) * stride_swn
+    if BLOCK_N <= 128:  # one weight scale per K block
+        sw_ptr = SW + (pid_n * BLOCK_N // 128) * stride_swn
+    else:  # one per column (two 128-row tiles)
+        sw_ptr = SW + (rn // 128) * stride_swn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k0 = pid_k * kb_per
     for kb in range(k0, tl.minimum(k0 + kb_per, n_kb)):
@@ -207,7 +210,10 @@ def _decode_kernel(X, SX, W, SW, C, P, CNT, M, stride_x, stride_sxm, stride_sxk,
         else:
             xq = tl.load(x_ptr + kb * 128, mask=row_ok[:, None], other=0.0)
             sx = tl.load(SX + rm * stride_sxm + kb * stride_sxk, mask=row_ok, other=1.0)
-        acc += tl.dot(xq, tl.trans(w)) * (sx[:, None] * sw)
+        if BLOCK_N <= 128:
+            acc += tl.dot(xq, tl.trans(w)) * (sx[:, None] * sw)
+        else:
+            acc += tl.dot(xq, tl.trans(w)) * (sx[:, None] * sw[None, :])
     offs = rm[:, None].to(tl.int64) * stride_c + rn[None, :]
     if MODE == 0:
         tl.store(C + offs, acc.to(C.dtype.element_ty), mask=row_ok[:, None])
@@ -255,6 +261,8 @@ def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtyp
     m, k = x.shape
     n, n_kb = w.shape[0], k // TILE
     cfg = cfg or decode_config(m, n, k, _sm_count(x.device))
+    if n % cfg.block_n:  # 256-wide blocks need N a multiple of 256
+        cfg = cfg._replace(block_n=TILE)
     if cfg.fused:
         xa, sx, s_strides = x, x, (0, 0)
     else:

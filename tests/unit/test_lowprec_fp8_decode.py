@@ -21,7 +21,7 @@ from milepost.lowprec.quantize import quantize
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = [DecodeConfig(16, 64, 1, 4, 2, True), DecodeConfig(16, 128, 2, 4, 3, False),
            DecodeConfig(16, 32, 3, 4, 3, True), DecodeConfig(32, 128, 3, 4, 4, True, True),
-           DecodeConfig(16, 64, 2, 4, 2, False, True)]
+           DecodeConfig(16, 64, 2, 4, 2, False, True), DecodeConfig(16, 256, 2, 4, 2, True, True)]
 
 
 def _reference(x: torch.Tensor, w) -> torch.Tensor:
