@@ -155,6 +155,7 @@ DECODE_BUCKETS = (1, 8, 16, 32, 64, 128, 256)  # M rounded up to one of these pi
 # docs/low_precision.md); a (N, K) not listed gets decode_config's rule.
 DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}
 _TICKETS: dict[int, torch.Tensor] = {}  # device -> int32 counters, zero between kernels
+_TICKET_OK: dict[int, bool] = {}  # device -> the ticket sums passed the probe (unprobed: tried)
 _TICKET_SLOTS = 1 << 16
 
 
@@ -272,7 +273,8 @@ def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtyp
     split = triton.cdiv(n_kb, kb_per)  # no program without K blocks
     grid = (triton.cdiv(m, cfg.block_m), n // cfg.block_n, split)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    mode = 0 if split == 1 else (2 if cfg.ticket and grid[0] * grid[1] <= _TICKET_SLOTS else 1)
+    ticket = cfg.ticket and grid[0] * grid[1] <= _TICKET_SLOTS and _TICKET_OK.get(x.device.index or 0, True)
+    mode = 0 if split == 1 else (2 if ticket else 1)
     part = out if mode == 0 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     cnt = _tickets(x.device) if mode == 2 else part
     _decode_kernel[grid](xa, sx, w, sw, out, part, cnt, m, xa.stride(0), *s_strides, w.stride(0),
@@ -382,21 +384,23 @@ def _agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(torch.isfinite(out).all() and ((out - ref).abs() <= tol).all())
 
 
-def _decode_variants(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
-    """decode_config's choice and its opposite in fusion, wide blocks, an uneven K split and
-    both ways of summing the parts: the code paths the table's configs take."""
-    cfg = decode_config(m, n, k, sms)
+def _decode_variants(m: int, n: int, k: int, sms: int, ticket: bool) -> list[DecodeConfig]:
+    """decode_config's choice and its opposite in fusion, wide and narrow blocks, an uneven K
+    split (ticket: the parts summed by ticket): the code paths the table's configs take."""
+    cfg = decode_config(m, n, k, sms)._replace(ticket=False)
+    if ticket:
+        return [cfg._replace(split=3, ticket=True), cfg._replace(split=2, ticket=True, fused=not cfg.fused)]
     return [cfg, cfg._replace(block_n=128, split=3, stages=3, fused=not cfg.fused),
             cfg._replace(block_n=32, split=1, stages=2),
-            cfg._replace(split=3, ticket=True), cfg._replace(split=2, ticket=True, fused=not cfg.fused)]
+            cfg._replace(block_m=64, block_n=256, split=2, warps=8, stages=3)]
 
 
 def _run_case(name: str, case: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     xq, sx, w, sw, x = case
-    if name == "decode":
+    if name.startswith("decode"):
         m, k = x.shape
-        return [decode_block_mm(x, w, sw, torch.bfloat16, c)
-                for c in _decode_variants(m, w.shape[0], k, _sm_count(x.device))]
+        return [decode_block_mm(x, w, sw, torch.bfloat16, c) for c in _decode_variants(
+            m, w.shape[0], k, _sm_count(x.device), name == "decode_ticket")]
     return [(triton_block_mm if name == "triton" else scaled_mm_block)(xq, sx, w, sw, torch.bfloat16)]
 
 
@@ -406,7 +410,7 @@ def _probe(device: torch.device) -> list[str]:
     cases = _probe_cases(device)
     refs = [emulated_block_mm(*c[:4], torch.float32) for c in cases]
     ok: list[str] = []
-    for name in ("triton", "scaled_mm", "decode"):
+    for name in ("triton", "scaled_mm", "decode", "decode_ticket"):
         if name == "scaled_mm":  # the K cuBLAS does not take go to the checked fallback
             _FALLBACK[device.index or 0] = "triton" if ok else "emulated"
         try:
@@ -420,6 +424,8 @@ def _probe(device: torch.device) -> list[str]:
             ok.append(name)
         except Exception as e:  # noqa: BLE001 - unsupported by this torch/cuBLAS/Triton, or wrong
             log.warning("fp8 blockwise GEMM %s not used: %s", name, str(e).splitlines()[0][:200])
+    _TICKET_OK[device.index or 0] = "decode_ticket" in ok  # else parts summed by a second kernel
+    ok = [n for n in ok if n != "decode_ticket"]
     return sorted(ok, key=lambda n: (n != "scaled_mm", n == "decode"))
 
 
