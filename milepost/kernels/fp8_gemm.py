@@ -168,7 +168,7 @@ def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
         return cfg
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     bn = 64 if n % 64 == 0 else 32
-    tiles = triton.cdiv(m, bm) * (n // bn)
+    tiles = max(1, triton.cdiv(m, bm) * (n // bn))
     split = max(1, min(k // TILE // 4, 2 * sms // tiles))
     return DecodeConfig(bm, bn, split, 4, 4, m <= 32)
 
@@ -273,6 +273,8 @@ def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtyp
     split = triton.cdiv(n_kb, kb_per)  # no program without K blocks
     grid = (triton.cdiv(m, cfg.block_m), n // cfg.block_n, split)
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
     ticket = cfg.ticket and grid[0] * grid[1] <= _TICKET_SLOTS and _TICKET_OK.get(x.device.index or 0, True)
     mode = 0 if split == 1 else (2 if ticket else 1)
     part = out if mode == 0 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
