@@ -94,8 +94,10 @@ def precompile(workers: int) -> None:
         print(f"parallel compile failed ({e!r:.200}); compiling on first use", flush=True)
 
 
-def graph_us(calls, reps: int = 3) -> float:
-    """Microseconds per call: `calls` (one per weight copy) captured in one graph, replayed."""
+def graph_us(calls, reps: int = 0) -> float:
+    """Microseconds per call: `calls` (one per weight copy) captured in one graph, replayed
+    until 64 calls or more are timed (`reps` times when given)."""
+    reps = reps or max(3, math.ceil(64 / len(calls)))
     for c in calls:
         c()
     torch.cuda.synchronize()
