@@ -15,7 +15,6 @@ Prints a table, the per-layer sum, and the DECODE_TABLE entries for milepost/ker
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import multiprocessing as mp
@@ -48,10 +47,11 @@ def splits(m: int, n: int, k: int, bm: int, bn: int, sms: int) -> list[int]:
 
 
 def first_pass(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
-    return [DecodeConfig(bm, bn, s, 4 if bm * bn < 64 * 128 else 8, 4, fused, ticket)
+    return [DecodeConfig(bm, bn, s, 4 if bm * bn < 64 * 128 else 8, 4, fused, ticket, narrow)
             for bm in row_blocks(m) for bn in (32, 64, 128, 256)[: 4 if m >= 64 else 3]
             for s in splits(m, n, k, bm, bn, sms)
-            for fused in (True, False) for ticket in ((False, True) if s > 1 else (False,))]
+            for fused in (True, False) for ticket in ((False, True) if s > 1 else (False,))
+            for narrow in ((False, True) if fused and m < bm else (False,))]
 
 
 def second_pass(best: DecodeConfig) -> list[DecodeConfig]:
@@ -60,38 +60,55 @@ def second_pass(best: DecodeConfig) -> list[DecodeConfig]:
             if (st, w) != (best.stages, best.warps)]
 
 
-def _compile_variants(variants: list[tuple]) -> int:
-    """Worker: run each (block_m, block_n, warps, stages, fused, mode) once on a small problem
-    (mode 0: no split, 1: parts summed by a second kernel, 2: by ticket), so Triton compiles it
-    into its disk cache; the number that failed to compile."""
+def compile_key(cfg: DecodeConfig, m: int, k: int) -> tuple:
+    """What Triton compiles separately: (block_m, block_n, warps, stages, fused, mode, rows
+    quantized) with mode 0: no split, 1: parts summed by a second kernel, 2: by ticket."""
+    n_kb = k // 128
+    split = math.ceil(n_kb / math.ceil(n_kb / cfg.split))
+    mode = 0 if split == 1 else (2 if cfg.ticket else 1)
+    narrow = cfg.fused and cfg.narrow and m < cfg.block_m
+    return (cfg.block_m, cfg.block_n, cfg.warps, cfg.stages, cfg.fused, mode,
+            1 << (m - 1).bit_length() if narrow else cfg.block_m)
+
+
+def _compile_variants(keys: list[tuple]) -> int:
+    """Worker: run each compile_key once on a small problem, so Triton compiles it into its disk
+    cache; the number that failed to compile."""
     torch.cuda.set_device(0)
     dev = torch.device("cuda")
     w = torch.randn(256, 512, device=dev).to(torch.float8_e4m3fn)
     sw = torch.ones(2, 4, device=dev)
     failed = 0
-    for bm, bn, warps, stages, fused, mode in variants:
-        x = torch.randn(bm, 512, device=dev, dtype=torch.bfloat16)
+    for bm, bn, warps, stages, fused, mode, rows in keys:
+        x = torch.randn(rows, 512, device=dev, dtype=torch.bfloat16)
         try:
-            fg.decode_block_mm(x, w, sw, torch.bfloat16,
-                               DecodeConfig(bm, bn, 2 if mode else 1, warps, stages, fused, mode == 2))
+            fg.decode_block_mm(x, w, sw, torch.bfloat16, DecodeConfig(
+                bm, bn, 2 if mode else 1, warps, stages, fused, mode == 2, rows < bm))
         except Exception:  # noqa: BLE001 - out of shared memory etc.: the sweep reports it
             failed += 1
     torch.cuda.synchronize()
     return failed
 
 
-def precompile(workers: int) -> None:
-    variants = [(bm, bn, w, st, fu, mo) for bm, bn, w, st, fu, mo in itertools.product(
-        (16, 32, 64, 128), (32, 64, 128, 256), WARPS, STAGES, (True, False), (0, 1, 2))
-        if (w == 4 or bm * bn >= 64 * 64) and (bn < 256 or bm >= 64)]
+def precompile(shapes: list[str], ms: list[int], sms: int, workers: int, timeout: float = 60) -> None:
+    """Compile every kernel variant the two passes can run, in `workers` processes."""
+    keys = set()
+    for shape in shapes:
+        for n, k in LINEARS[shape].values():
+            for m in ms:
+                for cfg in first_pass(m, n, k, sms):
+                    keys.update(compile_key(c, m, k) for c in [cfg, *second_pass(cfg)])
+    variants = sorted(keys)
     t = time.time()
     try:
-        with mp.get_context("spawn").Pool(workers) as pool:
-            failed = sum(pool.map(_compile_variants, [variants[i::workers] for i in range(workers)]))
+        with mp.get_context("spawn").Pool(workers) as pool:  # left after `timeout`: killed
+            failed = sum(pool.map_async(_compile_variants, [variants[i::workers] for i in range(workers)])
+                         .get(timeout))
         print(f"compiled {len(variants)} decode-kernel variants in {time.time() - t:.1f} s "
               f"({workers} processes; {failed} did not compile)", flush=True)
-    except Exception as e:  # noqa: BLE001 - compile on first use then
-        print(f"parallel compile failed ({e!r:.200}); compiling on first use", flush=True)
+    except Exception as e:  # noqa: BLE001 - the rest compile on first use
+        print(f"parallel compile stopped after {time.time() - t:.1f} s ({e!r:.200}); the rest "
+              "compile on first use", flush=True)
 
 
 def graph_us(calls, reps: int = 0) -> float:
@@ -195,7 +212,7 @@ def main() -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}", flush=True)
-    precompile(a.workers)
+    precompile(a.shapes.split(","), [int(v) for v in a.ms.split(",")], sms, a.workers)
     deadline = t0 + a.budget_s
     rows = []
     ms = [int(v) for v in a.ms.split(",")]

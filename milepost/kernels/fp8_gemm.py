@@ -148,6 +148,7 @@ class DecodeConfig(NamedTuple):
     stages: int  # software-pipelined loads
     fused: bool  # quantize the activations in the GEMM (else quantize_act_1x128 first)
     ticket: bool = False  # split parts summed by the tile's last program (else a second kernel)
+    narrow: bool = False  # fused, M < block_m: quantize only M's power of two rows (repeated)
 
 
 DECODE_BUCKETS = (1, 8, 16, 32, 64, 128, 256)  # M rounded up to one of these picks the config
@@ -155,7 +156,7 @@ DECODE_BUCKETS = (1, 8, 16, 32, 64, 128, 256)  # M rounded up to one of these pi
 # docs/low_precision.md); a (N, K) not listed gets decode_config's rule.
 DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}
 _TICKETS: dict[int, torch.Tensor] = {}  # device -> int32 counters, zero between kernels
-_TICKET_OK: dict[int, bool] = {}  # device -> the ticket sums passed the probe (unprobed: tried)
+_FAILED: dict[int, set[str]] = {}  # device -> options ("ticket", "narrow") that failed the probe
 _TICKET_SLOTS = 1 << 16
 
 
@@ -180,16 +181,19 @@ def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
 def _decode_kernel(X, SX, W, SW, C, P, CNT, M, stride_x, stride_sxm, stride_sxk, stride_w,
                    stride_swn, stride_swk, stride_c, stride_ps, n_kb, kb_per, split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED: tl.constexpr,
-                   MODE: tl.constexpr):
+                   MODE: tl.constexpr, QROWS: tl.constexpr):
     """Over this program's K blocks, sum Q(X) Q(W)^T per block scaled by both scales. FUSED: X is
-    the bf16/fp16/fp32 activation, quantized here; else fp8 with scales SX. MODE 0: the sum is
-    the output C; 1: it is part pid_k of P; 2: also, the tile's last program sums P into C."""
+    the bf16/fp16/fp32 activation, quantized here (QROWS rows of it, repeated to BLOCK_M: the
+    rows past M are never stored); else fp8 with scales SX. MODE 0: the sum is the output C;
+    1: it is part pid_k of P; 2: also, the tile's last program sums P into C."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, 128)
     row_ok = rm < M
     x_ptr = X + rm[:, None].to(tl.int64) * stride_x + rk[None, :]
+    rq = pid_m * BLOCK_M + tl.arange(0, QROWS)
+    q_ptr = X + rq[:, None].to(tl.int64) * stride_x + rk[None, :]
     w_ptr = W + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
     if BLOCK_N <= 128:  # one weight scale per K block
         sw_ptr = SW + (pid_n * BLOCK_N // 128) * stride_swn
@@ -201,13 +205,17 @@ def _decode_kernel(X, SX, W, SW, C, P, CNT, M, stride_x, stride_sxm, stride_sxk,
         w = tl.load(w_ptr + kb * 128)  # N is a multiple of BLOCK_N: no mask
         sw = tl.load(sw_ptr + kb * stride_swk)
         if FUSED:  # _quant_act_kernel's operations, per row of the block
-            x = tl.load(x_ptr + kb * 128, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            x = tl.load(q_ptr + kb * 128, mask=(rq < M)[:, None], other=0.0).to(tl.float32)
             finite = tl.abs(x) < float("inf")  # False for NaN and +-Inf
             amax = tl.max(tl.where(finite, tl.abs(x), 0.0), 1)
             bad = tl.min(finite.to(tl.int32), 1) == 0
             sx = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
             sx = tl.where(bad, float("nan"), sx)
             xq = _round_e4m3(tl.math.div_rn(x, sx[:, None])).to(tl.float8e4nv)
+            if QROWS < BLOCK_M:  # row i of the block is row i % QROWS
+                xq = tl.reshape(tl.broadcast_to(xq[None, :, :], (BLOCK_M // QROWS, QROWS, 128)),
+                                (BLOCK_M, 128))
+                sx = tl.reshape(tl.broadcast_to(sx[None, :], (BLOCK_M // QROWS, QROWS)), (BLOCK_M,))
         else:
             xq = tl.load(x_ptr + kb * 128, mask=row_ok[:, None], other=0.0)
             sx = tl.load(SX + rm * stride_sxm + kb * stride_sxk, mask=row_ok, other=1.0)
@@ -275,14 +283,17 @@ def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtyp
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    ticket = cfg.ticket and grid[0] * grid[1] <= _TICKET_SLOTS and _TICKET_OK.get(x.device.index or 0, True)
+    failed = _FAILED.get(x.device.index or 0, set())
+    ticket = cfg.ticket and grid[0] * grid[1] <= _TICKET_SLOTS and "ticket" not in failed
     mode = 0 if split == 1 else (2 if ticket else 1)
+    narrow = cfg.fused and cfg.narrow and m < cfg.block_m and "narrow" not in failed
+    qrows = triton.next_power_of_2(m) if narrow else cfg.block_m
     part = out if mode == 0 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     cnt = _tickets(x.device) if mode == 2 else part
     _decode_kernel[grid](xa, sx, w, sw, out, part, cnt, m, xa.stride(0), *s_strides, w.stride(0),
                          sw.stride(0), sw.stride(1), n, m * n, n_kb, kb_per, split,
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FUSED=cfg.fused, MODE=mode,
-                         num_warps=cfg.warps, num_stages=cfg.stages)
+                         QROWS=qrows, num_warps=cfg.warps, num_stages=cfg.stages)
     if mode == 1:
         _sum_parts_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, split, BLOCK=1024)
     return out
@@ -386,12 +397,15 @@ def _agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(torch.isfinite(out).all() and ((out - ref).abs() <= tol).all())
 
 
-def _decode_variants(m: int, n: int, k: int, sms: int, ticket: bool) -> list[DecodeConfig]:
+def _decode_variants(m: int, n: int, k: int, sms: int, option: str = "") -> list[DecodeConfig]:
     """decode_config's choice and its opposite in fusion, wide and narrow blocks, an uneven K
-    split (ticket: the parts summed by ticket): the code paths the table's configs take."""
-    cfg = decode_config(m, n, k, sms)._replace(ticket=False)
-    if ticket:
+    split; or (option) the parts summed by ticket, the narrow quantization: the code paths the
+    table's configs take."""
+    cfg = decode_config(m, n, k, sms)._replace(ticket=False, narrow=False)
+    if option == "ticket":
         return [cfg._replace(split=3, ticket=True), cfg._replace(split=2, ticket=True, fused=not cfg.fused)]
+    if option == "narrow":
+        return [cfg._replace(fused=True, narrow=True), cfg._replace(fused=True, narrow=True, block_m=32)]
     return [cfg, cfg._replace(block_n=128, split=3, stages=3, fused=not cfg.fused),
             cfg._replace(block_n=32, split=1, stages=2),
             cfg._replace(block_m=64, block_n=256, split=2, warps=8, stages=3)]
@@ -402,7 +416,7 @@ def _run_case(name: str, case: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     if name.startswith("decode"):
         m, k = x.shape
         return [decode_block_mm(x, w, sw, torch.bfloat16, c) for c in _decode_variants(
-            m, w.shape[0], k, _sm_count(x.device), name == "decode_ticket")]
+            m, w.shape[0], k, _sm_count(x.device), name[7:])]
     return [(triton_block_mm if name == "triton" else scaled_mm_block)(xq, sx, w, sw, torch.bfloat16)]
 
 
@@ -412,7 +426,7 @@ def _probe(device: torch.device) -> list[str]:
     cases = _probe_cases(device)
     refs = [emulated_block_mm(*c[:4], torch.float32) for c in cases]
     ok: list[str] = []
-    for name in ("triton", "scaled_mm", "decode", "decode_ticket"):
+    for name in ("triton", "scaled_mm", "decode", "decode_ticket", "decode_narrow"):
         if name == "scaled_mm":  # the K cuBLAS does not take go to the checked fallback
             _FALLBACK[device.index or 0] = "triton" if ok else "emulated"
         try:
@@ -426,8 +440,10 @@ def _probe(device: torch.device) -> list[str]:
             ok.append(name)
         except Exception as e:  # noqa: BLE001 - unsupported by this torch/cuBLAS/Triton, or wrong
             log.warning("fp8 blockwise GEMM %s not used: %s", name, str(e).splitlines()[0][:200])
-    _TICKET_OK[device.index or 0] = "decode_ticket" in ok  # else parts summed by a second kernel
-    ok = [n for n in ok if n != "decode_ticket"]
+    # An option that failed is dropped from every config (parts summed by the second kernel,
+    # all rows quantized), not the decode kernel.
+    _FAILED[device.index or 0] = {o for o in ("ticket", "narrow") if f"decode_{o}" not in ok}
+    ok = [n for n in ok if n in ("triton", "scaled_mm", "decode")]
     return sorted(ok, key=lambda n: (n != "scaled_mm", n == "decode"))
 
 
