@@ -217,7 +217,7 @@ def main() -> None:
     rows = []
     ms = [int(v) for v in a.ms.split(",")]
     print(f"{'shape':10} {'gemm':7} {'M':>4} | us/call: {'bf16':>7} {'triton':>7} {'scl_mm':>7} "
-          f"{'decode':>7} {'best':>7} | best/bf16 | best config (bm, bn, split, warps, stages, fused, ticket)")
+          f"{'decode':>7} {'best':>7} | best/bf16 | best config (bm, bn, split, warps, stages, fused, ticket, narrow)")
     for shape in a.shapes.split(","):
         for name, (n, k) in LINEARS[shape].items():
             case = Case(n, k, dev)
