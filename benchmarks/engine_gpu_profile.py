@@ -1,8 +1,8 @@
 """Where a step's time goes on the GPU: one prefill forward and one decode step of the Qwen3-0.6B
-shape, split into kernel times (torch.profiler), graph replay, host-side batch filling and
+shape (or the 30B-A3B MoE shape with `--shape moe`), split into kernel times (torch.profiler), graph replay, host-side batch filling and
 sampling; plus the attention kernels alone against SDPA (flash) on the same shapes.
 
-Usage: python benchmarks/engine_gpu_profile.py [--requests 256] [--prompt-len 128]
+Usage: python benchmarks/engine_gpu_profile.py [--shape dense|moe] [--requests 256] [--prompt-len 128]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _top_kernels(fn, title: str, n: int = 14) -> None:
 
 
 def profile_steps(a) -> None:
-    cfg = hf_config("dense")
+    cfg = hf_config(a.shape)
     with tempfile.TemporaryDirectory() as tmp:
         model = random_model(cfg, Path(tmp))
         n, p, bs = a.requests, a.prompt_len, 16
@@ -81,6 +81,7 @@ def profile_steps(a) -> None:
         print(f"decode step (graph, bs={n}, ctx {p + 1}): {_wall_ms(lambda: runner.forward(dec)):.3f} ms wall")
         g = runner.graphs._graphs[runner.graphs.sizes[-1]]
         print(f"  graph replay alone: {_cuda_ms(g.replay):.3f} ms GPU")
+        _top_kernels(g.replay, "decode graph replay", 20)
         fill = runner.graphs.host
         from milepost.engine.forward_batch import fill_decode
 
@@ -92,7 +93,10 @@ def profile_steps(a) -> None:
         params = [r.params for r in reqs]
         gens = [engine._generator] * n
         banned = [[] for _ in reqs]
-        print(f"  sample(T=1, {n} rows): {_wall_ms(lambda: sample(logits, params, gens, banned, 0)):.3f} ms wall")
+        print(f"  sample(T=1, {n} rows): {_wall_ms(lambda: sample(logits, params, gens, banned, 0)):.3f} ms wall, "
+              f"{_cuda_ms(lambda: sample(logits, params, gens, banned, 0)):.3f} ms GPU; fused: "
+              f"{_wall_ms(lambda: sample(logits, params, gens, banned, 0, fused=True)):.3f} ms wall, "
+              f"{_cuda_ms(lambda: sample(logits, params, gens, banned, 0, fused=True)):.3f} ms GPU")
         with torch.inference_mode():
             print(f"  eager decode forward: {_wall_ms(lambda: runner._forward_eager(dec)):.3f} ms wall")
         with torch.inference_mode():
@@ -150,25 +154,42 @@ def kernel_configs() -> None:
                   f"{flops / ms / 1e9:.0f} TFLOP/s")
         except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
             print(f"prefill kernel BM={bm} BN={bn} warps={w} stages={st}: failed {e!r:.200}")
-    B, ctx = 256, 256
-    nb = B * ctx // page
-    kc = torch.randn(nb * page, Hkv, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    qd = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
-    tables = torch.randperm(nb, device="cuda").view(B, -1)
-    lens = torch.full((B,), ctx, device="cuda")
-    gb = 2 * kc.numel() * 2 / 1e9
-    for splits in (1, 2, 4):
-        for bn in (32, 64, 128):
-            ms = triton.testing.do_bench(lambda: K.paged_decode(qd, kc, vc, tables, lens, D**-0.5, page,
-                                                                splits, block_n=bn), return_mode="median")
-            print(f"decode B={B} ctx={ctx} splits={splits} BN={bn}: {ms * 1e3:.1f} us = {gb / ms:.0f} GB/s")
+    for B, ctx in ((256, 256), (256, 512), (64, 1024)):
+        nb = B * ctx // page
+        kc = torch.randn(nb * page, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        qd = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        tables = torch.randperm(nb, device="cuda").view(B, -1)
+        lens = torch.full((B,), ctx, device="cuda")
+        gb = 2 * kc.numel() * 2 / 1e9
+        best = []
+        for splits in (1, 2):
+            for bn in (32, 64, 128):
+                for warps in (2, 4, 8):
+                    for stages in (1, 2, 3, 4):
+                        try:
+                            ms = triton.testing.do_bench(lambda: K.paged_decode(
+                                qd, kc, vc, tables, lens, D**-0.5, page, splits, block_n=bn,
+                                num_warps=warps, num_stages=stages), return_mode="median")
+                        except Exception as e:  # noqa: BLE001 - a config that does not compile
+                            print(f"decode B={B} ctx={ctx} splits={splits} BN={bn} w={warps} "
+                                  f"st={stages}: failed {e!r:.120}")
+                            continue
+                        best.append((ms, splits, bn, warps, stages))
+        best.sort()
+        print(f"decode B={B} ctx={ctx} (KV {gb:.3f} GB; default at splits=1: BN=64 w=2 st=3): best " + "; ".join(
+            f"splits={s} BN={bn} w={w} st={st} {ms * 1e3:.1f} us = {gb / ms:.0f} TB/s"
+            for ms, s, bn, w, st in best[:6]))
+        today = [b for b in best if b[1:] == (1, 64, 2, 3)]
+        if today:
+            print(f"  the default config: {today[0][0] * 1e3:.1f} us = {gb / today[0][0]:.0f} TB/s")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--shape", choices=("dense", "moe"), default="dense")
     ap.add_argument("what", nargs="*", default=["steps", "kernels"])
     a = ap.parse_args()
     if "kernels" in a.what:

@@ -58,6 +58,9 @@ class BenchArgs(BaseModel):
     overlap_schedule: Literal["auto", "on", "off"] = Field(
         "auto", description="Engine: launch decode steps ahead of reading back the previous "
         "one (see milepost serve --overlap-schedule); auto = on for CUDA.")
+    sampling_backend: Literal["auto", "pytorch", "triton"] = Field(
+        "auto", description="Engine: sampler for temperature-only batches (see milepost serve "
+        "--sampling-backend); auto = triton on CUDA.")
     peak_bandwidth: float | None = Field(
         None, description="Device peak memory bandwidth in bytes/s for the decode bound; default "
         "per known GPU (H200 4.8e12, H100 3.35e12, A100 2.0e12); none on CPU.")

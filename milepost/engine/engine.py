@@ -46,6 +46,7 @@ class EngineConfig:
     random_seed: int = 0
     overlap_schedule: bool = False  # leave decode steps queued; read them back behind the next
     true_on_policy: bool = False  # re-score finished sequences with the trainer's computation
+    fused_sampler: bool = False  # temperature-only batches through kernels/fused_sampler.py
 
 
 class Engine(Stepper):

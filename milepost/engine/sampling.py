@@ -37,6 +37,7 @@ def sample(
     outputs: list[list[int]] | None = None,
     token_ids: list[list[int] | None] | None = None,
     masks: tuple[list[int], torch.Tensor] | None = None,
+    fused: bool = False,
 ) -> SampleResult:
     """logits: [B, V] fp32 -> one token per row, the whole batch in a few batched ops.
 
@@ -57,7 +58,16 @@ def sample(
     ones (same distribution, still determined by --random-seed). Unlike torch.multinomial there
     is no validity check that syncs with the host per row. Truncations run only on the rows that
     ask for them, with per-row settings in tensors (top-k and top-p via torch.topk, no full sort).
+
+    fused (CUDA): a batch that asks for nothing but temperatures (no truncation, penalties, bans,
+    grammar, top/extra log-probs) is sampled in one pass by milepost/kernels/fused_sampler.py
+    (Gumbel-max race keyed by a per-row seed from the row's generator; same distribution, other
+    draws than the race below).
     """
+    if fused and logits.is_cuda and top_logprobs_num == 0 and token_ids is None and masks is None \
+            and not any(banned) \
+            and all(_temperature_only(p, logits.shape[-1]) for p in params):
+        return _fused(logits, params, generators)
     logits = logits.float()
     adjust = outputs is not None and any(p.adjusts_logits for p in params)
     if adjust or masks is not None or any(banned):
@@ -104,6 +114,37 @@ def sample(
                           logits.device)
         ids_lp = logprobs_all.gather(1, cols)
     return SampleResult(tokens, chosen, top_ids, top_lp, ids_lp)
+
+
+def _temperature_only(p: SamplingParams, vocab: int) -> bool:
+    return (p.top_k <= 0 or p.top_k >= vocab) and p.min_p <= 0.0 and p.top_p >= 1.0 \
+        and not p.adjusts_logits
+
+
+def _fused(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> SampleResult:
+    from milepost.kernels.fused_sampler import fused_sample  # triton: CUDA only
+
+    dev = logits.device
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for j, g in enumerate(generators):
+        groups.setdefault(id(g), (g, []))[1].append(j)
+    draws = [torch.randint(0, 2**62, (len(rows),), generator=g, device=dev)
+             for g, rows in groups.values()]  # one device-side draw per generator: no host sync
+    seeds = draws[0]
+    if len(draws) > 1:  # back to row order
+        order = [j for _, rows in groups.values() for j in rows]
+        seeds = torch.empty(len(params), dtype=torch.int64, device=dev)
+        seeds[_on_device(order, dev)] = torch.cat(draws)
+    temps = [1.0 if p.greedy else float(p.temperature) for p in params]
+    greedy = [int(p.greedy) for p in params]
+    if len(set(temps)) == 1 and len(set(greedy)) == 1:  # the usual batch: fills, no copies
+        t = torch.full((len(params),), temps[0], dtype=torch.float32, device=dev)
+        g = torch.full((len(params),), greedy[0], dtype=torch.int8, device=dev)
+    else:
+        t, g = _on_device(temps, dev).float(), _on_device(greedy, dev).to(torch.int8)
+    tokens, logprobs = fused_sample(logits, t, g, seeds)
+    return SampleResult(tokens, logprobs, None, None)
 
 
 # Nucleus candidates looked at first; a row whose nucleus is wider falls back to a full sort.

@@ -105,6 +105,14 @@ class ServerArgs(BaseModel):
         "host work overlaps GPU work (SGLang's overlap scheduler; off = its "
         "--disable-overlap-schedule); auto = on for CUDA, off on CPU.",
     )
+    sampling_backend: Literal["auto", "pytorch", "triton"] = Field(
+        "auto",
+        description="Sampler for batches that ask only for a temperature (no top-k/top-p/min-p, "
+        "penalties, grammar or extra log-probs): triton = one fused pass over the logits "
+        "(Gumbel-max, exact distribution; other draws than pytorch's for the same seed), "
+        "pytorch = the batched torch sampler for everything; auto = triton on CUDA unless "
+        "--true-on-policy.",
+    )
     model_impl: Literal["auto", "native", "transformers"] = Field(
         "auto",
         description="Model code: native (milepost's own definitions, fastest), transformers (any "
@@ -345,6 +353,13 @@ class ServerArgs(BaseModel):
                 "--attention-backend torch (the reference path) cannot be captured in CUDA graphs; "
                 "add --disable-cuda-graph or use --attention-backend auto/triton"
             )
+        if device == "cpu" and self.sampling_backend == "triton":
+            raise ValueError("--sampling-backend triton runs a GPU kernel but the device is cpu; "
+                             "use --sampling-backend auto or pytorch on CPU")
+        if self.true_on_policy and self.sampling_backend == "triton":
+            raise ValueError("--true-on-policy needs the engine's log-probs computed as the trainer's; "
+                             "the fused sampler sums in another order: use --sampling-backend auto "
+                             "or pytorch")
         if device == "cpu" and self.attention_backend == "triton":
             raise ValueError(
                 "--attention-backend triton runs GPU kernels but the device is cpu; "
@@ -366,6 +381,8 @@ class ServerArgs(BaseModel):
                 "tokenizer_path": self.tokenizer_path or self.model_path,
                 "context_length": context_length,
                 "chunked_prefill_size": chunk,
+                "sampling_backend": self.sampling_backend if self.sampling_backend != "auto"
+                else ("triton" if device == "cuda" and not self.true_on_policy else "pytorch"),
                 "overlap_schedule": self.overlap_schedule if self.overlap_schedule != "auto"
                 else ("on" if device == "cuda" and self.speculative_algorithm is None else "off"),
             }

@@ -142,6 +142,7 @@ def build_engine(
             enable_prefix_cache=not args.disable_radix_cache,
             weight_version=args.weight_version, random_seed=args.random_seed,
             overlap_schedule=args.overlap_schedule == "on", true_on_policy=args.true_on_policy,
+            fused_sampler=args.sampling_backend == "triton",
         ),
     )
     engine.speculator = make_speculator(

@@ -148,6 +148,7 @@ class Stepper:
             token_ids=[r.token_ids_logprob for r in sampling]
             if any(r.token_ids_logprob for r in sampling) else None,
             masks=masks,
+            fused=self.cfg.fused_sampler,
         )
 
     def _process(self, launched: LaunchedStep, pending: bool = False) -> None:
