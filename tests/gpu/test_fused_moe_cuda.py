@@ -99,8 +99,11 @@ def test_fused_is_captured_in_a_cuda_graph(weights) -> None:
 
 def test_engine_with_fused_experts_records_routing_and_matches_grouped(tmp_path: Path, monkeypatch) -> None:
     """bf16 tiny Qwen3-MoE, decode in CUDA graphs: the fused path forced for every token count
-    against the grouped GEMMs; greedy tokens equal or part at a near-tie (bf16 sums in another
-    order), every token's experts recorded."""
+    against the grouped GEMMs. Greedy tokens equal or part at a near-tie: each bf16 path is within
+    0.05 of the max |logit| of the reference at its first flip (test_engine_gpu_paths), so two of
+    them within 0.1 (the first H200 run parted at 0.052). Every token's experts are recorded.
+    (Reproducibility is checked on the kernel, bitwise, above: the engine's batches depend on
+    request arrival timing, and other kernels' results on the batch size.)"""
     from test_engine_gpu_paths import PROMPTS, _assert_same_or_tie, _engine, _run
 
     from milepost.kernels import fused_moe as fm
@@ -109,21 +112,21 @@ def test_engine_with_fused_experts_records_routing_and_matches_grouped(tmp_path:
     make_tiny_checkpoint(tmp_path, "qwen3_moe")
     res = {}
     used: list[int] = []
-    for fused in (False, True):
-        if fused:
+    for run in ("grouped", "fused"):
+        if run == "fused":
             cfg = fm.MoeConfig(16, fm.GemmConfig(32, 32), fm.GemmConfig(32, 32), hist_align=True)
             monkeypatch.setattr(fm, "config_for", lambda t, *shape: used.append(t) or cfg)
         engine = _engine(tmp_path, "bfloat16", True)
         try:
-            res[fused] = _run(engine, PROMPTS, 16, 0.0)
+            res[run] = _run(engine, PROMPTS, 16, 0.0)
             model = engine.runner.model
             layers, top_k = model.num_layers, model.moe_top_k
         finally:
             engine.close()
     assert used, "the engine never asked for the fused path"
-    for ids, out in zip(PROMPTS, res[True]):
+    for ids, out in zip(PROMPTS, res["fused"]):
         routed = np.frombuffer(base64.b64decode(out["routed"]), dtype=np.int32)
         routed = routed.reshape(len(ids) + len(out["ids"]) - 1, layers, top_k)
         assert routed.min() >= 0, "a token's experts were not recorded"
-    _assert_same_or_tie(model, PROMPTS, [o["ids"] for o in res[True]],
-                        [o["ids"] for o in res[False]], 0.05, relative=True)
+    _assert_same_or_tie(model, PROMPTS, [o["ids"] for o in res["fused"]],
+                        [o["ids"] for o in res["grouped"]], 0.1, relative=True)
