@@ -29,11 +29,12 @@ def _routing(t: int, experts: int, k: int, g: torch.Generator) -> tuple[torch.Te
     return ids.to(DEV), torch.rand(t, k, generator=g).to(DEV)
 
 
-@pytest.mark.parametrize("hist", [False, True])
-def test_align_lays_out_each_experts_pairs_in_order_padded_to_blocks(hist: bool) -> None:
+@pytest.mark.parametrize("hist,tokens", [(False, 23), (True, 23), (True, 600)])
+def test_align_lays_out_each_experts_pairs_in_order_padded_to_blocks(hist: bool, tokens: int) -> None:
+    """600 tokens x 2 slots: more pairs than one counting chunk (1024), the last one part-masked."""
     g = torch.Generator().manual_seed(1)
     experts, k, bm = 5, 2, 16
-    ids, _ = _routing(23, experts, k, g)
+    ids, _ = _routing(tokens, experts, k, g)
     ids[:20, 0] = 3  # one expert over a block: two blocks, the second padded
     sorted_ids, block_expert, total = (a.cpu() for a in fm.align(ids, experts, bm, hist))
     flat = ids.reshape(-1).cpu()
