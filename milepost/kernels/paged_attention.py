@@ -108,6 +108,77 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
 
 
 @triton.jit
+def _decode_heads_kernel(Q, KC, VC, tables, seq_lens, Out, scale, stride_qt, stride_qh,
+                         stride_ct, stride_ch, stride_tb, stride_xt, stride_xh,
+                         GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+                         D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Unsplit decode with HEADS kv heads per program: a token's K (and V) rows of those heads
+    are one contiguous read of HEADS * D elements (the cache is [slot, Hkv, D]) instead of HEADS
+    separate D-wide ones. Keys of all HEADS heads form one [BLOCK_N * HEADS, D] tile; each query
+    row keeps only its own head's columns (the others get -inf, so p = 0 for them). Padding
+    rows (BLOCK_H > HEADS * GROUP) mirror the last head and are not stored."""
+    b = tl.program_id(0)
+    kvh0 = tl.program_id(1) * HEADS
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    r = tl.arange(0, BLOCK_H)
+    row_head = tl.minimum(r // GROUP, HEADS - 1)  # a row's kv head, relative to kvh0
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * stride_qt + (kvh0 * GROUP + r)[:, None] * stride_qh + d[None, :],
+                mask=(r < HEADS * GROUP)[:, None], other=0.0)
+    c = tl.arange(0, BLOCK_N * HEADS)
+    col_head = c % HEADS
+    col_tok = c // HEADS
+    own = row_head[:, None] == col_head[None, :]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    table = tables + b.to(tl.int64) * stride_tb
+    for n0 in range(0, seq_len, BLOCK_N):
+        pos = n0 + col_tok
+        pmask = pos < seq_len
+        blk = tl.load(table + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+        kv_off = ((blk * PAGE + pos % PAGE) * stride_ct + (kvh0 + col_head) * stride_ch)[:, None] \
+            + d[None, :]
+        k = tl.load(KC + kv_off, mask=pmask[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(own & pmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + kv_off, mask=pmask[:, None], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(Out + b * stride_xt + (kvh0 * GROUP + r)[:, None] * stride_xh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=(r < HEADS * GROUP)[:, None])
+
+
+def paged_decode_heads(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, page: int,
+                       heads_per_program: int, block_n: int = 32, num_warps: int = 4,
+                       num_stages: int = 2) -> torch.Tensor:
+    """paged_decode without splits, `heads_per_program` kv heads (a power-of-two divisor of Hkv)
+    per program
+    (bf16/fp16 only: fp32 keeps paged_decode's IEEE dots). Not the engine's default: measured
+    against it by `benchmarks/engine_gpu_profile.py kernels`."""
+    bsz, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    if kv_heads % heads_per_program or heads_per_program & (heads_per_program - 1):
+        raise ValueError(f"heads_per_program {heads_per_program} must be a power of two that "
+                         f"divides the {kv_heads} kv heads")
+    out = torch.empty_like(q)
+    _decode_heads_kernel[(bsz, kv_heads // heads_per_program)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, scale, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HEADS=heads_per_program,
+        BLOCK_H=max(16, triton.next_power_of_2(group * heads_per_program)), D=dim, PAGE=page,
+        BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+@triton.jit
 def _decode_merge_kernel(O_part, L_part, Out, stride_ob, stride_os, stride_oh, stride_lb,
                          stride_ls, stride_xt, stride_xh, D: tl.constexpr,
                          NUM_SPLITS: tl.constexpr):

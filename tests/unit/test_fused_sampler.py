@@ -1,16 +1,14 @@
 """The fused temperature-only sampler (milepost/kernels/fused_sampler.py), run on CPU through
-Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported):
-greedy rows take the first maximum, log-probs are log_softmax(logits / T) at the token, the work
-layout (splits) never changes a draw (log-probs only in the last bits), a seed reproduces its draws, a -inf logit is never
-drawn, and draws follow softmax(logits / T) (chi-square). The same checks at scale on CUDA:
+Triton's interpreter (TRITON_INTERPRET, set before triton is imported): greedy rows take the first
+maximum, log-probs are log_softmax(logits / T) at the token, the work layout (splits) never
+changes a draw (log-probs only in the last bits), a seed reproduces its draws, a -inf logit is
+never drawn, and draws follow softmax(logits / T) (chi-square). The same checks at scale on CUDA:
 tests/gpu/test_fused_sampler_cuda.py. The --sampling-backend refusals need no kernel."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,50 +16,47 @@ import torch
 
 from milepost.engine.server_args import ServerArgs
 
-SCRIPT = r"""
-import json, torch
-from milepost.kernels.fused_sampler import fused_sample
-torch.manual_seed(0)
-out = {}
-# layout invariance, greedy, log-probs: 24 rows of 37 logits, a -inf column, ties in greedy rows
-logits = torch.randn(24, 37) * 2
-logits[:, 3] = float("-inf")
-logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie: the first maximum wins
-temps = torch.full((24,), 0.7)
-temps[:4] = 1.0
-greedy = torch.zeros(24, dtype=torch.int8)
-greedy[:4] = 1
-seeds = torch.randint(0, 2**62, (24,))
-runs = [fused_sample(logits, temps, greedy, seeds, splits=s) for s in (1, 4, 8)]
-ref = torch.log_softmax(logits / temps[:, None], -1)
-tok, lp = runs[0]
-out["layouts_agree"] = all(torch.equal(r[0], tok) for r in runs)
-out["layout_logprob_diff"] = max(float((r[1] - lp).abs().max()) for r in runs)
-out["greedy_is_argmax"] = torch.equal(tok[:4], logits[:4].argmax(1)) and int(tok[0]) == 5
-out["logprob_err"] = float((lp - ref.gather(1, tok[:, None]).squeeze(1)).abs().max())
-out["never_inf"] = bool((tok != 3).all())
-again = fused_sample(logits, temps, greedy, seeds, splits=4)[0]
-other = fused_sample(logits, temps, greedy, seeds + 1, splits=4)[0]
-out["seed_repeats"] = torch.equal(again, tok)
-out["other_seed_differs"] = not torch.equal(other[4:], tok[4:])
-# distribution: 480 draws from one row of 5 logits at T = 0.8
-n = 480
-base = torch.tensor([1.5, 0.8, 0.0, -0.7, float("-inf")])
-tok = fused_sample(base.repeat(n, 1), torch.full((n,), 0.8), torch.zeros(n, dtype=torch.int8),
-                   torch.randint(0, 2**62, (n,)), splits=1)[0]
-out["counts"] = torch.bincount(tok, minlength=5).tolist()
-out["expected"] = (torch.softmax(base / 0.8, 0) * n).tolist()
-print(json.dumps(out))
-"""
+if not torch.cuda.is_available():  # must precede the first triton import (conftest sets it too)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from milepost.kernels.fused_sampler import fused_sample
+
+    torch.manual_seed(0)
+    out: dict = {}
+    # layout invariance, greedy, log-probs: 24 rows of 37 logits, a -inf column, a greedy tie
+    logits = torch.randn(24, 37) * 2
+    logits[:, 3] = float("-inf")
+    logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # the first maximum must win
+    temps = torch.full((24,), 0.7)
+    temps[:4] = 1.0
+    greedy = torch.zeros(24, dtype=torch.int8)
+    greedy[:4] = 1
+    seeds = torch.randint(0, 2**62, (24,))
+    logits, temps, greedy, seeds = (t.to(DEV) for t in (logits, temps, greedy, seeds))
+    runs = [fused_sample(logits, temps, greedy, seeds, splits=s) for s in (1, 4, 8)]
+    ref = torch.log_softmax(logits / temps[:, None], -1)
+    tok, lp = runs[0]
+    out["layouts_agree"] = all(torch.equal(r[0], tok) for r in runs)
+    out["layout_logprob_diff"] = max(float((r[1] - lp).abs().max()) for r in runs)
+    out["greedy_is_argmax"] = torch.equal(tok[:4], logits[:4].argmax(1)) and int(tok[0]) == 5
+    out["logprob_err"] = float((lp - ref.gather(1, tok[:, None]).squeeze(1)).abs().max())
+    out["never_inf"] = bool((tok != 3).all())
+    out["seed_repeats"] = torch.equal(fused_sample(logits, temps, greedy, seeds, splits=4)[0], tok)
+    other = fused_sample(logits, temps, greedy, seeds + 1, splits=4)[0]
+    out["other_seed_differs"] = not torch.equal(other[4:], tok[4:])
+    # distribution: 480 draws from one row of 5 logits at T = 0.8
+    n = 480
+    base = torch.tensor([1.5, 0.8, 0.0, -0.7, float("-inf")], device=DEV)
+    tok = fused_sample(base.repeat(n, 1), torch.full((n,), 0.8, device=DEV),
+                       torch.zeros(n, dtype=torch.int8, device=DEV),
+                       torch.randint(0, 2**62, (n,)).to(DEV), splits=1)[0]
+    out["counts"] = torch.bincount(tok, minlength=5).tolist()
+    out["expected"] = (torch.softmax(base / 0.8, 0) * n).tolist()
+    return out
 
 
 def test_layout_greedy_logprobs_and_seeds(interpreted: dict) -> None:
