@@ -54,6 +54,22 @@ def first_pass(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
             for narrow in ((False, True) if fused and m < bm else (False,))]
 
 
+def focus_grid(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
+    """--focus: separate quantization only (the fused one never won), two row blocks, K splits up
+    to 16 programs per SM (against wave quantization), the table's config among them."""
+    n_kb = k // 128
+    out = {fg.decode_config(m, n, k, sms)}
+    for bm in sorted({min(64, max(16, 1 << (m - 1).bit_length())), 32} - ({32} if m <= 16 else set())):
+        for bn in (32, 64, 128):
+            tiles = math.ceil(m / bm) * (n // bn)
+            for s in sorted({math.ceil(n_kb / math.ceil(n_kb / s)) for s in (1, 2, 3, 4, 6, 8, 12, 16)
+                             if s <= n_kb and tiles * s <= 16 * sms}):
+                for st in (3, 4):
+                    for ticket in ((False, True) if s > 1 else (False,)):
+                        out.add(DecodeConfig(bm, bn, s, 8 if bm * bn >= 64 * 128 else 4, st, False, ticket))
+    return sorted(out)
+
+
 def second_pass(best: DecodeConfig) -> list[DecodeConfig]:
     warps = WARPS if best.block_m * best.block_n >= 64 * 64 else (4,)
     return [best._replace(stages=st, warps=w) for st in STAGES for w in warps
@@ -90,12 +106,16 @@ def _compile_variants(keys: list[tuple]) -> int:
     return failed
 
 
-def precompile(shapes: list[str], ms: list[int], sms: int, workers: int, timeout: float = 60) -> None:
-    """Compile every kernel variant the two passes can run, in `workers` processes."""
+def precompile(shapes: list[str], ms: list[int], sms: int, workers: int, focus: bool,
+               timeout: float = 60) -> None:
+    """Compile every kernel variant the passes (or the focus grid) can run, in `workers` processes."""
     keys = set()
     for shape in shapes:
         for n, k in LINEARS[shape].values():
             for m in ms:
+                if focus:
+                    keys.update(compile_key(c, m, k) for c in focus_grid(m, n, k, sms))
+                    continue
                 for cfg in first_pass(m, n, k, sms):
                     keys.update(compile_key(c, m, k) for c in [cfg, *second_pass(cfg)])
     variants = sorted(keys)
@@ -162,13 +182,13 @@ class Case:
             return f"failed: {str(e).splitlines()[0][:100]}"
 
 
-def sweep_case(case: Case, m: int, sms: int, deadline: float) -> dict:
+def sweep_case(case: Case, m: int, sms: int, deadline: float, focus: bool = False) -> dict:
     dev = case.wq[0].device
     x = torch.randn(m, case.k, device=dev, dtype=torch.bfloat16)
     ref = case.reference(x)
     row = {"M": m, "N": case.n, "K": case.k, "copies": case.copies,
            "bf16": case.time(lambda x, i: F.linear(x, case.wb[i]), x, None)}
-    for name in ("triton", "scaled_mm", "decode"):
+    for name in ("decode",) if focus else ("triton", "scaled_mm", "decode"):
         row[name] = case.time(lambda x, i, b=name: fg.fp8_block_linear(x, case.wq[i], case.sw[i], b), x, ref)
     row["decode_config"] = list(fg.decode_config(m, case.n, case.k, sms))
     grid: dict[str, float | str] = {}
@@ -185,11 +205,15 @@ def sweep_case(case: Case, m: int, sms: int, deadline: float) -> dict:
         timed = [(DecodeConfig(*eval(c)), t) for c, t in grid.items() if isinstance(t, float)]  # noqa: S307
         return min(timed, key=lambda ct: ct[1]) if timed else None
 
-    run(first_pass(m, case.n, case.k, sms))
-    b = best()
-    if b is not None:
-        run(second_pass(b[0]))
+    if focus:
+        run(focus_grid(m, case.n, case.k, sms))
         b = best()
+    else:
+        run(first_pass(m, case.n, case.k, sms))
+        b = best()
+        if b is not None:
+            run(second_pass(b[0]))
+            b = best()
     row["grid"] = grid
     row["best"] = list(b[0]) if b else None
     row["best_us"] = b[1] if b else None
@@ -206,13 +230,15 @@ def main() -> None:
     p.add_argument("--ms", default=",".join(map(str, MS)))
     p.add_argument("--budget-s", type=float, default=90.0, help="grid configs past this are skipped")
     p.add_argument("--workers", type=int, default=min(15, max(1, (os.cpu_count() or 2) - 1)))
+    p.add_argument("--focus", action="store_true",
+                   help="one pass over focus_grid (no fused configs, more K splits); decode and bf16 only")
     p.add_argument("--json-out", default=None)
     a = p.parse_args()
     t0 = time.time()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}", flush=True)
-    precompile(a.shapes.split(","), [int(v) for v in a.ms.split(",")], sms, a.workers)
+    precompile(a.shapes.split(","), [int(v) for v in a.ms.split(",")], sms, a.workers, a.focus)
     deadline = t0 + a.budget_s
     rows = []
     ms = [int(v) for v in a.ms.split(",")]
@@ -222,11 +248,11 @@ def main() -> None:
         for name, (n, k) in LINEARS[shape].items():
             case = Case(n, k, dev)
             for m in ms:
-                row = {"shape": shape, "gemm": name, **sweep_case(case, m, sms, deadline)}
+                row = {"shape": shape, "gemm": name, **sweep_case(case, m, sms, deadline, a.focus)}
                 rows.append(row)
                 ratio = (row["bf16"] / row["best_us"]) if row["best_us"] and isinstance(row["bf16"], float) else None
-                print(f"{shape:10} {name:7} {m:4} | {'':8} {fmt(row['bf16'])} {fmt(row['triton'])} "
-                      f"{fmt(row['scaled_mm'])} {fmt(row['decode'])} {fmt(row['best_us'])} | "
+                print(f"{shape:10} {name:7} {m:4} | {'':8} {fmt(row['bf16'])} {fmt(row.get('triton', '-'))} "
+                      f"{fmt(row.get('scaled_mm', '-'))} {fmt(row['decode'])} {fmt(row['best_us'])} | "
                       f"{f'{ratio:.2f}x' if ratio else '-':>9} | {row['best']}", flush=True)
             del case
             torch.cuda.empty_cache()

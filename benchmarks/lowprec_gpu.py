@@ -159,6 +159,25 @@ def train_linears(shape: str, tokens: int, steps: int) -> dict:
     return out
 
 
+def load_decode_table(path: str) -> dict:
+    """Put the sweep's best config per (N, K, M) into fp8_gemm.DECODE_TABLE; what changed."""
+    from milepost.kernels import fp8_gemm as fg
+
+    changed = {}
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    for r in rows:
+        if r.get("best"):
+            key = (r["N"], r["K"], next(b for b in fg.DECODE_BUCKETS if r["M"] <= b))
+            cfg = fg.DecodeConfig(*r["best"])
+            if fg.DECODE_TABLE.get(key) != cfg:
+                changed[str(key)] = {"was": list(fg.DECODE_TABLE[key]) if key in fg.DECODE_TABLE else None,
+                                     "now": list(cfg), "us": r["best_us"]}
+                fg.DECODE_TABLE[key] = cfg
+    print(json.dumps({"decode_table_changed": changed}), flush=True)
+    return changed
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b")
@@ -167,6 +186,9 @@ def main() -> None:
     p.add_argument("--output", type=int, default=256)
     p.add_argument("--parts", default="gemm,engine,train")
     p.add_argument("--modes", default=",".join(MODES), help="engine part: which of " + ", ".join(MODES))
+    p.add_argument("--decode-table", default=None,
+                   help="a benchmarks/fp8_gemm_sweep.py JSON: its best configs replace DECODE_TABLE's "
+                        "entries for this run (the engine then runs what was just measured)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: the engine part only (a dry run)")
     a = p.parse_args()
@@ -175,6 +197,8 @@ def main() -> None:
                     "torch": torch.__version__,
                     "date": time.strftime("%Y-%m-%d")}
     parts = a.parts.split(",")
+    if a.decode_table:
+        result["decode_table"] = load_decode_table(a.decode_table)
     if "gemm" in parts:
         result["gemm"] = [r for s in shapes for r in gemms(s)]
         gc.collect()

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from milepost.lowprec import fp8_decode_table
+
 log = logging.getLogger(__name__)
 TILE = 128
 _BACKEND: dict[int, str] = {}  # device -> GEMM for any M
@@ -152,9 +154,10 @@ class DecodeConfig(NamedTuple):
 
 
 DECODE_BUCKETS = (1, 8, 16, 32, 64, 128, 256)  # M rounded up to one of these picks the config
-# (N, K, M bucket) -> config, filled from benchmarks/fp8_gemm_sweep.py on the H200 (see
-# docs/low_precision.md); a (N, K) not listed gets decode_config's rule.
-DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {}
+# (N, K, M bucket) -> config, measured by benchmarks/fp8_gemm_sweep.py on the H200
+# (milepost/lowprec/fp8_decode_table.py); a (N, K) not listed gets decode_config's rule.
+DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {
+    key: DecodeConfig(*cfg) for key, cfg in fp8_decode_table.H200.items()}
 _TICKETS: dict[int, torch.Tensor] = {}  # device -> int32 counters, zero between kernels
 _FAILED: dict[int, set[str]] = {}  # device -> options ("ticket", "narrow") that failed the probe
 _TICKET_SLOTS = 1 << 16
@@ -162,7 +165,9 @@ _TICKET_SLOTS = 1 << 16
 
 def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
     """The table's config for this M bucket, else: the smallest row block that holds M (64 at
-    most), 64-wide weight blocks, and K split until about two programs per SM stream a part."""
+    most), 64-wide weight blocks, K split until about two programs per SM stream a part, the
+    activations quantized by their own kernel (the fused quantization measured 2-4x slower on
+    the H200 at every shape and M swept: it is redone by every weight block)."""
     bucket = next((b for b in DECODE_BUCKETS if m <= b), DECODE_BUCKETS[-1])
     cfg = DECODE_TABLE.get((n, k, bucket))
     if cfg is not None:
@@ -171,7 +176,7 @@ def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
     bn = 64 if n % 64 == 0 else 32
     tiles = max(1, triton.cdiv(m, bm) * (n // bn))
     split = max(1, min(k // TILE // 4, 2 * sms // tiles))
-    return DecodeConfig(bm, bn, split, 4, 4, m <= 32)
+    return DecodeConfig(bm, bn, split, 4, 3, False)
 
 
 # Only the row strides (multiples of 16: vectorized loads) are specialized: one compiled kernel

@@ -101,7 +101,11 @@ def test_narrow_quantization_gives_the_same_rows(m: int) -> None:
 
 
 def test_decode_config_rule_and_table_lookup() -> None:
-    """Without a table entry: the smallest row block holding M, K split while SMs are idle."""
-    cfg = decode_config(1, 2560, 9728, 132)
+    """Without a table entry: the smallest row block holding M, K split while SMs are idle, the
+    activations quantized by their own kernel; with one: the measured config of M's bucket."""
+    from milepost.kernels.fp8_gemm import DECODE_TABLE
+
+    cfg = decode_config(1, 2560, 9856, 132)
     assert cfg.block_m == 16 and cfg.split > 1 and (2560 // cfg.block_n) * cfg.split <= 2 * 132
-    assert decode_config(200, 19456, 2560, 132).block_m == 64
+    assert not cfg.fused and decode_config(200, 19456, 2688, 132).block_m == 64
+    assert decode_config(50, 6144, 2560, 132) == DECODE_TABLE[(6144, 2560, 64)]
