@@ -118,6 +118,12 @@ def precompile(shapes: list[str], ms: list[int], sms: int, workers: int, focus: 
                     continue
                 for cfg in first_pass(m, n, k, sms):
                     keys.update(compile_key(c, m, k) for c in [cfg, *second_pass(cfg)])
+    if focus:  # and what an engine starting next compiles: its probe, per-M timing and table configs
+        for m, n, k in ((1, 384, 512), (3, 256, 640), (64, 384, 512), (200, 384, 512), (300, 256, 1024)):
+            for option in ("", "ticket", "narrow"):
+                keys.update(compile_key(c, m, k) for c in fg._decode_variants(m, n, k, sms, option))
+        keys.update(compile_key(fg.decode_config(m, 4096, 4096, sms), m, 4096) for m in fg.DECODE_BUCKETS)
+        keys.update(compile_key(c, m, k) for (n, k, m), c in fg.DECODE_TABLE.items())
     variants = sorted(keys)
     t = time.time()
     try:
