@@ -55,18 +55,21 @@ def first_pass(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
 
 
 def focus_grid(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
-    """--focus: separate quantization only (the fused one never won), two row blocks, K splits up
-    to 16 programs per SM (against wave quantization), the table's config among them."""
+    """--focus: separate quantization only (the fused one never won), K splits up to 16 programs
+    per SM (against wave quantization), with and without programmatic dependent launch, the
+    table's config among them."""
     n_kb = k // 128
     out = {fg.decode_config(m, n, k, sms)}
-    for bm in sorted({min(64, max(16, 1 << (m - 1).bit_length())), 32} - ({32} if m <= 16 else set())):
+    for bm in sorted({min(64, max(16, 1 << (m - 1).bit_length()))}):
         for bn in (32, 64, 128):
             tiles = math.ceil(m / bm) * (n // bn)
             for s in sorted({math.ceil(n_kb / math.ceil(n_kb / s)) for s in (1, 2, 3, 4, 6, 8, 12, 16)
                              if s <= n_kb and tiles * s <= 16 * sms}):
                 for st in (3, 4):
                     for ticket in ((False, True) if s > 1 else (False,)):
-                        out.add(DecodeConfig(bm, bn, s, 8 if bm * bn >= 64 * 128 else 4, st, False, ticket))
+                        for pdl in (False, True):
+                            out.add(DecodeConfig(bm, bn, s, 8 if bm * bn >= 64 * 128 else 4, st, False,
+                                                 ticket, False, pdl))
     return sorted(out)
 
 
@@ -84,7 +87,7 @@ def compile_key(cfg: DecodeConfig, m: int, k: int) -> tuple:
     mode = 0 if split == 1 else (2 if cfg.ticket else 1)
     narrow = cfg.fused and cfg.narrow and m < cfg.block_m
     return (cfg.block_m, cfg.block_n, cfg.warps, cfg.stages, cfg.fused, mode,
-            1 << (m - 1).bit_length() if narrow else cfg.block_m)
+            1 << (m - 1).bit_length() if narrow else cfg.block_m, cfg.pdl)
 
 
 def _compile_variants(keys: list[tuple]) -> int:
@@ -95,11 +98,11 @@ def _compile_variants(keys: list[tuple]) -> int:
     w = torch.randn(256, 512, device=dev).to(torch.float8_e4m3fn)
     sw = torch.ones(2, 4, device=dev)
     failed = 0
-    for bm, bn, warps, stages, fused, mode, rows in keys:
+    for bm, bn, warps, stages, fused, mode, rows, pdl in keys:
         x = torch.randn(rows, 512, device=dev, dtype=torch.bfloat16)
         try:
             fg.decode_block_mm(x, w, sw, torch.bfloat16, DecodeConfig(
-                bm, bn, 2 if mode else 1, warps, stages, fused, mode == 2, rows < bm))
+                bm, bn, 2 if mode else 1, warps, stages, fused, mode == 2, rows < bm, pdl))
         except Exception:  # noqa: BLE001 - out of shared memory etc.: the sweep reports it
             failed += 1
     torch.cuda.synchronize()
@@ -137,17 +140,16 @@ def precompile(shapes: list[str], ms: list[int], sms: int, workers: int, focus: 
               "compile on first use", flush=True)
 
 
-def graph_us(calls, reps: int = 0) -> float:
+def graph_us(calls, reps: int = 0) -> tuple[float, list]:
     """Microseconds per call: `calls` (one per weight copy) captured in one graph, replayed
-    until 64 calls or more are timed (`reps` times when given)."""
+    until 64 calls or more are timed (`reps` times when given); and the graph's outputs."""
     reps = reps or max(3, math.ceil(64 / len(calls)))
     for c in calls:
         c()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for c in calls:
-            c()
+        outs = [c() for c in calls]
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -155,7 +157,7 @@ def graph_us(calls, reps: int = 0) -> float:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / len(calls)
+    return start.elapsed_time(end) * 1e3 / reps / len(calls), outs
 
 
 class Case:
@@ -183,7 +185,10 @@ class Case:
                 out = fn(x, 0).float()
                 if not fg._agrees(out, ref):
                     return f"wrong (max diff {(out - ref).abs().max().item():.3g})"
-            return graph_us([lambda i=i: fn(x, i) for i in range(self.copies)])
+            us, outs = graph_us([lambda i=i: fn(x, i) for i in range(self.copies)])
+            if ref is not None and not fg._agrees(outs[0].float(), ref):  # as replayed, too
+                return f"wrong in the graph (max diff {(outs[0].float() - ref).abs().max().item():.3g})"
+            return us
         except Exception as e:  # noqa: BLE001 - report, go on
             return f"failed: {str(e).splitlines()[0][:100]}"
 
@@ -249,7 +254,7 @@ def main() -> None:
     rows = []
     ms = [int(v) for v in a.ms.split(",")]
     print(f"{'shape':10} {'gemm':7} {'M':>4} | us/call: {'bf16':>7} {'triton':>7} {'scl_mm':>7} "
-          f"{'decode':>7} {'best':>7} | best/bf16 | best config (bm, bn, split, warps, stages, fused, ticket, narrow)")
+          f"{'decode':>7} {'best':>7} | best/bf16 | best config (bm, bn, split, warps, stages, fused, ticket, narrow, pdl)")
     for shape in a.shapes.split(","):
         for name, (n, k) in LINEARS[shape].items():
             case = Case(n, k, dev)

@@ -25,6 +25,11 @@ import triton.language as tl
 
 from milepost.lowprec import fp8_decode_table
 
+try:  # programmatic dependent launch (Hopper): a kernel starts while the one before it finishes
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # this Triton has no grid dependency control: configs asking for it run without
+    gdc_launch_dependents = gdc_wait = None
+
 log = logging.getLogger(__name__)
 TILE = 128
 _BACKEND: dict[int, str] = {}  # device -> GEMM for any M
@@ -49,7 +54,11 @@ def _round_e4m3(y):
 
 
 @triton.jit
-def _quant_act_kernel(X, Q, S, stride_x, stride_q, stride_sm, stride_sk, BLOCK: tl.constexpr):
+def _quant_act_kernel(X, Q, S, stride_x, stride_q, stride_sm, stride_sk, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    if PDL:  # launched before the kernel writing X ended: wait for it; the GEMM reading Q may
+        gdc_launch_dependents()  # launch now (it waits for this kernel's end before reading)
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     cols = g * BLOCK + tl.arange(0, BLOCK)
@@ -64,7 +73,8 @@ def _quant_act_kernel(X, Q, S, stride_x, stride_q, stride_sm, stride_sk, BLOCK: 
     tl.store(S + row * stride_sm + g * stride_sk, scale)
 
 
-def quantize_act_1x128(x: torch.Tensor, pad_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act_1x128(x: torch.Tensor, pad_rows: int = 1,
+                       pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] (K % 128 == 0) -> (float8_e4m3fn [Mp, K], float32 scales [Mp, K/128]) with Mp =
     M rounded up to `pad_rows` (padding rows: zeros, scale 1). The scales are stored M-major
     (stride (1, Mp)): the layout cuBLAS's 1x128 block scaling reads."""
@@ -77,7 +87,7 @@ def quantize_act_1x128(x: torch.Tensor, pad_rows: int = 1) -> tuple[torch.Tensor
         s[m:] = 1.0
     if m:
         _quant_act_kernel[(m, k // TILE)](x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                          BLOCK=TILE)
+                                          BLOCK=TILE, **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return q, s
 
 
@@ -151,6 +161,7 @@ class DecodeConfig(NamedTuple):
     fused: bool  # quantize the activations in the GEMM (else quantize_act_1x128 first)
     ticket: bool = False  # split parts summed by the tile's last program (else a second kernel)
     narrow: bool = False  # fused, M < block_m: quantize only M's power of two rows (repeated)
+    pdl: bool = False  # launched while the kernel before it ends (programmatic dependent launch)
 
 
 DECODE_BUCKETS = (1, 8, 16, 32, 64, 128, 256)  # M rounded up to one of these picks the config
@@ -186,11 +197,14 @@ def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
 def _decode_kernel(X, SX, W, SW, C, P, CNT, M, stride_x, stride_sxm, stride_sxk, stride_w,
                    stride_swn, stride_swk, stride_c, stride_ps, n_kb, kb_per, split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED: tl.constexpr,
-                   MODE: tl.constexpr, QROWS: tl.constexpr):
+                   MODE: tl.constexpr, QROWS: tl.constexpr, PDL: tl.constexpr = False):
     """Over this program's K blocks, sum Q(X) Q(W)^T per block scaled by both scales. FUSED: X is
     the bf16/fp16/fp32 activation, quantized here (QROWS rows of it, repeated to BLOCK_M: the
     rows past M are never stored); else fp8 with scales SX. MODE 0: the sum is the output C;
-    1: it is part pid_k of P; 2: also, the tile's last program sums P into C."""
+    1: it is part pid_k of P; 2: also, the tile's last program sums P into C. PDL: launched
+    before the kernel writing X ended: wait for it before any load."""
+    if PDL:
+        gdc_wait()
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -247,8 +261,10 @@ def _decode_kernel(X, SX, W, SW, C, P, CNT, M, stride_x, stride_sxm, stride_sxk,
 
 
 @triton.jit
-def _sum_parts_kernel(P, C, size, split, BLOCK: tl.constexpr):
+def _sum_parts_kernel(P, C, size, split, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """C = 0 + P[0] + P[1] + ... in that order (fp32; the ticket's sums), cast to C's dtype."""
+    if PDL:
+        gdc_wait()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < size
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -277,10 +293,11 @@ def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtyp
     cfg = cfg or decode_config(m, n, k, _sm_count(x.device))
     if n % cfg.block_n:  # 256-wide blocks need N a multiple of 256
         cfg = cfg._replace(block_n=TILE)
+    pdl = cfg.pdl and gdc_wait is not None and x.device.type == "cuda"
     if cfg.fused:
         xa, sx, s_strides = x, x, (0, 0)
     else:
-        xa, sx = quantize_act_1x128(x)
+        xa, sx = quantize_act_1x128(x, pdl=pdl)
         s_strides = (sx.stride(0), sx.stride(1))
     kb_per = triton.cdiv(n_kb, cfg.split)
     split = triton.cdiv(n_kb, kb_per)  # no program without K blocks
@@ -298,9 +315,11 @@ def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtyp
     _decode_kernel[grid](xa, sx, w, sw, out, part, cnt, m, xa.stride(0), *s_strides, w.stride(0),
                          sw.stride(0), sw.stride(1), n, m * n, n_kb, kb_per, split,
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FUSED=cfg.fused, MODE=mode,
-                         QROWS=qrows, num_warps=cfg.warps, num_stages=cfg.stages)
+                         QROWS=qrows, num_warps=cfg.warps, num_stages=cfg.stages,
+                         **({"PDL": True, "launch_pdl": True} if pdl else {}))
     if mode == 1:
-        _sum_parts_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, split, BLOCK=1024)
+        _sum_parts_kernel[(triton.cdiv(m * n, 1024),)](
+            part, out, m * n, split, BLOCK=1024, **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return out
 
 def cublas_takes(k: int) -> bool:
