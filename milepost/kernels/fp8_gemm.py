@@ -27,8 +27,18 @@ from milepost.lowprec import fp8_decode_table
 
 try:  # programmatic dependent launch (Hopper): a kernel starts while the one before it finishes
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_GDC = True
 except ImportError:  # this Triton has no grid dependency control: configs asking for it run without
-    gdc_launch_dependents = gdc_wait = None
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():  # never called: PDL stays off
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 log = logging.getLogger(__name__)
 TILE = 128
@@ -293,7 +303,7 @@ def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtyp
     cfg = cfg or decode_config(m, n, k, _sm_count(x.device))
     if n % cfg.block_n:  # 256-wide blocks need N a multiple of 256
         cfg = cfg._replace(block_n=TILE)
-    pdl = cfg.pdl and gdc_wait is not None and x.device.type == "cuda"
+    pdl = cfg.pdl and _HAS_GDC and x.device.type == "cuda"
     if cfg.fused:
         xa, sx, s_strides = x, x, (0, 0)
     else:
