@@ -1,104 +1,39 @@
 """FP8 blockwise GEMM on Hopper: y = Q(x) @ Q(W)^T with 1x128 activation and 128x128 weight scales.
 
-`quantize_act_1x128` is one Triton kernel that gives bit-for-bit what milepost.lowprec.quantize
-gives (scale = amax / 448 with IEEE division, round-to-nearest-even saturating E4M3, a block with
-NaN/Inf gets a NaN scale): the engine's and the trainer's activations stay in the contract.
+The activations are quantized by `quantize_act_1x128` (fp8_quant.py: the reference's bits).
 The GEMM is cuBLAS's block-scaled FP8 GEMM through `torch._scaled_mm` (M-major 1x128 scales, M
 padded to a multiple of 4; K/128 a multiple of 4, see `cublas_takes`) where a probe on operands
 whose scales differ by orders of magnitude gives the emulated product, else a Triton kernel
 (DeepSeek-V3's recipe: per 128-wide K step, an FP8 tensor-core product scaled by both blocks'
 scales, accumulated in fp32), else emulated with a warning. At decode batch sizes (M <=
-DECODE_M) a third, `decode_block_mm`, fuses the activation quantization into a split-K FP8 GEMM
-with configs measured per shape (DECODE_TABLE); per M bucket the fastest correct GEMM is used,
-timed once from CUDA graphs.
+DECODE_M) a third one competes, `decode_block_mm` (fp8_decode.py: a split-K FP8 GEMM with
+configs measured per shape); per M bucket the fastest correct GEMM is used, timed once from CUDA
+graphs.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from milepost.lowprec import fp8_decode_table
-
-try:  # programmatic dependent launch (Hopper): a kernel starts while the one before it finishes
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    _HAS_GDC = True
-except ImportError:  # this Triton has no grid dependency control: configs asking for it run without
-    _HAS_GDC = False
-
-    @triton.jit
-    def gdc_wait():  # never called: PDL stays off
-        pass
-
-    @triton.jit
-    def gdc_launch_dependents():
-        pass
+from milepost.kernels.fp8_decode import (  # noqa: F401 - DECODE_* and DecodeConfig re-exported
+    _FAILED,
+    DECODE_BUCKETS,
+    DECODE_TABLE,
+    DecodeConfig,
+    decode_block_mm,
+    decode_config,
+)
+from milepost.kernels.fp8_quant import TILE, _round_e4m3, _sm_count, quantize_act_1x128  # noqa: F401
 
 log = logging.getLogger(__name__)
-TILE = 128
 _BACKEND: dict[int, str] = {}  # device -> GEMM for any M
 _SMALL: dict[int, dict[int, str]] = {}  # device -> M bucket (<= DECODE_M) -> GEMM
 _ROWS: dict[int, str] = {}  # device -> weight-gradient GEMM (both operands 1x128 along tokens)
 DECODE_M = 256
-
-
-@triton.jit
-def _round_e4m3(y):
-    """y rounded to E4M3 (ties to even, saturating at 448, sign of zero kept, NaN kept) as an
-    exactly representable float32, so the final cast has nothing left to round."""
-    a = tl.abs(y)
-    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # floor(log2 a)
-    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3 mantissa bits)
-    v = a / step  # a power of two: exact
-    r = (v + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 addition rounds to even here
-    q = tl.minimum(r * step, 448.0)
-    sign = y.to(tl.int32, bitcast=True) & -2147483648
-    q = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(y != y, y, q)  # noqa: PLR0124 - NaN stays NaN
-
-
-@triton.jit
-def _quant_act_kernel(X, Q, S, stride_x, stride_q, stride_sm, stride_sk, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    if PDL:  # launched before the kernel writing X ended: wait for it; the GEMM reading Q may
-        gdc_launch_dependents()  # launch now (it waits for this kernel's end before reading)
-        gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    cols = g * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(X + row * stride_x + cols).to(tl.float32)
-    finite = tl.abs(x) < float("inf")  # False for NaN and +-Inf
-    amax = tl.max(tl.where(finite, tl.abs(x), 0.0), 0)
-    bad = tl.min(finite.to(tl.int32), 0) == 0
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-    scale = tl.where(bad, float("nan"), scale)
-    y = tl.math.div_rn(x, scale)
-    tl.store(Q + row * stride_q + cols, _round_e4m3(y).to(tl.float8e4nv))
-    tl.store(S + row * stride_sm + g * stride_sk, scale)
-
-
-def quantize_act_1x128(x: torch.Tensor, pad_rows: int = 1,
-                       pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [M, K] (K % 128 == 0) -> (float8_e4m3fn [Mp, K], float32 scales [Mp, K/128]) with Mp =
-    M rounded up to `pad_rows` (padding rows: zeros, scale 1). The scales are stored M-major
-    (stride (1, Mp)): the layout cuBLAS's 1x128 block scaling reads."""
-    m, k = x.shape
-    mp = -(-m // pad_rows) * pad_rows
-    q = torch.empty((mp, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((k // TILE, mp), dtype=torch.float32, device=x.device).t()
-    if mp > m:
-        q[m:].view(torch.uint8).zero_()
-        s[m:] = 1.0
-    if m:
-        _quant_act_kernel[(m, k // TILE)](x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                          BLOCK=TILE, **({"PDL": True, "launch_pdl": True} if pdl else {}))
-    return q, s
 
 
 @triton.jit
@@ -124,11 +59,6 @@ def _gemm_kernel(A, SA, B, SB, C, M, N, K, stride_a, stride_b, stride_c, stride_
              acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def triton_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
                     out_dtype: torch.dtype, b_rows: bool = False) -> torch.Tensor:
     """xq [M, K] fp8, sx [M, K/128]; w [N, K] fp8, sw [N/128, K/128] (b_rows: [N, K/128], w
@@ -152,185 +82,6 @@ def triton_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
     return out if split == 1 else part.sum(0).to(out_dtype)
 
 
-# --- Decode-M GEMM: activation quantization fused into the FP8 GEMM ---------------------------
-# At decode M (a few to a few hundred rows) the weight's bytes dominate: one kernel reads each
-# fp8 weight tile once per program, quantizes the program's activation rows per 1x128 block
-# itself (the same operations as _quant_act_kernel, so the same bits), and splits K over
-# programs when N alone leaves SMs idle. The split parts (fp32) are summed in the order
-# 0, 1, 2, ... either by a second kernel or, `ticket`, by whichever program of an output tile
-# finishes last (an atomic counter only picks that program; no value is accumulated
-# atomically): the same sums either way, never dependent on timing.
-
-
-class DecodeConfig(NamedTuple):
-    block_m: int  # rows per program (16, 32, 64, 128)
-    block_n: int  # weight rows per program (32, 64, 128: within one 128-row scale tile; 256)
-    split: int  # programs along K (1: no partial sums)
-    warps: int
-    stages: int  # software-pipelined loads
-    fused: bool  # quantize the activations in the GEMM (else quantize_act_1x128 first)
-    ticket: bool = False  # split parts summed by the tile's last program (else a second kernel)
-    narrow: bool = False  # fused, M < block_m: quantize only M's power of two rows (repeated)
-    pdl: bool = False  # launched while the kernel before it ends (programmatic dependent launch)
-
-
-DECODE_BUCKETS = (1, 8, 16, 32, 64, 128, 256)  # M rounded up to one of these picks the config
-# (N, K, M bucket) -> config, measured by benchmarks/fp8_gemm_sweep.py on the H200
-# (milepost/lowprec/fp8_decode_table.py); a (N, K) not listed gets decode_config's rule.
-DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {
-    key: DecodeConfig(*cfg) for key, cfg in fp8_decode_table.H200.items()}
-_TICKETS: dict[int, torch.Tensor] = {}  # device -> int32 counters, zero between kernels
-_FAILED: dict[int, set[str]] = {}  # device -> options ("ticket", "narrow") that failed the probe
-_TICKET_SLOTS = 1 << 16
-
-
-def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
-    """The table's config for this M bucket, else: the smallest row block that holds M (64 at
-    most), 64-wide weight blocks, K split until about two programs per SM stream a part, the
-    activations quantized by their own kernel (the fused quantization measured 2-4x slower on
-    the H200 at every shape and M swept: it is redone by every weight block)."""
-    bucket = next((b for b in DECODE_BUCKETS if m <= b), DECODE_BUCKETS[-1])
-    cfg = DECODE_TABLE.get((n, k, bucket))
-    if cfg is not None:
-        return cfg
-    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-    bn = 64 if n % 64 == 0 else 32
-    tiles = max(1, triton.cdiv(m, bm) * (n // bn))
-    split = max(1, min(k // TILE // 4, 2 * sms // tiles))
-    return DecodeConfig(bm, bn, split, 4, 3, False)
-
-
-# Only the row strides (multiples of 16: vectorized loads) are specialized: one compiled kernel
-# serves every M and shape.
-@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_sxk", "stride_swn", "stride_swk",
-                               "stride_ps", "n_kb", "kb_per", "split"])
-def _decode_kernel(X, SX, W, SW, C, P, CNT, M, stride_x, stride_sxm, stride_sxk, stride_w,
-                   stride_swn, stride_swk, stride_c, stride_ps, n_kb, kb_per, split,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED: tl.constexpr,
-                   MODE: tl.constexpr, QROWS: tl.constexpr, PDL: tl.constexpr = False):
-    """Over this program's K blocks, sum Q(X) Q(W)^T per block scaled by both scales. FUSED: X is
-    the bf16/fp16/fp32 activation, quantized here (QROWS rows of it, repeated to BLOCK_M: the
-    rows past M are never stored); else fp8 with scales SX. MODE 0: the sum is the output C;
-    1: it is part pid_k of P; 2: also, the tile's last program sums P into C. PDL: launched
-    before the kernel writing X ended: wait for it before any load."""
-    if PDL:
-        gdc_wait()
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, 128)
-    row_ok = rm < M
-    x_ptr = X + rm[:, None].to(tl.int64) * stride_x + rk[None, :]
-    rq = pid_m * BLOCK_M + tl.arange(0, QROWS)
-    q_ptr = X + rq[:, None].to(tl.int64) * stride_x + rk[None, :]
-    w_ptr = W + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
-    if BLOCK_N <= 128:  # one weight scale per K block
-        sw_ptr = SW + (pid_n * BLOCK_N // 128) * stride_swn
-    else:  # one per column (two 128-row tiles)
-        sw_ptr = SW + (rn // 128) * stride_swn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k0 = pid_k * kb_per
-    for kb in range(k0, tl.minimum(k0 + kb_per, n_kb)):
-        w = tl.load(w_ptr + kb * 128)  # N is a multiple of BLOCK_N: no mask
-        sw = tl.load(sw_ptr + kb * stride_swk)
-        if FUSED:  # _quant_act_kernel's operations, per row of the block
-            x = tl.load(q_ptr + kb * 128, mask=(rq < M)[:, None], other=0.0).to(tl.float32)
-            finite = tl.abs(x) < float("inf")  # False for NaN and +-Inf
-            amax = tl.max(tl.where(finite, tl.abs(x), 0.0), 1)
-            bad = tl.min(finite.to(tl.int32), 1) == 0
-            sx = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-            sx = tl.where(bad, float("nan"), sx)
-            xq = _round_e4m3(tl.math.div_rn(x, sx[:, None])).to(tl.float8e4nv)
-            if QROWS < BLOCK_M:  # row i of the block is row i % QROWS
-                xq = tl.reshape(tl.broadcast_to(xq[None, :, :], (BLOCK_M // QROWS, QROWS, 128)),
-                                (BLOCK_M, 128))
-                sx = tl.reshape(tl.broadcast_to(sx[None, :], (BLOCK_M // QROWS, QROWS)), (BLOCK_M,))
-        else:
-            xq = tl.load(x_ptr + kb * 128, mask=row_ok[:, None], other=0.0)
-            sx = tl.load(SX + rm * stride_sxm + kb * stride_sxk, mask=row_ok, other=1.0)
-        if BLOCK_N <= 128:
-            acc += tl.dot(xq, tl.trans(w)) * (sx[:, None] * sw)
-        else:
-            acc += tl.dot(xq, tl.trans(w)) * (sx[:, None] * sw[None, :])
-    offs = rm[:, None].to(tl.int64) * stride_c + rn[None, :]
-    if MODE == 0:
-        tl.store(C + offs, acc.to(C.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        tl.store(P + pid_k * stride_ps + offs, acc, mask=row_ok[:, None])
-        if MODE == 2:
-            tl.debug_barrier()  # every thread's part is stored before the ticket (release) is taken
-            cnt = CNT + pid_m * tl.num_programs(1) + pid_n
-            ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if ticket == split - 1:  # the last program of this tile: the parts in order 0, 1, ...
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(0, split):
-                    total += tl.load(P + s * stride_ps + offs, mask=row_ok[:, None], other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(C + offs, total.to(C.dtype.element_ty), mask=row_ok[:, None])
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # zero for the next kernel
-
-
-@triton.jit
-def _sum_parts_kernel(P, C, size, split, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """C = 0 + P[0] + P[1] + ... in that order (fp32; the ticket's sums), cast to C's dtype."""
-    if PDL:
-        gdc_wait()
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < size
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, split):
-        acc += tl.load(P + s * size + offs, mask=ok, other=0.0)
-    tl.store(C + offs, acc.to(C.dtype.element_ty), mask=ok)
-
-
-def _tickets(device: torch.device) -> torch.Tensor:
-    """Zeroed counters for the ticket sums, one set per device: kernels of one stream run one
-    after another, and each counter is back at zero when its kernel ends."""
-    idx = device.index if device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else -1)
-    if idx not in _TICKETS:
-        _TICKETS[idx] = torch.zeros(_TICKET_SLOTS, dtype=torch.int32, device=device)
-    return _TICKETS[idx]
-
-
-def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype,
-                    cfg: DecodeConfig | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32, contiguous rows) times fp8 w [N, K] with 128x128 scales sw
-    [N/128, K/128] -> [M, N] out_dtype; N a multiple of 128. The activation values are
-    quantize_act_1x128's (fused or not, per `cfg`; decode_config's when None)."""
-    m, k = x.shape
-    n, n_kb = w.shape[0], k // TILE
-    cfg = cfg or decode_config(m, n, k, _sm_count(x.device))
-    if n % cfg.block_n:  # 256-wide blocks need N a multiple of 256
-        cfg = cfg._replace(block_n=TILE)
-    pdl = cfg.pdl and _HAS_GDC and x.device.type == "cuda"
-    if cfg.fused:
-        xa, sx, s_strides = x, x, (0, 0)
-    else:
-        xa, sx = quantize_act_1x128(x, pdl=pdl)
-        s_strides = (sx.stride(0), sx.stride(1))
-    kb_per = triton.cdiv(n_kb, cfg.split)
-    split = triton.cdiv(n_kb, kb_per)  # no program without K blocks
-    grid = (triton.cdiv(m, cfg.block_m), n // cfg.block_n, split)
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if m == 0:
-        return out
-    failed = _FAILED.get(x.device.index or 0, set())
-    ticket = cfg.ticket and grid[0] * grid[1] <= _TICKET_SLOTS and "ticket" not in failed
-    mode = 0 if split == 1 else (2 if ticket else 1)
-    narrow = cfg.fused and cfg.narrow and m < cfg.block_m and "narrow" not in failed
-    qrows = triton.next_power_of_2(m) if narrow else cfg.block_m
-    part = out if mode == 0 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    cnt = _tickets(x.device) if mode == 2 else part
-    _decode_kernel[grid](xa, sx, w, sw, out, part, cnt, m, xa.stride(0), *s_strides, w.stride(0),
-                         sw.stride(0), sw.stride(1), n, m * n, n_kb, kb_per, split,
-                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FUSED=cfg.fused, MODE=mode,
-                         QROWS=qrows, num_warps=cfg.warps, num_stages=cfg.stages,
-                         **({"PDL": True, "launch_pdl": True} if pdl else {}))
-    if mode == 1:
-        _sum_parts_kernel[(triton.cdiv(m * n, 1024),)](
-            part, out, m * n, split, BLOCK=1024, **({"PDL": True, "launch_pdl": True} if pdl else {}))
-    return out
 
 def cublas_takes(k: int) -> bool:
     """Whether cuBLAS's block-scaled GEMM gives the right product for contraction dim k. It

@@ -1,4 +1,4 @@
-"""Measured configs of the decode FP8 GEMM (milepost/kernels/fp8_gemm.py `decode_block_mm`).
+"""Measured configs of the decode FP8 GEMM (milepost/kernels/fp8_decode.py `decode_block_mm`).
 
 (N, K, M bucket) -> (block_m, block_n, split, warps, stages, fused, ticket, narrow): the fastest
 correct config of `benchmarks/fp8_gemm_sweep.py` on one NVIDIA H200 (torch 2.11, Triton 3.6),

@@ -1,6 +1,7 @@
-"""The decode-M FP8 block GEMM (milepost/kernels/fp8_gemm.py `decode_block_mm`) against the
+"""The decode-M FP8 block GEMM (milepost/kernels/fp8_decode.py `decode_block_mm`) against the
 emulated product: fused and separate activation quantization, split-K sums, row and weight
 blocks of every width. Without CUDA it runs under Triton's interpreter (float8 tl.dot included).
+Programmatic dependent launch (`pdl`) is CUDA-only: benchmarks/fp8_gemm_sweep.py checks it there.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ if not torch.cuda.is_available():  # must precede the first triton import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from milepost.kernels.fp8_gemm import DecodeConfig, decode_block_mm, decode_config, emulated_block_mm
+from milepost.kernels.fp8_decode import DecodeConfig, decode_block_mm, decode_config
+from milepost.kernels.fp8_gemm import emulated_block_mm
 from milepost.lowprec.quantize import quantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,7 +74,7 @@ def test_decode_gemm_quantizes_activations_to_the_reference_bits(fused: bool) ->
 def test_split_sums_are_the_same_by_ticket_or_second_kernel() -> None:
     """The parts are added in one order either way: bit-identical outputs, and the ticket
     counters are back at zero afterwards (the next kernel, or graph replay, starts clean)."""
-    from milepost.kernels import fp8_gemm
+    from milepost.kernels import fp8_decode
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(24, 640, generator=g).to(torch.bfloat16).to(DEV)
@@ -81,7 +83,7 @@ def test_split_sums_are_the_same_by_ticket_or_second_kernel() -> None:
     a = decode_block_mm(x, wv, ws, torch.bfloat16, DecodeConfig(16, 32, 4, 4, 2, True, False))
     b = decode_block_mm(x, wv, ws, torch.bfloat16, DecodeConfig(16, 32, 4, 4, 2, True, True))
     assert torch.equal(a, b)
-    assert not fp8_gemm._tickets(torch.device(DEV)).any()
+    assert not fp8_decode._tickets(torch.device(DEV)).any()
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -103,7 +105,7 @@ def test_narrow_quantization_gives_the_same_rows(m: int) -> None:
 def test_decode_config_rule_and_table_lookup() -> None:
     """Without a table entry: the smallest row block holding M, K split while SMs are idle, the
     activations quantized by their own kernel; with one: the measured config of M's bucket."""
-    from milepost.kernels.fp8_gemm import DECODE_TABLE
+    from milepost.kernels.fp8_decode import DECODE_TABLE
 
     cfg = decode_config(1, 2560, 9856, 132)
     assert cfg.block_m == 16 and cfg.split > 1 and (2560 // cfg.block_n) * cfg.split <= 2 * 132

@@ -1,0 +1,88 @@
+"""The FP8 activation quantizer of the H200 GEMMs: 1x128 blocks, bit for bit what
+milepost.lowprec.quantize gives (scale = amax / 448 with IEEE division, round-to-nearest-even
+saturating E4M3, a block with NaN/Inf gets a NaN scale), so the engine's and the trainer's
+activations stay in the contract; shared by fp8_gemm.py and fp8_decode.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # programmatic dependent launch (Hopper): a kernel starts while the one before it finishes
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_GDC = True
+except ImportError:  # this Triton has no grid dependency control: configs asking for it run without
+    _HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():  # never called: PDL stays off
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+TILE = 128
+
+
+@triton.jit
+def _round_e4m3(y):
+    """y rounded to E4M3 (ties to even, saturating at 448, sign of zero kept, NaN kept) as an
+    exactly representable float32, so the final cast has nothing left to round."""
+    a = tl.abs(y)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # floor(log2 a)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3 mantissa bits)
+    v = a / step  # a power of two: exact
+    r = (v + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 addition rounds to even here
+    q = tl.minimum(r * step, 448.0)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648
+    q = (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(y != y, y, q)  # noqa: PLR0124 - NaN stays NaN
+
+
+@triton.jit
+def _quant_act_kernel(X, Q, S, stride_x, stride_q, stride_sm, stride_sk, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    if PDL:  # launched before the kernel writing X ended: wait for it; the GEMM reading Q may
+        gdc_launch_dependents()  # launch now (it waits for this kernel's end before reading)
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + row * stride_x + cols).to(tl.float32)
+    finite = tl.abs(x) < float("inf")  # False for NaN and +-Inf
+    amax = tl.max(tl.where(finite, tl.abs(x), 0.0), 0)
+    bad = tl.min(finite.to(tl.int32), 0) == 0
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    scale = tl.where(bad, float("nan"), scale)
+    y = tl.math.div_rn(x, scale)
+    tl.store(Q + row * stride_q + cols, _round_e4m3(y).to(tl.float8e4nv))
+    tl.store(S + row * stride_sm + g * stride_sk, scale)
+
+
+def quantize_act_1x128(x: torch.Tensor, pad_rows: int = 1,
+                       pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] (K % 128 == 0) -> (float8_e4m3fn [Mp, K], float32 scales [Mp, K/128]) with Mp =
+    M rounded up to `pad_rows` (padding rows: zeros, scale 1). The scales are stored M-major
+    (stride (1, Mp)): the layout cuBLAS's 1x128 block scaling reads."""
+    m, k = x.shape
+    mp = -(-m // pad_rows) * pad_rows
+    q = torch.empty((mp, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((k // TILE, mp), dtype=torch.float32, device=x.device).t()
+    if mp > m:
+        q[m:].view(torch.uint8).zero_()
+        s[m:] = 1.0
+    if m:
+        _quant_act_kernel[(m, k // TILE)](x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                          BLOCK=TILE, **({"PDL": True, "launch_pdl": True} if pdl else {}))
+    return q, s
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
