@@ -185,46 +185,6 @@ def kernel_configs() -> None:
             print(f"  the default config: {today[0][0] * 1e3:.1f} us = {gb / today[0][0]:.0f} TB/s")
 
 
-def heads_per_program() -> None:
-    """The decode kernel with several kv heads per program (one contiguous read per token) against
-    the default unsplit kernel, outputs compared."""
-    from milepost.kernels import paged_attention as K
-
-    torch.manual_seed(0)
-    H, Hkv, D, page = 16, 8, 128, 16
-    for B, ctx in ((256, 256), (256, 512), (64, 1024)):
-        nb = B * ctx // page
-        kc = torch.randn(nb * page, Hkv, D, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        qd = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
-        tables = torch.randperm(nb, device="cuda").view(B, -1)
-        lens = torch.randint(ctx // 2, ctx + 1, (B,), device="cuda")
-        lens[0] = ctx
-        gb = 2 * kc.numel() * 2 / 1e9 * float(lens.float().mean()) / ctx
-        ref = K.paged_decode(qd, kc, vc, tables, lens, D**-0.5, page, 1)
-        base = triton.testing.do_bench(lambda: K.paged_decode(qd, kc, vc, tables, lens, D**-0.5, page, 1),
-                                       return_mode="median")
-        rows = []
-        for hp in (2, 4, 8):
-            for bn in (16, 32):
-                for st in (2, 3):
-                    def run(hp=hp, bn=bn, st=st):
-                        return K.paged_decode_heads(qd, kc, vc, tables, lens, D**-0.5, page, hp,
-                                                    block_n=bn, num_stages=st)
-                    try:
-                        err = (run().float() - ref.float()).abs().max().item()
-                        ms = triton.testing.do_bench(run, return_mode="median")
-                    except Exception as e:  # noqa: BLE001 - a config that does not compile
-                        print(f"  heads={hp} BN={bn} st={st}: failed {e!r:.120}")
-                        continue
-                    rows.append((ms, hp, bn, st, err))
-        rows.sort()
-        print(f"decode B={B} ctx<={ctx} (KV read {gb:.3f} GB): default {base * 1e3:.1f} us = "
-              f"{gb / base:.2f} TB/s; heads per program, best: " + "; ".join(
-                  f"heads={hp} BN={bn} st={st} {ms * 1e3:.1f} us = {gb / ms:.2f} TB/s (max diff {err:.1e})"
-                  for ms, hp, bn, st, err in rows[:4]))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=256)
@@ -234,8 +194,6 @@ def main() -> None:
     a = ap.parse_args()
     if "kernels" in a.what:
         kernel_configs()
-    if "heads" in a.what:
-        heads_per_program()
     if "steps" in a.what:
         profile_steps(a)
 

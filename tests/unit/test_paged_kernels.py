@@ -62,25 +62,6 @@ def test_decode_kernel_matches_reference(h: int, hkv: int, splits: int) -> None:
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("h,hkv,heads", [(4, 2, 2), (8, 4, 4), (6, 3, 1)])
-def test_decode_with_several_kv_heads_per_program_matches_reference(h: int, hkv: int, heads: int) -> None:
-    """paged_decode_heads (a token's rows of several heads in one read); seq_len 0 gives zeros."""
-    seq_lens = [1, 7, 33, 70]
-    cache, batch, q, k, v = _setup([1] * 4, seq_lens, h, hkv, seed=heads)
-    ref = _reference(cache, batch, q, k, v)
-    kernels.store_kv(cache.k[0], cache.v[0], k, v, batch.slot_mapping)
-    out = kernels.paged_decode_heads(q, cache.k[0], cache.v[0], batch.block_tables, batch.seq_lens,
-                                     D**-0.5, PAGE, heads, block_n=16)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    empty = kernels.paged_decode_heads(q, cache.k[0], cache.v[0], batch.block_tables,
-                                       torch.zeros_like(batch.seq_lens), D**-0.5, PAGE, heads, block_n=16)
-    assert torch.equal(empty, torch.zeros_like(empty))
-    for bad in (hkv + 1, 3):
-        with pytest.raises(ValueError, match="power of two that divides"):
-            kernels.paged_decode_heads(q, cache.k[0], cache.v[0], batch.block_tables, batch.seq_lens,
-                                       D**-0.5, PAGE, bad)
-
-
 def test_decode_padding_rows_give_zeros_and_write_nothing() -> None:
     cache, batch, q, k, v = _setup([1, 1], [5, 9], 4, 2, seed=3)
     before = cache.k[0].clone()
