@@ -23,10 +23,11 @@ from milepost.kernels.fp8_quant import (
 )
 from milepost.lowprec import fp8_decode_table
 
-# At decode M (a few to a few hundred rows) the weight's bytes dominate: one kernel reads each
-# fp8 weight tile once per program, quantizes the program's activation rows per 1x128 block
-# itself (the same operations as _quant_act_kernel, so the same bits), and splits K over
-# programs when N alone leaves SMs idle. The split parts (fp32) are summed in the order
+# At decode M (a few to a few hundred rows) the weight's bytes dominate: each program reads its
+# fp8 weight tiles once, takes the activation rows quantized per 1x128 block by
+# quantize_act_1x128 (or, `fused`, quantizes them itself with the same operations, so the same
+# bits: measured slower, every weight block redoes it), and K is split over programs when N
+# alone leaves SMs idle. The split parts (fp32) are summed in the order
 # 0, 1, 2, ... either by a second kernel or, `ticket`, by whichever program of an output tile
 # finishes last (an atomic counter only picks that program; no value is accumulated
 # atomically): the same sums either way, never dependent on timing.
