@@ -1,6 +1,6 @@
 """--true-on-policy on CUDA bf16: the engine's log-probs equal the FSDP trainer's (torch.equal).
 
-NOT RUN YET (written in session 5 with no device time left; docs/true_on_policy.md says so).
+Passed on one H200 on 2026-12-04 (3 passed, torch 2.11).
 The engine samples with its CUDA kernels (Triton paged attention, CUDA graphs for decode) and
 re-scores each finished sequence with the trainer's computation (FlashAttention varlen over one
 sequence, torch RMSNorm / RoPE / SwiGLU, chunked log-softmax); the trainer (one NCCL rank,
