@@ -15,7 +15,6 @@ loss and scores come from the last stage.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,8 @@ from milepost.train.export import write_hf_directory
 from milepost.train.logprobs import plan_micro_batches
 from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss
 from milepost.train.megatron import checkpoint as mckpt
-from milepost.train.megatron.convert import megatron_to_hf, unshard
+from milepost.train.megatron.collectives import clip_gradients, full_megatron_state, sync_gradients
+from milepost.train.megatron.convert import megatron_to_hf
 from milepost.train.megatron.dist_optim import DistributedAdam
 from milepost.train.megatron.parallel import ParallelSizes, validate_sizes
 from milepost.train.megatron.pipeline import broadcast_scores, run_pipeline
@@ -269,14 +269,14 @@ class MegatronBackend:
             else:
                 for local in plan:
                     acc += self._micro_step(batch, [step[j] for j in local], old, ref, weights, denom, r3)
-            self._sync_gradients()
+            sync_gradients(self)
             lr = self.optimizer.param_groups[0]["lr"]
             if self.dist_adam is not None:
                 norm, skipped = self.dist_adam.step(self.settings.clip_grad)
                 grad_norms.append(norm)
                 nonfinite += skipped
             else:
-                grad_norms.append(self._clip_gradients(self.settings.clip_grad))
+                grad_norms.append(clip_gradients(self, self.settings.clip_grad))
                 nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
         abs_diff = 0.0
         if batch.rollout_logprobs is not None and old is not None:
@@ -337,108 +337,12 @@ class MegatronBackend:
         run_pipeline(scorer, packed, loss_of, forward_only=False)
         return sum(rows, torch.zeros(len(METRIC_SUMS) + 1, dtype=torch.float64, device=self.device))
 
-    def _sync_gradients(self) -> None:
-        """Sum gradients over the ranks that hold the same weights with different data.
-
-        Dense weights: the data-parallel group. Experts (megatron marks them allreduce=False): the
-        expert-data-parallel group (expert tensor parallel size 1). Summed over TP too, as
-        megatron's finalize_model_grads does: Qwen3's per-head q/k norms (replicated, but each TP
-        rank sees its heads only) and, under sequence parallel (MoE with TP), the weights marked
-        `sequence_parallel` (norms, router: each TP rank sees its part of the sequence).
-        Distributed optimizer: the same sums on DDP's `main_grad`, the TP and embedding ones first
-        (on every rank's whole local gradient), then megatron's reduce-scatter over data parallel.
-        """
-        tp_sum = self.sizes.tp > 1
-        sp = tp_sum and self.shape.is_moe
-        for name, p in self.policy.named_parameters():
-            if self.dist_adam is not None:
-                grad = p.main_grad
-            else:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)  # an expert no token reached: still in the collective
-                grad = p.grad
-            if self.sizes.pp > 1 and getattr(p, "shared_embedding", False):
-                # the tied embedding's copies on the first and last stage: one gradient, one update
-                dist.all_reduce(grad, group=self._embedding_group())
-            if tp_sum and ("q_layernorm" in name or "k_layernorm" in name
-                           or (sp and getattr(p, "sequence_parallel", False))):
-                dist.all_reduce(grad, group=self._tp_group)
-            if self.dist_adam is not None:
-                continue  # data parallel: the reduce-scatter below
-            if getattr(p, "allreduce", True):
-                if self.data_world > 1:
-                    dist.all_reduce(p.grad, group=self._dp_group)
-            elif dist.get_world_size(self._edp_group) > 1:
-                dist.all_reduce(p.grad, group=self._edp_group)
-        if self.dist_adam is not None:
-            self.dist_adam.reduce_scatter()
-
-    def _clip_gradients(self, clip: float) -> float:
-        """Global L2 norm (each weight counted once over TP and EP), then torch's clip rule."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        dense = torch.zeros((), dtype=torch.float64, device=self.device)
-        expert = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.policy.parameters():
-            if getattr(p, "shared", False):
-                continue  # the last stage's copy of a tied embedding: counted on the first stage
-            if not getattr(p, "allreduce", True):
-                expert += p.grad.double().pow(2).sum()
-            elif param_is_not_tensor_parallel_duplicate(p):
-                dense += p.grad.double().pow(2).sum()
-        dist.all_reduce(dense, group=self._tp_group)
-        dist.all_reduce(expert, group=self._ep_group)
-        if self.sizes.pp > 1:
-            dist.all_reduce(dense, group=self._pp_group)
-            dist.all_reduce(expert, group=self._pp_group)
-        norm = float((dense + expert).sqrt())
-        if clip > 0 and math.isfinite(norm):
-            coef = clip / (norm + 1e-6)
-            if coef < 1.0:
-                for p in self.policy.parameters():
-                    p.grad.mul_(coef)
-        return norm
-
     # --- weights, checkpoints, export --------------------------------------------------------------
-
-    def _full_megatron_state(self) -> dict[str, torch.Tensor]:
-        """Every weight, unsharded, under TP=PP=EP=1 Megatron names (a collective over TP, EP, PP)."""
-        tp, ep, pp = self.sizes.tp, self.sizes.ep, self.sizes.pp
-        pieces: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {
-            (t, 0, e): {} for t in range(tp) for e in range(ep)}
-        with torch.no_grad():
-            for name, p in self.policy.named_parameters():
-                expert = not getattr(p, "allreduce", True)
-                group, size = (self._ep_group, ep) if expert else (self._tp_group, tp)
-                parts = [torch.empty_like(p) for _ in range(size)]
-                if size > 1:
-                    dist.all_gather(parts, p.detach().contiguous(), group=group)
-                else:
-                    parts = [p.detach().clone()]
-                for r, part in enumerate(parts):
-                    for t in range(tp) if expert else [r]:
-                        for e in [r] if expert else range(ep):
-                            pieces[(t, 0, e)][name] = part
-        if pp > 1:  # each stage's pieces (local layer numbers) to every stage, through host memory
-            stages: list = [None] * pp
-            dist.all_gather_object(stages, {k: {n: t.cpu() for n, t in v.items()} for k, v in pieces.items()},
-                                   group=self._pp_group)
-            pieces = {(t, s, e): part for s, stage in enumerate(stages) for (t, _, e), part in stage.items()}
-        full = unshard(self.shape, pieces, tp=tp, pp=pp, ep=ep)
-        if self.shape.tied_embeddings:
-            full.pop("output_layer.weight", None)
-        return full
-
-    @staticmethod
-    def _embedding_group() -> Any:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_embedding_group()
 
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._require_onloaded("named_hf_weights")
         dtype = self.settings.torch_dtype
-        for name, t in megatron_to_hf(self.shape, self._full_megatron_state()).items():
+        for name, t in megatron_to_hf(self.shape, full_megatron_state(self)).items():
             yield name, t.to(self.device, dtype)
 
     def _layout(self) -> dict[str, int]:

@@ -181,7 +181,7 @@ def _gating(router: Any, megatron_gating: Any, hidden: torch.Tensor) -> torch.Te
 class SequenceParallelRMSNorm:
     """megatron's local norm (WrappedTorchNorm, which refuses sequence parallel), allowed under it:
     RMSNorm is per token, so each TP rank normalizes its part of the sequence; the weight is marked
-    `sequence_parallel` so its gradient is summed over TP (MegatronBackend._sync_gradients), as
+    `sequence_parallel` so its gradient is summed over TP (milepost/train/megatron/collectives.py sync_gradients), as
     megatron does for its Transformer Engine norms."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.RMSNorm:
