@@ -1,10 +1,12 @@
-"""The train/rollout log-prob gap under each precision arrangement, one tiny RL workload (CPU).
+"""The train/rollout log-prob gap under each precision arrangement, one tiny RL workload.
 
 Runs `milepost train` on the same tiny random Qwen3, prompts, seed and steps once per
-`--precision` arrangement and prints `train/train_rollout_logprob_abs_diff` per step (the
-trainer runs fp32 on CPU, so "bf16" here means unquantized fp32 on both sides).
+`--precision` arrangement and prints `train/train_rollout_logprob_abs_diff` per step (on CPU the
+trainer runs fp32, so "bf16" there means unquantized fp32 on both sides; `--device cuda` runs bf16
+colocated on one GPU).
 
     python benchmarks/lowprec_gap.py --steps 3 --out /tmp/gap
+    python benchmarks/lowprec_gap.py --steps 3 --device cuda --out /tmp/gap_cuda
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("/tmp/lowprec_gap"))
     p.add_argument("--only", default=None, help="comma-separated arrangement names")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     ckpt = make_tiny_checkpoint(a.out / "qwen3", "qwen3", seed=5)
@@ -48,7 +51,9 @@ def main() -> None:
         run_dir = a.out / name.replace(" ", "_").replace("+", "")
         cmd = [sys.executable, "-m", "milepost", "train", "--hf-checkpoint", str(ckpt),
                "--prompt-data", str(a.out / "prompts.jsonl"), "--run-dir", str(run_dir),
-               "--device", "cpu", "--num-rollout", str(a.steps), "--rollout-batch-size", "4",
+               *(["--device", "cpu"] if a.device == "cpu" else
+                 ["--device", "cuda", "--dtype", "bfloat16", "--colocate"]),
+               "--num-rollout", str(a.steps), "--rollout-batch-size", "4",
                "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8",
                "--engine-max-total-tokens", "2048", "--reward-fn", "exact_match", "--seed", "3",
                *flags]

@@ -1,10 +1,14 @@
-"""Loss curves of supervised training under each trainer format, fixed synthetic task (CPU).
+"""Loss curves of supervised training under each trainer format, fixed synthetic task.
 
 A small Qwen3 (transformers' model, random init, seed fixed) learns next-token prediction on
 sequences from a fixed random successor table; the same data and seed for every format. Prints
 the mean loss of the last 10 of `--steps` Adam steps and its gap to the unquantized run.
 
     python benchmarks/lowprec_loss.py --steps 200
+    python benchmarks/lowprec_loss.py --steps 200 --device cuda   # bf16 model, Hopper FP8 GEMMs
+
+On CUDA the model is bf16 (the "none" row is then plain bf16, the baseline the issue names); the
+data is drawn on the host from the same generator, so every format and device sees the same batches.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from milepost.lowprec.contract import Contract
 from milepost.lowprec.linear import apply_train_precision
 
 
-def run(fmt: str, steps: int, seed: int) -> list[float]:
+def run(fmt: str, steps: int, seed: int, device: str = "cpu") -> list[float]:
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                                    vocab_size=64, max_position_embeddings=64)
     model = transformers.Qwen3ForCausalLM(cfg)
+    if device == "cuda":
+        model = model.to(device, torch.bfloat16)
     if fmt != "none":
         apply_train_precision(model, Contract(fmt, fmt))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -39,7 +45,7 @@ def run(fmt: str, steps: int, seed: int) -> list[float]:
             nxt = succ[seq[-1]]
             noise = torch.rand(nxt.shape, generator=gen) < 0.1
             seq.append(torch.where(noise, torch.randint(0, 64, nxt.shape, generator=gen), nxt))
-        ids = torch.cat(seq, 1)
+        ids = torch.cat(seq, 1).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
@@ -54,12 +60,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
     p.add_argument("--formats", default="none,fp8_block,mxfp8,nvfp4,int4")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args()
     torch.set_num_threads(1)
     out = {}
     for fmt in a.formats.split(","):
         t0 = time.monotonic()
-        losses = run(fmt, a.steps, a.seed)
+        losses = run(fmt, a.steps, a.seed, a.device)
         end = sum(losses[-10:]) / 10
         out[fmt] = {"first": losses[0], "end": end, "seconds": round(time.monotonic() - t0, 1)}
         base = out.get("none", out[fmt])["end"]
