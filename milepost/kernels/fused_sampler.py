@@ -9,8 +9,8 @@ per row (one program each) and a merge per row:
   `logits[tok] / T - lse`, the distribution the trainer recomputes;
 - the exponential race `argmax(p / q)`, q = -log u, u ~ U(0, 1) from Philox keyed by the row's
   seed and the token index (Gumbel-max: an exact sample of softmax(logits / T), the race torch's
-  sampler runs too). The draw depends on the row's seed only, not on the batch, the
-  split or the device's scheduling;
+  sampler runs too). The draw depends on the row's seed, not on the batch or the device's
+  scheduling (the split changes only the rounding of near-tied keys);
 - greedy rows (temperature < GREEDY_EPS) take the first maximum and report the log-prob at T = 1,
   as the torch sampler does.
 
@@ -112,8 +112,8 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch
                  num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (fp32 or bf16, CUDA), temperatures [B] fp32 (greedy rows: 1.0), greedy [B]
     int8, seeds [B] int64 -> (tokens [B] int64, log-probs [B] fp32 of logits / T at the token).
-    splits (a power of two) and num_warps change the work layout only: the same tokens,
-    log-probs to the last bits (the log-sum-exp's summation order)."""
+    splits (a power of two) and num_warps change the work layout only: the same tokens (up to the
+    rounding of near-tied keys), log-probs to the last bits (the summation order)."""
     b, v = logits.shape
     dev = logits.device
     per_split = triton.cdiv(triton.cdiv(v, splits), BLOCK) * BLOCK
