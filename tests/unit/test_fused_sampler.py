@@ -1,7 +1,7 @@
 """The fused temperature-only sampler (milepost/kernels/fused_sampler.py), run on CPU through
 Triton's interpreter (TRITON_INTERPRET, set before triton is imported): greedy rows take the first
-maximum, log-probs are log_softmax(logits / T) at the token, the work layout (splits) never
-changes a draw (log-probs only in the last bits), a seed reproduces its draws, a -inf logit is
+maximum, log-probs are log_softmax(logits / T) at the token, three work layouts (splits) draw
+the same tokens here (log-probs differ in the last bits), a seed reproduces its draws, a -inf logit is
 never drawn, and draws follow softmax(logits / T) (chi-square). The same checks at scale on CUDA:
 tests/gpu/test_fused_sampler_cuda.py. The --sampling-backend refusals need no kernel."""
 
