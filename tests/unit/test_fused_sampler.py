@@ -1,6 +1,6 @@
 """The fused temperature-only sampler (milepost/kernels/fused_sampler.py), run on CPU through
 Triton's interpreter (TRITON_INTERPRET, set before triton is imported): greedy rows take the first
-maximum, log-probs are log_softmax(logits / T) at the token, three work layouts (splits) draw
+maximum, log-probs are log_softmax(logits / T) at the token, two work layouts (splits) draw
 the same tokens here (log-probs differ in the last bits), a seed reproduces its draws, a -inf logit is
 never drawn, and draws follow softmax(logits / T) (chi-square). The same checks at scale on CUDA:
 tests/gpu/test_fused_sampler_cuda.py. The --sampling-backend refusals need no kernel."""
@@ -37,7 +37,7 @@ def interpreted() -> dict:
     greedy[:4] = 1
     seeds = torch.randint(0, 2**62, (24,))
     logits, temps, greedy, seeds = (t.to(DEV) for t in (logits, temps, greedy, seeds))
-    runs = [fused_sample(logits, temps, greedy, seeds, splits=s) for s in (1, 4, 8)]
+    runs = [fused_sample(logits, temps, greedy, seeds, splits=s) for s in (1, 4)]
     ref = torch.log_softmax(logits / temps[:, None], -1)
     tok, lp = runs[0]
     out["layouts_agree"] = all(torch.equal(r[0], tok) for r in runs)
@@ -45,11 +45,11 @@ def interpreted() -> dict:
     out["greedy_is_argmax"] = torch.equal(tok[:4], logits[:4].argmax(1)) and int(tok[0]) == 5
     out["logprob_err"] = float((lp - ref.gather(1, tok[:, None]).squeeze(1)).abs().max())
     out["never_inf"] = bool((tok != 3).all())
-    out["seed_repeats"] = torch.equal(fused_sample(logits, temps, greedy, seeds, splits=4)[0], tok)
-    other = fused_sample(logits, temps, greedy, seeds + 1, splits=4)[0]
+    out["seed_repeats"] = torch.equal(fused_sample(logits, temps, greedy, seeds, splits=1)[0], tok)
+    other = fused_sample(logits, temps, greedy, seeds + 1, splits=1)[0]
     out["other_seed_differs"] = not torch.equal(other[4:], tok[4:])
-    # distribution: 480 draws from one row of 5 logits at T = 0.8
-    n = 480
+    # distribution: 200 draws (one row each: the interpreter's cost is per row) of 5 logits, T = 0.8
+    n = 200
     base = torch.tensor([1.5, 0.8, 0.0, -0.7, float("-inf")], device=DEV)
     tok = fused_sample(base.repeat(n, 1), torch.full((n,), 0.8, device=DEV),
                        torch.zeros(n, dtype=torch.int8, device=DEV),
