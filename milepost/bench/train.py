@@ -2,7 +2,8 @@
 
 Both train the same checkpoint on the same random batch (samples x (prompt + response) tokens,
 N(0, 1) advantages, one optimizer step per batch): milepost's `FSDPBackend.train_step` on one
-rank (with --backend megatron|both, the Megatron backend's too), then the transformers loop of train_hf.py. Prints tokens/s (all tokens of the batch over
+rank (with --backend megatron|both, the Megatron backend's too; with --precision other than bf16, the
+same trainer in bf16 as well), then the transformers loop of train_hf.py. Prints tokens/s (all tokens of the batch over
 the median step time), MFU (model FLOPs / step time / device peak), peak memory and the ratio.
 Also runnable as `python -m milepost.bench.train` (needs no pydantic, unlike the CLI).
 """
@@ -79,14 +80,17 @@ def _rank(rank: int, world: int, path: str, args: TrainBenchArgs, vocab: int) ->
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     tokens, adv, batch = _batch(args, vocab)
-    settings = TrainerSettings(
-        lr=1e-6, global_batch_size=args.samples, max_tokens_per_micro_batch=args.micro_batch_tokens,
-        device=args.device, dtype="bfloat16" if cuda else "float32",
-        activation_checkpointing=args.activation_checkpointing, compile_layers=args.compile_layers,
-        fused_kernels=args.fused_kernels, precision=args.precision)
+    sides = [("milepost", "fsdp", args.precision), ("megatron", "megatron", args.precision)]
+    if args.precision != "bf16":  # the same trainer unquantized, in this run: the format's speed-up
+        sides.append(("milepost_bf16", "fsdp", "bf16"))
     out = {}
-    for side, name in (("milepost", "fsdp"), ("megatron", "megatron")):
+    for side, name, precision in sides:
         if args.backend in (name, "both"):
+            settings = TrainerSettings(
+                lr=1e-6, global_batch_size=args.samples, max_tokens_per_micro_batch=args.micro_batch_tokens,
+                device=args.device, dtype="bfloat16" if cuda else "float32",
+                activation_checkpointing=args.activation_checkpointing, compile_layers=args.compile_layers,
+                fused_kernels=args.fused_kernels, precision=precision)
             trainer = create_backend(path, settings, name)
             out[side] = _timed(trainer, batch, args.steps, device)
             del trainer
@@ -118,7 +122,7 @@ def run(args: TrainBenchArgs) -> dict:
               "samples": args.samples, "prompt": args.prompt, "response": args.response,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "activation_checkpointing": args.activation_checkpointing, "compile_layers": args.compile_layers,
-              "fused_kernels": args.fused_kernels,
+              "fused_kernels": args.fused_kernels, "precision": args.precision,
               "micro_batch_tokens": args.micro_batch_tokens, "flops_per_step": flops}
     for side, r in res.items():
         step = statistics.median(r["step_times"])
@@ -126,6 +130,8 @@ def run(args: TrainBenchArgs) -> dict:
                         "mfu": flops / step / peak if peak else None}
     if "hf" in report and "milepost" in report:
         report["ratio"] = report["milepost"]["tokens_per_s"] / report["hf"]["tokens_per_s"]
+    if "milepost_bf16" in report and "milepost" in report:
+        report["precision_ratio"] = report["milepost"]["tokens_per_s"] / report["milepost_bf16"]["tokens_per_s"]
     if "megatron" in report and "milepost" in report:
         report["megatron_ratio"] = report["megatron"]["tokens_per_s"] / report["milepost"]["tokens_per_s"]
     return report
@@ -137,15 +143,17 @@ def _print(report: dict) -> None:
           f"tokens, activation checkpointing {report['activation_checkpointing']}"
           + (", compiled layers" if report["compile_layers"] else "")
           + ("" if report.get("fused_kernels", True) else ", fused kernels off"))
-    for side in ("milepost", "megatron", "hf"):
+    for side in ("milepost", "milepost_bf16", "megatron", "hf"):
         if side not in report:
             continue
         r = report[side]
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        print(f"  {side:9s} {r['tokens_per_s']:10.0f} tok/s  step {r['step_s']:.3f} s  MFU {mfu}  "
+        print(f"  {side:13s} {r['tokens_per_s']:10.0f} tok/s  step {r['step_s']:.3f} s  MFU {mfu}  "
               f"peak {r['peak_gib']:.1f} GiB")
     if "ratio" in report:
         print(f"  ratio     {report['ratio']:.2f}x (milepost / Hugging Face loop, same run)")
+    if "precision_ratio" in report:
+        print(f"  {report['precision']:13s} {report['precision_ratio']:.2f}x the bf16 trainer's tokens/s (same run)")
     if "megatron_ratio" in report:
         print(f"  megatron  {report['megatron_ratio']:.2f}x the FSDP backend's tokens/s (same run)")
 

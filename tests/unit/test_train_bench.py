@@ -24,6 +24,17 @@ def test_bench_train_reports_both_sides_and_the_ratio(tmp_path: Path, capsys: py
     assert "ratio" in capsys.readouterr().out
 
 
+def test_bench_train_times_a_quantized_trainer_beside_bf16(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "r.json"
+    assert main(["bench", "train", "--shape", "tiny", "--samples", "2", "--prompt", "8", "--response", "8",
+                 "--steps", "1", "--precision", "fp8_block", "--no-hf", "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "hf" not in report and report["precision"] == "fp8_block"
+    assert report["precision_ratio"] == pytest.approx(
+        report["milepost"]["tokens_per_s"] / report["milepost_bf16"]["tokens_per_s"])
+    assert "the bf16 trainer's tokens/s" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--shape", "tiny", "--samples", "0"], "--samples must be >= 1"),
     (["--model", "/nonexistent"], "has no config.json"),
