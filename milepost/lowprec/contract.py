@@ -29,8 +29,12 @@ ARRANGEMENTS: dict[str, tuple[str, str]] = {
 SIDE_FORMATS = (BF16, *FORMATS)
 _ARRANGEMENT_OF = {t: name for name, (t, r) in ARRANGEMENTS.items() if t == r and t != BF16}
 # The linears a quantized recipe covers (module names' last part); embeddings, norms, the LM
-# head, routers and MoE experts stay in bf16 (experts: not yet; the engine groups them).
+# head and routers stay in bf16. MoE experts (`...mlp.experts.N.gate|up|down_proj.weight`):
+# under fp8_block the engines serve them in FP8 (128 x 128 weight tiles, activations in the model
+# dtype) while the trainer keeps them in bf16, in both fp8_block arrangements: for experts the
+# contract is bf16-train-fp8-serve. Under mxfp8 / nvfp4 / int4 experts stay bf16 on both sides.
 COVERED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERTS_SERVED = ("fp8_block",)  # rollout formats that quantize MoE experts (engine side only)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _RANGE = re.compile(r"^layers\.(\d+)-(\d+)$")
 
@@ -48,8 +52,9 @@ class Contract:
         """The format of weight `hf_name` ('...q_proj.weight') on `side` ('train' | 'rollout')."""
         base = self.train if side == "train" else self.rollout
         module = hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
-        if (base == BF16 or not hf_name.endswith(".weight") or module not in COVERED
-                or ".experts." in hf_name):
+        if base == BF16 or not hf_name.endswith(".weight") or module not in COVERED:
+            return BF16
+        if ".experts." in hf_name and (side != "rollout" or base not in EXPERTS_SERVED):
             return BF16
         for pattern, fmt in self.overrides:
             if _matches(pattern, hf_name):

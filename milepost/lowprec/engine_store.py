@@ -6,8 +6,9 @@ quantizer), quantized from what the sender sent on every update: a tensor's bloc
 another's rows. The forward quantizes its input per token in the same format and multiplies the
 dequantized operands (emulated GEMM; the H200 path is `linear.fp8_block_mm` where it runs).
 NVFP4 quantizes gate and up together (one outer scale for the fused GEMM): the first of the two
-to arrive in an update waits for the other. Registered as `model.fp8_weights`, the attribute the
-weight loader and the weight-check endpoints use.
+to arrive in an update waits for the other. Under fp8_block the MoE experts are stored in FP8 too
+(lowprec/engine_experts.py; the registry answers for both). Registered as `model.fp8_weights`,
+the attribute the weight loader and the weight-check endpoints use.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from milepost.lowprec.contract import Contract
+from milepost.lowprec.contract import EXPERTS_SERVED, Contract
+from milepost.lowprec.engine_experts import Fp8Experts, store_fp8_experts
 from milepost.lowprec.linear import quantize_activation, quantize_weight_parts
 from milepost.lowprec.quantize import QTensor, dequantize, element_scale
 
@@ -69,8 +71,14 @@ class QuantizedWeights:
         self._by_storage = modules
         self._names = names  # (id(module), first row) -> HF name, for messages
         self._pending: dict[int, dict[int, torch.Tensor]] = {}  # nvfp4 gate/up halves
+        self.experts: Fp8Experts | None = None  # fp8_block MoE experts (engine_experts.py)
 
-    def owner(self, view: torch.Tensor) -> QuantizedLinear | None:
+    def owner(self, view: torch.Tensor) -> object | None:
+        """The quantized linear (or the FP8 experts) `view` belongs to; None: not quantized."""
+        hit = self.experts.owner(view) if self.experts is not None else None
+        return hit if hit is not None else self._linear(view)
+
+    def _linear(self, view: torch.Tensor) -> QuantizedLinear | None:
         ptr = view.untyped_storage().data_ptr()
         module = self._by_storage.get(ptr)
         if module is None or module.weight.untyped_storage().data_ptr() != ptr:
@@ -80,7 +88,7 @@ class QuantizedWeights:
         return module
 
     def _part(self, view: torch.Tensor) -> tuple[QuantizedLinear, int]:
-        module = self.owner(view)
+        module = self._linear(view)
         if module is None:
             raise KeyError("not a view of a quantized linear weight")
         row_bytes = module.weight.stride(0) * module.weight.element_size()
@@ -93,6 +101,9 @@ class QuantizedWeights:
     @torch.no_grad()
     def write(self, view: torch.Tensor, src: torch.Tensor) -> None:
         """Quantize `src` (the HF tensor `view` holds) into its part and refresh the weights."""
+        if self.experts is not None and self.experts.owner(view) is not None:
+            self.experts.write(view, src)
+            return
         module, i = self._part(view)
         if module.qjoint:  # gate and up share one outer scale: wait until both halves arrived
             pending = self._pending.setdefault(id(module), {})
@@ -110,11 +121,15 @@ class QuantizedWeights:
 
     def dequantized(self, view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 values, float32 per-element dequantization scales) of the tensor `view`."""
+        if self.experts is not None and self.experts.owner(view) is not None:
+            return self.experts.dequantized(view)
         module, i = self._part(view)
         q = module.qparts[i][2]
         return dequantize(q), element_scale(q)
 
     def format_of(self, view: torch.Tensor) -> str:
+        if self.experts is not None and self.experts.owner(view) is not None:
+            return "fp8_block"
         return self._part(view)[0].qformat
 
 
@@ -127,7 +142,7 @@ def store_quantized(model: nn.Module, contract: Contract) -> QuantizedWeights:
     mod_of_param = {id(m.weight): m for m in model.modules() if type(m) is nn.Linear}
     for name in model.hf_weight_names():
         fmt = contract.tensor_format(name, "rollout")
-        if fmt == "bf16":
+        if fmt == "bf16" or ".experts." in name:  # experts: store_fp8_experts, below
             continue
         view = model.weight_view(name)
         module = next((m for m in mod_of_param.values()
@@ -139,10 +154,15 @@ def store_quantized(model: nn.Module, contract: Contract) -> QuantizedWeights:
         first = (view.data_ptr() - module.weight.data_ptr()) // row_bytes
         by_module.setdefault(id(module), []).append((first, view.shape[0], name))
         modules[id(module)] = module
-    if not modules:
+    # The model dtype (what senders send): taken before the experts are converted.
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    experts = None
+    if contract.rollout in EXPERTS_SERVED:
+        experts = store_fp8_experts(
+            model, lambda n: contract.tensor_format(n, "rollout") == "fp8_block")
+    if not modules and experts is None:
         raise ValueError(f"--quantization {contract.rollout}: {type(model).__name__} has no "
                          "projection linears left to quantize (check --precision-override)")
-    dtype = next(iter(modules.values())).weight.dtype
     store_modules: dict[int, QuantizedLinear] = {}
     names: dict[tuple[int, int], str] = {}
     for key, parts in by_module.items():
@@ -175,6 +195,7 @@ def store_quantized(model: nn.Module, contract: Contract) -> QuantizedWeights:
         store_modules[module.weight.untyped_storage().data_ptr()] = module
         names.update({(id(module), row): n for row, _, n in parts})
     store = QuantizedWeights(store_modules, names, contract, dtype)
+    store.experts = experts
     model.fp8_weights = store
     return store
 

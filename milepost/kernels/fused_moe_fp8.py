@@ -1,0 +1,220 @@
+"""Fused MoE experts with FP8 blockwise weights (`--quantization fp8_block`): kernels/fused_moe.py's
+four launches, the gate/up and down kernels reading float8_e4m3 expert weights and their 128 x 128
+tile scales instead of bf16 weights (half the bytes a decode step reads for experts).
+
+Weights only: activations stay in the model dtype (W8A16). Each K step multiplies the rows'
+activations by the weight tile converted to the activation dtype (exact: every E4M3 value is a
+bf16 value) and adds that partial product times the tile's scale (one per column) to the fp32
+accumulator, so BLOCK_K must divide the 128-wide scale block. Scales, one per HF tensor's tiles:
+w13 [E, 2, ceil(I/128), ceil(H/128)] (gate's, then up's: I need not be a multiple of 128),
+w2 [E, ceil(H/128), ceil(I/128)]. Routing (align), rounding points, the slot-order combine and the
+bitwise reproducibility are the bf16 path's; the bf16 kernels are not touched.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from milepost.kernels import fused_moe as fm
+from milepost.kernels.fused_moe import (
+    GemmConfig,
+    MoeConfig,
+    _acc_init,
+    _acc_rows,
+    _load_weight,
+    _tile_ids,
+    _weight_ptrs,
+)
+
+SCALE_BLOCK = 128
+
+# Configs measured for the FP8 kernels, per expert shape (experts, hidden, moe_intermediate, top_k):
+# (largest token count, config), ascending (benchmarks/moe_fp8_gpu.py sweeps them). Shapes and
+# token counts not listed run the bf16 table's tiles (fused_moe.MEASURED) with BLOCK_K <= 128.
+MEASURED_FP8: dict[tuple[int, int, int, int], tuple[tuple[int, MoeConfig], ...]] = {}
+# Where neither table has the shape (a config changes speed, never values).
+_DEFAULT = fm.MEASURED[(128, 2048, 768, 8)]
+
+
+def _fit(cfg: MoeConfig) -> MoeConfig:
+    """The config with each GEMM's BLOCK_K within one scale block."""
+    def gemm(g: GemmConfig) -> GemmConfig:
+        if g.block_k <= SCALE_BLOCK:
+            return g
+        return GemmConfig(g.block_n, SCALE_BLOCK, g.num_warps, g.num_stages, g.group_m, g.swap_ab)
+
+    return MoeConfig(cfg.block_m, gemm(cfg.gate_up), gemm(cfg.down), cfg.hist_align)
+
+
+def config_for(tokens: int, num_experts: int, hidden: int, inter: int, top_k: int) -> MoeConfig:
+    """The FP8 config for `tokens` (smallest bucket that holds it; past the last, the last).
+    Unlike the bf16 path there is no grouped-GEMM alternative: every shape gets a config."""
+    key = (num_experts, hidden, inter, top_k)
+    table = MEASURED_FP8.get(key) or tuple((n, c) for n, c in fm.MEASURED.get(key, _DEFAULT) if c)
+    table = table or tuple((n, c) for n, c in _DEFAULT if c)
+    for max_tokens, cfg in table:
+        if tokens <= max_tokens:
+            return _fit(cfg)
+    return _fit(table[-1][1])
+
+
+@triton.jit
+def _scaled_mma(a, w, s, acc, SWAP: tl.constexpr):
+    """acc += (a @ w) * s per column, or acc^T += (w @ a^T) * s per row when SWAP."""
+    if SWAP:
+        out = acc + tl.dot(w, tl.trans(a)) * s[:, None]
+    else:
+        out = acc + tl.dot(a, w) * s[None, :]
+    return out
+
+
+@triton.jit(do_not_specialize=["n_pairs", "num_m"])
+def _gate_up_fp8_kernel(X, W13, S13, SORTED, BLOCK_EXPERT, TOTAL, ACT, n_pairs, inter, hidden, num_m,
+                        stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sh, stride_sn,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                        SWAP: tl.constexpr):
+    """ACT[row, n] = silu(x . deq(w13[e, n])) * (x . deq(w13[e, I + n])), fp8 weights."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(TOTAL):
+        return
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + rows)
+    valid = pairs < n_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    a_ptr = X + tokens[:, None] * stride_xt + ks[None, :]
+    g_ptr = _weight_ptrs(W13, e, stride_we, cols, stride_wn, ks, SWAP)
+    u_ptr = g_ptr + inter * stride_wn
+    sg_ptr = S13 + e * stride_se + (cols // 128) * stride_sn  # [BLOCK_N]: gate's tile row
+    su_ptr = sg_ptr + stride_sh
+    acc_g = _acc_init(BLOCK_M, BLOCK_N, SWAP)
+    acc_u = _acc_init(BLOCK_M, BLOCK_N, SWAP)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = ks < hidden - k0
+        if EVEN_K:
+            a = tl.load(a_ptr, mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        sg = tl.load(sg_ptr + k0 // 128, mask=col_ok, other=0.0)
+        su = tl.load(su_ptr + k0 // 128, mask=col_ok, other=0.0)
+        wg = _load_weight(g_ptr, col_ok, k_ok, SWAP, EVEN_K).to(a.dtype)
+        acc_g = _scaled_mma(a, wg, sg, acc_g, SWAP)
+        wu = _load_weight(u_ptr, col_ok, k_ok, SWAP, EVEN_K).to(a.dtype)
+        acc_u = _scaled_mma(a, wu, su, acc_u, SWAP)
+        a_ptr += BLOCK_K
+        g_ptr += BLOCK_K
+        u_ptr += BLOCK_K
+    dtype = ACT.dtype.element_ty
+    gate = _acc_rows(acc_g, SWAP).to(dtype).to(tl.float32)  # rounded like the bf16 path
+    up = _acc_rows(acc_u, SWAP).to(dtype).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    out = ACT + rows[:, None].to(tl.int64) * stride_at + cols[None, :]
+    tl.store(out, act.to(dtype), mask=col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["n_pairs", "num_m"])
+def _down_fp8_kernel(ACT, W2, S2, SORTED, BLOCK_EXPERT, TOTAL, WEIGHTS, Y, n_pairs, hidden, inter, num_m,
+                     stride_at, stride_we, stride_wn, stride_yp, stride_se, stride_sn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
+    """Y[pair, n] = round(ACT[row] . deq(w2[e, n])) * weight[pair], fp8 weights."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(TOTAL):
+        return
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + rows)
+    valid = pairs < n_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    a_ptr = ACT + rows[:, None].to(tl.int64) * stride_at + ks[None, :]
+    b_ptr = _weight_ptrs(W2, e, stride_we, cols, stride_wn, ks, SWAP)
+    s_ptr = S2 + e * stride_se + (cols // 128) * stride_sn
+    acc = _acc_init(BLOCK_M, BLOCK_N, SWAP)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = ks < inter - k0
+        if EVEN_K:
+            a = tl.load(a_ptr)
+        else:
+            a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
+        s = tl.load(s_ptr + k0 // 128, mask=col_ok, other=0.0)
+        w = _load_weight(b_ptr, col_ok, k_ok, SWAP, EVEN_K).to(a.dtype)
+        acc = _scaled_mma(a, w, s, acc, SWAP)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    dtype = Y.dtype.element_ty
+    wt = tl.load(WEIGHTS + pairs, mask=valid, other=0.0).to(dtype).to(tl.float32)
+    y = _acc_rows(acc, SWAP).to(dtype).to(tl.float32) * wt[:, None]
+    out = Y + pairs[:, None].to(tl.int64) * stride_yp + cols[None, :]
+    tl.store(out, y.to(dtype), mask=valid[:, None] & col_ok[None, :])
+
+
+def _check_k(cfg: GemmConfig) -> None:
+    if SCALE_BLOCK % cfg.block_k:
+        raise ValueError(f"FP8 expert GEMMs need BLOCK_K dividing {SCALE_BLOCK}, got {cfg.block_k}")
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, routing: tuple, top_k: int,
+            block_m: int, cfg: GemmConfig) -> torch.Tensor:
+    """x: [T, H], w13: fp8 [E, 2I, H], s13: [E, 2, ceil(I/128), ceil(H/128)] -> silu(gate) * up:
+    [max_padded, I] in sorted-pair row order."""
+    _check_k(cfg)
+    sorted_ids, block_expert, total = routing
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    num_m = block_expert.numel()
+    grid = (num_m * triton.cdiv(inter, cfg.block_n),)
+    _gate_up_fp8_kernel[grid](
+        x, w13, s13, sorted_ids, block_expert, total, act, x.shape[0] * top_k, inter, hidden, num_m,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), s13.stride(0), s13.stride(1),
+        s13.stride(2), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0, SWAP=cfg.swap_ab,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return act
+
+
+def down(act: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, routing: tuple, weights: torch.Tensor,
+         block_m: int, cfg: GemmConfig) -> torch.Tensor:
+    """act: [max_padded, I], w2: fp8 [E, H, I], s2: [E, ceil(H/128), ceil(I/128)], weights: [T, k]
+    -> weighted rows [T*k, H] (pair order)."""
+    _check_k(cfg)
+    sorted_ids, block_expert, total = routing
+    hidden, inter = w2.shape[1], w2.shape[2]
+    flat_w = weights.reshape(-1)
+    y = torch.empty(flat_w.numel(), hidden, dtype=act.dtype, device=act.device)
+    num_m = block_expert.numel()
+    grid = (num_m * triton.cdiv(hidden, cfg.block_n),)
+    _down_fp8_kernel[grid](
+        act, w2, s2, sorted_ids, block_expert, total, flat_w, y, flat_w.numel(), hidden, inter, num_m,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), s2.stride(0), s2.stride(1),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=inter % cfg.block_k == 0, SWAP=cfg.swap_ab, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return y
+
+
+def fused_expert_mlp_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                         s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                         cfg: MoeConfig) -> torch.Tensor:
+    """x: [T, H], ids: [T, k] (int), weights: [T, k]; w13: fp8 [E, 2I, H] with s13, w2: fp8
+    [E, H, I] with s2 (shapes above) -> [T, H]. fused_moe.fused_expert_mlp's contract, its weights
+    the dequantized fp8 ones; inference only."""
+    t, k = ids.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("fused_expert_mlp_fp8 needs expert weights contiguous in their last dimension")
+    if t == 0:
+        return x.new_zeros(x.shape)
+    s13, s2 = s13.contiguous(), s2.contiguous()
+    routing = fm.align(ids.contiguous(), w13.shape[0], cfg.block_m, cfg.hist_align)
+    act = gate_up(x, w13, s13, routing, k, cfg.block_m, cfg.gate_up)
+    y = down(act, w2, s2, routing, weights.contiguous(), cfg.block_m, cfg.down)
+    return fm.combine(y, t, k)
