@@ -18,6 +18,7 @@ class PrecisionTable(Table):
         "bf16-train-fp8-serve = the trainer keeps --dtype, the engines serve FP8 blockwise "
         "(128x128 weight tiles, 1x128 activation blocks) re-quantized on every update, TIS on by "
         "default; fp8 / mxfp8 / nvfp4 = trainer and engines in that format (one quantizer); "
+        "MoE experts: FP8 on fp8_block engines (W8A16), bf16 in the trainer (docs/low_precision.md); "
         "int4 = quantization-aware training (fake-quant weights, straight-through gradients) "
         "and INT4 weights on the engines.")
     train_precision: SideFormat | None = Field(

@@ -58,7 +58,8 @@ class ServerArgs(BaseModel):
         "update; activations stay in --dtype (milepost/engine/weight_fp8.py). fp8_block (128x128 "
         "weight tiles, 1x128 activation blocks), mxfp8, nvfp4: weights and activations in that "
         "format, each HF tensor quantized on arrival by the trainer's quantizer (docs/low_precision.md); "
-        "int4: weights only, groups of 128 (the INT4 QAT recipe)."
+        "fp8_block also stores MoE experts in FP8 (128x128 weight tiles, activations in --dtype; "
+        "the trainer keeps experts bf16). int4: weights only, groups of 128 (the INT4 QAT recipe)."
     )
     precision_override: str | None = Field(
         None, description="With --quantization fp8_block|mxfp8|nvfp4: PATTERN=bf16[,...] keeps the "
