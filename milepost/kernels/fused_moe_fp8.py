@@ -34,8 +34,22 @@ SCALE_BLOCK = 128
 # (largest token count, config), ascending (benchmarks/moe_fp8_gpu.py sweeps them). Shapes and
 # token counts not listed run the bf16 table's tiles (fused_moe.MEASURED) with BLOCK_K <= 128.
 MEASURED_FP8: dict[tuple[int, int, int, int], tuple[tuple[int, MoeConfig], ...]] = {}
-# Where neither table has the shape (a config changes speed, never values).
-_DEFAULT = fm.MEASURED[(128, 2048, 768, 8)]
+
+
+def _c(block_m: int, gu: tuple, dn: tuple, hist: bool = True) -> MoeConfig:
+    """gu / dn: (block_n, block_k, num_warps, num_stages, swap_ab)."""
+    return MoeConfig(block_m, GemmConfig(*gu[:4], 8, gu[4]), GemmConfig(*dn[:4], 8, dn[4]), hist)
+
+
+# Where neither table has the shape (a config changes speed, never values): the bf16 sweep's
+# 30B-A3B choices (fused_moe.MEASURED, 2026-12-04) with BLOCK_K <= 128.
+_DEFAULT: tuple[tuple[int, MoeConfig], ...] = (
+    (1, _c(16, (32, 128, 4, 4, False), (128, 128, 4, 3, True), hist=False)),
+    (128, _c(16, (64, 128, 4, 3, True), (64, 128, 4, 3, True))),
+    (256, _c(32, (64, 128, 4, 3, False), (64, 128, 4, 3, True))),
+    (1024, _c(64, (64, 64, 4, 4, False), (128, 64, 4, 3, False))),
+    (4096, _c(128, (128, 64, 8, 4, False), (256, 64, 8, 3, False))),
+)
 
 
 def _fit(cfg: MoeConfig) -> MoeConfig:
@@ -52,8 +66,7 @@ def config_for(tokens: int, num_experts: int, hidden: int, inter: int, top_k: in
     """The FP8 config for `tokens` (smallest bucket that holds it; past the last, the last).
     Unlike the bf16 path there is no grouped-GEMM alternative: every shape gets a config."""
     key = (num_experts, hidden, inter, top_k)
-    table = MEASURED_FP8.get(key) or tuple((n, c) for n, c in fm.MEASURED.get(key, _DEFAULT) if c)
-    table = table or tuple((n, c) for n, c in _DEFAULT if c)
+    table = MEASURED_FP8.get(key) or tuple((n, c) for n, c in fm.MEASURED.get(key, ()) if c) or _DEFAULT
     for max_tokens, cfg in table:
         if tokens <= max_tokens:
             return _fit(cfg)

@@ -202,3 +202,32 @@ def test_engine_greedy_with_fp8_experts_equals_transformers_on_dequantized_weigh
             logits_q = ref(torch.tensor([p])).logits
             differs |= not torch.equal(logits_q, plain(torch.tensor([p])).logits)
     assert differs  # the quantized experts are what the engine ran (their logits differ)
+
+
+def test_every_shape_gets_an_fp8_config_with_block_k_in_one_scale_block(monkeypatch) -> None:
+    """No grouped alternative for fp8 experts: unmeasured shapes and token counts past the last
+    bucket get a config; a bf16 entry with BLOCK_K 256 (or None: grouped faster) is adapted."""
+    bf16 = f8.MoeConfig(32, f8.GemmConfig(64, 256), f8.GemmConfig(128, 64))
+    monkeypatch.setattr(f8.fm, "MEASURED", {(4, 64, 32, 2): ((8, None), (64, bf16))})
+    assert f8.config_for(3, 4, 64, 32, 2).gate_up.block_k == 128  # None skipped, K capped
+    assert f8.config_for(5000, 4, 64, 32, 2).down == bf16.down  # past the last bucket: the last
+    assert f8.config_for(1, 9, 64, 32, 2) is not None  # a shape no table has
+    mine = f8.MoeConfig(16, f8.GemmConfig(32, 64), f8.GemmConfig(32, 64))
+    monkeypatch.setattr(f8, "MEASURED_FP8", {(4, 64, 32, 2): ((1024, mine),)})
+    assert f8.config_for(3, 4, 64, 32, 2) == mine
+
+
+def test_checkpoint_conversion_quantizes_expert_tensors(moe_ckpt: Path, tmp_path: Path) -> None:
+    """The fourth stage follows the contract: per-expert tensors in FP8 with their tile scales,
+    the router in bf16; an override keeps the experts unquantized."""
+    from milepost.lowprec.convert import convert_checkpoint
+
+    names = convert_checkpoint(moe_ckpt, tmp_path / "a", Contract("fp8_block", "fp8_block"))
+    down = "model.layers.1.mlp.experts.6.down_proj.weight"
+    assert down in names and "model.layers.1.mlp.gate.weight" not in names
+    out, src = load_file(tmp_path / "a" / "model.safetensors"), load_file(moe_ckpt / "model.safetensors")
+    q = quantize(src[down], "fp8_block")
+    assert torch.equal(out[down].view(torch.uint8), q.values.view(torch.uint8))
+    assert torch.equal(out[down.removesuffix("weight") + "weight_scale_inv"], q.scales)
+    keep = Contract("fp8_block", "fp8_block", parse_overrides(["*.experts.*=bf16"]))
+    assert not any(".experts." in n for n in convert_checkpoint(moe_ckpt, tmp_path / "b", keep))
