@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import asdict
 
 import torch
 
@@ -34,10 +35,13 @@ E, H, I, K = 128, 2048, 768, 8
 DT = torch.bfloat16
 DEV = "cuda"
 # (block_n, block_k, num_warps, num_stages[, swap_ab]); BLOCK_K divides the 128-wide scale block
+# (swap_ab: the converted weight tile is the MMA's register operand, no trip through shared memory)
 GATE_UP = ((32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4),
-           (64, 64, 4, 4), (64, 128, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, True))
+           (64, 64, 4, 4), (64, 128, 4, 3, True), (64, 128, 4, 4, True), (128, 128, 4, 3, True),
+           (128, 128, 8, 3, True), (128, 64, 4, 4, True))
 DOWN = ((64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (256, 64, 8, 3),
-        (128, 64, 4, 4), (64, 128, 4, 3, True), (128, 128, 4, 3, True), (128, 64, 4, 4, True))
+        (128, 64, 4, 4), (64, 128, 4, 3, True), (64, 128, 4, 4, True), (128, 128, 4, 3, True),
+        (128, 128, 8, 3, True), (128, 64, 4, 4, True))
 BLOCK_M_OF = {1: (16,), 16: (16,), 64: (16,), 128: (16, 32), 256: (16, 32), 1024: (64,), 4096: (128,)}
 
 
@@ -188,6 +192,7 @@ def kernel_part(args: argparse.Namespace) -> dict:
         ref = reference(xs[0], *routing[0], w13_deq, w2_deq)
         ref_bf16 = reference(xs[0], *routing[0], w13_bf16.float(), w2_bf16.float())
         row.update(fp8_best_us=ms / L * 1e3, fp8_best=cfg.label(), fp8_best_cfg=repr(cfg),
+                   fp8_best_dict=asdict(cfg),
                    rel_err_vs_dequant_ref=rel(got, ref), rel_err_vs_bf16_weights=rel(got, ref_bf16),
                    deterministic=bool(torch.equal(got, again)),
                    fp8_bw_frac=bytes_fp8 / (ms / L * 1e-3) / args.peak_bandwidth)
@@ -206,6 +211,10 @@ def kernel_part(args: argparse.Namespace) -> dict:
               f"\n        best {row['fp8_best']}", flush=True)
         if DEV == "cuda":
             torch.cuda.empty_cache()
+    for r in out["rows"]:
+        if "fp8_speedup" in r:
+            print(f"  T={r['tokens']:5d}: 48 MoE layers bf16 {48 * r['bf16_fused_us'] / 1e3:.2f} ms, "
+                  f"fp8 {48 * r['fp8_best_us'] / 1e3:.2f} ms (x{r['fp8_speedup']:.2f})", flush=True)
     print("table for kernels/fused_moe_fp8.py MEASURED_FP8:")
     print(f"    ({E}, {H}, {I}, {K}): (")
     for r in out["rows"]:
@@ -214,11 +223,34 @@ def kernel_part(args: argparse.Namespace) -> dict:
     return out
 
 
+def load_fp8_table(path: str) -> dict:
+    """The kernel part's best config per T (its JSON) as MEASURED_FP8 for the 30B-A3B expert
+    shape, so the engine runs what was just measured; a missing file leaves the committed table."""
+    from milepost.kernels import fused_moe_fp8 as f8
+
+    try:
+        with open(path) as f:
+            rows = json.load(f)["kernel"]["rows"]
+        table = []
+        for r in sorted(rows, key=lambda r: r["tokens"]):
+            d = r["fp8_best_dict"]
+            table.append((r["tokens"], f8.MoeConfig(d["block_m"], f8.GemmConfig(**d["gate_up"]),
+                                                    f8.GemmConfig(**d["down"]), d["hist_align"])))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"--fp8-table {path} not read ({e!r:.120}); MEASURED_FP8 as committed", flush=True)
+        return {}
+    f8.MEASURED_FP8[(E, H, I, K)] = tuple(table)
+    print(f"MEASURED_FP8 from {path}: " + "; ".join(f"T<={t}: {c.label()}" for t, c in table), flush=True)
+    return {str(t): c.label() for t, c in table}
+
+
 def engine_part(args: argparse.Namespace) -> dict:
     from milepost.bench.args import BenchArgs
     from milepost.bench.engine import run_bench
 
     out: dict = {}
+    if args.fp8_table:
+        out["fp8_table"] = load_fp8_table(args.fp8_table)
     for mode in args.modes.split(","):
         t0 = time.perf_counter()
         bench = BenchArgs(shape=args.shape, scenarios="fixed", hf=False, requests=args.requests,
@@ -253,13 +285,15 @@ def engine_part(args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="kernel")
-    ap.add_argument("--tokens", default="1,64,256,1024")
+    ap.add_argument("--tokens", default="1,16,64,128,256,1024,4096")
     ap.add_argument("--layers", type=int, default=3, help="distinct weight sets cycled per replay")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--peak-bandwidth", type=float, default=4.8e12)
     ap.add_argument("--modes", default="bf16,fp8_block")
     ap.add_argument("--shape", default="qwen3-30b-a3b", help="engine part (tiny: a CPU check)")
+    ap.add_argument("--fp8-table", default="", help="engine part: a --parts kernel JSON whose best "
+                    "configs the FP8 experts then run (else the committed MEASURED_FP8)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
