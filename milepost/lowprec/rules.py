@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from milepost.lowprec.contract import (
     BF16,
+    EXPERTS_SERVED,
     Contract,
     contract_refusals,
     parse_overrides,
@@ -57,11 +58,31 @@ def precision_refusals(c: TrainConfig) -> list[str]:
 
 def ratio_correction_default(c: TrainConfig) -> str | None:
     """TIS by default when the engines serve a quantized copy of a bf16 trainer's weights (the
-    gap the report corrects); None = keep the configured value."""
+    gap the report corrects), MoE experts under `--precision fp8` included (the trainer keeps
+    them bf16: for experts that arrangement is bf16-train-fp8-serve); None = keep the
+    configured value."""
+    if "ratio_correction" in c.model_fields_set:
+        return None
     train, rollout = sides(c.precision, c.train_precision, c.rollout_precision)
-    if train == BF16 and rollout != BF16 and "ratio_correction" not in c.model_fields_set:
+    if train == BF16 and rollout != BF16:
+        return "tis"
+    if rollout in EXPERTS_SERVED and _experts_served_quantized(c, run_contract(c)):
         return "tis"
     return None
+
+
+def _experts_served_quantized(c: TrainConfig, contract: Contract) -> bool:
+    """Whether the checkpoint (its config.json) has MoE experts the engines quantize and the
+    trainer does not."""
+    try:
+        cfg = json.loads((c.hf_checkpoint / "config.json").read_text())
+        experts, layers = int(cfg.get("num_experts") or 0), int(cfg["num_hidden_layers"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return False
+    return experts > 0 and any(
+        contract.tensor_format(f"model.layers.{i}.mlp.experts.0.{p}_proj.weight", "rollout")
+        != contract.tensor_format(f"model.layers.{i}.mlp.experts.0.{p}_proj.weight", "train")
+        for i in range(layers) for p in ("gate", "up", "down"))
 
 
 def shape_refusals(c: TrainConfig, contract: Contract) -> list[str]:

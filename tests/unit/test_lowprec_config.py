@@ -80,3 +80,20 @@ def test_shapes_the_format_cannot_hold_are_refused_before_anything_starts(tmp_pa
         load_config(None, args)
     load_config(None, [*args, "--precision-override", "*.down_proj.weight=bf16"])  # kept in bf16
     load_config(None, [*args[:-2], "--precision", "fp8"])  # fp8 tiles take partial blocks
+
+
+def test_moe_experts_under_precision_fp8_get_tis_by_default(tmp_path: Path) -> None:
+    """Experts are bf16 in the trainer and FP8 on fp8_block engines in both fp8_block
+    arrangements, so a MoE checkpoint under --precision fp8 gets TIS like bf16-train-fp8-serve;
+    with the experts kept bf16 (an override) or a dense model it does not."""
+    args = stub_run_args(tmp_path, "--num-rollout", "2", "--rollout-batch-size", "4",
+                         "--device", "cpu", "--precision", "fp8")
+    (tmp_path / "model" / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_experts": 4, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "head_dim": 16}))
+    assert load_config(None, args).ratio_correction == "tis"
+    kept = load_config(None, [*args, "--precision-override", "*.experts.*=bf16"])
+    assert kept.ratio_correction == "none"
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert load_config(None, args).ratio_correction == "none"
