@@ -79,6 +79,10 @@ class BenchArgs(BaseModel):
         "docs/low_precision.md). Compare with a run without it.")
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto", description="Engine: KV pool dtype; fp8_e4m3 = float8 entries (twice bf16's tokens).")
+    timeline: bool = Field(
+        False, description="Also print where each timed scenario's wall time went: steps and "
+        "seconds per kind (prefill, mixed, decode), gaps, and the inter-token latency running "
+        "decodes saw (percentiles over decode rows).")
     json_out: Path | None = Field(None, description="Also write the results as JSON to this file.")
 
     @field_validator("requests", "prompt_len", "output_len", "mixed_min", "mixed_max", "sessions",

@@ -28,6 +28,7 @@ from milepost.bench.models import (
     parameter_count,
     weight_bytes_per_decode_step,
 )
+from milepost.bench.timeline import format_summary
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
 
@@ -106,7 +107,7 @@ def _engine_runs(sargs: ServerArgs, native: object, loads: list[workloads.Worklo
     engine, _, _ = build_engine(sargs, model=native, record_routed_experts=record_routed_experts)
     engine.start()
     try:
-        bench = EngineBench(engine, args.temperature)
+        bench = EngineBench(engine, args.temperature, timeline=args.timeline)
         # Warm-up: the same shapes with other tokens (so nothing it caches is hit later). Triton
         # kernels compile per shape class and the allocator grows on first use; a small warm-up
         # left that inside the first timed workload (24.9k vs 41.2k tok/s on the H200).
@@ -207,6 +208,8 @@ def _row(w: workloads.Workload, ours: EngineResult, theirs: object | None, decod
                  "milepost_prefill_tok_s": None, "hf_tok_s": None, "ratio": None}
     if counted == "prompt":
         row["milepost_prefill_tok_s"] = row["milepost_tok_s"]
+    if ours.timeline is not None:
+        row["timeline"] = ours.timeline
     if theirs is not None:
         hf_tokens = theirs.prompt_tokens if counted == "prompt" else theirs.output_tokens
         row.update(hf_seconds=theirs.seconds, hf_tok_s=hf_tokens / theirs.seconds)
@@ -277,6 +280,8 @@ def print_table(result: dict) -> None:
                          f"acceptance length {spec.get('accept_length', 0):.2f} "
                          f"(rate {spec.get('accept_rate', 0):.1%} of "
                          f"{spec.get('proposed', 0):,} proposed)")
+        if r.get("timeline"):
+            notes.extend(format_summary(r["scenario"], r["timeline"]))
         if "routed_experts_cost" in r:
             notes.append(f"recording routed experts costs {r['routed_experts_cost']:.1%} of "
                          f"{r['scenario']} throughput (measured against the run without it)")

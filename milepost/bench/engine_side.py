@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from milepost.bench.timeline import summarize
 from milepost.bench.workloads import Workload
 from milepost.engine.engine import Engine
 from milepost.engine.request import Request, RequestOutput
@@ -33,12 +34,14 @@ class EngineResult:
     decode_kv_tokens: int
     decode_batch_sizes: Counter
     speculative: dict | None = None  # acceptance counters of a speculative run (bench/engine.py)
+    timeline: dict | None = None  # --timeline: timeline.summarize of the run's steps
 
 
 class EngineBench:
-    def __init__(self, engine: Engine, temperature: float) -> None:
+    def __init__(self, engine: Engine, temperature: float, timeline: bool = False) -> None:
         self.engine = engine
         self.temperature = temperature
+        self.timeline = timeline  # record every step of each run (EngineStats.timeline)
 
     def run(self, w: Workload) -> EngineResult:
         """Run every request of `w` (multiturn: fills in w.prompts turn by turn)."""
@@ -76,12 +79,17 @@ class EngineBench:
                     done.set()
 
         _sync(engine)
+        steps: list = []
+        if self.timeline:  # the engine is idle here: it sees the list from its next step on
+            engine.stats.timeline = steps
         t0 = time.perf_counter()
         for i in range(0, len(w.output_lens), w.turns):
             submit(i)
         done.wait()
         _sync(engine)
-        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        seconds = t1 - t0
+        engine.stats.timeline = None
         if failures:
             raise RuntimeError(f"{w.name}: {len(failures)} requests did not finish: {failures[0]}")
         after = engine.call(lambda: _decode_counters(engine)).result()
@@ -97,6 +105,7 @@ class EngineBench:
             decode_seconds=after[1] - before[1],
             decode_kv_tokens=after[2] - before[2],
             decode_batch_sizes=after[3] - before[3],
+            timeline=summarize(steps, t0, t1) if self.timeline else None,
         )
 
 

@@ -17,6 +17,26 @@ from prometheus_client.registry import Collector
 from milepost.engine.request import Request
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as the timeline sees it (perf_counter seconds, host-timed)."""
+
+    start: float
+    end: float
+    chunks: int
+    tokens: int  # tokens computed (prefill chunk lengths + one per decode)
+    decodes: int  # one-token chunks: the rows that wait this step for their next token
+
+    @property
+    def kind(self) -> str:
+        """decode (every chunk one token), prefill (none), mixed, or empty (nothing scheduled)."""
+        if self.chunks == 0:
+            return "empty"
+        if self.decodes == self.chunks:
+            return "decode"
+        return "prefill" if self.decodes == 0 else "mixed"
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -33,8 +53,15 @@ class EngineStats:
     decode_kv_tokens: int = 0  # KV entries the decode steps attended over, summed
     decode_batch_sizes: Counter = field(default_factory=Counter)  # rows per decode step -> steps
     _recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens sampled)
+    # When a list: one StepRecord per step (`milepost bench engine --timeline`); None = off.
+    timeline: list | None = None
 
     def record_step(self, chunks: list, n_sampled: int, seconds: float) -> None:
+        if self.timeline is not None:
+            end = time.perf_counter()
+            decodes = sum(1 for c in chunks if c.length == 1)
+            self.timeline.append(StepRecord(end - seconds, end, len(chunks),
+                                            sum(c.length for c in chunks), decodes))
         self.steps += 1
         self.generated_tokens += n_sampled
         self.computed_tokens += sum(c.length for c in chunks)

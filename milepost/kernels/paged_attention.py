@@ -134,8 +134,9 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, page: int,
                  num_splits: int, block_n: int = 64, num_warps: int | None = None,
-                 num_stages: int | None = None) -> torch.Tensor:
+                 num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D] (one query per sequence) -> [B, H, D]; seq_lens[b] = 0 gives zeros.
+    out: [B, H, D] rows to write (e.g. the decode rows of a mixed batch's output); new if None.
 
     Unsplit batches run 2 warps and 3 stages: on the H200 (2026-12-04, Qwen3-0.6B heads, bf16)
     78-80 us vs 82.5 us at 256 x 256 keys, 141 vs 150 us at 256 x 512, 76.5 vs 79 us at 64 x 1024
@@ -147,7 +148,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bsz, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     parts = num_splits
     o_part = torch.empty((bsz, parts, heads, dim) if num_splits > 1 else (1, 1, 1, 1),
                          dtype=torch.float32, device=q.device)
@@ -253,29 +255,46 @@ def _prefill_kernel(Q, KC, VC, O, tables, seq_lens, cu_q, tile_seq, tile_m0, sca
 PREFILL_BLOCK_M = 128
 
 
-def prefill_tiles(query_lens: list[int], block_m: int = PREFILL_BLOCK_M) -> tuple[list[int], list[int]]:
-    """(sequence index, first query row) of every BLOCK_M-row tile of a packed batch."""
+def prefill_tiles(query_lens: list[int], block_m: int = PREFILL_BLOCK_M,
+                  first: int = 0) -> tuple[list[int], list[int]]:
+    """(sequence index, first query row) of every BLOCK_M-row tile of a packed batch, for the
+    sequences from index `first` on (the ones before are left to the decode kernel)."""
     seqs: list[int] = []
     starts: list[int] = []
-    for i, n in enumerate(query_lens):
-        for m0 in range(0, n, block_m):
+    for i in range(first, len(query_lens)):
+        for m0 in range(0, query_lens[i], block_m):
             seqs.append(i)
             starts.append(m0)
     return seqs, starts
 
 
+def leading_decodes(query_lens: list[int]) -> int:
+    """How many sequences at the front of a batch compute one query each (the scheduler puts a
+    step's decodes first). A mixed batch runs those through the decode kernel: in the prefill
+    kernel each of them would take a whole BLOCK_M-row tile per head for its single row."""
+    n = 0
+    for q in query_lens:
+        if q != 1:
+            break
+        n += 1
+    return n
+
+
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_q: torch.Tensor,
                   tile_seq: torch.Tensor, tile_m0: torch.Tensor, scale: float, page: int,
-                  block_m: int = PREFILL_BLOCK_M, block_n: int = 64) -> torch.Tensor:
+                  block_m: int = PREFILL_BLOCK_M, block_n: int = 64,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] packed queries of B sequences (cu_q: [B+1]) -> [T, H, D].
 
     The new tokens' K/V must already be in the cache (store_kv); tile_seq/tile_m0 come from
-    `prefill_tiles` with the same block_m.
+    `prefill_tiles` with the same block_m. Only the rows of the sequences the tiles cover are
+    written (into `out` when given).
     """
     heads, dim = q.shape[1], q.shape[2]
     group = heads // k_cache.shape[1]
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     ieee = q.dtype == torch.float32
     _prefill_kernel[(tile_seq.shape[0], heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_q, tile_seq, tile_m0, scale,

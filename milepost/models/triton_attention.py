@@ -2,7 +2,8 @@
 
 `TritonPagedAttention` has the semantics of `TorchPagedAttention` (attention.py, the CPU/reference
 path). A batch whose rows all decode one token runs the split-K decode kernel; any other batch
-(prefill chunks, cached prefixes, decodes mixed in) runs the varlen prefill kernel. `prepare`
+(prefill chunks, cached prefixes) runs the varlen prefill kernel, except for the one-token rows
+at its front (a mixed step's decodes), which run the decode kernel into the same output. `prepare`
 does no device sync, and for an all-decode batch nothing in `attend` depends on host values that
 change between steps, so the CUDA-graph runner can capture it once per batch size.
 """
@@ -38,6 +39,12 @@ class TritonPagedAttention:
         # instead of the paged kernel; chosen by measurement (benchmarks/engine_gpu_profile.py).
         self.sdpa_for_fresh_prefill = False
         self._fresh_bounds: list[int] | None = None
+        # A mixed batch's leading one-token rows (decodes) through the decode kernel: in the
+        # prefill kernel each takes a BLOCK_M-row tile per query head for one row (a switch
+        # only so benchmarks/engine_mixed_profile.py can measure both).
+        self.split_mixed_decodes = True
+        self._mixed_decodes = 0
+        self._mixed_splits = 1
 
     def prepare(self, batch: PagedBatch) -> None:
         q_lens = batch.query_lens_cpu
@@ -57,7 +64,11 @@ class TritonPagedAttention:
             self._fresh_bounds = bounds
             return
         block_m = self._block_m()
-        seqs, starts = self.kernels.prefill_tiles(q_lens, block_m)
+        n_dec = self.kernels.leading_decodes(q_lens) if self.split_mixed_decodes else 0
+        self._mixed_decodes = n_dec
+        if n_dec:
+            self._mixed_splits = self.kernels.decode_splits(n_dec, self.cache.num_kv_heads, self.num_sms)
+        seqs, starts = self.kernels.prefill_tiles(q_lens, block_m, first=n_dec)
         dev = batch.block_tables.device
         packed = torch.tensor([seqs, starts], dtype=torch.int32).pin_memory() if dev.type == "cuda" \
             else torch.tensor([seqs, starts], dtype=torch.int32)
@@ -87,9 +98,15 @@ class TritonPagedAttention:
         if self._fresh_bounds is not None:
             return _sdpa_fresh(q, k.to(q.dtype), v.to(q.dtype), scale, self._fresh_bounds)
         tile_seq, tile_m0 = self._tiles
+        out = None
+        n = self._mixed_decodes
+        if n:  # decode rows first (sequence i is token i), the prefill tiles fill the rest
+            out = torch.empty_like(q)
+            self.kernels.paged_decode(q[:n], kc, vc, batch.block_tables[:n], batch.seq_lens[:n],
+                                      scale, page, self._mixed_splits, out=out[:n])
         return self.kernels.paged_prefill(q, kc, vc, batch.block_tables, batch.seq_lens,
                                           batch.query_start_loc, tile_seq, tile_m0, scale, page,
-                                          block_m=self._block_m())
+                                          block_m=self._block_m(), out=out)
 
 
 def _sdpa_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -87,6 +87,37 @@ def test_prefill_kernel_matches_reference_with_cached_prefixes(q_lens, seq_lens)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_mixed_batch_decode_rows_through_the_decode_kernel(splits: int) -> None:
+    # A mixed step: three decodes first (the scheduler's order), then a fresh prompt and a
+    # chunk over a cached prefix; the decode kernel writes rows 0-2, the prefill tiles the rest.
+    q_lens, seq_lens = [1, 1, 1, 9, 5], [7, 33, 70, 9, 14]
+    cache, batch, q, k, v = _setup(q_lens, seq_lens, 4, 2, seed=11)
+    ref = _reference(cache, batch, q, k, v)
+    kernels.store_kv(cache.k[0], cache.v[0], k, v, batch.slot_mapping)
+    n = kernels.leading_decodes(q_lens)
+    assert n == 3
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_decode(q[:n], cache.k[0], cache.v[0], batch.block_tables[:n], batch.seq_lens[:n],
+                         D**-0.5, PAGE, splits, block_n=16, out=out[:n])
+    seqs, starts = kernels.prefill_tiles(q_lens, block_m=16, first=n)
+    assert seqs == [3, 4] and starts == [0, 0]
+    res = kernels.paged_prefill(
+        q, cache.k[0], cache.v[0], batch.block_tables, batch.seq_lens, batch.query_start_loc,
+        torch.tensor(seqs, dtype=torch.int32, device=DEV),
+        torch.tensor(starts, dtype=torch.int32, device=DEV), D**-0.5, PAGE, block_m=16, block_n=16,
+        out=out,
+    )
+    assert res is out
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_leading_decodes_counts_only_the_front() -> None:
+    assert kernels.leading_decodes([1, 1, 9, 1]) == 2
+    assert kernels.leading_decodes([9, 1]) == 0
+    assert kernels.leading_decodes([1]) == 1
+
+
 def test_prefill_tiles_cover_every_row_once() -> None:
     seqs, starts = kernels.prefill_tiles([5, 130, 1], block_m=64)
     assert seqs == [0, 1, 1, 1, 2]
