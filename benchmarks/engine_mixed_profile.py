@@ -96,6 +96,21 @@ def _time(runner: object, chunks: list[Chunk], reps: int = 5) -> tuple[float, fl
     return statistics.median(launch), statistics.median(wall), statistics.median(gpu)
 
 
+def fused_past_4096(on: bool) -> bool:
+    """MoE (30B-A3B expert shape): on = token counts past the measured 4096 also take the fused
+    path with the 4096 config (kernels/fused_moe.py MEASURED); off = the committed table. Returns
+    whether the shape is in the table."""
+    from milepost.kernels import fused_moe
+
+    key = (128, 2048, 768, 8)
+    table = fused_moe.MEASURED.get(key)
+    if table is None:
+        return False
+    base = tuple(b for b in table if b[0] <= 4096)
+    fused_moe.MEASURED[key] = base + (((1 << 30, base[-1][1]),) if on else ())
+    return True
+
+
 def profile_steps(engine: object, shape: str, budgets: list[int]) -> None:
     runner = engine.runner
     att = _attention(runner)
@@ -111,6 +126,11 @@ def profile_steps(engine: object, shape: str, budgets: list[int]) -> None:
             tok = sum(ch.length for ch in chunks)
             print(f"  budget {c:6d} {name:34s} launch {la:7.2f} ms  wall {wa:7.2f} ms  gpu {g:7.2f} ms"
                   f"  ({tok / wa * 1e3 / 1e3:,.0f}k tok/s wall)", flush=True)
+        if c > 4096 and runner.model.moe_top_k and fused_past_4096(True):
+            la, wa, g = _time(runner, pre)
+            fused_past_4096(False)
+            print(f"  budget {c:6d} {'  same prefill, fused MoE (4096 cfg)':34s} launch {la:7.2f} ms  "
+                  f"wall {wa:7.2f} ms  gpu {g:7.2f} ms", flush=True)
         mk.next_block = 0  # reuse the blocks: every batch writes its own KV before reading it
     mixed = mk.decodes(128) + mk.prefill(15)
     for split in (False, True):
@@ -158,19 +178,26 @@ def sweep(engine: object, shape: str, budgets: list[int], scenarios: list[str]) 
             "mixed": lambda: workloads.mixed(n // 4, 100, 1024, vocab, 99)}
     timed = {"fixed": lambda: workloads.fixed(n, 128, 256, vocab, 0),
              "mixed": lambda: workloads.mixed(n, 100, 1024, vocab, 0)}
-    runs = [(c, True) for c in budgets] + [(2048, False)]
-    for c, split in runs:
+    runs = [(c, True, False) for c in budgets] + [(2048, False, False)]
+    if engine.runner.model.moe_top_k:  # MoE: past 4096 tokens also with the fused experts
+        runs += [(c, True, True) for c in budgets if c > 4096]
+    for c, split, fused in runs:
         engine.scheduler.chunked_prefill_size = c
         att.split_mixed_decodes = split
+        if fused:
+            fused_past_4096(True)
         for sc in scenarios:
             bench.run(warm[sc]())
             r = bench.run(timed[sc]())
-            tag = f"{sc} budget {c}" + ("" if split else " (decode rows in the prefill kernel)")
+            tag = f"{sc} budget {c}" + ("" if split else " (decode rows in the prefill kernel)") + (
+                " (fused MoE past 4096 tokens)" if fused else "")
             tok_s = r.output_tokens / r.seconds
             step = 1e3 * r.decode_seconds / max(r.decode_steps, 1)
             print(f"== {shape} {tag}: {tok_s:,.0f} tok/s, wall {r.seconds:.3f} s, decode step {step:.2f} ms",
                   flush=True)
             print("\n".join(format_summary(tag, r.timeline)), flush=True)
+        if fused:
+            fused_past_4096(False)
     att.split_mixed_decodes = True
 
 
