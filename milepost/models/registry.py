@@ -115,8 +115,10 @@ def build_model(hf_config: object, dtype: torch.dtype, device: torch.device | st
     # Build on meta so no time is spent on random init, then allocate storage once in place.
     with on_meta():
         model = cls(hf_config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    if model.tie_word_embeddings:  # to_empty keeps ties only if they are re-established
+    # Storage allocated with torch.empty, not `to_empty`: its empty_like of a meta tensor runs
+    # torch's Python reference kernel, whose first use imports sympy (~0.6 s of CPU per process).
+    model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    if model.tie_word_embeddings:  # new storage keeps ties only if they are re-established
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
 
