@@ -56,25 +56,33 @@ def slots_of(blocks: Sequence[int], positions: np.ndarray, block_size: int) -> n
 
 def build_flat(chunks: Sequence[Chunk], block_size: int) -> FlatBatch:
     ids: list[int] = []
-    positions, slots = [], []
-    q_lens = [c.length for c in chunks]
     for c in chunks:
-        ids.extend(chunk_tokens(c))
-        pos = np.arange(c.start, c.start + c.length, dtype=np.int64)
-        positions.append(pos)
-        slots.append(slots_of(c.req.blocks, pos, block_size))
-    cu = np.zeros(len(chunks) + 1, dtype=np.int64)
+        if c.length == 1 and not c.draft:  # a decode: one token, no slicing (most chunks of a mixed step)
+            req, pos = c.req, c.start
+            n_prompt = len(req.prompt_ids)
+            ids.append(req.output_ids[pos - n_prompt] if pos >= n_prompt else req.prompt_ids[pos])
+        else:
+            ids.extend(chunk_tokens(c))
+    q_lens = [c.length for c in chunks]
+    n = len(chunks)
+    cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
-    width = max(len(c.req.blocks) for c in chunks)
-    tables = np.zeros((len(chunks), width), dtype=np.int64)
-    for i, c in enumerate(chunks):
-        tables[i, : len(c.req.blocks)] = c.req.blocks
+    starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+    widest = max(len(c.req.blocks) for c in chunks)
+    # One conversion of the padded block lists (columns past a row's blocks are never read).
+    tables = np.array([b if len(b) == widest else b + [0] * (widest - len(b))
+                       for b in (c.req.blocks for c in chunks)], dtype=np.int64).reshape(n, widest)
+    # Token t of chunk i sits at position starts[i] + (t - cu[i]); its slot through row i's table.
+    lens = np.asarray(q_lens, dtype=np.int64)
+    row = np.repeat(np.arange(n), lens)
+    positions = np.arange(int(cu[-1]), dtype=np.int64) + np.repeat(starts - cu[:-1], lens)
+    slots = tables[row, positions // block_size] * block_size + positions % block_size
     return FlatBatch(
         input_ids=np.asarray(ids, dtype=np.int64),
-        positions=np.concatenate(positions),
-        slots=np.concatenate(slots),
+        positions=positions,
+        slots=slots,
         query_start_loc=cu,
-        seq_lens=np.asarray([c.start + c.length for c in chunks], dtype=np.int64),
+        seq_lens=starts + lens,
         block_tables=tables,
         query_lens=q_lens,
         sample_rows=_logit_rows(chunks, cu),
