@@ -89,6 +89,11 @@ def _compile_job(job: list[tuple]) -> float:
             f8.down(act, w2, s2, routing, torch.ones(64, K, device=dev, dtype=DT), bm, _gemm(dn))
         except Exception as e:  # noqa: BLE001
             print(f"compile m{bm} down {dn}: {type(e).__name__}", flush=True)
+        try:  # the experimental W8A8 kernels
+            f8.gate_up_a8(x, w13, s13, routing, K, bm, _gemm(gu))
+            f8.down_a8(act, w2, s2, routing, torch.ones(64, K, device=dev, dtype=DT), bm, _gemm(dn))
+        except Exception as e:  # noqa: BLE001
+            print(f"compile m{bm} a8 {gu} {dn}: {type(e).__name__}", flush=True)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
@@ -166,7 +171,28 @@ def kernel_part(args: argparse.Namespace) -> dict:
                       args.reps)
         row["fp8_default_us"], row["fp8_default"] = ms / L * 1e3, default.label()
         best = (ms, default)
+        best_a8 = None
         for bm in BLOCK_M_OF.get(t, (16,)):
+            try:  # the experimental W8A8 kernels (activation quantization launches included)
+                al = [fm.align(routing[i][0], E, bm, True) for i in range(L)]
+                gu8 = {c: graph_ms(lambda c=c: [f8.gate_up_a8(xs[i], fp8w[i][0], fp8w[i][1], al[i], K, bm,
+                                                              _gemm(c)) for i in range(L)], args.reps)
+                       for c in GATE_UP}
+                acts = [f8.gate_up(xs[i], fp8w[i][0], fp8w[i][1], al[i], K, bm, _gemm(GATE_UP[1]))
+                        for i in range(L)]
+                dn8 = {c: graph_ms(lambda c=c: [f8.down_a8(acts[i], fp8w[i][2], fp8w[i][3], al[i],
+                                                           routing[i][1], bm, _gemm(c)) for i in range(L)],
+                                   args.reps) for c in DOWN}
+                cfg8 = fm.MoeConfig(bm, _gemm(min(gu8, key=gu8.get)), _gemm(min(dn8, key=dn8.get)), True)
+                ms8 = graph_ms(lambda: [f8.fused_expert_mlp_fp8(xs[i], *routing[i], *fp8w[i], cfg8, True)
+                                        for i in range(L)], args.reps)
+                row[f"a8_m{bm}"] = {"gate_up_us": {str(c): v / L * 1e3 for c, v in gu8.items()},
+                                    "down_us": {str(c): v / L * 1e3 for c, v in dn8.items()},
+                                    "fused_us": ms8 / L * 1e3, "label": cfg8.label()}
+                if best_a8 is None or ms8 < best_a8[0]:
+                    best_a8 = (ms8, cfg8)
+            except Exception:  # noqa: BLE001 - the W8A16 sweep still runs
+                traceback.print_exc()
             try:
                 al = [fm.align(routing[i][0], E, bm, True) for i in range(L)]
                 gu = {c: graph_ms(lambda c=c: [f8.gate_up(xs[i], fp8w[i][0], fp8w[i][1], al[i], K, bm, _gemm(c))
@@ -196,6 +222,15 @@ def kernel_part(args: argparse.Namespace) -> dict:
                    rel_err_vs_dequant_ref=rel(got, ref), rel_err_vs_bf16_weights=rel(got, ref_bf16),
                    deterministic=bool(torch.equal(got, again)),
                    fp8_bw_frac=bytes_fp8 / (ms / L * 1e-3) / args.peak_bandwidth)
+        if best_a8 is not None:
+            got8 = f8.fused_expert_mlp_fp8(xs[0], *routing[0], *fp8w[0], best_a8[1], True)
+            row.update(a8_best_us=best_a8[0] / L * 1e3, a8_best=best_a8[1].label(),
+                       a8_rel_err_vs_dequant_ref=rel(got8, ref), a8_rel_err_vs_bf16_weights=rel(got8, ref_bf16),
+                       a8_deterministic=bool(torch.equal(got8, f8.fused_expert_mlp_fp8(
+                           xs[0], *routing[0], *fp8w[0], best_a8[1], True))))
+            print(f"T={t:5d} W8A8 (experimental): best {row['a8_best_us']:7.1f} us vs W8A16 "
+                  f"{ms / L * 1e3:7.1f} us; err vs the dequantized-weight ref {row['a8_rel_err_vs_dequant_ref']:.2e}, "
+                  f"vs the bf16 weights {row['a8_rel_err_vs_bf16_weights']:.2e}; {row['a8_best']}", flush=True)
         if "bf16_fused_us" in row:
             row["bf16_bw_frac"] = bytes_bf16 / (row["bf16_fused_us"] * 1e-6) / args.peak_bandwidth
             row["fp8_speedup"] = row["bf16_fused_us"] / row["fp8_best_us"]
@@ -214,7 +249,8 @@ def kernel_part(args: argparse.Namespace) -> dict:
     for r in out["rows"]:
         if "fp8_speedup" in r:
             print(f"  T={r['tokens']:5d}: 48 MoE layers bf16 {48 * r['bf16_fused_us'] / 1e3:.2f} ms, "
-                  f"fp8 {48 * r['fp8_best_us'] / 1e3:.2f} ms (x{r['fp8_speedup']:.2f})", flush=True)
+                  f"fp8 {48 * r['fp8_best_us'] / 1e3:.2f} ms (x{r['fp8_speedup']:.2f}), W8A8 "
+                  f"{48 * r.get('a8_best_us', float('nan')) / 1e3:.2f} ms", flush=True)
     print("table for kernels/fused_moe_fp8.py MEASURED_FP8:")
     print(f"    ({E}, {H}, {I}, {K}): (")
     for r in out["rows"]:

@@ -169,6 +169,96 @@ def _down_fp8_kernel(ACT, W2, S2, SORTED, BLOCK_EXPERT, TOTAL, WEIGHTS, Y, n_pai
     tl.store(out, y.to(dtype), mask=valid[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _scaled_mma_a8(a, w, sa, sw, acc, SWAP: tl.constexpr):
+    """FP8 x FP8: acc += (a @ w) * sa per row * sw per column (SWAP: transposed, as _scaled_mma)."""
+    if SWAP:
+        out = acc + tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
+    else:
+        out = acc + tl.dot(a, w) * (sa[:, None] * sw[None, :])
+    return out
+
+
+@triton.jit(do_not_specialize=["n_pairs", "num_m"])
+def _gate_up_a8_kernel(XQ, XS, W13, S13, SORTED, BLOCK_EXPERT, TOTAL, ACT, n_pairs, inter, hidden, num_m,
+                       stride_xt, stride_xsm, stride_xsk, stride_we, stride_wn, stride_at,
+                       stride_se, stride_sh, stride_sn,
+                       TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr):
+    """The gate/up kernel on FP8 activations (1 x 128 per token, XQ / XS) and FP8 weights:
+    both tensor-core operands fp8, no conversion in the K loop. hidden % BLOCK_K == 0."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(TOTAL):
+        return
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + rows)
+    valid = pairs < n_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    a_ptr = XQ + tokens[:, None] * stride_xt + ks[None, :]
+    sa_ptr = XS + tokens * stride_xsm
+    g_ptr = _weight_ptrs(W13, e, stride_we, cols, stride_wn, ks, SWAP)
+    u_ptr = g_ptr + inter * stride_wn
+    sg_ptr = S13 + e * stride_se + (cols // 128) * stride_sn
+    su_ptr = sg_ptr + stride_sh
+    acc_g = _acc_init(BLOCK_M, BLOCK_N, SWAP)
+    acc_u = _acc_init(BLOCK_M, BLOCK_N, SWAP)
+    for k0 in range(0, hidden, BLOCK_K):
+        a = tl.load(a_ptr, mask=valid[:, None], other=0.0)
+        sa = tl.load(sa_ptr + (k0 // 128) * stride_xsk, mask=valid, other=0.0)
+        sg = tl.load(sg_ptr + k0 // 128, mask=col_ok, other=0.0)
+        su = tl.load(su_ptr + k0 // 128, mask=col_ok, other=0.0)
+        acc_g = _scaled_mma_a8(a, _load_weight(g_ptr, col_ok, ks, SWAP, True), sa, sg, acc_g, SWAP)
+        acc_u = _scaled_mma_a8(a, _load_weight(u_ptr, col_ok, ks, SWAP, True), sa, su, acc_u, SWAP)
+        a_ptr += BLOCK_K
+        g_ptr += BLOCK_K
+        u_ptr += BLOCK_K
+    dtype = ACT.dtype.element_ty
+    gate = _acc_rows(acc_g, SWAP).to(dtype).to(tl.float32)
+    up = _acc_rows(acc_u, SWAP).to(dtype).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    out = ACT + rows[:, None].to(tl.int64) * stride_at + cols[None, :]
+    tl.store(out, act.to(dtype), mask=col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["n_pairs", "num_m"])
+def _down_a8_kernel(AQ, AS, W2, S2, SORTED, BLOCK_EXPERT, TOTAL, WEIGHTS, Y, n_pairs, hidden, inter, num_m,
+                    stride_at, stride_asm, stride_ask, stride_we, stride_wn, stride_yp, stride_se,
+                    stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, SWAP: tl.constexpr):
+    """The down kernel on FP8 activation rows (1 x 128, AQ / AS) and FP8 weights."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(TOTAL):
+        return
+    e = tl.load(BLOCK_EXPERT + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SORTED + rows)
+    valid = pairs < n_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    a_ptr = AQ + rows[:, None].to(tl.int64) * stride_at + ks[None, :]
+    sa_ptr = AS + rows.to(tl.int64) * stride_asm
+    b_ptr = _weight_ptrs(W2, e, stride_we, cols, stride_wn, ks, SWAP)
+    s_ptr = S2 + e * stride_se + (cols // 128) * stride_sn
+    acc = _acc_init(BLOCK_M, BLOCK_N, SWAP)
+    for k0 in range(0, inter, BLOCK_K):
+        a = tl.load(a_ptr)
+        sa = tl.load(sa_ptr + (k0 // 128) * stride_ask)
+        sw = tl.load(s_ptr + k0 // 128, mask=col_ok, other=0.0)
+        acc = _scaled_mma_a8(a, _load_weight(b_ptr, col_ok, ks, SWAP, True), sa, sw, acc, SWAP)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    dtype = Y.dtype.element_ty
+    wt = tl.load(WEIGHTS + pairs, mask=valid, other=0.0).to(dtype).to(tl.float32)
+    y = _acc_rows(acc, SWAP).to(dtype).to(tl.float32) * wt[:, None]
+    out = Y + pairs[:, None].to(tl.int64) * stride_yp + cols[None, :]
+    tl.store(out, y.to(dtype), mask=valid[:, None] & col_ok[None, :])
+
+
 def _check_k(cfg: GemmConfig) -> None:
     if SCALE_BLOCK % cfg.block_k:
         raise ValueError(f"FP8 expert GEMMs need BLOCK_K dividing {SCALE_BLOCK}, got {cfg.block_k}")
@@ -213,9 +303,52 @@ def down(act: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, routing: tuple, 
     return y
 
 
+def gate_up_a8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, routing: tuple, top_k: int,
+               block_m: int, cfg: GemmConfig) -> torch.Tensor:
+    """gate_up with x quantized per token in 1 x 128 blocks first (the activation quantizer's
+    bits); hidden % 128 == 0."""
+    from milepost.kernels.fp8_quant import quantize_act_1x128
+
+    _check_k(cfg)
+    sorted_ids, block_expert, total = routing
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    xq, xs = quantize_act_1x128(x)
+    act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
+    num_m = block_expert.numel()
+    grid = (num_m * triton.cdiv(inter, cfg.block_n),)
+    _gate_up_a8_kernel[grid](
+        xq, xs, w13, s13, sorted_ids, block_expert, total, act, x.shape[0] * top_k, inter, hidden,
+        num_m, xq.stride(0), xs.stride(0), xs.stride(1), w13.stride(0), w13.stride(1), act.stride(0),
+        s13.stride(0), s13.stride(1), s13.stride(2), TOP_K=top_k, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap_ab,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return act
+
+
+def down_a8(act: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, routing: tuple, weights: torch.Tensor,
+            block_m: int, cfg: GemmConfig) -> torch.Tensor:
+    """down with the activation rows quantized per row in 1 x 128 blocks first; inter % 128 == 0."""
+    from milepost.kernels.fp8_quant import quantize_act_1x128
+
+    _check_k(cfg)
+    sorted_ids, block_expert, total = routing
+    hidden, inter = w2.shape[1], w2.shape[2]
+    aq, as_ = quantize_act_1x128(act)
+    flat_w = weights.reshape(-1)
+    y = torch.empty(flat_w.numel(), hidden, dtype=act.dtype, device=act.device)
+    num_m = block_expert.numel()
+    grid = (num_m * triton.cdiv(hidden, cfg.block_n),)
+    _down_a8_kernel[grid](
+        aq, as_, w2, s2, sorted_ids, block_expert, total, flat_w, y, flat_w.numel(), hidden, inter,
+        num_m, aq.stride(0), as_.stride(0), as_.stride(1), w2.stride(0), w2.stride(1), y.stride(0),
+        s2.stride(0), s2.stride(1), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, SWAP=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
 def fused_expert_mlp_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                          s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-                         cfg: MoeConfig) -> torch.Tensor:
+                         cfg: MoeConfig, act_fp8: bool = False) -> torch.Tensor:
     """x: [T, H], ids: [T, k] (int), weights: [T, k]; w13: fp8 [E, 2I, H] with s13, w2: fp8
     [E, H, I] with s2 (shapes above) -> [T, H]. fused_moe.fused_expert_mlp's contract, its weights
     the dequantized fp8 ones; inference only."""
@@ -228,6 +361,10 @@ def fused_expert_mlp_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         return x.new_zeros(x.shape)
     s13, s2 = s13.contiguous(), s2.contiguous()
     routing = fm.align(ids.contiguous(), w13.shape[0], cfg.block_m, cfg.hist_align)
-    act = gate_up(x, w13, s13, routing, k, cfg.block_m, cfg.gate_up)
-    y = down(act, w2, s2, routing, weights.contiguous(), cfg.block_m, cfg.down)
+    if act_fp8:  # experimental (not the engine's contract): activations in FP8 too, W8A8
+        act = gate_up_a8(x, w13, s13, routing, k, cfg.block_m, cfg.gate_up)
+        y = down_a8(act, w2, s2, routing, weights.contiguous(), cfg.block_m, cfg.down)
+    else:
+        act = gate_up(x, w13, s13, routing, k, cfg.block_m, cfg.gate_up)
+        y = down(act, w2, s2, routing, weights.contiguous(), cfg.block_m, cfg.down)
     return fm.combine(y, t, k)

@@ -231,3 +231,29 @@ def test_checkpoint_conversion_quantizes_expert_tensors(moe_ckpt: Path, tmp_path
     assert torch.equal(out[down.removesuffix("weight") + "weight_scale_inv"], q.scales)
     keep = Contract("fp8_block", "fp8_block", parse_overrides(["*.experts.*=bf16"]))
     assert not any(".experts." in n for n in convert_checkpoint(moe_ckpt, tmp_path / "b", keep))
+
+
+def test_experimental_w8a8_kernels_equal_quantize_everything_then_matmul() -> None:
+    """act_fp8=True (measured, not the engine's contract): tokens and activation rows quantized
+    per 1 x 128 by the activation quantizer, both MMA operands fp8; equals the fp32 product of
+    the quantized-dequantized operands."""
+    from milepost.lowprec.linear import qdq
+
+    experts, hidden, inter, k, t = 4, 256, 128, 2, 5
+    mod, _, _ = _experts(experts, hidden, inter, seed=6)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(t, hidden, generator=g)
+    ids, w = _routing(t, experts, k, g)
+    w13, w2 = mod.dequantize_w13().cpu(), mod.dequantize_w2().cpu()
+    xq, ref = qdq(x, "fp8_block"), torch.zeros(t, hidden)
+    for i in range(t):
+        for s in range(k):
+            e = int(ids[i, s])
+            gate, up = (w13[e] @ xq[i]).chunk(2)
+            act = qdq((torch.nn.functional.silu(gate) * up)[None], "fp8_block")[0]
+            ref[i] += w[i, s].cpu() * (w2[e] @ act)
+    for swap in (False, True):
+        cfg = f8.MoeConfig(16, f8.GemmConfig(64, 128, swap_ab=swap), f8.GemmConfig(64, 64, swap_ab=swap))
+        got = f8.fused_expert_mlp_fp8(x.to(DEV), ids, w, mod.w13, mod.w13_scale, mod.w2, mod.w2_scale,
+                                      cfg, act_fp8=True).cpu()
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
