@@ -287,18 +287,23 @@ def engine_part(args: argparse.Namespace) -> dict:
     out: dict = {}
     if args.fp8_table:
         out["fp8_table"] = load_fp8_table(args.fp8_table)
+    import milepost.lowprec.engine_experts as ee
+
     for mode in args.modes.split(","):
         t0 = time.perf_counter()
         bench = BenchArgs(shape=args.shape, scenarios="fixed", hf=False, requests=args.requests,
                           prompt_len=args.prompt_len, output_len=args.output_len,
                           max_total_tokens=args.max_total_tokens,
-                          quantization=None if mode == "bf16" else mode)
+                          quantization=None if mode == "bf16" else "fp8_block")
+        ee.ACT_FP8 = mode == "fp8_block_a8"  # experimental W8A8 experts
         try:
             r = run_bench(bench)["scenarios"][0]
         except Exception as e:  # noqa: BLE001 - report, go on with the next mode
             traceback.print_exc()
             out[mode] = f"failed: {str(e).splitlines()[0][:200]}"
             continue
+        finally:
+            ee.ACT_FP8 = False
         out[mode] = {k: r.get(k) for k in ("milepost_tok_s", "decode_step_ms", "decode_tok_s",
                                            "bandwidth_fraction", "decode_steps", "tokens")}
         out[mode]["seconds_incl_build"] = time.perf_counter() - t0
@@ -309,12 +314,13 @@ def engine_part(args: argparse.Namespace) -> dict:
 
         gc.collect()
         torch.cuda.empty_cache()
-    if isinstance(out.get("bf16"), dict) and isinstance(out.get("fp8_block"), dict):
-        a, b = out["bf16"], out["fp8_block"]
-        out["fp8_over_bf16_tok_s"] = b["milepost_tok_s"] / a["milepost_tok_s"]
-        out["fp8_over_bf16_decode"] = a["decode_step_ms"] / b["decode_step_ms"]
-        print(f"fp8_block / bf16: x{out['fp8_over_bf16_tok_s']:.3f} tok/s, "
-              f"x{out['fp8_over_bf16_decode']:.3f} decode step", flush=True)
+    for mode in ("fp8_block", "fp8_block_a8"):
+        if isinstance(out.get("bf16"), dict) and isinstance(out.get(mode), dict):
+            a, b = out["bf16"], out[mode]
+            out[f"{mode}_over_bf16_tok_s"] = b["milepost_tok_s"] / a["milepost_tok_s"]
+            out[f"{mode}_over_bf16_decode"] = a["decode_step_ms"] / b["decode_step_ms"]
+            print(f"{mode} / bf16: x{out[f'{mode}_over_bf16_tok_s']:.3f} tok/s, "
+                  f"x{out[f'{mode}_over_bf16_decode']:.3f} decode step", flush=True)
     return out
 
 
@@ -326,7 +332,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--peak-bandwidth", type=float, default=4.8e12)
-    ap.add_argument("--modes", default="bf16,fp8_block")
+    ap.add_argument("--modes", default="bf16,fp8_block", help="engine part: of bf16, fp8_block, "
+                    "fp8_block_a8 (experimental: expert activations in FP8 too)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", help="engine part (tiny: a CPU check)")
     ap.add_argument("--fp8-table", default="", help="engine part: a --parts kernel JSON whose best "
                     "configs the FP8 experts then run (else the committed MEASURED_FP8)")

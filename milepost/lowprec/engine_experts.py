@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from milepost.lowprec.quantize import FP8_TILE, QTensor, dequantize, element_scale, quantize
@@ -22,6 +23,10 @@ from milepost.models.qwen3_moe import StackedExperts
 
 log = logging.getLogger(__name__)
 _CHUNK = 16  # experts quantized per call at load (bounds the float32 temporaries)
+# Experimental, off: expert activations in FP8 too (1 x 128 per token / activation row, W8A8),
+# taken by experts converted while it is set (benchmarks/moe_fp8_gpu.py measures it); not a
+# setting, not the contract (docs/low_precision.md: experts are W8A16).
+ACT_FP8 = False
 
 
 def _tiles(n: int) -> int:
@@ -37,6 +42,7 @@ class Fp8StackedExperts(StackedExperts):
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
     compute_dtype: torch.dtype
+    act_fp8: bool  # experimental W8A8 (ACT_FP8 at conversion)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized (model dtype): for the paths that do not read fp8 themselves."""
@@ -51,8 +57,27 @@ class Fp8StackedExperts(StackedExperts):
             cfg = f8.config_for(x.shape[0], self.num_experts, self.w13.shape[2], self.intermediate,
                                 ids.shape[1])
             return f8.fused_expert_mlp_fp8(x, ids, weights, self.w13, self.w13_scale, self.w2,
-                                           self.w2_scale, cfg)
+                                           self.w2_scale, cfg, self.act_fp8)
+        if self.act_fp8:
+            return self._loop_a8(x, ids, weights)
         return super().forward(x, ids, weights)
+
+    def _loop_a8(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """W8A8 off the fused path: the per-pair loop with tokens and activation rows quantized
+        per 1 x 128 (the kernels' rounding points: gate / up and silu * up in the model dtype)."""
+        from milepost.lowprec.linear import qdq
+
+        w13, w2 = self.expert_weights()
+        xq, k, inter = qdq(x, "fp8_block"), ids.shape[1], self.intermediate
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat, flat_w = ids.reshape(-1), weights.reshape(-1)
+        for e in flat.unique().tolist():
+            pairs = (flat == e).nonzero()[:, 0]
+            h = xq.index_select(0, pairs // k) @ w13[e].t()
+            act = qdq((F.silu(h[:, :inter].float()) * h[:, inter:].float()).to(x.dtype), "fp8_block")
+            y = (act @ w2[e].t()).float() * flat_w.index_select(0, pairs).float()[:, None]
+            out.index_add_(0, pairs // k, y.to(x.dtype).float())
+        return out.to(x.dtype)
 
     def dequantize_w13(self) -> torch.Tensor:
         """float32 [E, 2I, H]: each HF tensor's values times its tiles' scales."""
@@ -208,3 +233,4 @@ def _convert(module: StackedExperts) -> None:
     module.register_buffer("w13_scale", s13)
     module.register_buffer("w2_scale", s2)
     module.compute_dtype = dtype
+    module.act_fp8 = ACT_FP8

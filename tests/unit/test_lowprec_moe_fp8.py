@@ -257,3 +257,23 @@ def test_experimental_w8a8_kernels_equal_quantize_everything_then_matmul() -> No
         got = f8.fused_expert_mlp_fp8(x.to(DEV), ids, w, mod.w13, mod.w13_scale, mod.w2, mod.w2_scale,
                                       cfg, act_fp8=True).cpu()
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_experimental_w8a8_off_the_fused_path_matches_the_kernels(monkeypatch) -> None:
+    """With ACT_FP8 set at conversion, the CPU path (loop on dequantized weights) quantizes the
+    same activations as the W8A8 kernels: one result, whichever path runs."""
+    import milepost.lowprec.engine_experts as ee
+
+    monkeypatch.setattr(ee, "ACT_FP8", True)
+    experts, hidden, inter, k, t = 4, 256, 128, 2, 5
+    mod, _, _ = _experts(experts, hidden, inter, seed=8)
+    assert mod.act_fp8
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(t, hidden, generator=g).to(DEV)
+    ids, w = _routing(t, experts, k, g)
+    cfg = f8.MoeConfig(16, f8.GemmConfig(64, 128), f8.GemmConfig(64, 128))
+    fused = f8.fused_expert_mlp_fp8(x, ids, w, mod.w13, mod.w13_scale, mod.w2, mod.w2_scale, cfg,
+                                    act_fp8=True)
+    with torch.no_grad():
+        loop = mod(x, ids, w)  # not inference mode: the loop
+    torch.testing.assert_close(loop, fused, rtol=1e-4, atol=1e-4 * fused.abs().max().item())
