@@ -139,6 +139,16 @@ def profile_steps(engine: object, shape: str, budgets: list[int]) -> None:
         print(f"  mixed 2048, decode rows through the {'decode' if split else 'prefill'} kernel: "
               f"launch {la:.2f} ms, wall {wa:.2f} ms, gpu {g:.2f} ms", flush=True)
     att.split_mixed_decodes = True
+    dec = mk.decodes(256)
+    from milepost.models.layers import DecoderLayer
+
+    for fuse in (False, True):  # graphs captured again: the switch is read while capturing
+        DecoderLayer.fuse_residual_norm = fuse
+        runner.capture_cuda_graphs()
+        la, wa, g = _time(runner, dec, reps=20)
+        g2 = _time(runner, mixed)[2]
+        print(f"  residual add + norm {'fused' if fuse else 'apart'}: decode step 256 x 201 keys (graph) "
+              f"wall {wa:.3f} ms, gpu {g:.3f} ms; mixed 2048 gpu {g2:.2f} ms", flush=True)
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

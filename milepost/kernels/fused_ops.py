@@ -1,4 +1,5 @@
-"""Fused elementwise kernels for GPU inference: RMSNorm, per-head q/k RMSNorm + RoPE, SiLU-and-mul.
+"""Fused elementwise kernels for GPU inference: RMSNorm (alone or after the residual add), per-head
+q/k RMSNorm + RoPE, SiLU-and-mul.
 
 A decode step is dominated by many tiny launches: the torch versions of these ops take 7 (RMSNorm),
 ~17 (per-head norm + rotate-half RoPE) and 2 (SiLU * up) kernels each. Here each is one kernel that
@@ -36,6 +37,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
                                          BLOCK=triton.next_power_of_2(shape[-1]))
     return y.view(shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, n_cols, eps,
+                         BLOCK: tl.constexpr):
+    """h = x + r rounded to the model dtype (torch's add), stored; y = RMSNorm(h) exactly as
+    _rms_norm_kernel computes it from that stored h."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (x + r).to(H.dtype.element_ty)
+    tl.store(H + row * stride_h + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n_cols + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    y = (hf * rstd).to(W.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, r: [T, N] -> (x + r, rms_norm(x + r)) in one pass: the residual add before a norm (the
+    same values as the add and then `rms_norm`, one launch and one read of the sum fewer)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if r.stride(-1) != 1:
+        r = r.contiguous()
+    t, n = x.shape
+    h = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t:
+        _add_rms_norm_kernel[(t,)](x, r, weight, h, y, x.stride(0), r.stride(0), h.stride(0),
+                                   y.stride(0), n, eps, BLOCK=triton.next_power_of_2(n))
+    return h, y
 
 
 @triton.jit

@@ -198,6 +198,10 @@ class SelfAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
+    # GPU inference: the residual add and the norm after attention in one kernel (same values);
+    # a class switch only so benchmarks/engine_mixed_profile.py can measure both.
+    fuse_residual_norm = True
+
     def __init__(
         self, config: object, layer_id: int, qk_norm: bool, mlp: nn.Module, qkv_bias: bool | None = None,
         window: int | None = None,
@@ -211,5 +215,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h), ctx)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        norm = self.post_attention_layernorm
+        if self.fuse_residual_norm and gpu_inference(x) and type(norm) is RMSNorm and x.dim() == 2:
+            from milepost.kernels.fused_ops import add_rms_norm
+
+            h, normed = add_rms_norm(x, attn, norm.weight, norm.eps)  # same values, one launch
+            return h + self.mlp(normed, ctx)
+        h = x + attn
+        return h + self.mlp(norm(h), ctx)

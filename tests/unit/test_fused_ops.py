@@ -42,6 +42,23 @@ def test_rms_norm_matches_module(dtype: torch.dtype, tol: float) -> None:
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_equals_the_add_then_the_norm_kernel(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, generator=g).to(dtype).to(DEV)
+    x = (torch.randn(6, 40, generator=g) * 3).to(dtype).to(DEV)
+    r = torch.randn(6, 80, generator=g).to(dtype).to(DEV)[:, ::2]  # a strided residual
+    h, y = fused.add_rms_norm(x, r, w, 1e-6)
+    if DEV == "cpu" and dtype == torch.bfloat16:
+        # Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest, as torch does):
+        # one bf16 step apart here; on CUDA the values are equal.
+        torch.testing.assert_close(h, x + r, atol=0, rtol=2**-7)
+        torch.testing.assert_close(y, fused.rms_norm(h, w, 1e-6), atol=0, rtol=0)
+        return
+    assert torch.equal(h, x + r)  # torch's add: fp32 sum rounded to the dtype
+    assert torch.equal(y, fused.rms_norm(x + r, w, 1e-6))
+
+
 @pytest.mark.parametrize("with_norm", [True, False])
 def test_norm_rope_matches_torch(with_norm: bool) -> None:
     g = torch.Generator().manual_seed(1)
