@@ -12,7 +12,9 @@ chunked-prefill budget benchmark (a) wants: one GPU call per shape.
    at 2048 also with the decode rows through the prefill kernel (the old path); on the dense
    shape also the mixed scenario (lengths 100..1024) per budget, for its inter-token latency.
 
-Usage: PYTHONPATH=$PWD python benchmarks/engine_mixed_profile.py --shape qwen3-0.6b [steps sweep]
+3. `attention`: the decode attention kernel alone at the shape's heads, configs around the engine's.
+
+Usage: PYTHONPATH=$PWD python benchmarks/engine_mixed_profile.py --shape qwen3-0.6b [steps attention sweep]
 """
 
 from __future__ import annotations
@@ -179,6 +181,49 @@ def profile_steps(engine: object, shape: str, budgets: list[int]) -> None:
     print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[:6000], flush=True)
 
 
+def decode_configs(heads: int, kv_heads: int, page: int = 16) -> None:
+    """The decode attention kernel alone at this model's heads, 256 sequences: configs around the
+    engine's choice (unsplit: BN 64, 2 warps, 3 stages; split: 4 warps, 2 stages)."""
+    import triton
+
+    from milepost.kernels import paged_attention as K
+
+    torch.manual_seed(0)
+    d = 128
+    for b, ctx in ((256, 256), (256, 384)):
+        nb = b * ctx // page
+        kc = torch.randn(nb * page, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        q = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
+        tables = torch.randperm(nb, device="cuda").view(b, -1)
+        lens = torch.full((b,), ctx, device="cuda")
+        gb = 2 * kc.numel() * 2 / 1e9
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        default = K.decode_splits(b, kv_heads, sms)
+        res = []
+        for splits in (1, 2):
+            for bn in (32, 64):
+                for warps in (2, 4):
+                    for stages in (2, 3):
+                        try:
+                            ms = triton.testing.do_bench(lambda: K.paged_decode(
+                                q, kc, vc, tables, lens, d**-0.5, page, splits, block_n=bn,
+                                num_warps=warps, num_stages=stages), warmup=5, rep=20,
+                                return_mode="median")
+                        except Exception as e:  # noqa: BLE001 - a config that does not compile
+                            print(f"  decode {splits}/{bn}/{warps}/{stages}: failed {e!r:.100}")
+                            continue
+                        res.append((ms, splits, bn, warps, stages))
+        eng = triton.testing.do_bench(lambda: K.paged_decode(q, kc, vc, tables, lens, d**-0.5, page,
+                                                             default), warmup=5, rep=20,
+                                      return_mode="median")
+        res.sort()
+        print(f"decode attention {heads}/{kv_heads} heads, {b} x {ctx} keys (KV {gb:.3f} GB): engine "
+              f"(splits={default}) {eng * 1e3:.1f} us = {gb / eng:.2f} TB/s; best: " + "; ".join(
+                  f"splits={sp} BN={bn} w={w} st={st} {ms * 1e3:.1f} us" for ms, sp, bn, w, st in res[:5]),
+              flush=True)
+
+
 def sweep(engine: object, shape: str, budgets: list[int], scenarios: list[str]) -> None:
     vocab = engine.runner.model.vocab_size
     bench = EngineBench(engine, 1.0, timeline=True)
@@ -218,9 +263,11 @@ def main() -> None:
                     "(default 2048..32768 dense, 2048..16384 MoE)")
     ap.add_argument("--scenarios", default="", help="sweep scenarios (default fixed,mixed dense; fixed MoE)")
     ap.add_argument("--max-total-tokens", type=int, default=None)
-    ap.add_argument("what", nargs="*", default=["steps", "sweep"])
+    ap.add_argument("what", nargs="*", default=[], help="steps, attention, sweep (default: all; "
+                    "attention on the MoE shape only: the dense heads were swept in session 12)")
     a = ap.parse_args()
     moe = a.shape == "qwen3-30b-a3b"
+    a.what = a.what or (["steps", "attention", "sweep"] if moe else ["steps", "sweep"])
     budgets = [int(x) for x in a.budgets.split(",")] if a.budgets else (
         [2048, 4096, 8192, 16384] if moe else [2048, 4096, 8192, 16384, 32768])
     scenarios = a.scenarios.split(",") if a.scenarios else (["fixed"] if moe else ["fixed", "mixed"])
@@ -243,6 +290,9 @@ def main() -> None:
     try:
         if "steps" in a.what:
             profile_steps(engine, a.shape, budgets)
+        if "attention" in a.what and cuda:
+            cfg = native.hf_config
+            decode_configs(cfg.num_attention_heads, cfg.num_key_value_heads)
         engine.start()
         if "sweep" in a.what:
             sweep(engine, a.shape, budgets, scenarios)
