@@ -113,6 +113,25 @@ def fused_past_4096(on: bool) -> bool:
     return True
 
 
+def _gpu_ms(fn, reps: int = 30) -> float:
+    """Median GPU time of fn (CUDA events); CPU: wall."""
+    fn()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
 def profile_steps(engine: object, shape: str, budgets: list[int]) -> None:
     runner = engine.runner
     att = _attention(runner)
@@ -146,13 +165,25 @@ def profile_steps(engine: object, shape: str, budgets: list[int]) -> None:
 
     # graphs captured again for each: the switch is read while capturing (dense shape only: the
     # MoE shape's 48 layers take long to capture)
-    for fuse in (False, True) if not runner.model.moe_top_k else ():
+    from milepost.engine.cuda_graph import DecodeGraphs
+    from milepost.engine.sampling import sample
+
+    params = [c.req.params for c in dec]
+    gens = [engine._generator] * len(dec)
+    banned = [[] for _ in dec]
+
+    def step() -> None:  # the decode step's GPU work: graph replay, then the (fused) sampler
+        sample(runner.forward(dec), params, gens, banned, 0, fused=engine.cfg.fused_sampler)
+
+    for fuse, raw in ((False, False), (True, False), (True, True)) if not runner.model.moe_top_k else ():
         DecoderLayer.fuse_residual_norm = fuse
+        DecodeGraphs.raw_logits = raw
         runner.capture_cuda_graphs()
-        la, wa, g = _time(runner, dec, reps=20)
+        g = _gpu_ms(step)
         g2 = _time(runner, mixed)[2]
-        print(f"  residual add + norm {'fused' if fuse else 'apart'}: decode step 256 x 201 keys (graph) "
-              f"wall {wa:.3f} ms, gpu {g:.3f} ms; mixed 2048 gpu {g2:.2f} ms", flush=True)
+        print(f"  residual add + norm {'fused' if fuse else 'apart'}, graph logits "
+              f"{'bf16' if raw else 'fp32'}: decode step 256 x 201 keys (graph + sampler) gpu {g:.3f} ms; "
+              f"mixed 2048 gpu {g2:.2f} ms", flush=True)
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

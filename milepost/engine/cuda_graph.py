@@ -24,6 +24,7 @@ from milepost.engine.forward_batch import (
 from milepost.engine.scheduler import Chunk
 from milepost.models.attention import PagedBatch
 from milepost.models.base import CausalLM, ForwardContext
+from milepost.models.llama import DecoderLM
 
 log = logging.getLogger(__name__)
 Feed = tuple[torch.Tensor, list[int]]  # (tokens sampled on the device, source row per chunk)
@@ -43,6 +44,10 @@ def fed_tokens(ids: torch.Tensor, feed: Feed, device: torch.device) -> None:
 
 
 class DecodeGraphs:
+    # DecoderLM models: the graphs return the LM head's output in the model dtype (see _forward);
+    # a class switch only so benchmarks/engine_mixed_profile.py can measure both.
+    raw_logits = True
+
     def __init__(self, model: CausalLM, attention: object, device: torch.device, block_size: int,
                  max_bs: int, max_blocks_per_seq: int, record_routed: bool) -> None:
         self.model = model
@@ -86,6 +91,11 @@ class DecodeGraphs:
         if self.lora is not None:
             self.lora.capturing(bs)
         hidden = self.model.forward(self.ids[:bs], self.positions[:bs], ctx)
+        if self.raw_logits and type(self.model).compute_logits is DecoderLM.compute_logits:
+            # The LM head's output as is: compute_logits would only add a copy to fp32, which
+            # sample() and the prompt log-probs make themselves when they need it (the fused
+            # sampler reads the model dtype): the same values, one [bs, vocab] pass fewer.
+            return self.model.lm_head(hidden)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()  # the same mode the runner replays in (it selects the fused kernels)
@@ -115,7 +125,8 @@ class DecodeGraphs:
     def run(self, chunks: Sequence[Chunk],
             record: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
             feed: Feed | None = None) -> torch.Tensor | None:
-        """Logits [sampling chunks, vocab] for an all-decode step, or None when it is too large.
+        """Logits [sampling chunks, vocab] for an all-decode step, or None when it is too large;
+        in the model's dtype for DecoderLM models (the LM head's output), else fp32.
 
         The result is a view of the graph's output buffer: valid until the next replay.
         `record(slots [n], routed [n, layers, top_k])` stores the experts of the real rows.

@@ -78,7 +78,8 @@ class ModelRunner:
             self.graphs.capture()
 
     def forward(self, chunks: list[Chunk], feed: Feed | None = None) -> torch.Tensor:
-        """Compute KV for every chunk; logits [n_sampling_chunks, vocab] fp32 in chunk order.
+        """Compute KV for every chunk; logits [n_sampling_chunks, vocab] in chunk order: fp32,
+        or the model's dtype from the decode graphs (cuda_graph.py; every reader casts).
 
         feed = (tokens on the device, rows): an all-decode step whose input tokens the previous
         step sampled and nobody has read back yet; chunk i's token is tokens[rows[i]] (the
