@@ -224,3 +224,26 @@ class DecoderLayer(nn.Module):
             return h + self.mlp(normed, ctx)
         h = x + attn
         return h + self.mlp(norm(h), ctx)
+
+    def forward_parts(
+        self, x: torch.Tensor, normed_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """GPU inference with x's input norm already computed (fused_residuals): (h, mlp_out),
+        the layer's output being h + mlp_out, an add the caller fuses into the next norm."""
+        from milepost.kernels.fused_ops import add_rms_norm
+
+        attn = self.self_attn(normed_x, cos, sin, ctx)
+        norm = self.post_attention_layernorm
+        h, normed = add_rms_norm(x, attn, norm.weight, norm.eps)
+        return h, self.mlp(normed, ctx)
+
+
+def fused_residuals(layers: nn.ModuleList, final_norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a model's residual adds can run inside its RMSNorm kernels (GPU inference, plain
+    DecoderLayers with RMSNorms throughout): DecoderLM.forward then fuses each layer's last add
+    with the next layer's input norm (and the final norm)."""
+    return (DecoderLayer.fuse_residual_norm and gpu_inference(x) and x.dim() == 2
+            and type(final_norm) is RMSNorm
+            and all(type(layer) is DecoderLayer and type(layer.input_layernorm) is RMSNorm
+                    and type(layer.post_attention_layernorm) is RMSNorm for layer in layers))

@@ -21,6 +21,7 @@ from milepost.models.layers import (
     RotaryEmbedding,
     check_silu,
     fuse_linears,
+    fused_residuals,
 )
 
 
@@ -86,7 +87,18 @@ class DecoderLM(nn.Module):
         """input_ids, positions: [T] int64 -> final-normed hidden states [T, hidden]."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)  # computed once, shared by every layer
-        for layer in self.model.layers:
+        layers = self.model.layers
+        if fused_residuals(layers, self.model.norm, h):
+            # GPU inference: each residual add inside the next RMSNorm's kernel (same values).
+            from milepost.kernels.fused_ops import add_rms_norm  # triton: GPU path only
+
+            normed = layers[0].input_layernorm(h)
+            for i, layer in enumerate(layers):
+                h, out = layer.forward_parts(h, normed, cos, sin, ctx)
+                nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+                h, normed = add_rms_norm(h, out, nxt.weight, nxt.eps)
+            return normed
+        for layer in layers:
             h = layer(h, cos, sin, ctx)
         return self.model.norm(h)
 

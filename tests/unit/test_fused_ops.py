@@ -79,3 +79,30 @@ def test_silu_mul_matches_torch_on_strided_halves() -> None:
     gate_up = torch.randn(3, 40, generator=g).to(DEV)
     gate, up = gate_up.chunk(2, dim=-1)  # row stride 40, like the fused gate/up projection
     torch.testing.assert_close(fused.silu_mul(gate, up), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+
+
+def test_fused_residuals_give_the_same_hidden_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GPU inference path of a tiny Qwen3 (kernels under the interpreter on CPU), with every
+    # residual add inside the next RMSNorm kernel (DecoderLM.forward) and with the adds apart.
+    from milepost.bench.models import shape_config
+    from milepost.models import layers
+    from milepost.models.attention import VarlenCausalAttention
+    from milepost.models.base import ForwardContext
+    from milepost.models.registry import build_model
+
+    torch.manual_seed(0)
+    model = build_model(shape_config("tiny"), torch.float32, DEV)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    monkeypatch.setattr(layers, "gpu_inference", lambda x: True)
+    ids = torch.randint(0, model.vocab_size, (12,), device=DEV)
+    pos = torch.cat([torch.arange(5), torch.arange(7)]).to(DEV)
+    cu = torch.tensor([0, 5, 12], device=DEV)
+    out = {}
+    for fused_adds in (False, True):
+        monkeypatch.setattr(layers.DecoderLayer, "fuse_residual_norm", fused_adds)
+        assert layers.fused_residuals(model.model.layers, model.model.norm, ids[:, None].float()) == fused_adds
+        with torch.no_grad():
+            out[fused_adds] = model(ids, pos, ForwardContext(attention=VarlenCausalAttention(cu)))
+    assert torch.equal(out[True], out[False])
