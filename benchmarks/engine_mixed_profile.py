@@ -132,6 +132,46 @@ def _gpu_ms(fn, reps: int = 30) -> float:
     return statistics.median(out)
 
 
+def _same(seen: dict, key: str, value: torch.Tensor) -> bool:
+    """Whether value equals (bitwise) the first value recorded under key."""
+    first = seen.setdefault(key, value.clone())
+    return bool(torch.equal(first, value))
+
+
+def router_ab(runner: object) -> None:
+    """MoE: the 48 MoE blocks of a decode step (256 tokens) in one CUDA graph, with the router's
+    end fused (kernels/moe_router.py) and as torch ops: time, and outputs + records compared."""
+    from milepost.models.base import ForwardContext
+    from milepost.models.qwen3_moe import SparseMoeBlock
+
+    model = runner.model
+    blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    if not blocks or not torch.cuda.is_available():
+        return
+    torch.manual_seed(0)
+    x = torch.randn(256, model.hf_config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    res = {}
+    for fused in (False, True):
+        SparseMoeBlock.fused_router = fused
+        rec = torch.full((256, model.num_layers, model.moe_top_k), -1, dtype=torch.int32, device="cuda")
+        ctx = ForwardContext(attention=None, routed_experts=rec)
+        with torch.inference_mode():
+            outs = [b(x, ctx) for b in blocks]
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for b in blocks:
+                    b(x, ctx)
+        ms = _gpu_ms(graph.replay)
+        res[fused] = (torch.stack(outs), rec.clone())
+        print(f"  MoE blocks x{len(blocks)} at 256 tokens (one graph), router end "
+              f"{'fused' if fused else 'torch ops'}: {ms:.3f} ms", flush=True)
+        del graph
+    print(f"  fused router: outputs bitwise equal {torch.equal(res[True][0], res[False][0])}, "
+          f"recorded experts equal {torch.equal(res[True][1], res[False][1])}", flush=True)
+    SparseMoeBlock.fused_router = True
+
+
 def profile_steps(engine: object, shape: str, budgets: list[int]) -> None:
     runner = engine.runner
     att = _attention(runner)
@@ -175,15 +215,18 @@ def profile_steps(engine: object, shape: str, budgets: list[int]) -> None:
     def step() -> None:  # the decode step's GPU work: graph replay, then the (fused) sampler
         sample(runner.forward(dec), params, gens, banned, 0, fused=engine.cfg.fused_sampler)
 
+    seen: dict[str, torch.Tensor] = {}
     for fuse, raw in ((False, False), (True, False), (True, True)) if not runner.model.moe_top_k else ():
         DecoderLayer.fuse_residual_norm = fuse
         DecodeGraphs.raw_logits = raw
         runner.capture_cuda_graphs()
         g = _gpu_ms(step)
         g2 = _time(runner, mixed)[2]
+        same = _same(seen, "decode", runner.forward(dec).float()) and _same(seen, "mixed", runner.forward(mixed))
         print(f"  residual add + norm {'fused' if fuse else 'apart'}, graph logits "
               f"{'bf16' if raw else 'fp32'}: decode step 256 x 201 keys (graph + sampler) gpu {g:.3f} ms; "
-              f"mixed 2048 gpu {g2:.2f} ms", flush=True)
+              f"mixed 2048 gpu {g2:.2f} ms; logits bitwise equal to the first: {same}", flush=True)
+    router_ab(runner)
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

@@ -21,7 +21,7 @@ from milepost.kernels.grouped_experts import (
     grouped_train_available,
 )
 from milepost.models.base import ForwardContext
-from milepost.models.layers import GatedMLP
+from milepost.models.layers import GatedMLP, gpu_inference
 from milepost.models.qwen3 import Qwen3ForCausalLM
 
 _EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -82,6 +82,10 @@ class StackedExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router (`gate`, fp32 softmax, top-k, optional renormalization) feeding `experts`."""
 
+    # GPU inference: renormalization, cast and record of the top-k in one kernel (kernels/
+    # moe_router.py, same values); a class switch only so benchmarks can measure both.
+    fused_router = True
+
     def __init__(self, config: object, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -104,6 +108,13 @@ class SparseMoeBlock(nn.Module):
             w = probs.gather(1, ids)  # the router's probs at the forced ids: gradients still reach it
         else:
             w, ids = torch.topk(probs, self.top_k, dim=-1)
+            if self.fused_router and gpu_inference(x):
+                from milepost.kernels.moe_router import finish_routing
+
+                record = ctx.routed_experts[:, self.layer_id, :] if ctx is not None \
+                    and ctx.routed_experts is not None else None
+                s = w.sum(dim=-1, keepdim=True) if self.norm_topk_prob else None
+                return self.experts(x, ids, finish_routing(w, s, ids, x.dtype, record))
         if self.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
         if ctx is not None and ctx.routed_experts is not None:
