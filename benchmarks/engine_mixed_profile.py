@@ -169,6 +169,14 @@ def router_ab(runner: object) -> None:
         del graph
     print(f"  fused router: outputs bitwise equal {torch.equal(res[True][0], res[False][0])}, "
           f"recorded experts equal {torch.equal(res[True][1], res[False][1])}", flush=True)
+    with torch.inference_mode():  # would softmax(dtype=fp32) on the bf16 gate output do (one launch)?
+        gl = [b.gate(x) for b in blocks]
+        same = all(torch.equal(torch.softmax(g.float(), dim=-1), torch.softmax(g, dim=-1, dtype=torch.float32))
+                   for g in gl)
+        t_two = _gpu_ms(lambda: [torch.softmax(g.float(), dim=-1) for g in gl])
+        t_one = _gpu_ms(lambda: [torch.softmax(g, dim=-1, dtype=torch.float32) for g in gl])
+    print(f"  router softmax of bf16 logits: .float() then softmax vs softmax(dtype=fp32): bitwise equal "
+          f"{same}; eager x{len(gl)}: {t_two:.3f} vs {t_one:.3f} ms", flush=True)
     SparseMoeBlock.fused_router = True
 
 
