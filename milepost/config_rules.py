@@ -6,8 +6,10 @@ Fully-async checks (e.g. fully async + colocate) join `refusals` with the fully-
 
 from __future__ import annotations
 
+import ast
 import datetime as _dt
 import importlib.util
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,9 +144,31 @@ def refusals(c: TrainConfig) -> list[str]:
 
 
 def _cuda_available() -> bool:
+    if "torch" not in sys.modules and not _torch_built_for_gpus():
+        return False  # a CPU build: known without importing torch (~1.5 s at every run's start)
     import torch  # deferred: only a run that asks about CUDA pays for importing torch
 
     return torch.cuda.is_available()
+
+
+def _torch_built_for_gpus() -> bool:
+    """False when the installed torch is built with neither CUDA nor ROCm (`torch.version.cuda`
+    and `.hip` both None), read from torch/version.py without importing torch; True when unsure."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    values: dict[str, ast.expr] = {}
+    try:
+        tree = ast.parse((Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text())
+        for node in tree.body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
+                values[node.target.id] = node.value
+            elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+                values[node.targets[0].id] = node.value
+        return "cuda" not in values or "hip" not in values or any(
+            ast.literal_eval(values[k]) for k in ("cuda", "hip"))
+    except (OSError, SyntaxError, ValueError):
+        return True
 
 
 def _visible_gpus() -> int:

@@ -29,7 +29,7 @@ from milepost.launch.process import (
 )
 from milepost.launch.rendezvous import LOOPBACK_SOCKET_ENV
 from milepost.lora.rules import adapts_experts
-from milepost.lowprec.train_setup import engine_precision_flags
+from milepost.lowprec.rules import engine_precision_flags
 
 log = logging.getLogger(__name__)
 

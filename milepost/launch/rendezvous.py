@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:  # imported where used: the launcher reads the constants below without torch
+    import torch.distributed as dist
 
 # gloo and NCCL pick their listening interface from these; "lo" is Linux's loopback interface.
 LOOPBACK_SOCKET_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
@@ -24,6 +26,8 @@ NODE_ADDRESS_ENV = "MILEPOST_NODE_ADDRESS"
 def bound_store(host: str, port: int, world_size: int, is_server: bool,
                 timeout: timedelta) -> dist.TCPStore:
     """A TCPStore at host:port; the server side listens on `host` only (never 0.0.0.0)."""
+    import torch.distributed as dist
+
     if not is_server:
         return dist.TCPStore(host, port, world_size, False, timeout)
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -44,6 +48,8 @@ def bound_store(host: str, port: int, world_size: int, is_server: bool,
 def init_default_group(backend: str, timeout_s: float = 1800.0) -> None:
     """`dist.init_process_group` from the launcher's environment (MASTER_ADDR, MASTER_PORT,
     RANK, WORLD_SIZE), with rank 0's store listening on MASTER_ADDR only."""
+    import torch.distributed as dist
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=timeout_s)
     store = bound_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,

@@ -11,8 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from milepost.lora.settings import ADAPTER_NAME, LoraSettings, parse_target_modules
 
 if TYPE_CHECKING:
@@ -53,6 +51,8 @@ def check_lora_model(hf_checkpoint: str | Path, settings: LoraSettings) -> None:
     on the meta device, nothing allocated). ValueError naming the layer and module otherwise:
     MoE blocks other than Qwen3-MoE's, gate_proj without up_proj on experts, multi-LoRA on
     experts, architectures that run through the transformers fallback."""
+    import torch
+
     from milepost.lora.adapters import attach_lora
     from milepost.models.registry import checkpoint_config, model_class, native_reason
 

@@ -14,7 +14,7 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
-from milepost.lowprec.quantize import FORMATS
+from milepost.lowprec.formats import FORMATS
 
 BF16 = "bf16"
 # --precision arrangement -> (trainer format, rollout format); bf16 = not quantized.

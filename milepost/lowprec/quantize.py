@@ -12,19 +12,21 @@ is NaN), never to a silently wrong finite value.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from milepost.lowprec import elements as el
+from milepost.lowprec.formats import (  # noqa: F401  (names and block shapes: formats.py)
+    FORMATS,
+    FP8_TILE,
+    INT4_GROUP,
+    MX_BLOCK,
+    NVFP4_BLOCK,
+    Format,
+    Role,
+    block_shape,
+)
 
-Format = Literal["fp8_block", "mxfp8", "nvfp4", "int4"]
-Role = Literal["weight", "activation"]
-FORMATS: tuple[str, ...] = ("fp8_block", "mxfp8", "nvfp4", "int4")
-FP8_TILE = 128
-MX_BLOCK = 32
-NVFP4_BLOCK = 16
-INT4_GROUP = 128  # INT4 (QAT): symmetric, one float32 scale per 128 weights of a row, values -8..7
 # Four-over-six scales some blocks to 4: its tensor scale maps the tensor's amax to 6 * 256, so a
 # block scaled to 4 (1.5x larger block scale) still fits E4M3's 448.
 _NVFP4_SCALE_MAX = {False: el.E4M3_MAX, True: 256.0}
@@ -43,16 +45,6 @@ class QTensor:
     tile: tuple[int, int]
     shape: tuple[int, ...]
     tensor_scale: torch.Tensor | None = None
-
-
-def block_shape(fmt: str, role: Role) -> tuple[int, int]:
-    if fmt == "fp8_block":
-        return (FP8_TILE, FP8_TILE) if role == "weight" else (1, FP8_TILE)
-    if fmt in ("mxfp8", "nvfp4"):
-        return (1, MX_BLOCK if fmt == "mxfp8" else NVFP4_BLOCK)
-    if fmt == "int4":
-        return (1, INT4_GROUP)
-    raise ValueError(f"unknown low-precision format {fmt!r}; one of {', '.join(FORMATS)}")
 
 
 def check_shape(fmt: str, shape: tuple[int, ...], name: str = "tensor") -> None:

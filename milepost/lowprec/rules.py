@@ -14,7 +14,7 @@ from milepost.lowprec.contract import (
     parse_overrides,
     sides,
 )
-from milepost.lowprec.quantize import block_shape
+from milepost.lowprec.formats import block_shape
 
 if TYPE_CHECKING:
     from milepost.config import TrainConfig
@@ -111,3 +111,16 @@ def shape_refusals(c: TrainConfig, contract: Contract) -> list[str]:
             f"multiple of {fmt}'s block of {block}; keep it in bf16 (--precision-override "
             f"'*.{part.split('.')[-1]}.weight=bf16') or use --precision fp8"
             for part, (fmt, k, block) in bad.items()]
+
+
+def engine_precision_flags(cfg: TrainConfig) -> list[str]:
+    """`milepost serve` flags for the engines' side of `cfg`'s contract."""
+    contract = run_contract(cfg)
+    if contract.rollout == BF16:
+        return []
+    flags = ["--quantization", contract.rollout]
+    if contract.overrides:
+        flags += ["--precision-override", ",".join(f"{p}={f}" for p, f in contract.overrides)]
+    if contract.four_over_six:
+        flags += ["--nvfp4-four-over-six"]
+    return flags

@@ -1,5 +1,5 @@
 """The trainer's side of the precision contract: its covered linears become quantized linears
-(milepost/lowprec/linear.py) before sharding, and the engines get the matching flags."""
+(milepost/lowprec/linear.py) before sharding. The engines' flags: rules.py (`engine_precision_flags`)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from milepost.lowprec.contract import BF16, Contract, native_support
+from milepost.lowprec.contract import Contract, native_support
 from milepost.lowprec.linear import apply_train_precision
 
 if TYPE_CHECKING:
-    from milepost.config import TrainConfig
     from milepost.train.settings import TrainerSettings
 
 log = logging.getLogger(__name__)
@@ -30,18 +29,3 @@ def quantize_trainer(model: nn.Module, s: TrainerSettings, device: torch.device)
                 f"; {'the CPU' if cap is None else f'compute capability {cap}'} has no native "
                 f"{s.precision} GEMM")
     return names
-
-
-def engine_precision_flags(cfg: TrainConfig) -> list[str]:
-    """`milepost serve` flags for the engines' side of `cfg`'s contract."""
-    from milepost.lowprec.rules import run_contract
-
-    contract = run_contract(cfg)
-    if contract.rollout == BF16:
-        return []
-    flags = ["--quantization", contract.rollout]
-    if contract.overrides:
-        flags += ["--precision-override", ",".join(f"{p}={f}" for p, f in contract.overrides)]
-    if contract.four_over_six:
-        flags += ["--nvfp4-four-over-six"]
-    return flags

@@ -427,3 +427,18 @@ def test_trainer_speed_settings_reach_the_trainer(base: list[str]) -> None:
     s = trainer_settings(load_config(None, [*base, "--activation-checkpointing", "layer",
                                             "--separate-old-logprob-pass"]))
     assert s.activation_checkpointing == "layer" and s.separate_old_logprob_pass and not s.compile_layers
+
+
+def test_the_launcher_checks_a_config_without_importing_torch(base: list[str]) -> None:
+    """`milepost train` refuses a bad config about 1.5 s sooner: reading and checking the config and
+    importing the launcher need no torch; with `--device auto`, a CPU build of torch (the CI's) is
+    recognised from torch/version.py. (Its preflight then loads the tokenizer, which does.)"""
+    import subprocess
+
+    flags = list(base)
+    if not rules._torch_built_for_gpus():
+        flags[flags.index("--device") + 1] = "auto"
+    code = ("import sys; from milepost.config import load_config; import milepost.driver.sync, "
+            f"milepost.launch.local; c = load_config(None, {flags!r}); print(c.device, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["cpu", "False"], out.stderr[-2000:]

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from milepost.train.megatron.parallel import ParallelSizes, validate_sizes
-from milepost.train.megatron.provider import require_megatron
 from milepost.train.megatron.shape import shape_of
 
 SIZE_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
@@ -41,6 +40,8 @@ def check_train_backend(cfg: Any) -> None:
             raise ValueError("--use-distributed-optimizer needs --train-backend megatron (FSDP already shards "
                              "the optimizer state over its ranks)")
         return
+    from milepost.train.megatron.provider import require_megatron  # imports torch: a Megatron run's cost only
+
     try:
         require_megatron()
     except ImportError as err:  # a config error: reported with the other refusals
