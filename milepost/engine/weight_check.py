@@ -107,8 +107,9 @@ def weight_check_router(engine: Engine) -> APIRouter:
             with torch.no_grad():
                 for name in names:
                     view = model.weight_view(name)
-                    noise = torch.randn(view.shape, generator=gen, dtype=torch.float32)
                     store = fp8_owner(view)
+                    shape = store.hf_shape(view) if hasattr(store, "hf_shape") else view.shape
+                    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
                     if store is not None:  # new values and new scales, as an update writes
                         store.write(view, noise)
                     else:

@@ -313,14 +313,16 @@ class WeightLoader:
             hint = self._unknown_hint(name, e) if len(problems) < _MAX_LISTED_PROBLEMS else ""
             problems.append(f"{name}: unknown name for this model{hint}")
             return None
-        if tuple(view.shape) != shape:
-            problems.append(
-                f"{name}: shape mismatch, model expects {list(view.shape)}, got {list(shape)}"
-            )
+        quantized = self.fp8 is not None and self.fp8.owner(view) is not None
+        # A packed INT4 view is half as wide as the tensor sent (lowprec/engine_store.py).
+        want = self.fp8.hf_shape(view) if quantized and hasattr(self.fp8, "hf_shape") else \
+            tuple(view.shape)
+        if want != shape:
+            problems.append(f"{name}: shape mismatch, model expects {list(want)}, got {list(shape)}")
             return None
         expected = view.dtype
-        if self.fp8 is not None and self.fp8.owner(view) is not None:
-            expected = self.fp8.source_dtype  # stored in fp8, sent in the model's dtype
+        if quantized:
+            expected = self.fp8.source_dtype  # stored quantized, sent in the model's dtype
         if dtype is not None and dtype != expected:
             if strict_dtype:
                 problems.append(

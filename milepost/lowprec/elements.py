@@ -77,6 +77,21 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
 
 
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """int8 `values` in -8..7 [.., K] -> uint8 [.., ceil(K/2)]: two's-complement nibbles, element
+    2i in the low nibble, 2i+1 high (pack_nibbles' order); an odd K gets a zero high nibble."""
+    codes = (values.to(torch.int16) & 15).to(torch.uint8)
+    if codes.shape[-1] % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    return pack_nibbles(codes)
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The int8 values (-8..7) [.., k] of pack_int4's bytes: a nibble n is (n ^ 8) - 8."""
+    n = unpack_nibbles(packed)[..., :k].to(torch.int16)
+    return ((n ^ 8) - 8).to(torch.int8)
+
+
 # UE8M0: code c means 2^(c - 127); the table is exact (Python's ldexp, float32 holds 2^-127).
 _E8M0_TABLE = torch.tensor([math.ldexp(1.0, c - E8M0_BIAS) for c in range(255)] + [math.nan],
                            dtype=torch.float32)

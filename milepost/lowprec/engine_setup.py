@@ -1,4 +1,4 @@
-"""Engine start with `--quantization fp8_block|mxfp8|nvfp4`: the contract from the server's
+"""Engine start with `--quantization fp8_block|mxfp8|nvfp4|int4`: the contract from the server's
 flags, the weights quantized, and a warning where the device has no native GEMM for the format
 (emulated: the values are the format's, the speed is not)."""
 
@@ -26,7 +26,12 @@ def store_engine_precision(model: nn.Module, args: object, device: torch.device)
     contract = engine_contract(fmt, getattr(args, "precision_override", None),
                                getattr(args, "nvfp4_four_over_six", False))
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if not native_support(fmt, cap):
+    if fmt == "int4":  # stored packed everywhere; the W4A16 kernel needs CUDA (bf16 tl.dot: 8.0+)
+        if cap is None or cap < (8, 0):
+            log.warning("--quantization int4: %s has no W4A16 kernel here; each GEMM unpacks "
+                        "and dequantizes the packed weight (the format's values and bytes held, "
+                        "not its speed)", f"compute capability {cap}" if cap else "the CPU")
+    elif not native_support(fmt, cap):
         log.warning("--quantization %s: %s has no native %s GEMM; emulated (quantize, "
                     "dequantize, GEMM in the model dtype): the format's values, not its speed",
                     fmt, f"compute capability {cap}" if cap else "the CPU", fmt)

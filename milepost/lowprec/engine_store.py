@@ -1,4 +1,4 @@
-"""The engine's weights in a low-precision format (`--quantization fp8_block|mxfp8|nvfp4`).
+"""The engine's weights in a low-precision format (`--quantization fp8_block|mxfp8|nvfp4|int4`).
 
 Each covered projection keeps, per Hugging Face tensor it holds (q/k/v inside a fused qkv_proj,
 gate/up inside gate_up_proj), that tensor's quantized values and scales (a QTensor from the one
@@ -6,7 +6,10 @@ quantizer), quantized from what the sender sent on every update: a tensor's bloc
 another's rows. The forward quantizes its input per token in the same format and multiplies the
 dequantized operands (emulated GEMM; the H200 path is `linear.fp8_block_mm` where it runs).
 NVFP4 quantizes gate and up together (one outer scale for the fused GEMM): the first of the two
-to arrive in an update waits for the other. Under fp8_block the MoE experts are stored in FP8 too
+to arrive in an update waits for the other. INT4 is stored packed on every device (two values a
+byte, uint8 [N, ceil(K/2)], and float32 group scales [N, ceil(K/128)]): its HF views are half as
+wide as the tensors sent (`hf_shape` says the sent shape), and the forward is W4A16
+(kernels/int4_gemm.py). Under fp8_block the MoE experts are stored in FP8 too
 (lowprec/engine_experts.py; the registry answers for both). Registered as `model.fp8_weights`,
 the attribute the weight loader and the weight-check endpoints use.
 """
@@ -20,13 +23,14 @@ from torch import nn
 from milepost.lowprec.contract import EXPERTS_SERVED, Contract
 from milepost.lowprec.engine_experts import Fp8Experts, store_fp8_experts
 from milepost.lowprec.linear import quantize_activation, quantize_weight_parts
-from milepost.lowprec.quantize import QTensor, dequantize, element_scale
+from milepost.lowprec.quantize import INT4_GROUP, QTensor, dequantize, element_scale
 
 
 class QuantizedLinear(nn.Linear):
     """nn.Linear in a low-precision format. Emulated: `weight` holds the dequantized values of
     its parts in the model dtype. Native (fp8_block on Hopper): `weight` is the float8 values
-    and `weight_scale` the 128x128 tile scales; the GEMM runs in FP8 (kernels/fp8_gemm.py)."""
+    and `weight_scale` the 128x128 tile scales; the GEMM runs in FP8 (kernels/fp8_gemm.py).
+    INT4 (every device): `weight` is the packed uint8 nibbles, `weight_scale` the group scales."""
 
     qparts: list[tuple[int, int, QTensor]]  # (first row, rows, quantized tensor) per HF tensor
     qformat: str
@@ -42,14 +46,21 @@ class QuantizedLinear(nn.Linear):
             y = fp8_block_linear(x, self.weight, self.weight_scale)
             return y + self.bias if self.bias is not None else y
         if self.qformat == "int4":  # weight-only (W4A16): activations stay in the model dtype
-            return F.linear(x, self.weight, self.bias)
+            from milepost.kernels.int4_gemm import int4_linear
+
+            return int4_linear(x, self.weight, self.weight_scale, self.in_features, self.bias)
         return F.linear(quantize_activation(x, self.qformat, self.qfour), self.weight, self.bias)
 
     def put(self, j: int, q: QTensor) -> None:
         """Write part j's quantized values (native: into the fp8 weight and tile scales, the
         part then viewing them; emulated: its dequantized values into the weight)."""
         row, rows, _ = self.qparts[j]
-        if self.native:
+        if self.qformat == "int4":  # packed rows and their group scales; the part views them
+            self.weight[row:row + rows].copy_(q.values)
+            self.weight_scale[row:row + rows].copy_(q.scales)
+            q = QTensor(q.fmt, self.weight[row:row + rows], self.weight_scale[row:row + rows],
+                        q.tile, q.shape)
+        elif self.native:
             self.weight[row:row + rows].copy_(q.values)
             tiles = slice(row // 128, row // 128 + q.scales.shape[0])
             self.weight_scale[tiles].copy_(q.scales)
@@ -127,6 +138,14 @@ class QuantizedWeights:
         q = module.qparts[i][2]
         return dequantize(q), element_scale(q)
 
+    def hf_shape(self, view: torch.Tensor) -> tuple[int, ...]:
+        """The shape of the HF tensor `view` holds, as senders send it (a packed INT4 view has
+        ceil(K/2) byte columns for K values)."""
+        module = self._linear(view)
+        if module is None or module.qformat != "int4":
+            return tuple(view.shape)
+        return (view.shape[0], module.in_features)
+
     def format_of(self, view: torch.Tensor) -> str:
         if self.experts is not None and self.experts.owner(view) is not None:
             return "fp8_block"
@@ -184,7 +203,18 @@ def store_quantized(model: nn.Module, contract: Contract) -> QuantizedWeights:
               [quantize_weight_parts([s], fmt, contract, [n])[0] for s, (_, _, n) in zip(srcs, parts)])
         module.qparts = [(row, rows, None) for row, rows, _ in parts]  # type: ignore[misc]
         module.native = _native(module, fmt, parts)
-        if module.native:  # the weight becomes its fp8 values; bytes read per step halve
+        if fmt == "int4":  # packed on every device: a quarter of bf16's bytes (plus scales)
+            n, k = module.weight.shape
+            dev = module.weight.device
+            module.weight = nn.Parameter(torch.empty(n, -(-k // 2), dtype=torch.uint8, device=dev),
+                                         requires_grad=False)
+            module.register_buffer("weight_scale", torch.empty(
+                n, -(-k // INT4_GROUP), dtype=torch.float32, device=dev))
+            if dev.type == "cuda":  # probe the W4A16 kernel now, not inside a graph capture
+                from milepost.kernels.int4_gemm import kernel_ok
+
+                kernel_ok(dev)
+        elif module.native:  # the weight becomes its fp8 values; bytes read per step halve
             n, k = module.weight.shape
             module.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn,
                                                      device=module.weight.device), requires_grad=False)

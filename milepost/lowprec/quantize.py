@@ -35,7 +35,8 @@ _NVFP4_SCALE_MAX = {False: el.E4M3_MAX, True: 256.0}
 @dataclass
 class QTensor:
     """A quantized tensor. values: float8_e4m3fn [.., K] (fp8_block, mxfp8) or uint8 [.., K/2]
-    (nvfp4, two E2M1 codes a byte); scales: float32 per tile (fp8_block), uint8 UE8M0 codes
+    (nvfp4, two E2M1 codes a byte; int4, two's-complement nibbles, [.., ceil(K/2)]); scales:
+    float32 per tile (fp8_block, int4: [rows, ceil(K/128)]), uint8 UE8M0 codes
     (mxfp8) or float8_e4m3fn (nvfp4), one per block; tensor_scale: nvfp4's float32 outer scale
     ([] per tensor, [rows, 1] per token); tile: the block shape (rows, cols)."""
 
@@ -105,8 +106,8 @@ def quantize(x: torch.Tensor, fmt: str, role: Role = "weight", *, four_over_six:
     if fmt == "int4":  # round(x / (amax / 7)) to even, in -8..7; a partial last group is fine
         scale = torch.where(bad, torch.nan, torch.where(amax > 0, _div(amax, 7.0), 1.0))
         v = torch.round(t / scale[..., None]).clamp(-8, 7).nan_to_num(0.0).to(torch.int8)
-        rows = x.reshape(-1, shape[-1]).shape
-        return QTensor(fmt, _untile(v, tile, *rows).contiguous().reshape(shape), scale, tile, shape)
+        ints = _untile(v, tile, *x.reshape(-1, shape[-1]).shape).reshape(shape)
+        return QTensor(fmt, el.pack_int4(ints), scale, tile, shape)  # two a byte
     if fmt == "mxfp8":
         # OCP MX 1.0, 6.3: X = 2^(floor(log2 amax) - emax_elem), emax_elem = 8 for E4M3.
         _, exp = torch.frexp(amax)
@@ -168,6 +169,8 @@ def dequantize(q: QTensor) -> torch.Tensor:
     """float32 values of `q`."""
     if q.fmt == "nvfp4":
         v = el.e2m1_decode(el.unpack_nibbles(q.values)).reshape(q.shape)
+    elif q.fmt == "int4":
+        v = el.unpack_int4(q.values, q.shape[-1]).float()
     else:
         v = q.values.float()
     return v * element_scale(q)

@@ -1,5 +1,5 @@
-"""Engines serving FP8 blockwise and NVFP4 (four-over-six, a layer kept in bf16) re-quantize
-every update, over every transport, and pass `--check-weight-update-equal` within the format's
+"""Engines serving FP8 blockwise, NVFP4 (four-over-six, a layer kept in bf16) and packed INT4
+re-quantize every update, over every transport, and pass `--check-weight-update-equal` within the format's
 bound (bit-exact for the unquantized tensors); values off the bound fail it."""
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ BUCKET_BYTES = 24_000  # small: gate and up of one layer land in different bucke
 UP = "model.layers.0.mlp.up_proj.weight"
 FLAGS = {"fp8_block": ["--quantization", "fp8_block"],
          "nvfp4": ["--quantization", "nvfp4", "--nvfp4-four-over-six",
-                   "--precision-override", "layers.1-1=bf16"]}
+                   "--precision-override", "layers.1-1=bf16"],
+         "int4": ["--quantization", "int4"]}
 
 
-@pytest.fixture(scope="module", params=["fp8_block", "nvfp4"])
+@pytest.fixture(scope="module", params=["fp8_block", "nvfp4", "int4"])
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("lowprec")
     a = make_tiny_checkpoint(root / "a", "qwen3", seed=0, with_tokenizer=False)

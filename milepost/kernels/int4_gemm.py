@@ -1,0 +1,171 @@
+"""W4A16 GEMM for the INT4 engines: y = x @ W^T with W packed INT4 (two's-complement nibbles, two
+a byte, element 2i in the low nibble) and one float32 scale per 128 weights of a row
+(milepost/lowprec/quantize.py's int4 format).
+
+The weights the product uses are the ones the trainer's fake-quant forward uses, bit for bit:
+each nibble times its group's scale in float32, rounded once to the activation dtype. At decode
+M (<= INT4_DECODE_M rows on CUDA) one Triton kernel does that in registers from the packed bytes,
+so a step reads half a byte per weight instead of bf16's two; K is split over programs when N
+alone leaves SMs idle (fp32 parts summed in a fixed order: never timing-dependent). Everywhere
+else (CPU, prefill M, a device whose probe failed) the weight is unpacked and dequantized by
+torch into a temporary and multiplied by F.linear: the same values, the dense bytes for a moment.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from milepost.lowprec.elements import unpack_int4
+from milepost.lowprec.formats import INT4_GROUP
+
+log = logging.getLogger(__name__)
+INT4_DECODE_M = 256  # rows up to which the kernel runs; prefill-sized M takes the torch path
+_OK: dict[int, bool] = {}  # device index -> whether the kernel passed its probe there
+
+
+class W4Config(NamedTuple):
+    block_m: int  # activation rows per program (16, 32, 64: tl.dot needs 16 or more)
+    block_n: int  # weight rows per program
+    split: int  # programs along K (1: no partial sums)
+    warps: int = 4
+    stages: int = 3
+
+
+def w4_config(m: int, n: int, k: int, sms: int) -> W4Config:
+    """The smallest row block that holds M (64 at most), 64-wide weight blocks, and K split until
+    about two programs per SM stream a part (decode M reads each weight byte once; the split
+    keeps every SM streaming). Not measured yet: benchmarks/lowprec_gpu.py --parts int4."""
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn = 64
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    n_kb = triton.cdiv(k, INT4_GROUP)
+    split = max(1, min(n_kb // 2, 2 * sms // tiles)) if n_kb > 1 else 1
+    return W4Config(bm, bn, split)
+
+
+@triton.jit(do_not_specialize=["M", "kb_per"])
+def _w4a16_kernel(X, W, S, C, M, N, K, KP, stride_x, stride_w, stride_s, stride_c, stride_p,
+                  n_kb, kb_per, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr, PARTS: tl.constexpr):
+    """Over this program's 128-wide K groups: unpack the [BLOCK_N, 64] bytes to [BLOCK_N, 128]
+    ints, times the group's scale (float32), rounded to X's dtype, and tl.dot with X's rows.
+    PARTS: the fp32 sum is part pid_k of C ([split, M, N]); else it is C, in C's dtype."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, 128)
+    rb = tl.arange(0, 64)
+    row_ok, col_ok = rm < M, rn < N
+    x_ptr = X + rm[:, None].to(tl.int64) * stride_x
+    w_ptr = W + rn[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k0 = pid_k * kb_per
+    for kb in range(k0, tl.minimum(k0 + kb_per, n_kb)):
+        kk = kb * 128 + rk
+        x = tl.load(x_ptr + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
+        bb = kb * 64 + rb
+        b = tl.load(w_ptr + bb[None, :], mask=col_ok[:, None] & (bb < KP)[None, :], other=0)
+        b = b.to(tl.int32)
+        lo = ((b & 15) ^ 8) - 8  # a two's-complement nibble: (n ^ 8) - 8
+        hi = ((b >> 4) ^ 8) - 8
+        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, 128))  # [.., 64, 2]: element 2i low, 2i+1 high
+        s = tl.load(S + rn * stride_s + kb, mask=col_ok, other=0.0)
+        w = (v.to(tl.float32) * s[:, None]).to(X.dtype.element_ty)  # dequantize's product, rounded
+        if IEEE:  # fp32 activations: a true fp32 product (not tf32)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    offs = rm[:, None].to(tl.int64) * stride_c + rn[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if PARTS:
+        tl.store(C + pid_k * stride_p + offs, acc, mask=mask)
+    else:
+        tl.store(C + offs, acc.to(C.dtype.element_ty), mask=mask)
+
+
+def w4a16_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: int,
+             cfg: W4Config | None = None) -> torch.Tensor:
+    """x [M, k] (bf16/fp16/fp32) times the INT4 weight (packed uint8 [N, ceil(k/2)], float32
+    scales [N, ceil(k/128)]) -> [M, N] in x's dtype, by the Triton kernel."""
+    x = x.contiguous()
+    m, n = x.shape[0], packed.shape[0]
+    n_kb = triton.cdiv(k, INT4_GROUP)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
+    cfg = cfg or w4_config(m, n, k, sms)
+    kb_per = triton.cdiv(n_kb, cfg.split)
+    split = triton.cdiv(n_kb, kb_per)  # no program without K groups
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    _w4a16_kernel[grid](x, packed, scales, dst, m, n, k, packed.shape[1], x.stride(0),
+                        packed.stride(0), scales.stride(0), out.stride(0), m * n, n_kb, kb_per,
+                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                        IEEE=x.dtype == torch.float32, PARTS=split > 1,
+                        num_warps=cfg.warps, num_stages=cfg.stages)
+    # The parts in order 0, 1, ... (a fixed-order reduction over dim 0, no atomics).
+    return out if split == 1 else dst.sum(0).to(x.dtype)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, k: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The [N, k] weight in `dtype`: quantize.dequantize's float32 product, cast once."""
+    s = scales.repeat_interleave(INT4_GROUP, 1)[:, :k]
+    return (unpack_int4(packed, k).float() * s).to(dtype)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for x [.., k]: the kernel where it runs (CUDA, M <= INT4_DECODE_M,
+    passed its probe), else unpack + dequantize + F.linear."""
+    rows = x.reshape(-1, k)
+    if x.is_cuda and rows.shape[0] <= INT4_DECODE_M and kernel_ok(x.device) and \
+            x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        y = w4a16_mm(rows, packed, scales, k).reshape(*x.shape[:-1], packed.shape[0])
+        return y + bias if bias is not None else y
+    return F.linear(x, dequantize_int4(packed, scales, k, x.dtype), bias)
+
+
+def kernel_ok(device: torch.device) -> bool:
+    """Whether the W4A16 kernel gives dequantize-then-matmul's product on `device` (probed once:
+    rows whose group scales differ by orders of magnitude, an uneven split, N and K not multiples
+    of the blocks; a kernel that fails is logged and never used)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _OK:
+        _OK[idx] = _probe(torch.device("cuda", idx))
+    return _OK[idx]
+
+
+def _probe(device: torch.device) -> bool:
+    from milepost.lowprec.quantize import quantize
+
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        log.warning("int4: compute capability < 8.0: the W4A16 kernel is off (bf16 tl.dot); "
+                    "the engine unpacks and dequantizes the weights per GEMM")
+        return False
+    g = torch.Generator().manual_seed(0)
+    n, k = 200, 5 * INT4_GROUP + 64
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 3, k // 8 + 1).repeat_interleave(8)[:k]
+    q = quantize(w, "int4")
+    packed, scales = q.values.to(device), q.scales.to(device)
+    try:
+        for m, dtype in ((1, torch.bfloat16), (37, torch.bfloat16), (16, torch.float32)):
+            x = torch.randn(m, k, generator=g).to(device, dtype)
+            ref = F.linear(x.float(), dequantize_int4(packed, scales, k, dtype).float())
+            for cfg in (None, W4Config(16, 64, 3)):
+                y = w4a16_mm(x, packed, scales, k, cfg).float()
+                tol = (1e-2 if dtype != torch.float32 else 1e-4) * ref.abs().amax(1, keepdim=True)
+                if not ((y - ref).abs() <= tol).all():
+                    raise ValueError(f"M={m} {dtype} {cfg}: off by {(y - ref).abs().max().item():.3g}")
+    except Exception as e:  # noqa: BLE001 - a compile error or a wrong product: never use it
+        log.warning("int4: the W4A16 kernel failed its probe on %s (%s); the engine unpacks and "
+                    "dequantizes the weights per GEMM instead", device, e)
+        return False
+    return True
