@@ -31,6 +31,25 @@ class PrecisionTable(Table):
         None, description="PATTERN=bf16 entries: tensors whose HF name matches the glob PATTERN, "
         "or layers.A-B, stay unquantized at all four stages (checkpoint conversion, trainer, "
         "engines, weight export).")
+    precision_bf16_first_layers: int = Field(
+        0, ge=0, description="Keep the first N decoder layers' linears in bf16 at all four stages "
+        "(resolved against the checkpoint's num_hidden_layers at start into a layers.A-B override).")
+    precision_bf16_last_layers: int = Field(
+        0, ge=0, description="Keep the last M decoder layers' linears in bf16 at all four stages "
+        "(the recipes' final-layer exception; resolved like --precision-bf16-first-layers).")
+    fp8_scaling: Literal["current", "delayed"] = Field(
+        "current", description="FP8 trainer (--precision fp8): current = a scale per 1x128 block "
+        "from the tensor itself (the engines' recipe); delayed = one scale per activation and "
+        "output-gradient tensor from the amax history of earlier steps (Transformer Engine's "
+        "DelayedScaling; weights keep the shared 128x128 quantizer; TIS on by default).")
+    fp8_amax_history_len: int = Field(
+        1024, ge=1, description="--fp8-scaling delayed: optimizer steps of amax history per tensor.")
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = Field(
+        "max", description="--fp8-scaling delayed: the scale's amax is the history's largest (max) "
+        "or the last step's (most_recent).")
+    fp8_margin: int = Field(
+        0, ge=0, description="--fp8-scaling delayed: scale so the amax maps to 448 / 2^margin "
+        "(headroom for growth between steps).")
     nvfp4_four_over_six: bool = Field(
         False, description="NVFP4: scale each 16-value block to 4 or to 6, whichever quantizes it "
         "with less error; part of the contract (both sides quantize alike).")

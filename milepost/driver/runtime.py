@@ -464,7 +464,9 @@ def precision_settings(cfg: TrainConfig) -> dict:
     contract = run_contract(cfg)
     return dict(precision=contract.train, precision_overrides=contract.overrides,
                 nvfp4_four_over_six=cfg.nvfp4_four_over_six,
-                nvfp4_dequantized_backward=cfg.nvfp4_dequantized_backward)
+                nvfp4_dequantized_backward=cfg.nvfp4_dequantized_backward,
+                fp8_scaling=cfg.fp8_scaling, fp8_amax_history_len=cfg.fp8_amax_history_len,
+                fp8_amax_compute_algo=cfg.fp8_amax_compute_algo, fp8_margin=cfg.fp8_margin)
 
 
 def objective_settings(cfg: TrainConfig) -> dict:

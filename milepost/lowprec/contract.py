@@ -85,6 +85,18 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str]
     return tuple(out)
 
 
+def layer_overrides(first: int, last: int, num_layers: int) -> tuple[tuple[str, str], ...]:
+    """`--precision-bf16-first-layers N` / `--precision-bf16-last-layers M` as the `layers.A-B=bf16`
+    overrides they mean for a model of `num_layers` decoder layers (resolved once, at start, so
+    every stage receives plain ranges)."""
+    out = []
+    if first > 0:
+        out.append((f"layers.0-{min(first, num_layers) - 1}", BF16))
+    if last > 0:
+        out.append((f"layers.{max(num_layers - last, 0)}-{num_layers - 1}", BF16))
+    return tuple(out)
+
+
 def sides(precision: str, train: str | None, rollout: str | None) -> tuple[str, str]:
     t, r = ARRANGEMENTS[precision]
     return train or t, rollout or r

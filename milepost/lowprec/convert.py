@@ -4,6 +4,7 @@ float32 per 128 x 128 tile, `quantization_config` in config.json), quantized by 
 function the trainer and the engines call.
 
     python -m milepost.lowprec.convert SRC_DIR DST_DIR [--precision-override layers.0-0=bf16 ...]
+        [--precision-bf16-first-layers N] [--precision-bf16-last-layers M]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from milepost.lowprec.contract import BF16, Contract, parse_overrides
+from milepost.lowprec.contract import BF16, Contract, layer_overrides, parse_overrides
 from milepost.lowprec.quantize import FP8_TILE, quantize
 
 
@@ -60,8 +61,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
     p.add_argument("--precision-override", action="append", default=[])
+    p.add_argument("--precision-bf16-first-layers", type=int, default=0)
+    p.add_argument("--precision-bf16-last-layers", type=int, default=0)
     a = p.parse_args(argv)
-    contract = Contract("fp8_block", "fp8_block", parse_overrides(a.precision_override))
+    by_layer = ()
+    if a.precision_bf16_first_layers or a.precision_bf16_last_layers:
+        # The trainer's resolution (rules.py): the same ranges from the same config.json.
+        n = int(json.loads((a.src / "config.json").read_text())["num_hidden_layers"])
+        if max(a.precision_bf16_first_layers, a.precision_bf16_last_layers) > n:
+            p.error(f"--precision-bf16-first-layers / --precision-bf16-last-layers: {a.src} has "
+                    f"{n} decoder layers; use at most {n}")
+        by_layer = layer_overrides(a.precision_bf16_first_layers, a.precision_bf16_last_layers, n)
+    contract = Contract("fp8_block", "fp8_block", by_layer + parse_overrides(a.precision_override))
     names = convert_checkpoint(a.src, a.dst, contract)
     print(f"{len(names)} weights in fp8_block -> {a.dst}")
 

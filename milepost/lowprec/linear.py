@@ -118,6 +118,10 @@ class LowPrecLinear(nn.Linear):
         if self.qformat == "int4":  # QAT: fake-quant weight, straight-through, GEMMs in dtype
             w = self.weight + (self.quantized_weight() - self.weight).detach()
             return F.linear(x, w, self.bias)
+        if "_delayed" in self.__dict__:  # --fp8-scaling delayed: per-tensor scales from history
+            from milepost.lowprec.delayed import delayed_forward
+
+            return delayed_forward(self, x)
         if _native_fp8(self, x):
             from milepost.kernels.fp8_gemm import Fp8BlockLinearFn
 

@@ -11,6 +11,7 @@ from milepost.lowprec.contract import (
     EXPERTS_SERVED,
     Contract,
     contract_refusals,
+    layer_overrides,
     parse_overrides,
     sides,
 )
@@ -22,18 +23,36 @@ if TYPE_CHECKING:
 
 def run_contract(c: TrainConfig) -> Contract:
     train, rollout = sides(c.precision, c.train_precision, c.rollout_precision)
-    return Contract(train, rollout, parse_overrides(c.precision_override or []),
-                    c.nvfp4_four_over_six)
+    return Contract(train, rollout, _overrides(c), c.nvfp4_four_over_six)
+
+
+def _num_layers(c: TrainConfig) -> int | None:
+    try:
+        return int(json.loads((c.hf_checkpoint / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _overrides(c: TrainConfig) -> tuple[tuple[str, str], ...]:
+    """--precision-override, after the first / last layers the recipe keeps in bf16 (resolved
+    against the checkpoint's layer count; unreadable = refused by precision_refusals)."""
+    by_layer: tuple[tuple[str, str], ...] = ()
+    first, last = c.precision_bf16_first_layers, c.precision_bf16_last_layers
+    if first or last:
+        n = _num_layers(c)
+        by_layer = layer_overrides(first, last, n) if n else ()
+    return by_layer + parse_overrides(c.precision_override or [])
 
 
 def precision_refusals(c: TrainConfig) -> list[str]:
     train, rollout = sides(c.precision, c.train_precision, c.rollout_precision)
     try:
-        overrides = parse_overrides(c.precision_override or [])
+        overrides = _overrides(c)
     except ValueError as e:
         return [str(e)]
     p = contract_refusals(train, rollout, overrides, four_over_six=c.nvfp4_four_over_six,
                           dequantized_backward=c.nvfp4_dequantized_backward)
+    p += layer_refusals(c, train, rollout) + fp8_scaling_refusals(c, train)
     if train == BF16 and rollout == BF16:
         return p
     what = f"--precision {c.precision} (trainer {train}, engines {rollout})"
@@ -56,15 +75,57 @@ def precision_refusals(c: TrainConfig) -> list[str]:
     return p
 
 
+def layer_refusals(c: TrainConfig, train: str, rollout: str) -> list[str]:
+    """--precision-bf16-first-layers / --precision-bf16-last-layers: a quantized run, and a
+    checkpoint whose layer count is known and large enough."""
+    asked = [(f"--precision-bf16-{side}-layers {k}", k) for side, k in
+             (("first", c.precision_bf16_first_layers), ("last", c.precision_bf16_last_layers)) if k]
+    if not asked:
+        return []
+    what = " / ".join(f for f, _ in asked)
+    if train == BF16 and rollout == BF16:
+        return [f"{what} keeps layers unquantized; this run quantizes nothing "
+                f"(--precision {c.precision}): drop it or set a quantized --precision"]
+    n = _num_layers(c)
+    if n is None:
+        return [f"{what}: {c.hf_checkpoint}/config.json gives no num_hidden_layers to count the "
+                "layers from; use --precision-override layers.A-B=bf16 instead"]
+    return [f"{f}: the model has {n} decoder layers ({c.hf_checkpoint}); use at most {n}"
+            for f, k in asked if k > n]
+
+
+def fp8_scaling_refusals(c: TrainConfig, train: str) -> list[str]:
+    """--fp8-scaling delayed needs the FP8 blockwise trainer (MX and NVFP4 block scales are the
+    formats' own; int4 quantizes no activations) on the FSDP backend; its knobs need it."""
+    p: list[str] = []
+    knobs = [f"--{k.replace('_', '-')}" for k in ("fp8_amax_history_len", "fp8_amax_compute_algo",
+                                                    "fp8_margin") if k in c.model_fields_set]
+    if c.fp8_scaling == "current":
+        if knobs:
+            p.append(f"{', '.join(knobs)} set the delayed-scaling recipe; this run has "
+                     "--fp8-scaling current: add --fp8-scaling delayed or drop them")
+        return p
+    if train != "fp8_block":
+        p.append(f"--fp8-scaling delayed needs an FP8 trainer (--precision fp8); the trainer runs "
+                 f"{train} (--precision {c.precision}): drop --fp8-scaling or use --precision fp8")
+    if c.train_backend != "fsdp":
+        p.append(f"--fp8-scaling delayed with --train-backend {c.train_backend}: the delayed "
+                 "recipe is the FSDP trainer's; use --train-backend fsdp")
+    return p
+
+
 def ratio_correction_default(c: TrainConfig) -> str | None:
     """TIS by default when the engines serve a quantized copy of a bf16 trainer's weights (the
     gap the report corrects), MoE experts under `--precision fp8` included (the trainer keeps
-    them bf16: for experts that arrangement is bf16-train-fp8-serve); None = keep the
-    configured value."""
+    them bf16: for experts that arrangement is bf16-train-fp8-serve), and under
+    `--fp8-scaling delayed` (the trainer scales its activations from history, the engines per
+    block: the forwards differ); None = keep the configured value."""
     if "ratio_correction" in c.model_fields_set:
         return None
     train, rollout = sides(c.precision, c.train_precision, c.rollout_precision)
     if train == BF16 and rollout != BF16:
+        return "tis"
+    if train == "fp8_block" and c.fp8_scaling == "delayed":  # the trainer's activations differ
         return "tis"
     if rollout in EXPERTS_SERVED and _experts_served_quantized(c, run_contract(c)):
         return "tis"

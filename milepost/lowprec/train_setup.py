@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from milepost.lowprec.contract import Contract, native_support
+from milepost.lowprec.delayed import DelayedScaling, DelayedSettings, attach_delayed
 from milepost.lowprec.linear import apply_train_precision
 
 if TYPE_CHECKING:
@@ -29,3 +30,15 @@ def quantize_trainer(model: nn.Module, s: TrainerSettings, device: torch.device)
                 f"; {'the CPU' if cap is None else f'compute capability {cap}'} has no native "
                 f"{s.precision} GEMM")
     return names
+
+
+def delayed_scaling_for(s: TrainerSettings, policy: nn.Module, readers: list[nn.Module],
+                        device: torch.device) -> DelayedScaling | None:
+    """The policy's amax history under `--fp8-scaling delayed` (None under current scaling); the
+    reference model (`readers`) reads its scales. Its linears run the emulated GEMMs: the native
+    Hopper path quantizes activations per 1 x 128 block itself."""
+    if s.fp8_scaling != "delayed":
+        return None
+    return attach_delayed(policy, DelayedSettings(s.fp8_amax_history_len,
+                                                  s.fp8_amax_compute_algo,  # type: ignore[arg-type]
+                                                  s.fp8_margin), device, readers)

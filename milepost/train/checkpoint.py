@@ -149,14 +149,19 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     extra: dict[str, Any] | None = None,
+    stateful: dict[str, Any] | None = None,
 ) -> None:
-    """Collective: every rank calls it with its own (sharded) model and optimizer."""
+    """Collective: every rank calls it with its own (sharded) model and optimizer. `stateful`:
+    other trainer state (objects with state_dict / load_state_dict, e.g. the FP8 amax history),
+    kept in each rank's file beside the scheduler."""
     meta = {"format_version": FORMAT_VERSION, "world_size": dist.get_world_size(), "extra": dict(extra or {})}
     with staged_checkpoint_dir(path, meta) as tmp:
         dcp.save(_state(model, optimizer), checkpoint_id=tmp)
         if isinstance(optimizer, StreamingAdamW):  # its moments are files: copied, per rank
             optimizer.save_files(tmp / STREAM_DIR / f"rank_{dist.get_rank()}")
-        torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_state()}, tmp / f"rank_{dist.get_rank()}.pt")
+        torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_state(),
+                    "stateful": {k: v.state_dict() for k, v in (stateful or {}).items()}},
+                   tmp / f"rank_{dist.get_rank()}.pt")
 
 
 def load_checkpoint(
@@ -164,8 +169,10 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    stateful: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Collective inverse of `save_checkpoint`; returns the saved `extra`.
+    """Collective inverse of `save_checkpoint`; returns the saved `extra`. Each `stateful` object
+    missing from the checkpoint (saved without it) keeps its fresh state, with a warning.
 
     Model and optimizer reshard to the current world size; RNG states are restored only when the
     world size matches the one that saved (a warning otherwise: the trainer itself draws no random
@@ -198,6 +205,11 @@ def load_checkpoint(
                        optim_state_dict=state["optim"], options=_options(model))
     own = torch.load(path / f"rank_{rank if same_layout else 0}.pt", weights_only=False)
     scheduler.load_state_dict(own["scheduler"])
+    for key, obj in (stateful or {}).items():
+        if key in own.get("stateful", {}):
+            obj.load_state_dict(own["stateful"][key])
+        elif rank == 0:
+            warnings.warn(f"{path} has no {key} state (saved without it): it starts fresh")
     if same_layout:
         _set_rng_state(own["rng"])
     elif rank == 0:

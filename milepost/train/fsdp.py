@@ -101,6 +101,11 @@ class FSDPBackend:
         evictor = StateEvictor(settings.offload_destination, device, directory=settings.offload_dir,
                                staging_bytes=settings.offload_staging_bytes)
         self.residency = Residency(groups, evictor, take_turns=settings.actor_critic_turns)
+        self.fp8_scaling = None  # --fp8-scaling delayed: the policy's amax history (lowprec/delayed.py)
+        if settings.fp8_scaling == "delayed":
+            from milepost.lowprec.train_setup import delayed_scaling_for
+
+            self.fp8_scaling = delayed_scaling_for(settings, policy, [m for m in [reference] if m], device)
 
     @classmethod
     def create(cls, model_path: str | Path, settings: TrainerSettings) -> FSDPBackend:
@@ -274,6 +279,8 @@ class FSDPBackend:
                 grad_norms.append(self._clip_gradients(self.policy.parameters(), self.settings.clip_grad))
                 lr = self.optimizer.param_groups[0]["lr"]
                 nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
+                if self.fp8_scaling is not None:  # the step's amaxes, max-reduced over the ranks
+                    self.fp8_scaling.step()
         check_after_steps(self.policy.parameters(), nonfinite, lr, self._all_reduce)  # no NaN to engines
         if critic_sums is not None:
             acc[-2:] = critic_sums
@@ -397,15 +404,21 @@ class FSDPBackend:
             self._require_onloaded("save_checkpoint", "critic")
             self.critic.save(path)
         self._require_onloaded("save_checkpoint")
-        ckpt.save_checkpoint(path, self.policy, self.optimizer, self.scheduler, extra)
+        ckpt.save_checkpoint(path, self.policy, self.optimizer, self.scheduler, extra,
+                             stateful=self._stateful())
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         self._require_onloaded("load_checkpoint")
-        extra = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.scheduler)
+        extra = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.scheduler,
+                                     stateful=self._stateful())
         if self.critic is not None:
             self._require_onloaded("load_checkpoint", "critic")
             self.critic.load(path)
         return extra
+
+    def _stateful(self) -> dict[str, Any]:
+        """Trainer state beyond model and optimizer that a resume must restore exactly."""
+        return {"fp8_scaling": self.fp8_scaling} if self.fp8_scaling is not None else {}
 
     def export_hf(self, path: str | Path) -> None:
         """A Hugging Face directory; with LoRA, a PEFT adapter directory for the base instead."""

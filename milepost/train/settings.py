@@ -138,6 +138,11 @@ class TrainerSettings:
     precision_overrides: tuple[tuple[str, str], ...] = ()
     nvfp4_four_over_six: bool = False
     nvfp4_dequantized_backward: bool = False
+    # FP8 trainer scaling (milepost/lowprec/delayed.py): current per-block, or delayed from history.
+    fp8_scaling: str = "current"
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
+    fp8_margin: int = 0
     lora_adapters: tuple[tuple[str, float], ...] = ()  # multi-LoRA: (name, lr) of each adapter
 
     def __post_init__(self) -> None:
@@ -176,6 +181,11 @@ class TrainerSettings:
         need(self.loss_aggregation in ("token_mean", "sequence_mean"), "loss_aggregation: token_mean | sequence_mean")
         need(self.ratio_level in ("token", "sequence"), "ratio_level: token | sequence")
         need(self.ratio_correction in ("none", "tis", "clip_or_pop"), "ratio_correction: none | tis | clip_or_pop")
+        need(self.fp8_scaling == "current" or self.precision == "fp8_block",
+             f"fp8_scaling={self.fp8_scaling!r} needs precision='fp8_block', got {self.precision!r}")
+        need(self.fp8_amax_history_len >= 1 and self.fp8_margin >= 0
+             and self.fp8_amax_compute_algo in ("max", "most_recent"),
+             "need fp8_amax_history_len >= 1, fp8_margin >= 0, fp8_amax_compute_algo max | most_recent")
         need(0 <= self.tis_clip_low < self.tis_clip, f"need 0 <= tis_clip_low < tis_clip, got [{self.tis_clip_low}, {self.tis_clip}]")
         need(self.critic_lr is None or self.critic_lr > 0, f"critic_lr must be > 0, got {self.critic_lr}")
         need(self.value_clip > 0, f"value_clip must be > 0, got {self.value_clip}")

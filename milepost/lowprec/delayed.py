@@ -1,0 +1,178 @@
+"""Delayed FP8 scaling for the trainer (`--fp8-scaling delayed`, Transformer Engine's recipe).
+
+What it changes: only what the trainer alone quantizes. Each FP8 blockwise linear's input
+activation (forward GEMM, and the weight-gradient GEMM) and its output gradient (data- and
+weight-gradient GEMMs) get one E4M3 scale per tensor, taken from the amaxes of earlier optimizer
+steps, instead of one scale per 1 x 128 block from the tensor itself. The weights keep the shared
+quantizer's 128 x 128 tiles (milepost/lowprec/quantize.py: the engines, conversion and export
+compute the same bits), so the contract's weights do not change. The engines keep current 1 x 128
+activation scales (they have no history and decode one token at a time), so the trainer's forward
+differs from theirs by the activation rounding: TIS is on by default (rules.py).
+
+The history: each slot (a weight's input `x` or output gradient `gy`) keeps the amax of the last
+`history_len` optimizer steps. Within a step every training forward and backward max-es its
+tensor's amax into the step's slot (micro-batches and activation recompute included; the
+scoring passes under no_grad only read); when the step ends the slots are max-reduced over the
+data-parallel group in one all_reduce, so every rank uses the same scales and the scales do not
+depend on how the batch was split, then pushed into the history and the scales recomputed:
+`scale = amax_h * 2^margin / 448`, amax_h the history's largest ("max") or the last step's
+("most_recent"). A slot whose amax_h is zero or not finite keeps its scale (as TE does); a slot
+with no positive amax in its history yet scales by its own amax (per tensor, current): TE starts
+from scale 1, which would flush small gradients to zero in E4M3.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from milepost.lowprec import elements as el
+
+log = logging.getLogger(__name__)
+AmaxAlgo = Literal["max", "most_recent"]
+
+
+@dataclass(frozen=True)
+class DelayedSettings:
+    """TE's DelayedScaling knobs (its defaults: history 1024, "max", margin 0)."""
+
+    history_len: int = 1024
+    algo: AmaxAlgo = "max"
+    margin: int = 0
+
+
+def _amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(largest finite magnitude, whether x holds NaN/Inf) as float32 / bool scalars."""
+    xf = x.detach().float()
+    finite = torch.isfinite(xf)
+    return torch.where(finite, xf.abs(), 0.0).amax(), ~finite.all()
+
+
+def qdq_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x` quantized to E4M3 with one float32 `scale` (x / scale rounded to nearest even,
+    saturating at 448) and dequantized back to x's dtype; a NaN scale gives NaN everywhere."""
+    v = el.to_e4m3(x.detach().float() / scale)  # tensor / tensor: correctly rounded on any device
+    return (v.float() * scale).to(x.dtype)
+
+
+class DelayedScaling:
+    """The amax history and scales of one trained model's FP8 linears (see the module docstring)."""
+
+    def __init__(self, names: Sequence[str], settings: DelayedSettings, device: torch.device) -> None:
+        self.settings = settings
+        self.slots = [f"{n}:{k}" for n in names for k in ("x", "gy")]
+        s = len(self.slots)
+        self.history = torch.zeros(settings.history_len, s, dtype=torch.float32, device=device)
+        self.scale = torch.ones(s, dtype=torch.float32, device=device)
+        self.pending = torch.zeros(s, dtype=torch.float32, device=device)
+        self.updates = 0
+        self._seen = [False] * s  # host copy: a slot with a positive amax in its history
+
+    def slot(self, name: str, kind: str) -> int:
+        return self.slots.index(f"{name}:{kind}")
+
+    def _current_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        scaled = amax * 2.0 ** self.settings.margin  # a power of two: exact
+        return torch.where(amax > 0, scaled / torch.full_like(scaled, el.E4M3_MAX), 1.0)
+
+    def qdq(self, x: torch.Tensor, slot: int, record: bool) -> torch.Tensor:
+        """`x` as the FP8 GEMM sees it under this slot's scale; `record` adds its amax to the step."""
+        amax, bad = _amax(x)
+        if record:
+            self.pending[slot] = torch.maximum(self.pending[slot], amax)
+        scale = self.scale[slot] if self._seen[slot] else self._current_scale(amax)
+        return qdq_per_tensor(x, torch.where(bad, torch.nan, scale))
+
+    def step(self, group: dist.ProcessGroup | None = None) -> None:
+        """End of an optimizer step (collective over `group` when it has several ranks)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(self.pending, op=dist.ReduceOp.MAX, group=group)
+        self.history = torch.roll(self.history, 1, 0)
+        self.history[0] = self.pending
+        self.pending.zero_()
+        self.updates += 1
+        filled = self.history[: min(self.updates, self.settings.history_len)]
+        amax_h = filled.amax(0) if self.settings.algo == "max" else self.history[0]
+        ok = (amax_h > 0) & torch.isfinite(amax_h)
+        self.scale = torch.where(ok, self._current_scale(amax_h), self.scale)
+        self._seen = [a or b for a, b in zip(self._seen, ok.tolist())]  # one host sync a step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"slots": list(self.slots), "history": self.history.cpu(), "scale": self.scale.cpu(),
+                "pending": self.pending.cpu(), "updates": self.updates, "seen": list(self._seen),
+                "history_len": self.settings.history_len}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a saved history (exact resume); refuses one of another model or length."""
+        if state["slots"] != self.slots:
+            raise ValueError("the checkpoint's FP8 amax history is for other linears "
+                             f"({len(state['slots'])} slots, this model has {len(self.slots)}); "
+                             "resume with the same --hf-checkpoint and precision overrides")
+        if state["history_len"] != self.settings.history_len:
+            raise ValueError(f"the checkpoint's FP8 amax history has length {state['history_len']}; "
+                             f"resume with --fp8-amax-history-len {state['history_len']}")
+        dev = self.scale.device
+        self.history, self.scale = state["history"].to(dev), state["scale"].to(dev)
+        self.pending = state["pending"].to(dev)
+        self.updates, self._seen = int(state["updates"]), list(state["seen"])
+
+
+class DelayedFp8LinearFn(torch.autograd.Function):
+    """y = Qd(x) @ Q(w)^T; backward on Qd(gy): per-tensor delayed scales for x and gy (one
+    quantized copy serves both GEMMs of each), the shared quantizer's weight, the weight's
+    gradient straight through to the master."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, wq: torch.Tensor, state: DelayedScaling,
+                slots: tuple[int, int], record: bool) -> torch.Tensor:
+        xq = state.qdq(x, slots[0], record)
+        ctx.save_for_backward(xq, wq)
+        ctx.state, ctx.gy_slot = state, slots[1]
+        return F.linear(xq, wq)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):  # type: ignore[override]
+        xq, wq = ctx.saved_tensors
+        gyq = ctx.state.qdq(gy, ctx.gy_slot, True)
+        gy2, x2 = gyq.reshape(-1, gy.shape[-1]), xq.reshape(-1, xq.shape[-1])
+        gx = gy2 @ wq
+        gw = gy2.t() @ x2
+        return gx.reshape(xq.shape), gw.to(wq.dtype), None, None, None, None
+
+
+def delayed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A LowPrecLinear's forward under delayed scaling (module.__dict__['_delayed'] is set)."""
+    state, slots, records = module.__dict__["_delayed"]
+    record = records and torch.is_grad_enabled()  # scoring passes under no_grad only read
+    y = DelayedFp8LinearFn.apply(x, module.weight, module.quantized_weight(), state, slots, record)
+    return y + module.bias if module.bias is not None else y
+
+
+def fp8_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(HF weight name, module) of `model`'s FP8 blockwise trainer linears, in module order."""
+    from milepost.lowprec.linear import LowPrecLinear, _hf_name
+
+    return [(_hf_name(n) + ".weight", m) for n, m in model.named_modules()
+            if isinstance(m, LowPrecLinear) and m.qformat == "fp8_block"]
+
+
+def attach_delayed(model: nn.Module, settings: DelayedSettings, device: torch.device,
+                   readers: Sequence[nn.Module] = ()) -> DelayedScaling:
+    """Delayed scaling for the trained `model`'s FP8 linears; `readers` (the reference model: the
+    same tensors, never trained) use its scales without recording, so policy and reference
+    quantize alike while their weights agree."""
+    linears = fp8_linears(model)
+    state = DelayedScaling([n for n, _ in linears], settings, device)
+    for m, records in [(model, True), *((r, False) for r in readers)]:
+        for name, lin in fp8_linears(m):
+            lin.__dict__["_delayed"] = (state, (state.slot(name, "x"), state.slot(name, "gy")), records)
+    log.info("--fp8-scaling delayed: %d linears, amax history %d (%s), margin %d", len(linears),
+             settings.history_len, settings.algo, settings.margin)
+    return state
