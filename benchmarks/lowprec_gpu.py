@@ -3,6 +3,15 @@
 weights), and a train step of the quantized linears vs bf16.
 
     python benchmarks/lowprec_gpu.py --shapes qwen3-0.6b,qwen3-4b --json-out out.json
+
+`--parts int4` times the packed INT4 W4A16 GEMM (milepost/kernels/int4_gemm.py) at decode M per
+projection against bf16 cuBLAS and the FP8 decode GEMM, from CUDA graphs over weight copies that
+overflow L2 (benchmarks/fp8_gemm_sweep.py's timing), each config checked against the fp32
+product of the dequantized weights first; `--modes bf16,int4 --parts engine` gives engine decode
+tok/s and weight bytes of the two in one process:
+
+    PYTHONPATH=$PWD python benchmarks/lowprec_gpu.py --parts int4,engine --modes bf16,fp8_block,int4 \
+        --json-out int4.json
 """
 
 from __future__ import annotations
@@ -70,7 +79,72 @@ def gemms(shape: str) -> list[dict]:
 
 
 MODES = {"bf16": (None, "auto"), "fp8_block": ("fp8_block", "auto"),
-         "fp8_block+fp8_kv": ("fp8_block", "fp8_e4m3")}
+         "fp8_block+fp8_kv": ("fp8_block", "fp8_e4m3"), "int4": ("int4", "auto")}
+
+
+def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -> list[dict]:
+    """Per projection of `shape` and decode M: us per call of bf16 F.linear, the FP8 decode GEMM
+    (its table config) and the W4A16 kernel (w4_config's rule, then a small grid), each INT4
+    config first checked against the fp32 product of the dequantized weights (bf16 output)."""
+    import math
+
+    from fp8_gemm_sweep import L2_BYTES, LINEARS, graph_us
+
+    from milepost.kernels import int4_gemm as ig
+    from milepost.kernels.fp8_gemm import fp8_block_linear
+    from milepost.lowprec.quantize import quantize
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    print(f"int4 W4A16 kernel probe: {ig.kernel_ok(dev)}", flush=True)
+    rows = []
+    for name, (n, k) in LINEARS[shape].items():
+        w = torch.randn(n, k, device=dev) * 0.02
+        q4, q8 = quantize(w, "int4"), quantize(w, "fp8_block")
+        deq = ig.dequantize_int4(q4.values, q4.scales, k, torch.bfloat16).float()
+        copies = max(2, min(64, math.ceil(L2_BYTES / (n * k // 2))))  # the int4 bytes overflow L2
+        wb = [w.to(torch.bfloat16) for _ in range(min(copies, 32))]
+        p4 = [(q4.values.clone(), q4.scales.clone()) for _ in range(copies)]
+        p8 = [(q8.values.clone(), q8.scales.clone()) for _ in range(min(copies, 32))]
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.float() @ deq.t()
+            row = {"shape": shape, "gemm": name, "M": m, "N": n, "K": k, "int4_copies": copies}
+
+            def timed(fn, count: int, check: bool) -> float | str:
+                try:
+                    if check:
+                        err = (fn(0).float() - ref).abs().max().item()
+                        if not err <= 1e-2 * ref.abs().max().item():
+                            return f"wrong (max diff {err:.3g})"
+                    return graph_us([lambda i=i: fn(i) for i in range(count)])[0]
+                except Exception as e:  # noqa: BLE001 - report, go on
+                    return f"failed: {str(e).splitlines()[0][:100]}"
+
+            row["bf16_us"] = timed(lambda i: F.linear(x, wb[i]), len(wb), False)
+            row["fp8_decode_us"] = timed(
+                lambda i: fp8_block_linear(x, p8[i][0], p8[i][1], "decode"), len(p8), False)
+            rule = ig.w4_config(m, n, k, sms)
+            row["int4_rule"] = list(rule)
+            row["int4_rule_us"] = timed(lambda i: ig.w4a16_mm(x, *p4[i], k, rule), copies, True)
+            grid = {}
+            bm = rule.block_m
+            for bn in (32, 64, 128):
+                for split in sorted({1, 2, 4, 8, rule.split}):
+                    if split > math.ceil(k / 128):
+                        continue
+                    for stages in (3, 4):
+                        cfg = ig.W4Config(bm, bn, split, 4 if bm * bn < 64 * 128 else 8, stages)
+                        grid[str(tuple(cfg))] = timed(
+                            lambda i, c=cfg: ig.w4a16_mm(x, *p4[i], k, c), copies, True)
+            timed_ok = {c: t for c, t in grid.items() if isinstance(t, float)}
+            best = min(timed_ok, key=timed_ok.get) if timed_ok else None
+            row.update(int4_grid=grid, int4_best=best, int4_best_us=timed_ok.get(best))
+            rows.append(row)
+            print(json.dumps({k2: v for k2, v in row.items() if k2 != "int4_grid"}), flush=True)
+        del wb, p4, p8
+        torch.cuda.empty_cache()
+    return rows
 
 
 def engine_decode(shape: str, requests: int, prompt: int, output: int,
@@ -112,7 +186,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
             torch.cuda.empty_cache()
         print(json.dumps(out), flush=True)
     if "bf16" in out:
-        for mode in ("fp8_block", "fp8_block+fp8_kv"):
+        for mode in ("fp8_block", "fp8_block+fp8_kv", "int4"):
             if mode in out:
                 out[f"{mode}_over_bf16_decode"] = out[mode]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
     if "fp8_block" in out and "fp8_block+fp8_kv" in out:
@@ -188,7 +262,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=256)
-    p.add_argument("--parts", default="gemm,engine,train")
+    p.add_argument("--parts", default="gemm,engine,train", help="of gemm, engine, train, int4")
     p.add_argument("--modes", default=",".join(MODES), help="engine part: which of " + ", ".join(MODES))
     p.add_argument("--decode-table", default=None,
                    help="a benchmarks/fp8_gemm_sweep.py JSON: its best configs replace DECODE_TABLE's "
@@ -205,6 +279,10 @@ def main() -> None:
         result["decode_table"] = load_decode_table(a.decode_table)
     if "gemm" in parts:
         result["gemm"] = [r for s in shapes for r in gemms(s)]
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "int4" in parts:
+        result["int4_gemm"] = [r for s in shapes for r in int4_gemms(s)]
         gc.collect()
         torch.cuda.empty_cache()
     if "engine" in parts:
