@@ -113,20 +113,7 @@ class DraftModel:
 
     def _draw(self, logits: torch.Tensor, live: list[int], reqs: Sequence[Request],
               tokens: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
-        """One token per live request from the draft's logits [len(live), V], at its settings."""
-        params = [reqs[i].params for i in live]
-        picked = logits.argmax(dim=-1)
-        drawn = [j for j, p in enumerate(params) if not p.greedy]
-        if drawn:
-            temps = torch.tensor([params[j].temperature for j in drawn], device=logits.device)
-            p = torch.softmax(logits[drawn].float() / temps[:, None], dim=-1)
-            _truncate(p, [params[j] for j in drawn])
-            p = p / p.sum(dim=1, keepdim=True)
-            picked[drawn] = _race(p.clone(), [reqs[live[j]].generator for j in drawn])
-            for row, j in enumerate(drawn):
-                probs[live[j]].append(p[row])
-        for i, t in zip(live, picked.tolist()):
-            tokens[i].append(t)
+        draw(logits, live, reqs, tokens, probs)
 
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """The draft's logits [len(chunks), V] at each chunk's last position."""
@@ -145,3 +132,23 @@ class DraftModel:
                                     ForwardContext(attention=self.attention))
         rows = torch.tensor(flat.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
+
+
+def draw(logits: torch.Tensor, live: list[int], reqs: Sequence[Request],
+         tokens: list[list[int]], probs: list[list[torch.Tensor]]) -> None:
+    """One token per live request from draft logits [len(live), V], at the request's settings
+    (greedy: the argmax; else drawn from the truncated distribution, which is kept in `probs`
+    for the verifier's rule)."""
+    params = [reqs[i].params for i in live]
+    picked = logits.argmax(dim=-1)
+    drawn = [j for j, p in enumerate(params) if not p.greedy]
+    if drawn:
+        temps = torch.tensor([params[j].temperature for j in drawn], device=logits.device)
+        p = torch.softmax(logits[drawn].float() / temps[:, None], dim=-1)
+        _truncate(p, [params[j] for j in drawn])
+        p = p / p.sum(dim=1, keepdim=True)
+        picked[drawn] = _race(p.clone(), [reqs[live[j]].generator for j in drawn])
+        for row, j in enumerate(drawn):
+            probs[live[j]].append(p[row])
+    for i, t in zip(live, picked.tolist()):
+        tokens[i].append(t)

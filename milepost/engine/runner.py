@@ -56,6 +56,12 @@ class ModelRunner:
             )
         self.graphs: DecodeGraphs | None = None
         self.lora: AdapterPool | None = None  # --enable-lora: adapters applied per token (milepost/lora/)
+        # Speculative NEXTN (draft_mtp.py): the MTP layer reads the target's final hidden states of
+        # every position, kept here per forward as (hidden [T, H], first row of each chunk); its
+        # KV pools share the target's blocks, so a partly shared block is copied for them too.
+        self.keep_hidden = False
+        self.last_hidden: tuple[torch.Tensor, list[int]] | None = None
+        self.shadow_pools: list[torch.Tensor] = []
         if cuda_graph_max_bs > 0:
             if device.type != "cuda":
                 raise ValueError("CUDA graphs need a CUDA device; pass --disable-cuda-graph on CPU")
@@ -91,7 +97,7 @@ class ModelRunner:
             return self._forward(chunks, feed)
 
     def _forward(self, chunks: list[Chunk], feed: Feed | None) -> torch.Tensor:
-        if self.graphs is not None and all(c.length == 1 for c in chunks):
+        if self.graphs is not None and not self.keep_hidden and all(c.length == 1 for c in chunks):
             if self.lora is not None and len(chunks) <= self.graphs.max_bs:  # the graphs' static LoRA rows
                 self.lora.set_graph_batch([self.lora.slot_of(c.req.lora_name) for c in chunks])
             logits = self.graphs.run(chunks, self._record_routed, feed)
@@ -128,6 +134,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_batch([self.lora.slot_of(c.req.lora_name) for c in chunks], flat.query_lens)
         hidden = self.model.forward(ids, put(flat.positions), ctx)
+        if self.keep_hidden:
+            self.last_hidden = (hidden, flat.query_start_loc[:-1].tolist())
         if routed is not None:
             self._record_routed(slot_t, routed)
         if not flat.sample_rows:
@@ -140,7 +148,7 @@ class ModelRunner:
         experts recorded beside them): a cached prefix that ends inside a block is reused
         without recomputing it. Enqueued on the current stream, so it runs before the next step."""
         s, d = src_block * self.block_size, dst_block * self.block_size
-        pools = [*self.kv.k, *self.kv.v]
+        pools = [*self.kv.k, *self.kv.v, *self.shadow_pools]
         with torch.no_grad():
             # One multi-tensor launch on CUDA for all layers instead of 2 copies per layer.
             torch._foreach_copy_([t[d : d + n] for t in pools], [t[s : s + n] for t in pools])

@@ -156,11 +156,12 @@ class ServerArgs(BaseModel):
         False, description="Re-score every finished sequence with the trainer's computation "
         "(milepost/onpolicy/contract.py) and report those log-probs: bitwise equal to a trainer run "
         "with --true-on-policy (docs/true_on_policy.md). Dense Qwen3 / Llama; no fp8, no LoRA.")
-    speculative_algorithm: Literal["NGRAM", "STANDALONE"] | None = Field(
+    speculative_algorithm: Literal["NGRAM", "STANDALONE", "NEXTN", "EAGLE"] | None = Field(
         None, description="Speculative decoding, exact for RL (docs/speculative.md): NGRAM proposes "
         "what followed the sequence's tail earlier in the prompt and output; STANDALONE runs the small "
-        "draft model --speculative-draft-model-path. The target verifies the proposals in one forward "
-        "with the rejection-sampling rule, so tokens and log-probs follow the target exactly.")
+        "draft model --speculative-draft-model-path; NEXTN (EAGLE: the same, as SGLang maps it) runs "
+        "the checkpoint's own multi-token-prediction layer. The target verifies the proposals in one "
+        "forward with the rejection-sampling rule, so tokens and log-probs follow the target exactly.")
     speculative_draft_model_path: Path | None = Field(
         None, description="STANDALONE: Hugging Face directory of the draft model (same vocabulary as "
         "the target, else refused at start).",
@@ -168,6 +169,13 @@ class ServerArgs(BaseModel):
     speculative_num_draft_tokens: int = Field(
         4, ge=2, description="Tokens the target verifies per request and step, the last sampled "
         "one included (SGLang's count): num_draft_tokens - 1 are proposed.")
+    speculative_num_steps: int | None = Field(
+        None, ge=1, description="NEXTN / EAGLE: draft steps per verify (SGLang's name); with "
+        "--speculative-eagle-topk 1 the tokens verified are num_steps + 1 (--speculative-num-draft-"
+        "tokens then defaults to that, and is refused when it differs).")
+    speculative_eagle_topk: int | None = Field(
+        None, ge=1, description="NEXTN / EAGLE: draft tokens per step (SGLang's name); only 1, a "
+        "chain, is implemented (a tree of proposals is refused).")
     speculative_ngram_min_match_window_size: int = Field(
         2, ge=1, description="NGRAM: shortest tail of the sequence matched against its earlier tokens.")
     speculative_ngram_max_match_window_size: int = Field(
@@ -315,9 +323,17 @@ class ServerArgs(BaseModel):
         tuned = (self.speculative_num_draft_tokens != 4
                  or self.speculative_ngram_min_match_window_size != 2
                  or self.speculative_ngram_max_match_window_size != 8)
-        if algo is None and (draft is not None or tuned):
+        eagle = (self.speculative_num_steps, self.speculative_eagle_topk) != (None, None)
+        if algo is None and (draft is not None or tuned or eagle):
             raise ValueError("--speculative-draft-model-path / --speculative-num-draft-tokens / "
-                             "--speculative-ngram-* need --speculative-algorithm NGRAM or STANDALONE")
+                             "--speculative-num-steps / --speculative-eagle-topk / --speculative-ngram-* "
+                             "need --speculative-algorithm NGRAM, STANDALONE or NEXTN")
+        if algo in ("NEXTN", "EAGLE"):
+            self._check_nextn()
+        elif eagle:
+            raise ValueError(f"--speculative-num-steps / --speculative-eagle-topk are NEXTN / EAGLE "
+                             f"settings; with --speculative-algorithm {algo} use "
+                             "--speculative-num-draft-tokens")
         if algo == "STANDALONE" and draft is None:
             raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path "
                              "DIR (a small model with the target's vocabulary)")
@@ -334,6 +350,34 @@ class ServerArgs(BaseModel):
             from milepost.engine.speculative_setup import check_draft_dir
 
             check_draft_dir(self.model_path, draft)
+
+    def verified_tokens(self) -> int:
+        """Tokens verified per request and step: --speculative-num-draft-tokens, or
+        --speculative-num-steps + 1 when only that is given (SGLang's EAGLE count with top-k 1)."""
+        if self.speculative_num_steps is not None and "speculative_num_draft_tokens" not in self.model_fields_set:
+            return self.speculative_num_steps + 1
+        return self.speculative_num_draft_tokens
+
+    def _check_nextn(self) -> None:
+        """NEXTN / EAGLE draft with the target checkpoint's own MTP layers: they must be there."""
+        algo = self.speculative_algorithm
+        draft = self.speculative_draft_model_path
+        if draft is not None and Path(draft).resolve() != Path(self.model_path).resolve():
+            raise ValueError(f"--speculative-algorithm {algo} drafts with the target's own multi-token-"
+                             "prediction layers; a separate EAGLE head (--speculative-draft-model-path "
+                             f"{draft}) is not supported: drop the path, or use STANDALONE for a draft model")
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: only 1 (a chain of "
+                             "proposals) is implemented; pass --speculative-eagle-topk 1")
+        steps = self.speculative_num_steps
+        if steps is not None and "speculative_num_draft_tokens" in self.model_fields_set:
+            if self.speculative_num_draft_tokens != steps + 1:
+                raise ValueError(f"--speculative-num-steps {steps} with --speculative-eagle-topk 1 verifies "
+                                 f"{steps + 1} tokens, but --speculative-num-draft-tokens is "
+                                 f"{self.speculative_num_draft_tokens}: pass {steps + 1} or drop one of them")
+        from milepost.engine.speculative_setup import check_mtp_checkpoint
+
+        check_mtp_checkpoint(self.model_path, algo)
 
     def resolved(self) -> ServerArgs:
         """A copy where device, dtype, tokenizer path, context length and prefill chunk are concrete.

@@ -13,7 +13,12 @@ from milepost.engine.kv_budget import cuda_kv_budget_bytes, out_of_memory_messag
 from milepost.engine.runner import ModelRunner
 from milepost.engine.server import ServerInfo
 from milepost.engine.server_args import ServerArgs
-from milepost.engine.speculative_setup import draft_kv_bytes_per_token, load_draft, make_speculator
+from milepost.engine.speculative_setup import (
+    draft_kv_bytes_per_token,
+    load_draft,
+    make_speculator,
+    mtp_kv_bytes_per_token,
+)
 from milepost.models.attention import PagedKVCache
 from milepost.models.base import CausalLM
 from milepost.models.masked_attention import needs_variant_backend
@@ -85,7 +90,7 @@ def build_engine(
     if model.moe_top_k > 0 and record_routed_experts:  # the routed-expert record beside the KV
         kv_bytes_per_token += model.num_layers * model.moe_top_k * 4
     draft = load_draft(args, dtype, device)  # --speculative-algorithm STANDALONE: its KV shares blocks
-    kv_bytes_per_token += draft_kv_bytes_per_token(draft, kv_dtype)
+    kv_bytes_per_token += draft_kv_bytes_per_token(draft, kv_dtype) + mtp_kv_bytes_per_token(args, model, kv_dtype)
     budget = None
     if device.type == "cuda":  # SGLang's meaning: weights + KV <= fraction of the total (kv_budget.py)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -148,6 +153,10 @@ def build_engine(
     engine.speculator = make_speculator(
         args, model, draft, kv.num_blocks, kv_dtype, device, context_length=context_length,
         cuda_graph_max_bs=runner.graphs.max_bs if runner.graphs is not None else 0)
+    mtp = getattr(engine.speculator, "drafter", None)
+    if hasattr(mtp, "observe"):  # NEXTN: the MTP layer reads the target's hidden states, shares blocks
+        runner.keep_hidden = True
+        runner.shadow_pools = [*mtp.kv.k, *mtp.kv.v]
     info = ServerInfo(
         model_path=str(args.model_path),
         tokenizer_path=str(args.tokenizer_path or args.model_path) if tokenizer else None,

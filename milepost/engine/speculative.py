@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from milepost.engine.draft_model import DraftModel
+from milepost.engine.draft_mtp import MtpDrafter
 from milepost.engine.draft_ngram import NgramDrafter
 from milepost.engine.request import Request
 from milepost.engine.scheduler import Chunk
@@ -26,6 +27,9 @@ from milepost.engine.speculative_sampling import Verdict, verify
 
 if TYPE_CHECKING:
     from milepost.engine.engine import Engine
+    from milepost.engine.runner import ModelRunner
+
+Drafter = NgramDrafter | DraftModel | MtpDrafter
 
 
 @dataclass
@@ -49,7 +53,7 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, num_draft_tokens: int, drafter: NgramDrafter | DraftModel) -> None:
+    def __init__(self, num_draft_tokens: int, drafter: Drafter) -> None:
         """num_draft_tokens: SGLang's count, the verified last token included (k + 1)."""
         if num_draft_tokens < 2:
             raise ValueError(f"--speculative-num-draft-tokens must be >= 2 (the last token plus at "
@@ -92,6 +96,13 @@ class Speculator:
                 c.verify = True
                 c.length = 1 + len(tokens)
                 c.draft_probs = probs  # read back by `finish`
+
+    def observe(self, chunks: list[Chunk], runner: ModelRunner) -> None:
+        """After the target's forward: an MTP draft keeps the hidden states it reads."""
+        if isinstance(self.drafter, MtpDrafter) and runner.last_hidden is not None:
+            hidden, starts = runner.last_hidden
+            runner.last_hidden = None
+            self.drafter.observe(chunks, hidden, starts, self.eligible)
 
     def finish(self, engine: Engine, chunks: list[Chunk], logits: torch.Tensor) -> int:
         """Sample the step's plain chunks, verify its verify chunks and append their tokens.
@@ -143,7 +154,7 @@ class Speculator:
             if req.is_finished:
                 break
         m = verdict.accepted[i]
-        if isinstance(self.drafter, DraftModel):
+        if not isinstance(self.drafter, NgramDrafter):
             self.drafter.after_verify(req, start_len, len(c.draft), m)
         s = self.stats
         s.verify_rows += 1

@@ -5,7 +5,9 @@ both directories ship a tokenizer.json, the same token-to-id map; anything else 
 start (a proposal in another vocabulary would be verified as the wrong tokens, wasting every
 step). The draft's KV pools take the target's block count, so its bytes per token are added to
 the target's when the pool is sized (setup.py). Its weights are updated with the target's
-under `draft/<name>` (install_draft_names).
+under `draft/<name>` (install_draft_names). NEXTN drafts with the target checkpoint's own MTP
+layers (draft_mtp.py): refused at start for a checkpoint without them; their weights are the
+target's, under the checkpoint's names.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 
 from milepost.engine.draft_model import DraftModel
+from milepost.engine.draft_mtp import MtpDrafter
 from milepost.engine.draft_ngram import NgramDrafter
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.speculative import Speculator
@@ -37,6 +40,40 @@ def check_draft_dir(model_path: Path, draft_path: Path) -> None:
         differ = sorted(set(a.items()) ^ set(b.items()))[:3]
         raise ValueError(f"{flag} {draft_path}: its tokenizer maps tokens to other ids than the "
                          f"target's (e.g. {differ}); a draft must use the target's vocabulary")
+
+
+def check_mtp_checkpoint(model_path: Path, algo: str) -> None:
+    """Refuse NEXTN / EAGLE for a checkpoint whose architecture or weights have no MTP layers."""
+    from types import SimpleNamespace
+
+    from milepost.models.mtp import mtp_layers_in_checkpoint
+    from milepost.models.registry import MODEL_REGISTRY
+
+    raw = json.loads((Path(model_path) / "config.json").read_text())  # read, no custom code run
+    # transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1 (the weights decide).
+    config = SimpleNamespace(num_hidden_layers=raw.get("num_hidden_layers", 0),
+                             num_nextn_predict_layers=raw.get("num_nextn_predict_layers", 1))
+    arch = (raw.get("architectures") or ["?"])[0]
+    cls = MODEL_REGISTRY.get(arch)
+    fix = "drop --speculative-algorithm or use NGRAM / STANDALONE --speculative-draft-model-path DIR"
+    if cls is None or not getattr(cls, "supports_mtp", False):
+        raise ValueError(f"--speculative-algorithm {algo} drafts with the checkpoint's multi-token-"
+                         f"prediction (MTP) layers; {arch} ({model_path}) has no native MTP support "
+                         f"(DeepseekV3ForCausalLM has): {fix}")
+    if mtp_layers_in_checkpoint(model_path, config) == 0:
+        n = getattr(config, "num_nextn_predict_layers", 0) or 0
+        first = config.num_hidden_layers
+        raise ValueError(f"--speculative-algorithm {algo}: {model_path} has no multi-token-prediction "
+                         f"weights (config num_nextn_predict_layers={n}, no model.layers.{first}.* "
+                         f"tensors): use a checkpoint that ships its MTP layers, or {fix}")
+
+
+def mtp_kv_bytes_per_token(args: ServerArgs, target: CausalLM, kv_dtype: torch.dtype) -> int:
+    """Bytes one token of the NEXTN draft's MTP cache takes (0 for other algorithms)."""
+    if args.speculative_algorithm not in ("NEXTN", "EAGLE"):
+        return 0
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    return (2 if getattr(target, "kv_values", True) else 1) * target.num_kv_heads * target.head_dim * elem
 
 
 def load_draft(args: ServerArgs, dtype: torch.dtype, device: torch.device) -> CausalLM | None:
@@ -71,8 +108,11 @@ def make_speculator(args: ServerArgs, target: CausalLM, draft: CausalLM | None, 
     if args.speculative_algorithm is None:
         return None
     if args.speculative_algorithm == "NGRAM":
-        drafter: NgramDrafter | DraftModel = NgramDrafter(
+        drafter: NgramDrafter | DraftModel | MtpDrafter = NgramDrafter(
             args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
+    elif args.speculative_algorithm in ("NEXTN", "EAGLE"):
+        drafter = MtpDrafter(target, num_blocks, args.page_size, kv_dtype, device, args.attention_backend,
+                             catch_up_tokens=args.chunked_prefill_size or 512)
     else:
         assert draft is not None
         if draft.vocab_size != target.vocab_size:
@@ -88,7 +128,7 @@ def make_speculator(args: ServerArgs, target: CausalLM, draft: CausalLM | None, 
                              cuda_graph_max_bs=cuda_graph_max_bs if safe else 0,
                              context_length=context_length)
         drafter.capture_cuda_graphs()
-    return Speculator(args.speculative_num_draft_tokens, drafter)
+    return Speculator(args.verified_tokens(), drafter)
 
 
 DRAFT_PREFIX = "draft/"

@@ -55,6 +55,8 @@ class Stepper:
         if self.speculator is not None:  # proposals turn decode chunks into verify chunks
             self.speculator.attach(chunks, self)
         logits = self.runner.forward(chunks)
+        if self.speculator is not None:  # an MTP draft reads the target's hidden states
+            self.speculator.observe(chunks, self.runner)
         scoring = not all(c.req.logprob_start_len < 0 for c in chunks)  # usually False: one pass
         if scoring:
             logits = take_prompt_logprobs(chunks, logits)

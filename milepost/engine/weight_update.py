@@ -173,9 +173,12 @@ class WeightLoader:
             problems: list[str] = []
             seen: set[str] = set()
             plan: list[tuple[torch.Tensor, object, str]] = []
+            # Tensors a checkpoint keeps beside the weights, read by no model (DeepSeek's copies
+            # of the embedding and head under its MTP layers, models/mtp.py).
+            unread = getattr(self.model, "skip_checkpoint_name", None)
             for handle in handles:
                 for name in handle.keys():
-                    if name.endswith(_DERIVED_SUFFIXES):
+                    if name.endswith(_DERIVED_SUFFIXES) or (unread is not None and unread(name)):
                         continue
                     header = handle.get_slice(name)
                     dtype = _SAFETENSORS_DTYPES.get(header.get_dtype())

@@ -5,11 +5,14 @@ MLA caches one latent per token and layer: the normalized compressed KV (kv_lora
 roped shared key (qk_rope_head_dim), kept in the paged K pool (no V pool). Attention expands the
 latent with kv_b_proj for every cached position of the sequence (the plain, non-absorbed form:
 exact, simple, more compute per decode step than absorbed-weight kernels). RoPE as rope.py
-implements it (YaRN included, with DeepSeek's mscale on the softmax scale).
+implements it (YaRN included, with DeepSeek's mscale on the softmax scale). A checkpoint's
+multi-token-prediction layers (mtp.py) are built when its weights hold them (`attach_mtp`): internal
+names `mtp.{i}.*`, checkpoint names `model.layers.{num_hidden_layers + i}.*` both ways.
 """
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 import torch
@@ -18,7 +21,10 @@ from torch import nn
 from milepost.models.base import ForwardContext
 from milepost.models.layers import GatedMLP, RMSNorm, apply_rotary
 from milepost.models.masked_attention import Variant, attend_one, latent_sequences
+from milepost.models.mtp import MtpLayer, is_mtp_copy
 from milepost.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, StackedExperts
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 from milepost.models.rope import rope_parameters, yarn_mscale
 
 
@@ -187,3 +193,65 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         mla = self.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * elem
         mha = self.num_layers * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * elem
         return mla, mha
+
+    # --- multi-token prediction (the NEXTN draft) ----------------------------------------------
+
+    supports_mtp: ClassVar[bool] = True
+
+    def attach_mtp(self, n: int) -> None:
+        """Build n MTP layers (registry.load_native does it when the checkpoint holds them). Each
+        attends over its own paged cache (layer 0 of the drafter's pool); MoE past
+        first_k_dense_replace like the decoder's layers at those indices."""
+        config = self.hf_config
+        self.mtp = nn.ModuleList()
+        for i in range(n):
+            layer = MtpLayer(config, self.make_mlp(config, self.num_layers + i))
+            layer.self_attn = LatentAttention(config, 0)
+            self.mtp.append(layer)
+        self._hf_names = None  # the names now include the MTP layers'
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp) if hasattr(self, "mtp") else 0
+
+    def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    ctx: ForwardContext, layer: int = 0) -> torch.Tensor:
+        """One MTP step: input_ids [T] (tokens p + 1), hidden [T, H] (states at p), positions [T]
+        (p) -> [T, H] normed states; `compute_logits` of them gives the predictions of p + 2."""
+        e = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, e.dtype)
+        return self.mtp[layer].predict(e, hidden, cos, sin, ctx)
+
+    def skip_checkpoint_name(self, name: str) -> bool:
+        """DeepSeek's copies of the embedding and LM head under an MTP layer: read by no one (the
+        MTP layer uses the target's own), so a disk update passes over them as loading does."""
+        return self.num_mtp_layers > 0 and is_mtp_copy(name, self.num_layers)
+
+    def _mtp_hf(self, name: str) -> str:
+        """Internal `mtp.{i}.rest` -> checkpoint `model.layers.{N + i}.rest` (others unchanged)."""
+        if not name.startswith("mtp."):
+            return name
+        i, rest = name[4:].split(".", 1)
+        return f"model.layers.{self.num_layers + int(i)}.{rest}"
+
+    def _expand_hf_names(self, param_names: list[str]) -> list[str]:
+        return super()._expand_hf_names([self._mtp_hf(n) for n in param_names])
+
+    def hf_tensors(self, param_name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return super().hf_tensors(self._mtp_hf(param_name), full)
+
+    def _experts(self, layer: str, hf_name: str) -> StackedExperts:
+        i = int(layer) - self.num_layers
+        if 0 <= i < self.num_mtp_layers and isinstance(self.mtp[i].mlp, SparseMoeBlock):
+            return self.mtp[i].mlp.experts
+        return super()._experts(layer, hf_name)
+
+    def weight_view(self, hf_name: str) -> torch.Tensor:
+        m = _LAYER_NAME.fullmatch(hf_name)
+        if m and int(m.group(1)) >= self.num_layers and ".mlp.experts." not in hf_name:
+            if self._hf_names is None:
+                self.hf_weight_names()
+            if hf_name not in self._hf_name_set:
+                raise self.unknown_weight(hf_name)
+            return self.get_parameter(f"mtp.{int(m.group(1)) - self.num_layers}.{m.group(2)}").detach()
+        return super().weight_view(hf_name)

@@ -25,6 +25,7 @@ from milepost.models.gpt_oss import GptOssForCausalLM
 from milepost.models.llama import DecoderLM, LlamaForCausalLM
 from milepost.models.meta import on_meta
 from milepost.models.mistral import MistralForCausalLM
+from milepost.models.mtp import is_mtp_copy, mtp_layers_in_checkpoint
 from milepost.models.qwen2 import Qwen2ForCausalLM
 from milepost.models.qwen3 import Qwen3ForCausalLM
 from milepost.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -109,12 +110,17 @@ def _arch(config: object) -> str:
     return str(archs[0])
 
 
-def build_model(hf_config: object, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """An uninitialized model (parameters hold garbage) in `dtype` on `device`; fill it via weight_view."""
+def build_model(hf_config: object, dtype: torch.dtype, device: torch.device | str,
+                mtp_layers: int = 0) -> CausalLM:
+    """An uninitialized model (parameters hold garbage) in `dtype` on `device`; fill it via weight_view.
+
+    mtp_layers: multi-token-prediction layers to build too (models/mtp.py; DeepSeek-V3 only)."""
     cls = model_class(hf_config)
     # Build on meta so no time is spent on random init, then allocate storage once in place.
     with on_meta():
         model = cls(hf_config)
+        if mtp_layers:
+            model.attach_mtp(mtp_layers)
     # Storage allocated with torch.empty, not `to_empty`: its empty_like of a meta tensor runs
     # torch's Python reference kernel, whose first use imports sympy (~0.6 s of CPU per process).
     model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
@@ -131,7 +137,11 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
         raise FileNotFoundError(
             f"no *.safetensors files in {path} (only safetensors checkpoints load natively)"
         )
-    model = build_model(AutoConfig.from_pretrained(path), dtype, device)
+    config = AutoConfig.from_pretrained(path)
+    # MTP layers are built when the weights hold them (the config's count alone is no evidence:
+    # transformers' DeepseekV3Config defaults it to 1); the trainer then keeps and exports them too.
+    mtp = mtp_layers_in_checkpoint(path, config) if getattr(model_class(config), "supports_mtp", False) else 0
+    model = build_model(config, dtype, device, mtp_layers=mtp)
     expected = set(model.hf_weight_names())
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -139,7 +149,7 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
         for shard in shards:
             with safe_open(str(shard), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES):
+                    if name.endswith(_IGNORED_SUFFIXES) or (mtp and is_mtp_copy(name, config.num_hidden_layers)):
                         continue
                     try:
                         view = model.weight_view(name)
