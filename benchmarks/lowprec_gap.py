@@ -31,6 +31,8 @@ ARRANGEMENTS = {
     "bf16": [],
     "bf16-train-fp8-serve": ["--precision", "bf16-train-fp8-serve", "--ratio-correction", "none"],
     "fp8": ["--precision", "fp8"],
+    "fp8 + delayed scaling": ["--precision", "fp8", "--fp8-scaling", "delayed",
+                              "--ratio-correction", "none"],
     "mxfp8": ["--precision", "mxfp8"],
     "nvfp4": ["--precision", "nvfp4"],
     "nvfp4 + four-over-six": ["--precision", "nvfp4", "--nvfp4-four-over-six"],

@@ -6,6 +6,10 @@ the mean loss of the last 10 of `--steps` Adam steps and its gap to the unquanti
 
     python benchmarks/lowprec_loss.py --steps 200
     python benchmarks/lowprec_loss.py --steps 200 --device cuda   # bf16 model, Hopper FP8 GEMMs
+    python benchmarks/lowprec_loss.py --formats none,fp8_block,fp8_block+delayed,fp8_block+delayed-recent
+
+`fp8_block+delayed` is `--fp8-scaling delayed` with Transformer Engine's defaults (amax history
+1024 steps, max, margin 0); `+delayed-recent` uses the last step's amax (most_recent).
 
 On CUDA the model is bf16 (the "none" row is then plain bf16, the baseline the issue names); the
 data is drawn on the host from the same generator, so every format and device sees the same batches.
@@ -21,6 +25,7 @@ import torch
 import transformers
 
 from milepost.lowprec.contract import Contract
+from milepost.lowprec.delayed import DelayedSettings, attach_delayed
 from milepost.lowprec.linear import apply_train_precision
 
 
@@ -32,8 +37,13 @@ def run(fmt: str, steps: int, seed: int, device: str = "cpu") -> list[float]:
     model = transformers.Qwen3ForCausalLM(cfg)
     if device == "cuda":
         model = model.to(device, torch.bfloat16)
+    fmt, _, scaling = fmt.partition("+")
     if fmt != "none":
         apply_train_precision(model, Contract(fmt, fmt))
+    delayed = None
+    if scaling:  # delayed | delayed-recent: the trainer's --fp8-scaling delayed
+        algo = "most_recent" if scaling == "delayed-recent" else "max"
+        delayed = attach_delayed(model, DelayedSettings(algo=algo), torch.device(device))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(seed + 1)
     succ = torch.randperm(64, generator=gen)  # the task: token t+1 = succ[token t], with noise
@@ -50,6 +60,8 @@ def run(fmt: str, steps: int, seed: int, device: str = "cpu") -> list[float]:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if delayed is not None:
+            delayed.step()
         losses.append(loss.item())
     return losses
 

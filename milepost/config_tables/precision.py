@@ -56,3 +56,7 @@ class PrecisionTable(Table):
     nvfp4_dequantized_backward: bool = Field(
         False, description="NVFP4 trainer: run the backward GEMMs in --dtype on the forward's "
         "dequantized operands (gradient stability for throughput).")
+    nvfp4_stochastic_rounding: bool = Field(
+        False, description="NVFP4 trainer: round the output gradient's elements stochastically "
+        "(unbiased) in both backward GEMMs, as NVIDIA's NVFP4 training recipe does; activations "
+        "and weights stay round-to-nearest-even. Trainer only (the engines never see gradients).")

@@ -465,6 +465,7 @@ def precision_settings(cfg: TrainConfig) -> dict:
     return dict(precision=contract.train, precision_overrides=contract.overrides,
                 nvfp4_four_over_six=cfg.nvfp4_four_over_six,
                 nvfp4_dequantized_backward=cfg.nvfp4_dequantized_backward,
+                nvfp4_stochastic_rounding=cfg.nvfp4_stochastic_rounding,
                 fp8_scaling=cfg.fp8_scaling, fp8_amax_history_len=cfg.fp8_amax_history_len,
                 fp8_amax_compute_algo=cfg.fp8_amax_compute_algo, fp8_margin=cfg.fp8_margin)
 

@@ -7,7 +7,9 @@ features; weight gradient: both operands quantized along the tokens), with the w
 passed straight through to the bf16/fp32 master weight. NVFP4's dequantized-backward option runs
 the backward GEMMs in the model dtype on the forward's dequantized operands. Emulated (quantize,
 dequantize, ordinary GEMM): the values are the format's; native kernels change speed, not values.
-Deviation: NVFP4 gradients use round-to-nearest (recipes on Blackwell add stochastic rounding).
+NVFP4's stochastic-rounding option rounds the output gradient's elements stochastically
+(stochastic.py; unbiased), as the NVFP4 training recipe does; activations and weights stay
+round-to-nearest-even.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ class LowPrecLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, wq: torch.Tensor, fmt: str,
-                four_over_six: bool, dequantized_backward: bool) -> torch.Tensor:
+                four_over_six: bool, dequantized_backward: bool,
+                stochastic: bool = False) -> torch.Tensor:
         xq = quantize_activation(x, fmt, four_over_six)
         ctx.save_for_backward(x, xq, wq)
-        ctx.fmt, ctx.four, ctx.deq_bwd = fmt, four_over_six, dequantized_backward
+        ctx.fmt, ctx.four, ctx.deq_bwd, ctx.sr = fmt, four_over_six, dequantized_backward, stochastic
         return F.linear(xq, wq)
 
     @staticmethod
@@ -73,12 +76,19 @@ class LowPrecLinearFn(torch.autograd.Function):
             # 128x128 FP8 tiles are the same blocks transposed; MX/NVFP4 re-quantize along N).
             w_t = wq if fmt == "fp8_block" else qdq(wq.t().contiguous(), fmt, "weight",
                                                     four_over_six=four).t()
-            gx = qdq(gy2, fmt, four_over_six=four) @ w_t
+            grad_q = _stochastic if ctx.sr else qdq  # the gradient's elements: SR or nearest
+            gx = grad_q(gy2, fmt, four_over_six=four) @ w_t
             pad = (-gy2.shape[0]) % _token_block(fmt)  # wgrad contracts over tokens
             gy_t = F.pad(gy2.t(), (0, pad)).contiguous()
             x_t = F.pad(x2.t(), (0, pad)).contiguous()
-            gw = qdq(gy_t, fmt, four_over_six=four) @ qdq(x_t, fmt, four_over_six=four).t()
-        return gx.reshape(x.shape), gw.to(wq.dtype), None, None, None, None
+            gw = grad_q(gy_t, fmt, four_over_six=four) @ qdq(x_t, fmt, four_over_six=four).t()
+        return gx.reshape(x.shape), gw.to(wq.dtype), None, None, None, None, None
+
+
+def _stochastic(x: torch.Tensor, fmt: str, four_over_six: bool = False) -> torch.Tensor:
+    from milepost.lowprec.stochastic import qdq_nvfp4_stochastic
+
+    return qdq_nvfp4_stochastic(x, four_over_six)
 
 
 def _native_fp8(m: LowPrecLinear, x: torch.Tensor) -> bool:
@@ -103,6 +113,7 @@ class LowPrecLinear(nn.Linear):
     qformat: str
     four_over_six: bool
     dequantized_backward: bool
+    stochastic_rounding: bool = False
 
     def quantized_weight(self) -> torch.Tensor:
         """This weight's values as the engine holds them (dequantized, model dtype)."""
@@ -131,12 +142,14 @@ class LowPrecLinear(nn.Linear):
             return y + self.bias if self.bias is not None else y
         # The weight's gradient goes straight through to the master weight (wq carries none).
         y = LowPrecLinearFn.apply(x, self.weight, self.quantized_weight(), self.qformat,
-                                  self.four_over_six, self.dequantized_backward)
+                                  self.four_over_six, self.dequantized_backward,
+                                  self.stochastic_rounding)
         return y + self.bias if self.bias is not None else y
 
 
 def apply_train_precision(model: nn.Module, contract: Contract, *,
-                          dequantized_backward: bool = False) -> list[str]:
+                          dequantized_backward: bool = False,
+                          stochastic_rounding: bool = False) -> list[str]:
     """Swap the trainer model's covered linears (by HF name, overrides applied) for LowPrecLinear;
     returns the names of the quantized weights. A shape the format cannot hold is refused here,
     at start, naming the tensor."""
@@ -151,6 +164,7 @@ def apply_train_precision(model: nn.Module, contract: Contract, *,
         module.__class__ = LowPrecLinear
         module.qformat, module.four_over_six = fmt, contract.four_over_six
         module.dequantized_backward = dequantized_backward
+        module.stochastic_rounding = stochastic_rounding and fmt == "nvfp4"
         by_name[name] = module  # type: ignore[assignment]
         done.append(hf)
     for name, module in by_name.items():

@@ -53,6 +53,9 @@ def precision_refusals(c: TrainConfig) -> list[str]:
     p = contract_refusals(train, rollout, overrides, four_over_six=c.nvfp4_four_over_six,
                           dequantized_backward=c.nvfp4_dequantized_backward)
     p += layer_refusals(c, train, rollout) + fp8_scaling_refusals(c, train)
+    if c.nvfp4_stochastic_rounding and train != "nvfp4":
+        p.append("--nvfp4-stochastic-rounding rounds the NVFP4 trainer's gradients; the trainer "
+                 f"runs {train} (--precision {c.precision}): drop it or use --precision nvfp4")
     if train == BF16 and rollout == BF16:
         return p
     what = f"--precision {c.precision} (trainer {train}, engines {rollout})"
@@ -72,6 +75,9 @@ def precision_refusals(c: TrainConfig) -> list[str]:
     if c.nvfp4_dequantized_backward and train != "nvfp4":
         p.append("--nvfp4-dequantized-backward changes the NVFP4 trainer's backward; the "
                  f"trainer runs {train}: drop it")
+    if c.nvfp4_stochastic_rounding and c.nvfp4_dequantized_backward:
+        p.append("--nvfp4-stochastic-rounding with --nvfp4-dequantized-backward: the dequantized "
+                 "backward quantizes no gradient to round; choose one")
     return p
 
 
@@ -98,8 +104,10 @@ def fp8_scaling_refusals(c: TrainConfig, train: str) -> list[str]:
     """--fp8-scaling delayed needs the FP8 blockwise trainer (MX and NVFP4 block scales are the
     formats' own; int4 quantizes no activations) on the FSDP backend; its knobs need it."""
     p: list[str] = []
+    # Changed from their defaults (the trainer re-reads a dumped config: every field is "set").
     knobs = [f"--{k.replace('_', '-')}" for k in ("fp8_amax_history_len", "fp8_amax_compute_algo",
-                                                    "fp8_margin") if k in c.model_fields_set]
+                                                    "fp8_margin")
+             if getattr(c, k) != type(c).model_fields[k].default]
     if c.fp8_scaling == "current":
         if knobs:
             p.append(f"{', '.join(knobs)} set the delayed-scaling recipe; this run has "

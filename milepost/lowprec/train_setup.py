@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 def quantize_trainer(model: nn.Module, s: TrainerSettings, device: torch.device) -> list[str]:
     contract = Contract(s.precision, s.precision, s.precision_overrides, s.nvfp4_four_over_six)
-    names = apply_train_precision(model, contract, dequantized_backward=s.nvfp4_dequantized_backward)
+    names = apply_train_precision(model, contract, dequantized_backward=s.nvfp4_dequantized_backward,
+                                  stochastic_rounding=s.nvfp4_stochastic_rounding)
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     # Emulated everywhere today (the values are the format's; native trainer GEMMs are not wired).
     log.warning("trainer precision %s: %d linears quantized; GEMMs emulated (quantize, dequantize, "

@@ -138,6 +138,7 @@ class TrainerSettings:
     precision_overrides: tuple[tuple[str, str], ...] = ()
     nvfp4_four_over_six: bool = False
     nvfp4_dequantized_backward: bool = False
+    nvfp4_stochastic_rounding: bool = False  # NVFP4 trainer: SR of the output gradient
     # FP8 trainer scaling (milepost/lowprec/delayed.py): current per-block, or delayed from history.
     fp8_scaling: str = "current"
     fp8_amax_history_len: int = 1024
@@ -183,6 +184,8 @@ class TrainerSettings:
         need(self.ratio_correction in ("none", "tis", "clip_or_pop"), "ratio_correction: none | tis | clip_or_pop")
         need(self.fp8_scaling == "current" or self.precision == "fp8_block",
              f"fp8_scaling={self.fp8_scaling!r} needs precision='fp8_block', got {self.precision!r}")
+        need(not self.nvfp4_stochastic_rounding or self.precision == "nvfp4",
+             f"nvfp4_stochastic_rounding needs precision='nvfp4', got {self.precision!r}")
         need(self.fp8_amax_history_len >= 1 and self.fp8_margin >= 0
              and self.fp8_amax_compute_algo in ("max", "most_recent"),
              "need fp8_amax_history_len >= 1, fp8_margin >= 0, fp8_amax_compute_algo max | most_recent")

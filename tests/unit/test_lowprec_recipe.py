@@ -1,6 +1,7 @@
 """Recipe settings of the precision contract: first / last layers kept in bf16 (resolved against
-the checkpoint at start, the same tensors at all four stages) and `--fp8-scaling delayed` (reaches
-the trainer, TIS on by default, refused where it cannot apply)."""
+the checkpoint at start, the same tensors at all four stages), `--fp8-scaling delayed` (reaches
+the trainer, TIS on by default) and `--nvfp4-stochastic-rounding` (trainer only), each refused
+where it cannot apply."""
 
 from __future__ import annotations
 
@@ -100,6 +101,9 @@ def test_delayed_scaling_reaches_the_trainer_with_tis(tmp_path: Path, ckpt: Path
     assert cmd[cmd.index("--quantization") + 1] == "fp8_block"  # the engines' recipe is unchanged
     current = load_config(None, _args(tmp_path, ckpt, "--precision", "fp8"))
     assert current.ratio_correction == "none"
+    sr = load_config(None, _args(tmp_path, ckpt, "--precision", "nvfp4", "--nvfp4-stochastic-rounding"))
+    assert trainer_settings(sr).nvfp4_stochastic_rounding
+    assert "--nvfp4-stochastic-rounding" not in LocalLauncher(sr, sr.run_dir)._engine_cmd(12345)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -112,6 +116,9 @@ def test_delayed_scaling_reaches_the_trainer_with_tis(tmp_path: Path, ckpt: Path
     (["--precision", "fp8", "--precision-bf16-last-layers", "5"],
      "--precision-bf16-last-layers 5: the model has 4 decoder layers"),
     (["--precision-bf16-first-layers", "1"], "this run quantizes nothing"),
+    (["--precision", "fp8", "--nvfp4-stochastic-rounding"], "the trainer runs fp8_block"),
+    (["--precision", "nvfp4", "--nvfp4-stochastic-rounding", "--nvfp4-dequantized-backward"],
+     "quantizes no gradient to round"),
 ])
 def test_refused_at_start_naming_the_settings(tmp_path: Path, ckpt: Path, flags: list[str],
                                               message: str) -> None:
