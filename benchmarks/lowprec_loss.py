@@ -9,7 +9,8 @@ the mean loss of the last 10 of `--steps` Adam steps and its gap to the unquanti
     python benchmarks/lowprec_loss.py --formats none,fp8_block,fp8_block+delayed,fp8_block+delayed-recent
 
 `fp8_block+delayed` is `--fp8-scaling delayed` with Transformer Engine's defaults (amax history
-1024 steps, max, margin 0); `+delayed-recent` uses the last step's amax (most_recent).
+1024 steps, max, margin 0); `+delayed-recent` uses the last step's amax (most_recent);
+`nvfp4+sr` is `--nvfp4-stochastic-rounding` (the gradients rounded stochastically).
 
 On CUDA the model is bf16 (the "none" row is then plain bf16, the baseline the issue names); the
 data is drawn on the host from the same generator, so every format and device sees the same batches.
@@ -37,12 +38,12 @@ def run(fmt: str, steps: int, seed: int, device: str = "cpu") -> list[float]:
     model = transformers.Qwen3ForCausalLM(cfg)
     if device == "cuda":
         model = model.to(device, torch.bfloat16)
-    fmt, _, scaling = fmt.partition("+")
+    fmt, _, option = fmt.partition("+")
     if fmt != "none":
-        apply_train_precision(model, Contract(fmt, fmt))
+        apply_train_precision(model, Contract(fmt, fmt), stochastic_rounding=option == "sr")
     delayed = None
-    if scaling:  # delayed | delayed-recent: the trainer's --fp8-scaling delayed
-        algo = "most_recent" if scaling == "delayed-recent" else "max"
+    if option.startswith("delayed"):  # delayed | delayed-recent: --fp8-scaling delayed
+        algo = "most_recent" if option == "delayed-recent" else "max"
         delayed = attach_delayed(model, DelayedSettings(algo=algo), torch.device(device))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(seed + 1)
