@@ -6,9 +6,11 @@ The weights the product uses are the ones the trainer's fake-quant forward uses,
 each nibble times its group's scale in float32, rounded once to the activation dtype. At decode
 M (<= INT4_DECODE_M rows on CUDA) one Triton kernel does that in registers from the packed bytes,
 so a step reads half a byte per weight instead of bf16's two; K is split over programs when N
-alone leaves SMs idle (fp32 parts summed in a fixed order: never timing-dependent). Everywhere
-else (CPU, prefill M, a device whose probe failed) the weight is unpacked and dequantized by
-torch into a temporary and multiplied by F.linear: the same values, the dense bytes for a moment.
+alone leaves SMs idle (fp32 parts summed in a fixed order: never timing-dependent). At prefill M
+on CUDA one Triton kernel dequantizes the weight into a temporary in the activation dtype (the
+same bits as torch's dequantization) and cuBLAS multiplies: the GEMM is compute-bound there and
+the dense bytes live for one projection. Everywhere else (CPU, a device whose probe failed) torch
+unpacks and dequantizes, then F.linear: the same values.
 """
 
 from __future__ import annotations
@@ -121,22 +123,55 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, k: int,
     return (unpack_int4(packed, k).float() * s).to(dtype)
 
 
+@triton.jit
+def _dequant_kernel(W, S, O, N, K, KP, stride_w, stride_s, stride_o, BLOCK_N: tl.constexpr):
+    """One [BLOCK_N, 128] group column of the weight: nibbles times the group scale in float32,
+    cast to O's dtype (dequantize_int4's operations, so its bits)."""
+    pid_n, kb = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    bb = kb * 64 + tl.arange(0, 64)
+    kk = kb * 128 + tl.arange(0, 128)
+    col_ok = rn < N
+    b = tl.load(W + rn[:, None].to(tl.int64) * stride_w + bb[None, :],
+                mask=col_ok[:, None] & (bb < KP)[None, :], other=0).to(tl.int32)
+    v = tl.reshape(tl.join(((b & 15) ^ 8) - 8, ((b >> 4) ^ 8) - 8), (BLOCK_N, 128))
+    s = tl.load(S + rn * stride_s + kb, mask=col_ok, other=0.0)
+    w = (v.to(tl.float32) * s[:, None]).to(O.dtype.element_ty)
+    tl.store(O + rn[:, None].to(tl.int64) * stride_o + kk[None, :], w,
+             mask=col_ok[:, None] & (kk < K)[None, :])
+
+
+def dequantize_int4_triton(packed: torch.Tensor, scales: torch.Tensor, k: int,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_int4 in one Triton kernel (the same bits)."""
+    n = packed.shape[0]
+    out = torch.empty((n, k), dtype=dtype, device=packed.device)
+    if n:
+        grid = (triton.cdiv(n, 32), triton.cdiv(k, INT4_GROUP))
+        _dequant_kernel[grid](packed, scales, out, n, k, packed.shape[1], packed.stride(0),
+                              scales.stride(0), out.stride(0), BLOCK_N=32)
+    return out
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T (+ bias) for x [.., k]: the kernel where it runs (CUDA, M <= INT4_DECODE_M,
-    passed its probe), else unpack + dequantize + F.linear."""
+    """y = x @ W^T (+ bias) for x [.., k]. On CUDA where the kernels passed their probe: the
+    W4A16 kernel up to INT4_DECODE_M rows, else the Triton dequantization + F.linear; elsewhere
+    torch's unpack + dequantize + F.linear."""
     rows = x.reshape(-1, k)
-    if x.is_cuda and rows.shape[0] <= INT4_DECODE_M and kernel_ok(x.device) and \
-            x.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        y = w4a16_mm(rows, packed, scales, k).reshape(*x.shape[:-1], packed.shape[0])
-        return y + bias if bias is not None else y
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and kernel_ok(x.device):
+        if rows.shape[0] <= INT4_DECODE_M:
+            y = w4a16_mm(rows, packed, scales, k).reshape(*x.shape[:-1], packed.shape[0])
+            return y + bias if bias is not None else y
+        return F.linear(x, dequantize_int4_triton(packed, scales, k, x.dtype), bias)
     return F.linear(x, dequantize_int4(packed, scales, k, x.dtype), bias)
 
 
 def kernel_ok(device: torch.device) -> bool:
-    """Whether the W4A16 kernel gives dequantize-then-matmul's product on `device` (probed once:
-    rows whose group scales differ by orders of magnitude, an uneven split, N and K not multiples
-    of the blocks; a kernel that fails is logged and never used)."""
+    """Whether the W4A16 kernel gives dequantize-then-matmul's product on `device` and the
+    Triton dequantization torch's bits (probed once: rows whose group scales differ by orders of
+    magnitude, an uneven split, N and K not multiples of the blocks; kernels that fail are logged
+    and never used)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _OK:
         _OK[idx] = _probe(torch.device("cuda", idx))
@@ -156,6 +191,10 @@ def _probe(device: torch.device) -> bool:
     q = quantize(w, "int4")
     packed, scales = q.values.to(device), q.scales.to(device)
     try:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            want = dequantize_int4(packed, scales, k, dtype)
+            if not torch.equal(dequantize_int4_triton(packed, scales, k, dtype), want):
+                raise ValueError(f"the Triton dequantization differs from torch's in {dtype}")
         for m, dtype in ((1, torch.bfloat16), (37, torch.bfloat16), (16, torch.float32)):
             x = torch.randn(m, k, generator=g).to(device, dtype)
             ref = F.linear(x.float(), dequantize_int4(packed, scales, k, dtype).float())
@@ -165,7 +204,7 @@ def _probe(device: torch.device) -> bool:
                 if not ((y - ref).abs() <= tol).all():
                     raise ValueError(f"M={m} {dtype} {cfg}: off by {(y - ref).abs().max().item():.3g}")
     except Exception as e:  # noqa: BLE001 - a compile error or a wrong product: never use it
-        log.warning("int4: the W4A16 kernel failed its probe on %s (%s); the engine unpacks and "
-                    "dequantizes the weights per GEMM instead", device, e)
+        log.warning("int4: the W4A16 kernels failed their probe on %s (%s); the engine unpacks "
+                    "and dequantizes the weights with torch per GEMM instead", device, e)
         return False
     return True

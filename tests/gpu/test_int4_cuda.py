@@ -1,6 +1,7 @@
 """Packed INT4 on CUDA: the W4A16 kernel (milepost/kernels/int4_gemm.py) passes its probe and gives
 the product of the dequantized weights in bf16, fp16 and fp32 at the Qwen3 projection shapes and
-decode M, reproducibly and inside a CUDA graph; an INT4 engine holds packed weights on the GPU,
+decode M, reproducibly and inside a CUDA graph; the prefill path's Triton dequantization gives
+torch's bits; an INT4 engine holds packed weights on the GPU,
 dequantizing to the CPU's values, and decodes close to the torch path.
 Run on the accelerator machine: `python -m pytest -q -m gpu tests/gpu/test_int4_cuda.py`.
 """
@@ -50,6 +51,27 @@ def test_w4a16_equals_the_dequantized_product(n: int, k: int, dtype: torch.dtype
         tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype]
         assert ((y.float() - ref).abs() <= tol * ref.abs().amax(1, keepdim=True)).all(), m
         assert torch.equal(y, w4a16_mm(x, packed, scales, k))  # reproducible: no atomics
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_dequantization_gives_torchs_bits(dtype: torch.dtype) -> None:
+    """The prefill path's weight: the same bits as torch's dequantization (bf16 rounded to
+    nearest even on the GPU; the interpreter cannot check that)."""
+    from milepost.kernels.int4_gemm import dequantize_int4, dequantize_int4_triton
+
+    packed, scales, deq = _weights(1000, 1100)
+    got = dequantize_int4_triton(packed, scales, 1100, dtype)
+    assert torch.equal(got, dequantize_int4(packed, scales, 1100, dtype))
+    assert torch.equal(got.cpu(), deq.to(dtype))
+
+
+def test_prefill_m_takes_the_dequantization_and_cublas() -> None:
+    from milepost.kernels.int4_gemm import dequantize_int4, int4_linear
+
+    packed, scales, _ = _weights(1024, 2048)
+    x = torch.randn(1000, 2048, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(int4_linear(x, packed, scales, 2048),
+                       F.linear(x, dequantize_int4(packed, scales, 2048, torch.bfloat16)))
 
 
 def test_int4_linear_in_a_cuda_graph() -> None:

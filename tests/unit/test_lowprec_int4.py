@@ -2,8 +2,9 @@
 GEMM (milepost/kernels/int4_gemm.py) against dequantize-then-matmul, the engine's packed storage
 dequantizing to the trainer's fake-quant weights bit for bit, updates re-packed on arrival, and
 the engine's greedy tokens against transformers on the dequantized weights.
-Without CUDA the kernel runs under Triton's interpreter, in fp32 (the interpreter's bf16 tl.dot
-is broken); bf16 is checked on the GPU (tests/gpu/test_int4_cuda.py).
+Without CUDA the kernels run under Triton's interpreter, in fp32 (the interpreter's bf16 tl.dot
+is broken, and its float32 -> bf16 cast truncates); bf16 is checked on the GPU
+(tests/gpu/test_int4_cuda.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ pytest.importorskip("triton")
 from safetensors.torch import load_file, save_file
 
 from milepost.engine.weight_update import WeightLoader, WeightUpdateError
-from milepost.kernels.int4_gemm import W4Config, dequantize_int4, int4_linear, w4a16_mm
+from milepost.kernels.int4_gemm import (
+    W4Config,
+    dequantize_int4,
+    dequantize_int4_triton,
+    int4_linear,
+    w4a16_mm,
+)
 from milepost.lowprec import elements as el
 from milepost.lowprec.contract import Contract
 from milepost.lowprec.engine_store import QuantizedLinear, store_quantized
@@ -78,6 +85,19 @@ def test_w4a16_gemm_equals_dequantize_then_matmul(m: int, n: int, k: int, cfg: W
     # The torch path (CPU, prefill M): the dequantized weight itself, so F.linear's exact bits.
     cpu = int4_linear(x, q.values, q.scales, k)
     assert torch.equal(cpu, torch.nn.functional.linear(x, dequantize(q)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_dequantization_gives_torchs_bits(dtype: torch.dtype) -> None:
+    """The prefill path's weight (CUDA): N not a multiple of the block, an odd K, a partial group.
+    Not bf16 here: the interpreter's float32 -> bf16 cast truncates (the GPU's rounds to nearest
+    even; tests/gpu/test_int4_cuda.py checks bf16's bits there)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(45, 301, generator=g) * torch.logspace(-3, 3, 301)[None, :]
+    q = quantize(w, "int4")
+    got = dequantize_int4_triton(q.values.to(DEV), q.scales.to(DEV), 301, dtype).cpu()
+    assert torch.equal(got, dequantize_int4(q.values, q.scales, 301, dtype))
+    assert torch.equal(got, dequantize(q).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
