@@ -69,8 +69,9 @@ class BenchArgs(BaseModel):
         "record off (same run) and report the cost of recording.")
     speculative: str | None = Field(
         None, description="Also run every scenario with speculative decoding in the same run and "
-        "report its speed-up and acceptance length: ngram (--speculative-algorithm NGRAM) or "
-        "draft:DIR (STANDALONE with the draft model in DIR, same vocabulary).")
+        "report its speed-up and acceptance length: ngram (--speculative-algorithm NGRAM), "
+        "draft:DIR (STANDALONE with the draft model in DIR, same vocabulary) or nextn (NEXTN: the "
+        "--model checkpoint's own multi-token-prediction layer).")
     speculative_num_draft_tokens: int = Field(
         4, ge=2, description="--speculative: tokens verified per request and step, the last "
         "sampled one included (milepost serve --speculative-num-draft-tokens).")
@@ -107,10 +108,10 @@ class BenchArgs(BaseModel):
     @field_validator("speculative")
     @classmethod
     def _speculative(cls, v: str | None) -> str | None:
-        if v is None or v == "ngram":
+        if v is None or v in ("ngram", "nextn"):
             return v
         if not v.startswith("draft:") or not v.removeprefix("draft:"):
-            raise ValueError(f"--speculative {v!r}: use ngram or draft:DIR")
+            raise ValueError(f"--speculative {v!r}: use ngram, nextn or draft:DIR")
         path = Path(v.removeprefix("draft:"))
         if not (path / "config.json").is_file():
             raise ValueError(f"--speculative {v!r}: {path} has no config.json; pass a Hugging Face "
@@ -121,6 +122,9 @@ class BenchArgs(BaseModel):
     def _combinations(self) -> BenchArgs:
         if (self.model is None) == (self.shape is None):
             raise ValueError("give exactly one of --model (a Hugging Face directory) or --shape")
+        if self.speculative == "nextn" and self.model is None:
+            raise ValueError("--speculative nextn drafts with the checkpoint's own MTP layers: pass "
+                             "--model DIR of a checkpoint that has them (--shape has random weights only)")
         if self.model is not None and not (self.model / "config.json").is_file():
             raise ValueError(f"--model {self.model} has no config.json; pass a Hugging Face directory")
         if self.sessions % self.group_size:

@@ -135,7 +135,8 @@ def _speculative_args(sargs: ServerArgs, args: BenchArgs) -> ServerArgs:
     """The engine settings of the speculative run: the plain run's, plus the algorithm (the
     overlap schedule is off there: proposals need each step's tokens on the host)."""
     spec = args.speculative or ""
-    extra = {"speculative_algorithm": "NGRAM" if spec == "ngram" else "STANDALONE",
+    algo = {"ngram": "NGRAM", "nextn": "NEXTN"}.get(spec, "STANDALONE")
+    extra = {"speculative_algorithm": algo,
              "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
              "overlap_schedule": "off"}
     if spec.startswith("draft:"):

@@ -147,8 +147,10 @@ class DelayedFp8LinearFn(torch.autograd.Function):
         return gx.reshape(xq.shape), gw.to(wq.dtype), None, None, None, None
 
 
+@torch.compiler.disable  # it updates the history in place and branches on host state: eager
 def delayed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A LowPrecLinear's forward under delayed scaling (module.__dict__['_delayed'] is set)."""
+    """A LowPrecLinear's forward under delayed scaling (module.__dict__['_delayed'] is set);
+    under --compile-layers the rest of the layer compiles around it."""
     state, slots, records = module.__dict__["_delayed"]
     record = records and torch.is_grad_enabled()  # scoring passes under no_grad only read
     y = DelayedFp8LinearFn.apply(x, module.weight, module.quantized_weight(), state, slots, record)

@@ -41,6 +41,7 @@ from milepost.train.fsdp_setup import (
 from milepost.train.fsdp_weights import export_adapters, hf_weights
 from milepost.train.logprobs import TokenScorer, plan_micro_batches
 from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss, value_loss
+from milepost.train.mtp import mtp_loss, mtp_params
 from milepost.train.offload import MoveStats as OffloadStats
 from milepost.train.offload import StateEvictor
 from milepost.train.optim import build_optimizer, optimizer_step
@@ -268,6 +269,7 @@ class FSDPBackend:
         loss_tokens, grad_norms, nonfinite = 0.0, [], 0
         lr = self.optimizer.param_groups[0]["lr"]
         probe = RoutingProbe(self.policy) if self.settings.use_rollout_routing_replay else None
+        self._mtp_acc = torch.zeros(2, dtype=torch.float64, device=self.device)  # MTP ce sum, rows
         with probe or contextlib.nullcontext():
             for step, plan, denom in zip(steps, plans, denoms):
                 loss_tokens += denom[0]
@@ -276,7 +278,11 @@ class FSDPBackend:
                     acc[:-2] += self._micro_step(batch, mb, old, ref, weights, denom, probe, fused_acc)
                 if self.adapter_steps is not None:  # adapters without samples in this step keep still
                     self.adapter_steps.before_step(batch.adapters, step, self._all_reduce)
-                grad_norms.append(self._clip_gradients(self.policy.parameters(), self.settings.clip_grad))
+                # The MTP layer is clipped on its own: the policy's update is the one it gets
+                # without --enable-mtp-training (grad_norm reports the policy's).
+                grad_norms.append(self._clip_gradients(mtp_params(self.policy, False), self.settings.clip_grad))
+                if self.settings.enable_mtp_training:
+                    self._clip_gradients(mtp_params(self.policy, True), self.settings.clip_grad)
                 lr = self.optimizer.param_groups[0]["lr"]
                 nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
                 if self.fp8_scaling is not None:  # the step's amaxes, max-reduced over the ranks
@@ -315,6 +321,9 @@ class FSDPBackend:
             metrics.update(value_loss=reduced[n + 1] / per_token, value_clipfrac=reduced[n + 2] / per_token)
         if self.correction.kind != "none":
             metrics.update({k: v / per_token for k, v in zip(CORRECTION_SUMS, reduced[n + 3 : n + 3 + len(CORRECTION_SUMS)])})
+        if self.settings.enable_mtp_training:  # the MTP layer's mean cross-entropy (nats)
+            ce, rows = self._all_reduce(self._mtp_acc.tolist())
+            metrics["mtp_loss"] = ce / max(rows, 1.0)
         if probe is not None:
             tokens, differing = reduced[-4], reduced[-3]
             metrics["r3_routing_mismatch_frac"] = differing / max(tokens, 1.0)
@@ -346,7 +355,13 @@ class FSDPBackend:
             unknown = set(sums) - set(METRIC_SUMS)
             if unknown:
                 raise ValueError(f"the loss returned metric sums {sorted(unknown)}; allowed: {METRIC_SUMS}")
-            loss.backward()
+            if self.policy.mtp_out is not None:  # --enable-mtp-training: the MTP layer's own term,
+                out, self.policy.mtp_out = self.policy.mtp_out, None  # not in the reported loss
+                mask = micro.cat(batch.loss_masks, mb, self.device)
+                (loss + mtp_loss(out, mask, denoms[0], self.settings.mtp_loss_scaling_factor,
+                                 self._mtp_acc)).backward()
+            else:
+                loss.backward()
         except torch.OutOfMemoryError as err:
             raise torch.OutOfMemoryError(
                 f"a micro-batch of {packed.num_tokens} tokens ({len(mb)} samples) ran out of device memory: "

@@ -53,6 +53,11 @@ def shard_model(model_path: Path, s: TrainerSettings, device: torch.device, trai
     fused = s.fused_kernels and device.type == "cuda" and not s.true_on_policy
     chunk = LOGPROB_CHUNK if s.true_on_policy else s.logprob_chunk_size  # the engine re-scores with it
     scorer = TokenScorer(lm, s.temperature, chunk, fused=fused)
+    if trainable and s.enable_mtp_training:
+        if not getattr(lm, "num_mtp_layers", 0):
+            raise ValueError(f"enable_mtp_training: {model_path} has no multi-token-prediction layers "
+                             "(num_nextn_predict_layers and their model.layers.N.* weights); turn it off")
+        scorer.mtp_training = True
     mp = MixedPrecisionPolicy(param_dtype=s.torch_dtype, reduce_dtype=torch.float32)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if s.compile_layers and trainable:

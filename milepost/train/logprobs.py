@@ -148,6 +148,10 @@ class TokenScorer(nn.Module):
         self.fused = fused
         if fused:
             set_fused_training(lm, True)
+        # --enable-mtp-training (train/mtp.py): the MTP layer's cross-entropy of each training
+        # forward, for the step to add to its loss; None when off or without grad.
+        self.mtp_training = False
+        self.mtp_out = None
 
     def forward(
         self,
@@ -162,6 +166,11 @@ class TokenScorer(nn.Module):
         expert ids for MoE layers to use instead of their router's top-k (routing replay)."""
         ctx = ForwardContext(VarlenCausalAttention(cu_seqlens), forced_experts=forced_experts)
         hidden = self.lm(input_ids, positions, ctx)
+        if self.mtp_training and torch.is_grad_enabled():
+            from milepost.train.mtp import mtp_cross_entropy
+
+            self.mtp_out = mtp_cross_entropy(self.lm, hidden, input_ids, positions, cu_seqlens, rows,
+                                             targets, self.chunk_size)
         return token_logprobs(
             self.lm, hidden, rows, targets, temperature=self.temperature, chunk_size=self.chunk_size,
             fused=self.fused,

@@ -44,6 +44,9 @@ class TrainerSettings:
         LM head's log-prob + entropy (milepost/kernels/train_fused.py, fused_logprob.py); off = the
         torch ops (the reference path). No effect on CPU.
     separate_old_logprob_pass: always score the old policy in its own no-grad pass before training.
+    enable_mtp_training: train the checkpoint's multi-token-prediction layer beside the policy
+        (train/mtp.py): its cross-entropy on the response tokens, inputs detached, times
+        mtp_loss_scaling_factor. Off: the MTP layer stays as loaded (and is exported as such).
         Off (default): with one optimizer step per rollout the old log-probs are the training
         forward's own, detached (the same numbers, one forward fewer); several optimizer steps
         per rollout always take the separate pass.
@@ -94,6 +97,8 @@ class TrainerSettings:
     max_tokens_per_micro_batch: int = 16384
     activation_checkpointing: Literal["none", "layer"] = "none"
     separate_old_logprob_pass: bool = False
+    enable_mtp_training: bool = False
+    mtp_loss_scaling_factor: float = 0.1
     compile_layers: bool = False
     fused_kernels: bool = True
     eps_clip: float = 0.2

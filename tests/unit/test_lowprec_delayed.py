@@ -181,3 +181,20 @@ def test_two_ranks_share_one_scale_and_resume_bitwise(tmp_path: Path) -> None:
 def test_settings_refuse_delayed_without_the_fp8_trainer() -> None:
     with pytest.raises(ValueError, match="fp8_scaling='delayed' needs precision='fp8_block'"):
         dataclasses.replace(SETTINGS, precision="mxfp8")
+
+
+def test_compiled_layers_record_the_same_history() -> None:
+    """--compile-layers: the delayed linear runs eagerly inside the compiled layer (it updates
+    the history in place), with the eager model's history, scales and gradients."""
+    torch.manual_seed(2)
+    a, b = Mlp(), Mlp()
+    b.load_state_dict(a.state_dict())
+    sa, sb = _delayed(a), _delayed(b)
+    compiled = torch.compile(b)
+    for _ in range(2):
+        x = torch.randn(8, 64)
+        for m, s in ((a, sa), (compiled, sb)):
+            m(x).square().mean().backward()
+            s.step()
+    assert torch.equal(sa.history, sb.history) and torch.equal(sa.scale, sb.scale)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
