@@ -26,6 +26,7 @@ from milepost.config_rules_parts import (
 )
 from milepost.connectors.env import env_refusals, episode_env_refusals
 from milepost.lora.rules import lora_refusals
+from milepost.mtp_rules import mtp_refusals
 from milepost.lowprec.rules import precision_refusals, ratio_correction_default
 from milepost.onpolicy.rules import true_on_policy_refusals
 from milepost.opd_rules import opd_coef_default, opd_refusals
@@ -132,6 +133,7 @@ def refusals(c: TrainConfig) -> list[str]:
     p += agent_refusals(c)
     p += opd_refusals(c)
     p += lora_refusals(c)
+    p += mtp_refusals(c)
     p += precision_refusals(c)
     p += true_on_policy_refusals(c)
     if c.use_tensorboard and importlib.util.find_spec("tensorboard") is None:

@@ -173,6 +173,27 @@ class EngineTable(Table):
         "admits the format's rounding error for those tensors.",
         json_schema_extra={"flags": ["--sglang-quantization"]},
     )
+    engine_speculative_algorithm: Literal["NGRAM", "NEXTN", "EAGLE"] | None = Field(
+        None,
+        description="Speculative decoding in the engines, exact for RL (milepost serve "
+        "--speculative-algorithm; docs/speculative.md): NGRAM, or NEXTN / EAGLE with the "
+        "checkpoint's own multi-token-prediction layer (refused for a checkpoint without one).",
+        json_schema_extra={"flags": ["--sglang-speculative-algorithm"]},
+    )
+    engine_speculative_num_steps: int | None = Field(
+        None, ge=1, description="NEXTN / EAGLE: draft steps per verify (milepost serve "
+        "--speculative-num-steps); default 3.",
+        json_schema_extra={"flags": ["--sglang-speculative-num-steps"]},
+    )
+    engine_speculative_eagle_topk: int | None = Field(
+        None, ge=1, description="NEXTN / EAGLE: proposals per step; 1 (a chain) only.",
+        json_schema_extra={"flags": ["--sglang-speculative-eagle-topk"]},
+    )
+    engine_speculative_num_draft_tokens: int | None = Field(
+        None, ge=2, description="Tokens verified per request and step, the last one included "
+        "(milepost serve --speculative-num-draft-tokens); default num_steps + 1, or 4.",
+        json_schema_extra={"flags": ["--sglang-speculative-num-draft-tokens"]},
+    )
     true_on_policy: bool = Field(
         False,
         description="Engine and trainer assign bitwise-equal log-probs (report 5.3): the engines "

@@ -120,6 +120,17 @@ class OptimizerTable(Table):
         description="Score the old policy in its own no-grad pass even with one optimizer step per "
         "rollout (by default the training forward's own log-probs, detached, are the old policy's).",
     )
+    enable_mtp_training: bool = Field(
+        False,
+        description="Train the checkpoint's multi-token-prediction layer (the NEXTN draft) on the "
+        "rollout tokens beside the policy loss: inputs detached and clipped apart, so the policy's "
+        "update is unchanged (docs/speculative.md). Off: the MTP layer is kept as loaded and still "
+        "sent to the engines with every update.",
+    )
+    mtp_loss_scaling_factor: float = Field(
+        0.1, ge=0, description="--enable-mtp-training: weight of the MTP layer's cross-entropy, "
+        "normalized like the policy loss (per loss token).",
+    )
 
 
 class CheckpointTable(Table):

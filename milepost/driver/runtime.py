@@ -435,6 +435,7 @@ def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
         activation_checkpointing=cfg.activation_checkpointing, compile_layers=cfg.compile_layers,
         fused_kernels=cfg.fused_kernels,
         separate_old_logprob_pass=cfg.separate_old_logprob_pass, eps_clip=cfg.eps_clip,
+        enable_mtp_training=cfg.enable_mtp_training, mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
         eps_clip_high=cfg.eps_clip_high, use_kl_loss=cfg.use_kl_loss,
         kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
         entropy_coef=cfg.entropy_coef, temperature=cfg.rollout_temperature, seed=cfg.seed,

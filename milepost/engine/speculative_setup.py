@@ -44,28 +44,33 @@ def check_draft_dir(model_path: Path, draft_path: Path) -> None:
 
 def check_mtp_checkpoint(model_path: Path, algo: str) -> None:
     """Refuse NEXTN / EAGLE for a checkpoint whose architecture or weights have no MTP layers."""
+    problem = mtp_checkpoint_problem(model_path)
+    if problem is not None:
+        raise ValueError(f"--speculative-algorithm {algo} drafts with the checkpoint's own multi-token-"
+                         f"prediction (MTP) layers, but {problem}: use a checkpoint that ships them, "
+                         "or drop --speculative-algorithm or use NGRAM / STANDALONE "
+                         "--speculative-draft-model-path DIR")
+
+
+def mtp_checkpoint_problem(model_path: Path) -> str | None:
+    """Why `model_path` cannot draft with its own MTP layers (None when it can)."""
     from types import SimpleNamespace
 
     from milepost.models.mtp import mtp_layers_in_checkpoint
     from milepost.models.registry import MODEL_REGISTRY
 
     raw = json.loads((Path(model_path) / "config.json").read_text())  # read, no custom code run
-    # transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1 (the weights decide).
-    config = SimpleNamespace(num_hidden_layers=raw.get("num_hidden_layers", 0),
-                             num_nextn_predict_layers=raw.get("num_nextn_predict_layers", 1))
     arch = (raw.get("architectures") or ["?"])[0]
     cls = MODEL_REGISTRY.get(arch)
-    fix = "drop --speculative-algorithm or use NGRAM / STANDALONE --speculative-draft-model-path DIR"
     if cls is None or not getattr(cls, "supports_mtp", False):
-        raise ValueError(f"--speculative-algorithm {algo} drafts with the checkpoint's multi-token-"
-                         f"prediction (MTP) layers; {arch} ({model_path}) has no native MTP support "
-                         f"(DeepseekV3ForCausalLM has): {fix}")
+        return f"{arch} ({model_path}) has no native MTP support (DeepseekV3ForCausalLM has)"
+    # transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1 (the weights decide).
+    n = raw.get("num_nextn_predict_layers", 1)
+    config = SimpleNamespace(num_hidden_layers=raw.get("num_hidden_layers", 0), num_nextn_predict_layers=n)
     if mtp_layers_in_checkpoint(model_path, config) == 0:
-        n = getattr(config, "num_nextn_predict_layers", 0) or 0
-        first = config.num_hidden_layers
-        raise ValueError(f"--speculative-algorithm {algo}: {model_path} has no multi-token-prediction "
-                         f"weights (config num_nextn_predict_layers={n}, no model.layers.{first}.* "
-                         f"tensors): use a checkpoint that ships its MTP layers, or {fix}")
+        return (f"{model_path} has no multi-token-prediction weights (config num_nextn_predict_layers="
+                f"{n}, no model.layers.{config.num_hidden_layers}.* tensors)")
+    return None
 
 
 def mtp_kv_bytes_per_token(args: ServerArgs, target: CausalLM, kv_dtype: torch.dtype) -> int:

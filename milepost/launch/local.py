@@ -76,6 +76,12 @@ class LocalLauncher:
                   "--page-size", str(cfg.engine_page_size), "--random-seed", str(cfg.seed)]
         if cfg.engine_max_total_tokens:
             common += ["--max-total-tokens", str(cfg.engine_max_total_tokens)]
+        for flag, value in (("--speculative-algorithm", cfg.engine_speculative_algorithm),
+                            ("--speculative-num-steps", cfg.engine_speculative_num_steps),
+                            ("--speculative-eagle-topk", cfg.engine_speculative_eagle_topk),
+                            ("--speculative-num-draft-tokens", cfg.engine_speculative_num_draft_tokens)):
+            if value is not None:  # SGLang's own flags: the embedded engine and sglang read them alike
+                common += [flag, str(value)]
         if cfg.engine_quantization:  # fp8 weight storage (milepost/engine/weight_fp8.py)
             common += ["--quantization", cfg.engine_quantization]
         common += engine_precision_flags(cfg)  # --precision's engine side (milepost/lowprec/)
