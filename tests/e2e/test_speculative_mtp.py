@@ -240,3 +240,17 @@ def test_nextn_refused_for_an_architecture_without_mtp(tmp_path: Path) -> None:
     path = make_tiny_checkpoint(tmp_path / "q", "qwen3", seed=0, with_tokenizer=False)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM.*no native MTP support.*NGRAM"):
         ServerArgs(model_path=path, speculative_algorithm="NEXTN")
+
+
+def test_bench_reports_nextn_acceptance_in_the_same_run(ckpts) -> None:
+    from milepost.bench.args import BenchArgs
+    from milepost.bench.engine import run_bench
+
+    result = run_bench(BenchArgs(model=ckpts["mtp"], speculative="nextn", scenarios="fixed",
+                                 requests=4, prompt_len=12, output_len=16, temperature=0.0,
+                                 hf=False, max_total_tokens=2048))
+    spec = result["scenarios"][0]["speculative"]
+    assert spec["algorithm"] == "nextn" and spec["proposed"] > 0
+    assert 1.0 <= spec["accept_length"] <= 4.0
+    with pytest.raises(ValueError, match="nextn.*--model"):
+        BenchArgs(shape="qwen3-0.6b", speculative="nextn")
