@@ -10,6 +10,8 @@ is broken, and its float32 -> bf16 cast truncates); bf16 is checked on the GPU
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,49 @@ def test_w4a16_gemm_equals_dequantize_then_matmul(m: int, n: int, k: int, cfg: W
     # The torch path (CPU, prefill M): the dequantized weight itself, so F.linear's exact bits.
     cpu = int4_linear(x, q.values, q.scales, k)
     assert torch.equal(cpu, torch.nn.functional.linear(x, dequantize(q)))
+
+
+# Compiled for real GPU targets with Triton's bundled ptxas, no GPU needed: in a process of its own,
+# since the interpreter (this module's mode without CUDA) patches triton.language globally.
+_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from milepost.kernels.int4_gemm import _dequant_kernel, _w4a16_kernel
+
+ints = dict.fromkeys(("M N K KP stride_x stride_w stride_s stride_c stride_p n_kb kb_per").split(), "i32")
+for cc in (90,):  # the H200's; sm_80 compiles too (checked by hand, 2026-12-05)
+    for x, bm, bn, parts in (("bf16", 16, 64, False), ("fp32", 16, 64, True)):
+        sig = {"X": "*" + x, "W": "*u8", "S": "*fp32", "C": "*fp32" if parts else "*" + x, **ints,
+               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr", "PARTS": "constexpr"}
+        const = {"BLOCK_M": bm, "BLOCK_N": bn, "IEEE": x == "fp32", "PARTS": parts}
+        k = triton.compile(ASTSource(_w4a16_kernel, sig, const), target=GPUTarget("cuda", cc, 32),
+                           options={"num_warps": 4 if bm * bn < 64 * 128 else 8, "num_stages": 3})
+        assert k.asm["cubin"] and ("mma" in k.asm["ptx"]) == (x != "fp32"), (cc, x, bm, bn)  # ieee: FMA
+    sig = {"W": "*u8", "S": "*fp32", "O": "*bf16", "N": "i32", "K": "i32", "KP": "i32",
+           "stride_w": "i32", "stride_s": "i32", "stride_o": "i32", "BLOCK_N": "constexpr"}
+    k = triton.compile(ASTSource(_dequant_kernel, sig, {"BLOCK_N": 32}), target=GPUTarget("cuda", cc, 32))
+    assert "cvt.rn.bf16" in k.asm["ptx"]  # rounded to nearest even, as torch casts
+"""
+
+
+def _ptxas() -> bool:
+    try:
+        import triton.backends.nvidia as nv
+    except ImportError:
+        return False
+    return (Path(nv.__file__).parent / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _ptxas(), reason="Triton's NVIDIA backend (bundled ptxas) is not installed")
+def test_kernels_compile_for_hopper_without_a_gpu() -> None:
+    """The interpreter does not compile: this does (sm_90 cubins; bf16 on the tensor cores, fp32
+    in IEEE FMAs, split parts)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
