@@ -3,7 +3,8 @@
 MTP co-training (`--enable-mtp-training`) needs a checkpoint whose weights hold MTP layers, the
 FSDP trainer (where it is implemented) and no LoRA (the adapter would leave the MTP layer
 frozen). Engines drafting with NEXTN / EAGLE need the same checkpoint, milepost's engine or
-SGLang (both read the flags; external engines are configured where they start).
+SGLang (both read the flags; external engines are configured where they start). The weight
+check pointed at the draft alone needs those layers too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def mtp_refusals(c: TrainConfig) -> list[str]:
                  "of proposals) is implemented; use 1")
     if algo in ("NEXTN", "EAGLE"):
         p += _checkpoint_refusal(c, f"--engine-speculative-algorithm {algo}")
+    selector = c.check_weight_update_selector
+    if selector != "all" and not c.check_weight_update_equal:
+        p.append(f"--check-weight-update-selector {selector} has no effect without "
+                 "--check-weight-update-equal; add it or drop the selector")
+    elif selector == "draft":
+        p += _checkpoint_refusal(c, "--check-weight-update-selector draft")
     if c.enable_mtp_training:
         if c.train_backend != "fsdp":
             p.append(f"--enable-mtp-training is implemented for --train-backend fsdp, not "

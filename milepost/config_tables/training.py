@@ -181,7 +181,14 @@ class WeightsTable(Table):
     check_weight_update_equal_skip: list[str] | None = Field(
         None,
         description="--check-weight-update-equal: engine tensor names (globs, e.g. '*.k_scale') "
-        "that live only on the rollout side and are not compared.",
+        "that live only on the rollout side and are not compared; '!glob' compares only the "
+        "names matching it.",
+    )
+    check_weight_update_selector: Literal["all", "target", "draft"] = Field(
+        "all",
+        description="--check-weight-update-equal: which model the check covers (Miles' name): all, "
+        "target (skips the MTP draft's layers), or draft (only the layers multi-token prediction "
+        "adds, model.layers.{num_hidden_layers + i}.*; report 4.4).",
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -87,3 +88,11 @@ def is_mtp_copy(name: str, num_hidden_layers: int) -> bool:
     """A checkpoint's copy of the target's embedding or head under an MTP layer (not loaded)."""
     m = _LAYER.fullmatch(name)
     return bool(m) and int(m.group(1)) >= num_hidden_layers and m.group(2) in MTP_COPIES
+
+
+def mtp_draft_globs(path: str | Path) -> list[str]:
+    """Name globs of the MTP layers a checkpoint holds (`model.layers.{N + i}.*`), [] for none."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    n = raw.get("num_hidden_layers", 0)
+    config = SimpleNamespace(num_hidden_layers=n, num_nextn_predict_layers=raw.get("num_nextn_predict_layers", 1))
+    return [f"model.layers.{n + i}.*" for i in range(mtp_layers_in_checkpoint(path, config))]

@@ -50,6 +50,17 @@ def make_transport(cfg: TrainConfig, engine_urls: list[str], rank: int = 0, worl
                      "p2p, disk-delta")
 
 
+def selector_skips(cfg: TrainConfig) -> tuple[str, ...]:
+    """--check-weight-update-selector as globs: target skips the MTP draft's layers, draft checks
+    only them ("!glob")."""
+    if cfg.check_weight_update_selector == "all":
+        return ()
+    from milepost.models.mtp import mtp_draft_globs
+
+    globs = mtp_draft_globs(cfg.hf_checkpoint)
+    return tuple(globs) if cfg.check_weight_update_selector == "target" else tuple("!" + g for g in globs)
+
+
 def make_weight_sync(cfg: TrainConfig, engine_urls: list[str], rank: int, world: int
                      ) -> WeightSync | None:
     """Trainer rank `rank`'s WeightSync: None where this rank only takes part in the gathers."""
@@ -59,5 +70,5 @@ def make_weight_sync(cfg: TrainConfig, engine_urls: list[str], rank: int, world:
     return WeightSync(transport, cfg.update_weight_buffer_size, dtype=getattr(torch, cfg.dtype),
                       check_weight_update=cfg.check_weight_update,
                       check_equal_once=cfg.check_weight_update_equal,
-                      check_skip=tuple(cfg.check_weight_update_equal_skip or ()),
+                      check_skip=tuple(cfg.check_weight_update_equal_skip or ()) + selector_skips(cfg),
                       scope=f"{POLICY_ADAPTER}{ADAPTER_SEP}" if cfg.lora_rank else None)

@@ -143,7 +143,12 @@ def randomize_engines(engine_urls: Sequence[str], seed: int = 0, timeout_s: floa
 
 
 def _skipped(name: str, skip: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
+    """Skipped: `name` matches a glob of `skip`, or `skip` has negated globs ("!glob": check only
+    what matches one of them, e.g. the MTP draft's layer) and it matches none of them."""
+    only = [p[1:] for p in skip if p.startswith("!")]
+    if only and not any(fnmatch.fnmatchcase(name, p) for p in only):
+        return True
+    return any(fnmatch.fnmatchcase(name, p) for p in skip if not p.startswith("!"))
 
 
 def compare_digests(

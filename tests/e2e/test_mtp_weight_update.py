@@ -5,8 +5,9 @@ keeps the layer (frozen: the policy loss never reaches it) and exports it under 
 names, so `--check-weight-update-equal` (noise into every engine tensor, then bit for bit) passes
 on a `milepost serve --speculative-algorithm NEXTN` process over the tensor, broadcast and P2P
 transports. A trainer that leaves the MTP layer out fails the check unless its names are skipped
-(`check_skip`, the `--check-weight-update-equal-skip` glob); the exported directory loads again
-with its MTP layer.
+(`check_skip`, the `--check-weight-update-equal-skip` glob), and the check pointed at the draft
+alone ("!glob", `--check-weight-update-selector draft`) catches exactly that; the exported
+directory loads again with its MTP layer.
 """
 
 from __future__ import annotations
@@ -70,6 +71,18 @@ def trainer(rank: int, world: int, ckpt: str, url: str, out: str) -> dict:
     sync = WeightSync(TensorTransport([url]), 48_000, dtype=torch.float32, check_equal_once=True,
                       check_skip=(MTP + "*",))
     result["skipped"] = sync.update(no_mtp(), "skip-mtp").verified
+    # --check-weight-update-selector draft ("!glob"): only the MTP layer is compared
+    draft_only = (f"!{MTP}*",)
+    sync = WeightSync(TensorTransport([url]), 48_000, dtype=torch.float32, check_equal_once=True,
+                      check_skip=draft_only)
+    result["draft_checked"] = sync.update(backend.named_hf_weights(), "draft").verified
+    sync = WeightSync(TensorTransport([url]), 48_000, dtype=torch.float32, check_equal_once=True,
+                      check_skip=draft_only)
+    try:
+        sync.update(no_mtp(), "draft-missing")
+        result["draft_missing"] = "passed"
+    except WeightMismatchError as e:
+        result["draft_missing"] = str(e)
     # leave the engine with the trained weights, MTP included
     WeightSync(TensorTransport([url]), 48_000, dtype=torch.float32).update(backend.named_hf_weights(), "final")
     backend.export_hf(out)
@@ -87,7 +100,8 @@ def test_mtp_layers_are_kept_exported_and_checked_on_every_transport(ckpts, tmp_
         assert r["mtp_changed"] == [], "the policy loss never reaches the MTP layer: it stays as loaded"
         assert r["tensor"] and r["broadcast"] and r["p2p"]
         assert "never written by the update" in r["unskipped"] and MTP in r["unskipped"]
-        assert r["skipped"]
+        assert r["skipped"] and r["draft_checked"]
+        assert "never written by the update" in r["draft_missing"] and MTP in r["draft_missing"]
         body = {"input_ids": [5, 6, 7, 8] * 3, "sampling_params": {"temperature": 0, "max_new_tokens": 12,
                                                                    "ignore_eos": True}}
         reply = httpx.post(f"{srv.url}/generate", json=body, timeout=60)

@@ -64,3 +64,25 @@ def test_a_checkpoint_without_mtp_layers_is_refused(ckpts, tmp_path, extra, matc
 def test_settings_that_cannot_work_are_refused(ckpts, tmp_path, extra, match) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config(None, flags(ckpts["mtp"], tmp_path, *extra))
+
+
+def test_the_weight_check_can_point_at_the_target_the_draft_or_both(ckpts, tmp_path) -> None:
+    from milepost.weights.factory import selector_skips
+    from milepost.weights.verify import _skipped
+
+    names = ["model.layers.0.self_attn.o_proj.weight", "model.layers.3.eh_proj.weight",
+             "model.layers.3.mlp.experts.1.up_proj.weight"]
+    checked = {}
+    for selector in ("all", "target", "draft"):
+        cfg = load_config(None, flags(ckpts["mtp"], tmp_path, "--check-weight-update-equal",
+                                      "--check-weight-update-selector", selector))
+        skip = ("*.k_scale",) + selector_skips(cfg)
+        checked[selector] = [n for n in names if not _skipped(n, skip)]
+    assert checked["all"] == names
+    assert checked["target"] == names[:1]
+    assert checked["draft"] == names[1:]
+    with pytest.raises(ConfigError, match="selector draft needs the checkpoint's multi-token-prediction"):
+        load_config(None, flags(ckpts["plain"], tmp_path, "--check-weight-update-equal",
+                                "--check-weight-update-selector", "draft"))
+    with pytest.raises(ConfigError, match="no effect without --check-weight-update-equal"):
+        load_config(None, flags(ckpts["mtp"], tmp_path, "--check-weight-update-selector", "target"))
