@@ -55,8 +55,9 @@ class MtpDrafter:
         """target: a model with MTP layers (`mtp_forward`); catch_up_tokens bounds one MTP
         catch-up forward, and how many hidden rows a request keeps before catching up early."""
         if not getattr(target, "num_mtp_layers", 0):
-            raise ValueError("--speculative-algorithm NEXTN needs a checkpoint with multi-token-"
-                             "prediction layers (num_nextn_predict_layers and their weights)")
+            raise ValueError("--speculative-algorithm NEXTN needs the native model of a checkpoint with "
+                             "multi-token-prediction layers (num_nextn_predict_layers and their "
+                             f"weights); {type(target).__name__} has none")
         self.target = target  # not `model`: memory.py frees a separate draft's weights by that name
         self.device = device
         self.block_size = block_size

@@ -366,6 +366,9 @@ class ServerArgs(BaseModel):
             raise ValueError(f"--speculative-algorithm {algo} drafts with the target's own multi-token-"
                              "prediction layers; a separate EAGLE head (--speculative-draft-model-path "
                              f"{draft}) is not supported: drop the path, or use STANDALONE for a draft model")
+        if self.model_impl == "transformers":
+            raise ValueError(f"--speculative-algorithm {algo} runs the native model's MTP layers; "
+                             "--model-impl transformers has none: use auto or native")
         if self.speculative_eagle_topk not in (None, 1):
             raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: only 1 (a chain of "
                              "proposals) is implemented; pass --speculative-eagle-topk 1")

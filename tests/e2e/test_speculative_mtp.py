@@ -229,6 +229,8 @@ def test_nextn_refusals_name_the_setting_and_the_fix(ckpts) -> None:
     with pytest.raises(ValueError, match="separate EAGLE head"):
         ServerArgs(model_path=ckpts["mtp"], speculative_algorithm="EAGLE",
                    speculative_draft_model_path=ckpts["plain"])
+    with pytest.raises(ValueError, match="model-impl transformers has none"):
+        ServerArgs(model_path=ckpts["mtp"], speculative_algorithm="NEXTN", model_impl="transformers")
     # EAGLE is SGLang's name for the same thing: accepted, num_steps sets the count
     args = ServerArgs(model_path=ckpts["mtp"], speculative_algorithm="EAGLE", speculative_num_steps=2)
     assert args.verified_tokens() == 3
