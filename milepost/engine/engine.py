@@ -256,6 +256,8 @@ class Engine(Stepper):
                 finish_reason=req.finish_reason,
                 routed_experts=routed,
                 weight_version=self.weight_version,
+                spec_counts=None if self.speculator is None else (
+                    req.spec_verify_ct, req.spec_num_proposed_drafts, req.spec_num_correct_drafts),
             )
         )
 

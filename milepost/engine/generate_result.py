@@ -77,6 +77,9 @@ class Result:
             self._logprobs(meta, out, tokenizer)
         if out.routed_experts is not None:
             meta["routed_experts"] = out.routed_experts
+        if out.spec_counts is not None:  # SGLang's names; accept length = 1 + correct / verify_ct
+            meta["spec_verify_ct"], meta["spec_num_proposed_drafts"], meta["spec_num_correct_drafts"] = \
+                out.spec_counts
         body = {"text": self.text(tokenizer), "output_ids": list(self.output_ids), "meta_info": meta}
         if self.prompt_ids is not None:
             body["prompt_token_ids"] = self.prompt_ids

@@ -44,6 +44,9 @@ class RequestOutput:
     input_ids_logprobs: list[list[float] | None] | None = None
     new_ids_logprobs: list[list[float]] | None = None  # token_ids_logprob at each new token
     prompt_ids: list[int] | None = None  # set with input_logprobs (the tokens they score)
+    # Speculative decoding: (verify steps, proposed, accepted) so far (SGLang's spec_verify_ct,
+    # spec_num_proposed_drafts, spec_num_correct_drafts); None when the engine does not speculate.
+    spec_counts: tuple[int, int, int] | None = None
 
 
 @dataclass(eq=False)  # identity: queues find and remove a request without comparing fields
@@ -74,6 +77,9 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of all_ids whose KV is in `blocks`
     draft_computed: int = 0  # speculative draft model: positions whose draft KV is in `blocks`
+    spec_verify_ct: int = 0  # speculative steps that verified proposals of this request
+    spec_num_proposed_drafts: int = 0
+    spec_num_correct_drafts: int = 0
     cached_tokens: int = 0  # prefix-cache hits at first admission (SGLang's meta_info field)
     admitted_once: bool = False
     emitted: int = 0  # output tokens already sent to the owner

@@ -154,6 +154,9 @@ class Speculator:
             if req.is_finished:
                 break
         m = verdict.accepted[i]
+        req.spec_verify_ct += 1
+        req.spec_num_proposed_drafts += len(c.draft)
+        req.spec_num_correct_drafts += m
         if not isinstance(self.drafter, NgramDrafter):
             self.drafter.after_verify(req, start_len, len(c.draft), m)
         s = self.stats

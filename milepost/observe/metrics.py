@@ -9,6 +9,8 @@ W&B (offline mode) when asked. Names follow the report's panels; a driver may lo
 | rollout/truncated_frac | share of samples cut by rollout_max_response_len |
 | rollout/prefix_cache_hit_rate | prompt tokens served from the engines' prefix cache / prompt tokens |
 | rollout/tokens_per_s | generated tokens / rollout wall time |
+| rollout/spec_accept_length | speculating engines: tokens per verify step (1 + accepted proposals) |
+| rollout/spec_accept_rate | speculating engines: accepted / proposed draft tokens |
 | train/loss | total loss (policy gradient + KL + entropy terms), mean over optimizer steps |
 | train/pg_clipfrac | share of response tokens whose ratio was clipped |
 | train/kl | KL to the reference policy (the configured estimator) |

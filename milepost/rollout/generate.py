@@ -135,6 +135,9 @@ async def generate_one(client: EngineClient, item: PromptItem, sampling: Samplin
     sample.metadata.update(finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
                            cached_tokens=out.cached_tokens,
                            latency_s=time.perf_counter() - start)
+    for key in ("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts"):
+        if key in out.meta_info:  # a speculating engine (SGLang's names)
+            sample.metadata[key] = int(out.meta_info[key])
     if top_logprobs_num:
         sample.metadata["student_top_logprobs"] = [
             [[float(e[0]), int(e[1])] for e in row] for row in out.meta_info.get("output_top_logprobs") or []]
@@ -301,6 +304,8 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
 
     reward_* / response_len_* / truncated_frac: over the trainable groups (absent when none).
     prefix_cache_hit_rate: cached / prompt tokens over every answered request.
+    spec_accept_length / spec_accept_rate: with speculating engines, 1 + accepted proposals per
+    verify step, and accepted / proposed, over every answered request.
     tokens_per_s: response tokens of every answered request / the rollout's wall time.
     session_*: divergences of the session server's sessions (rollbacks, forks, rejections, and
     sampled tokens re-tokenized as context) and tool-call blocks of the model that did not parse,
@@ -334,6 +339,12 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
     if prompt_tokens:
         cached = sum(s.metadata["cached_tokens"] for s in answered)
         out["prefix_cache_hit_rate"] = cached / prompt_tokens
+    verifies = sum(s.metadata.get("spec_verify_ct", 0) for s in answered)
+    if verifies:  # speculating engines: tokens per verify step, and the share of proposals kept
+        correct = sum(s.metadata.get("spec_num_correct_drafts", 0) for s in answered)
+        proposed = sum(s.metadata.get("spec_num_proposed_drafts", 0) for s in answered)
+        out["spec_accept_length"] = 1.0 + correct / verifies
+        out["spec_accept_rate"] = correct / max(proposed, 1)
     if result.elapsed_s > 0:
         out["tokens_per_s"] = sum(s.response_length for s in answered) / result.elapsed_s
     # Session server divergences (session/divergence.py): counted once per session.

@@ -20,10 +20,11 @@ from milepost.testing.hf_archs import make_tiny_hf_checkpoint
 
 
 def make_tiny_mtp_checkpoint(path: str | Path, *, arch: str = "deepseek_v3", seed: int = 0,
-                             vocab_size: int = 512, mtp_scale: float = 0.1,
+                             vocab_size: int = 512, mtp_scale: float = 0.1, with_tokenizer: bool = False,
                              **config_overrides: Any) -> Path:
     """A tiny DeepSeek-V3 checkpoint (hf_archs.py) with one random MTP layer added (fp32)."""
-    path = make_tiny_hf_checkpoint(path, arch, seed=seed, vocab_size=vocab_size, **config_overrides)
+    path = make_tiny_hf_checkpoint(path, arch, seed=seed, vocab_size=vocab_size,
+                                   with_tokenizer=with_tokenizer, **config_overrides)
     model = load_native(path, torch.float32, "cpu")  # no MTP weights yet: built without them
     model.attach_mtp(1)
     n = model.num_layers
