@@ -51,6 +51,17 @@ def w4_config(m: int, n: int, k: int, sms: int) -> W4Config:
     return W4Config(bm, bn, split)
 
 
+@triton.jit
+def _nibbles(b, BLOCK_N: tl.constexpr):
+    """[BLOCK_N, 64] bytes (int32) -> [BLOCK_N, 128] float32 values (-8..7), element 2i from the
+    low nibble. n ^ 8 is the value + 8 (0..15); OR-ed into the bits of 2^23 it is 2^23 + value + 8
+    as a float32, exactly, and subtracting 2^23 + 8 leaves the value: two full-rate ops instead of
+    an int -> float conversion, which runs at a quarter of the FMA rate (the kernel's bottleneck
+    once the bytes are halved twice)."""
+    u = tl.reshape(tl.join((b & 15) ^ 8, (b >> 4) ^ 8), (BLOCK_N, 128))  # [.., 64, 2]: 2i, 2i+1
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+
 @triton.jit(do_not_specialize=["M", "kb_per"])
 def _w4a16_kernel(X, W, S, C, M, N, K, KP, stride_x, stride_w, stride_s, stride_c, stride_p,
                   n_kb, kb_per, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -73,12 +84,9 @@ def _w4a16_kernel(X, W, S, C, M, N, K, KP, stride_x, stride_w, stride_s, stride_
         x = tl.load(x_ptr + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
         bb = kb * 64 + rb
         b = tl.load(w_ptr + bb[None, :], mask=col_ok[:, None] & (bb < KP)[None, :], other=0)
-        b = b.to(tl.int32)
-        lo = ((b & 15) ^ 8) - 8  # a two's-complement nibble: (n ^ 8) - 8
-        hi = ((b >> 4) ^ 8) - 8
-        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, 128))  # [.., 64, 2]: element 2i low, 2i+1 high
+        v = _nibbles(b.to(tl.int32), BLOCK_N)  # two's-complement nibbles: (n ^ 8) - 8
         s = tl.load(S + rn * stride_s + kb, mask=col_ok, other=0.0)
-        w = (v.to(tl.float32) * s[:, None]).to(X.dtype.element_ty)  # dequantize's product, rounded
+        w = (v * s[:, None]).to(X.dtype.element_ty)  # dequantize's float32 product, rounded
         if IEEE:  # fp32 activations: a true fp32 product (not tf32)
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
@@ -134,9 +142,9 @@ def _dequant_kernel(W, S, O, N, K, KP, stride_w, stride_s, stride_o, BLOCK_N: tl
     col_ok = rn < N
     b = tl.load(W + rn[:, None].to(tl.int64) * stride_w + bb[None, :],
                 mask=col_ok[:, None] & (bb < KP)[None, :], other=0).to(tl.int32)
-    v = tl.reshape(tl.join(((b & 15) ^ 8) - 8, ((b >> 4) ^ 8) - 8), (BLOCK_N, 128))
+    v = _nibbles(b, BLOCK_N)
     s = tl.load(S + rn * stride_s + kb, mask=col_ok, other=0.0)
-    w = (v.to(tl.float32) * s[:, None]).to(O.dtype.element_ty)
+    w = (v * s[:, None]).to(O.dtype.element_ty)
     tl.store(O + rn[:, None].to(tl.int64) * stride_o + kk[None, :], w,
              mask=col_ok[:, None] & (kk < K)[None, :])
 
