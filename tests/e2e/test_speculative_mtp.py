@@ -256,3 +256,41 @@ def test_bench_reports_nextn_acceptance_in_the_same_run(ckpts) -> None:
     assert 1.0 <= spec["accept_length"] <= 4.0
     with pytest.raises(ValueError, match="nextn.*--model"):
         BenchArgs(shape="qwen3-0.6b", speculative="nextn")
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_modes_keep_greedy_outputs(ckpts, mode) -> None:
+    ps = prompts(3, seed=5)
+    want = Run(make_engine(ckpts["mtp"]))
+    for i, p in enumerate(ps):
+        want.submit(f"r{i}", p, greedy(16))
+    want.run()
+    r = Run(make_engine(ckpts["mtp"], speculative_algorithm="NEXTN"))
+    for i, p in enumerate(ps):
+        r.submit(f"r{i}", p, greedy(16))
+    r.run(4)
+    r.engine.pause(mode)
+    r.run(2)
+    r.engine.resume()
+    r.run()
+    for rid in want.out:
+        assert r.tokens(rid) == want.tokens(rid), (mode, rid)
+
+
+def test_memory_release_covers_the_mtp_cache(ckpts) -> None:
+    """Releasing kv_cache frees the MTP layer's pools too (they alias the runner's shadow pools);
+    after the resume NEXTN still returns the plain engine's greedy tokens."""
+    from milepost.engine.memory import MemoryOccupation
+
+    eng = make_engine(ckpts["mtp"], speculative_algorithm="NEXTN")
+    mtp = eng.speculator.drafter
+    mem = MemoryOccupation(eng)
+    freed = mem.release(["kv_cache", "weights"])
+    assert mtp.kv.k[0].untyped_storage().nbytes() == 0 and freed >= mtp.kv.nbytes()
+    mem.resume(["kv_cache", "weights"])
+    assert eng.runner.shadow_pools[0].data_ptr() == mtp.kv.k[0].data_ptr()
+    r, want = Run(eng), Run(make_engine(ckpts["mtp"]))
+    for run in (r, want):
+        run.submit("a", prompts(1, seed=6)[0], greedy(12))
+        run.run()
+    assert r.tokens("a") == want.tokens("a") and eng.speculator.stats.proposed > 0
