@@ -82,7 +82,7 @@ def main() -> None:
     seqs, prompt_lens, _ = generate(ckpt, args.device, args.rollouts, 0, spec=False)
     t0 = time.perf_counter()
     (losses,) = run_ranks(train, 1, str(ckpt), seqs, prompt_lens, str(root / "after"), args.steps,
-                          args.device, timeout_s=3600)
+                          args.device, timeout_s=3600, backend="nccl" if args.device == "cuda" else "gloo")
     result = {"rollouts": args.rollouts, "steps": args.steps, "device": args.device,
               "train_seconds": round(time.perf_counter() - t0, 1),
               "mtp_loss_first": round(losses[0], 3), "mtp_loss_last": round(losses[-1], 3)}
