@@ -5,7 +5,8 @@ weights), and a train step of the quantized linears vs bf16.
     python benchmarks/lowprec_gpu.py --shapes qwen3-0.6b,qwen3-4b --json-out out.json
 
 `--parts int4` times the packed INT4 W4A16 GEMM (milepost/kernels/int4_gemm.py) at decode M per
-projection against bf16 cuBLAS and the FP8 decode GEMM, from CUDA graphs over weight copies that
+projection against bf16 cuBLAS and the FP8 decode GEMM (and at M = 4096 the dequantization +
+cuBLAS path against bf16), from CUDA graphs over weight copies that
 overflow L2 (benchmarks/fp8_gemm_sweep.py's timing), each config checked against the fp32
 product of the dequantized weights first; `--modes bf16,int4 --parts engine` gives engine decode
 tok/s and weight bytes of the two in one process:
@@ -98,6 +99,20 @@ def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"int4 W4A16 kernel probe: {ig.kernel_ok(dev)}", flush=True)
     rows = []
+    ref = torch.empty(0)
+
+    def timed(fn, count: int, check: bool) -> float | str:
+        """us per call of fn(copy) from a CUDA graph over `count` copies; checked first against
+        `ref` (the case being timed: the fp32 product of the dequantized weights)."""
+        try:
+            if check:
+                err = (fn(0).float() - ref).abs().max().item()
+                if not err <= 1e-2 * ref.abs().max().item():
+                    return f"wrong (max diff {err:.3g})"
+            return graph_us([lambda i=i: fn(i) for i in range(count)])[0]
+        except Exception as e:  # noqa: BLE001 - report, go on
+            return f"failed: {str(e).splitlines()[0][:100]}"
+
     for name, (n, k) in LINEARS[shape].items():
         w = torch.randn(n, k, device=dev) * 0.02
         q4, q8 = quantize(w, "int4"), quantize(w, "fp8_block")
@@ -110,17 +125,6 @@ def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ deq.t()
             row = {"shape": shape, "gemm": name, "M": m, "N": n, "K": k, "int4_copies": copies}
-
-            def timed(fn, count: int, check: bool) -> float | str:
-                try:
-                    if check:
-                        err = (fn(0).float() - ref).abs().max().item()
-                        if not err <= 1e-2 * ref.abs().max().item():
-                            return f"wrong (max diff {err:.3g})"
-                    return graph_us([lambda i=i: fn(i) for i in range(count)])[0]
-                except Exception as e:  # noqa: BLE001 - report, go on
-                    return f"failed: {str(e).splitlines()[0][:100]}"
-
             row["bf16_us"] = timed(lambda i: F.linear(x, wb[i]), len(wb), False)
             row["fp8_decode_us"] = timed(
                 lambda i: fp8_block_linear(x, p8[i][0], p8[i][1], "decode"), len(p8), False)
@@ -142,6 +146,14 @@ def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -
             row.update(int4_grid=grid, int4_best=best, int4_best_us=timed_ok.get(best))
             rows.append(row)
             print(json.dumps({k2: v for k2, v in row.items() if k2 != "int4_grid"}), flush=True)
+        # Prefill M: the Triton dequantization into a temporary, then cuBLAS, against bf16 cuBLAS.
+        x = torch.randn(4096, k, device=dev, dtype=torch.bfloat16)
+        ref = x.float() @ deq.t()
+        row = {"shape": shape, "gemm": name, "M": 4096, "N": n, "K": k,
+               "bf16_us": timed(lambda i: F.linear(x, wb[i]), min(len(wb), 4), False),
+               "int4_dequant_cublas_us": timed(lambda i: ig.int4_linear(x, *p4[i], k), min(copies, 4), True)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
         del wb, p4, p8
         torch.cuda.empty_cache()
     return rows
