@@ -68,6 +68,11 @@ class ServerArgs(BaseModel):
     nvfp4_four_over_six: bool = Field(
         False, description="--quantization nvfp4: scale each block to 4 or 6, whichever quantizes "
         "it with less error (four-over-six); must match the trainer's setting.")
+    fp8_activation_scheme: Literal["dynamic", "static"] = Field(
+        "dynamic", description="--quantization fp8_block: dynamic = each 1x128 activation block "
+        "scaled by its own amax; static = one float32 scale per linear's input, `<module>.input_scale`, "
+        "read from the checkpoint and sent with every weight update (a trainer under --fp8-scaling "
+        "delayed sends its own; until one arrives a linear scales dynamically). Emulated GEMMs.")
     max_total_tokens: int | None = Field(
         None,
         description="KV pool size in tokens; default derived from --mem-fraction-static on CUDA "
@@ -295,6 +300,9 @@ class ServerArgs(BaseModel):
         if (self.precision_override or self.nvfp4_four_over_six) and self.quantization in (None, "fp8"):
             raise ValueError("--precision-override / --nvfp4-four-over-six need --quantization "
                              "fp8_block, mxfp8 or nvfp4")
+        if self.fp8_activation_scheme == "static" and self.quantization != "fp8_block":
+            raise ValueError("--fp8-activation-scheme static scales the fp8_block engine's "
+                             "activations; add --quantization fp8_block or drop it")
         if self.nvfp4_four_over_six and self.quantization != "nvfp4":
             raise ValueError("--nvfp4-four-over-six needs --quantization nvfp4")
         if self.precision_override:

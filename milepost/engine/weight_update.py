@@ -98,7 +98,12 @@ class WeightLoader:
     @torch.no_grad()  # parameters may require grad (the trainer shares model code)
     def commit(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each source into its destination view (casting dtype, moving device; quantizing
-        into an fp8 destination). Sources were checked (`stage`, `refuse_non_finite`) before."""
+        into an fp8 destination). Sources were checked (`stage`, `refuse_non_finite`) before;
+        static FP8 input scales of a fused module must agree (lowprec/engine_scales.py)."""
+        scales = getattr(self.fp8, "input_scales", None)
+        if scales is not None:
+            pairs = list(pairs)
+            scales.check(pairs)  # raises before the first copy
         for dst, src in pairs:
             if self.fp8 is not None and self.fp8.owner(dst) is not None:
                 self.fp8.write(dst, src)

@@ -5,9 +5,10 @@ activation (forward GEMM, and the weight-gradient GEMM) and its output gradient 
 weight-gradient GEMMs) get one E4M3 scale per tensor, taken from the amaxes of earlier optimizer
 steps, instead of one scale per 1 x 128 block from the tensor itself. The weights keep the shared
 quantizer's 128 x 128 tiles (milepost/lowprec/quantize.py: the engines, conversion and export
-compute the same bits), so the contract's weights do not change. The engines keep current 1 x 128
-activation scales (they have no history and decode one token at a time), so the trainer's forward
-differs from theirs by the activation rounding: TIS is on by default (rules.py).
+compute the same bits), so the contract's weights do not change. The input scales travel to the
+engines with every weight update as `<module>.input_scale` (FP8 checkpoints' static activation
+scales), and the engines quantize their inputs with `qdq_input`, the function the trainer's
+forward calls, so both sides compute the same activations (engine_store.py, `input_scales`).
 
 The history: each slot (a weight's input `x` or output gradient `gy`) keeps the amax of the last
 `history_len` optimizer steps. Within a step every training forward and backward max-es its
@@ -16,9 +17,11 @@ scoring passes under no_grad only read); when the step ends the slots are max-re
 data-parallel group in one all_reduce, so every rank uses the same scales and the scales do not
 depend on how the batch was split, then pushed into the history and the scales recomputed:
 `scale = amax_h * 2^margin / 448`, amax_h the history's largest ("max") or the last step's
-("most_recent"). A slot whose amax_h is zero or not finite keeps its scale (as TE does); a slot
-with no positive amax in its history yet scales by its own amax (per tensor, current): TE starts
-from scale 1, which would flush small gradients to zero in E4M3.
+("most_recent"). A slot whose amax_h is zero or not finite keeps its scale (as TE does). A slot
+with no positive amax in its history yet (the first step) quantizes as current scaling does: an
+input by 1 x 128 blocks (what an engine without a scale does: the first rollout matches too), an
+output gradient by its own per-tensor amax; TE starts from scale 1, which would flush small
+gradients to zero in E4M3.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from milepost.lowprec import elements as el
+from milepost.lowprec.linear import quantize_activation
 
 log = logging.getLogger(__name__)
 AmaxAlgo = Literal["max", "most_recent"]
@@ -62,6 +66,25 @@ def qdq_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (v.float() * scale).to(x.dtype)
 
 
+def qdq_input(x: torch.Tensor, scale: torch.Tensor, seen: bool | None = None) -> torch.Tensor:
+    """An FP8 linear's input as its GEMM sees it under a delayed (static) float32 `scale`: one
+    E4M3 scale per tensor where `scale` > 0, NaN everywhere if x holds NaN/Inf; `scale` 0 (no
+    history yet) = current scaling's 1 x 128 blocks. The one function of the trainer's forward
+    and the engines' (static `input_scale`): `seen` is the trainer's host copy of `scale > 0`;
+    None decides on the device (no host sync, so CUDA graphs can capture it)."""
+    if seen is False:
+        return quantize_activation(x, "fp8_block")
+    static = qdq_per_tensor(x, torch.where(_amax(x)[1], torch.nan, scale))
+    if seen is True:
+        return static
+    return torch.where(scale > 0, static, quantize_activation(x, "fp8_block"))
+
+
+def input_scale_name(weight_name: str) -> str:
+    """'...q_proj.weight' -> '...q_proj.input_scale' (FP8 checkpoints' static activation scale)."""
+    return weight_name.removesuffix(".weight") + ".input_scale"
+
+
 class DelayedScaling:
     """The amax history and scales of one trained model's FP8 linears (see the module docstring)."""
 
@@ -87,6 +110,8 @@ class DelayedScaling:
         amax, bad = _amax(x)
         if record:
             self.pending[slot] = torch.maximum(self.pending[slot], amax)
+        if slot % 2 == 0:  # an input ("x" slots are even): the engines' function (qdq_input)
+            return qdq_input(x, self.scale[slot], self._seen[slot])
         scale = self.scale[slot] if self._seen[slot] else self._current_scale(amax)
         return qdq_per_tensor(x, torch.where(bad, torch.nan, scale))
 
@@ -103,6 +128,16 @@ class DelayedScaling:
         ok = (amax_h > 0) & torch.isfinite(amax_h)
         self.scale = torch.where(ok, self._current_scale(amax_h), self.scale)
         self._seen = [a or b for a, b in zip(self._seen, ok.tolist())]  # one host sync a step
+
+    def input_scales(self) -> list[tuple[str, torch.Tensor]]:
+        """(`<module>.input_scale`, float32 0-d) of every FP8 linear: the scales the trainer's
+        forwards use from now until the next `step()`, so sent with the weights of this step
+        they make the engines' forward of that version the trainer's; 0 = no history yet (both
+        sides then quantize per 1 x 128 block)."""
+        seen = torch.tensor(self._seen, device=self.scale.device)
+        held = torch.where(seen, self.scale, 0.0)
+        return [(input_scale_name(self.slots[i].removesuffix(":x")), held[i].clone())
+                for i in range(0, len(self.slots), 2)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"slots": list(self.slots), "history": self.history.cpu(), "scale": self.scale.cpu(),

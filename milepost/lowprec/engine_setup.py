@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from milepost.lowprec.contract import Contract, native_support, parse_overrides
+from milepost.lowprec.engine_scales import load_checkpoint_scales
 from milepost.lowprec.engine_store import QuantizedWeights, store_quantized
 
 log = logging.getLogger(__name__)
@@ -35,4 +36,11 @@ def store_engine_precision(model: nn.Module, args: object, device: torch.device)
         log.warning("--quantization %s: %s has no native %s GEMM; emulated (quantize, "
                     "dequantize, GEMM in the model dtype): the format's values, not its speed",
                     fmt, f"compute capability {cap}" if cap else "the CPU", fmt)
-    return store_quantized(model, contract)
+    static = getattr(args, "fp8_activation_scheme", "dynamic") == "static"
+    store = store_quantized(model, contract, static_scales=static)
+    if store.input_scales is not None:  # a checkpoint's own static scales (activation_scheme static)
+        n = load_checkpoint_scales(store.input_scales, str(args.model_path))  # type: ignore[attr-defined]
+        log.info("--fp8-activation-scheme static: %d linears, %d input scales read from the "
+                 "checkpoint (the others scale dynamically until an update sends them)",
+                 len(store.input_scales.names()), n)
+    return store

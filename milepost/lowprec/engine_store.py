@@ -11,7 +11,9 @@ byte, uint8 [N, ceil(K/2)], and float32 group scales [N, ceil(K/128)]): its HF v
 wide as the tensors sent (`hf_shape` says the sent shape), and the forward is W4A16
 (kernels/int4_gemm.py). Under fp8_block the MoE experts are stored in FP8 too
 (lowprec/engine_experts.py; the registry answers for both). Registered as `model.fp8_weights`,
-the attribute the weight loader and the weight-check endpoints use.
+the attribute the weight loader and the weight-check endpoints use. With static input scales
+(`--fp8-activation-scheme static`, lowprec/engine_scales.py) fp8_block linears quantize their
+input with the trainer's delayed-scaling function and the scale it sent.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from milepost.lowprec.contract import EXPERTS_SERVED, Contract
+from milepost.lowprec.delayed import qdq_input
 from milepost.lowprec.engine_experts import Fp8Experts, store_fp8_experts
+from milepost.lowprec.engine_scales import InputScales, attach_input_scales
 from milepost.lowprec.linear import quantize_activation, quantize_weight_parts
 from milepost.lowprec.quantize import INT4_GROUP, QTensor, dequantize, element_scale
 
@@ -38,6 +42,8 @@ class QuantizedLinear(nn.Linear):
     qfour: bool  # nvfp4 four-over-six: activations are quantized with it too
     native: bool
     weight_scale: torch.Tensor
+    qstatic: bool = False  # fp8_block with static input scales (`input_scale`, engine_scales.py)
+    input_scale: torch.Tensor  # float32 [parts], equal; 0 = none yet: 1 x 128 current blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
@@ -49,6 +55,8 @@ class QuantizedLinear(nn.Linear):
             from milepost.kernels.int4_gemm import int4_linear
 
             return int4_linear(x, self.weight, self.weight_scale, self.in_features, self.bias)
+        if self.qstatic:  # the trainer's delayed-scaling quantizer with the scale it sent
+            return F.linear(qdq_input(x, self.input_scale[0]), self.weight, self.bias)
         return F.linear(quantize_activation(x, self.qformat, self.qfour), self.weight, self.bias)
 
     def put(self, j: int, q: QTensor) -> None:
@@ -83,6 +91,7 @@ class QuantizedWeights:
         self._names = names  # (id(module), first row) -> HF name, for messages
         self._pending: dict[int, dict[int, torch.Tensor]] = {}  # nvfp4 gate/up halves
         self.experts: Fp8Experts | None = None  # fp8_block MoE experts (engine_experts.py)
+        self.input_scales: InputScales | None = None  # --fp8-activation-scheme static
 
     def owner(self, view: torch.Tensor) -> object | None:
         """The quantized linear (or the FP8 experts) `view` belongs to; None: not quantized."""
@@ -153,9 +162,12 @@ class QuantizedWeights:
 
 
 @torch.no_grad()
-def store_quantized(model: nn.Module, contract: Contract) -> QuantizedWeights:
+def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = False
+                    ) -> QuantizedWeights:
     """Quantize the covered linears of `model` (after fuse_projections) in place, per HF tensor,
-    in the format `contract` gives each (bf16 overrides stay as they are)."""
+    in the format `contract` gives each (bf16 overrides stay as they are); `static_scales`: the
+    fp8_block linears take static input scales (engine_scales.py) and run the emulated GEMM
+    (the native kernels quantize activations per 1 x 128 block themselves)."""
     by_module: dict[int, list[tuple[int, int, str]]] = {}
     modules: dict[int, nn.Linear] = {}
     mod_of_param = {id(m.weight): m for m in model.modules() if type(m) is nn.Linear}
@@ -202,7 +214,7 @@ def store_quantized(model: nn.Module, contract: Contract) -> QuantizedWeights:
         qs = (quantize_weight_parts(srcs, fmt, contract, [n for _, _, n in parts]) if joint else
               [quantize_weight_parts([s], fmt, contract, [n])[0] for s, (_, _, n) in zip(srcs, parts)])
         module.qparts = [(row, rows, None) for row, rows, _ in parts]  # type: ignore[misc]
-        module.native = _native(module, fmt, parts)
+        module.native = _native(module, fmt, parts) and not static_scales
         if fmt == "int4":  # packed on every device: a quarter of bf16's bytes (plus scales)
             n, k = module.weight.shape
             dev = module.weight.device
@@ -226,6 +238,10 @@ def store_quantized(model: nn.Module, contract: Contract) -> QuantizedWeights:
         names.update({(id(module), row): n for row, _, n in parts})
     store = QuantizedWeights(store_modules, names, contract, dtype)
     store.experts = experts
+    if static_scales:
+        store.input_scales = attach_input_scales(model, [
+            (m, [names[(id(m), row)] for row, _, _ in m.qparts])
+            for m in store_modules.values() if m.qformat == "fp8_block"])
     model.fp8_weights = store
     return store
 

@@ -192,4 +192,6 @@ def engine_precision_flags(cfg: TrainConfig) -> list[str]:
         flags += ["--precision-override", ",".join(f"{p}={f}" for p, f in contract.overrides)]
     if contract.four_over_six:
         flags += ["--nvfp4-four-over-six"]
+    if contract.rollout == "fp8_block" and cfg.fp8_scaling == "delayed":
+        flags += ["--fp8-activation-scheme", "static"]  # the trainer sends its input scales
     return flags

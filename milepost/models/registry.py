@@ -46,7 +46,9 @@ MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
 }
 
 # Checkpoint entries that are derived state, not weights (old Llama exports saved RoPE tables).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Static FP8 activation scales (`<module>.input_scale`) are not weights of the model: an engine
+# with `--fp8-activation-scheme static` reads them after quantizing (lowprec/engine_scales.py).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale")
 
 
 def model_class(hf_config: object) -> type[DecoderLM]:

@@ -11,6 +11,7 @@ storage of what never trains (a LoRA base, the reference, the teacher).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -412,7 +413,12 @@ class FSDPBackend:
 
     def named_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._require_onloaded("named_hf_weights")
-        return hf_weights(self.policy.lm, self.settings, self.adapter_steps)
+        named = hf_weights(self.policy.lm, self.settings, self.adapter_steps)
+        if self.fp8_scaling is None:
+            return named
+        # --fp8-scaling delayed: the input scales this version's forwards use travel with it (the
+        # engines' static activation scales, lowprec/engine_scales.py); after the weights.
+        return itertools.chain(named, self.fp8_scaling.input_scales())
 
     def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         if self.critic is not None:  # first: a complete actor checkpoint always has its critic

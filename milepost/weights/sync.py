@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from milepost.lowprec.engine_scales import is_input_scale
 from milepost.weights.bucket import iter_update_buckets, tensor_nbytes
 from milepost.weights.transport import WeightTransport
 from milepost.weights.verify import (
@@ -140,7 +141,8 @@ class WeightSync:
                   ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in items:
             tensor = tensor.detach()
-            if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
+            if (self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype
+                    and not is_input_scale(name)):  # float32 scales: a cast would round them
                 tensor = tensor.to(self.dtype)
             if digests is not None:
                 digests[name] = tensor_digest(tensor)

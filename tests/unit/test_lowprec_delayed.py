@@ -57,8 +57,10 @@ def _delayed(m: nn.Module, **kw: object) -> DelayedScaling:
 def test_history_window_algo_and_margin(algo: str) -> None:
     s = DelayedScaling(["w"], DelayedSettings(history_len=3, algo=algo, margin=1), torch.device("cpu"))
     x = torch.tensor([[0.5, -3.0]])
-    # No history yet: the tensor's own amax, with the margin (3 * 2 / 448).
-    assert torch.equal(s.qdq(x, 0, record=False), qdq_per_tensor(x, torch.tensor(6.0) / 448.0))
+    # No history yet: an input quantizes as current scaling (1 x 128 blocks, as an engine without
+    # a static scale); an output gradient by its own amax, with the margin (3 * 2 / 448).
+    assert torch.equal(s.qdq(x * 7, 0, record=False), qdq(x * 7, "fp8_block"))
+    assert torch.equal(s.qdq(x, 1, record=False), qdq_per_tensor(x, torch.tensor(6.0) / 448.0))
     for amax in (8.0, 2.0, 1.0, 0.5):  # the 8 leaves a window of 3 after the fourth step
         s.qdq(torch.tensor([[amax, 0.0]]), 0, record=True)
         s.qdq(torch.tensor([[amax / 2, 0.0]]), 0, record=True)  # a second micro-batch: max-ed in
