@@ -93,7 +93,8 @@ def build_engine(
     kv_bytes_per_token += draft_kv_bytes_per_token(draft, kv_dtype) + mtp_kv_bytes_per_token(args, model, kv_dtype)
     budget = None
     if device.type == "cuda":  # SGLang's meaning: weights + KV <= fraction of the total (kv_budget.py)
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        # buffers too: quantized engines keep their weights' scales (fp8, int4) as buffers
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         # An engine closed earlier in this process (a benchmark's previous run, a test) leaves its
         # pool to the garbage collector and then in torch's cache, where the driver counts it as
         # used: collect and return it first, or this engine would size its pool from the remainder.
