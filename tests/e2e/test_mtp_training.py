@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from milepost.engine.sampling import SamplingParams
+from milepost.models.registry import load_model
 from milepost.testing.dist import run_ranks
 from milepost.testing.mtp_checkpoint import make_tiny_mtp_checkpoint
 from milepost.train.batch import TrainBatch
@@ -64,11 +65,10 @@ def cotrain(rank: int, world: int, ckpt: str, seqs: list, prompt_lens: list, out
                                                   mtp_loss_scaling_factor=1.0))
     plain_metrics, co_metrics = plain.train_step(moving), co.train_step(moving)
     a, b = dict(plain.named_hf_weights()), dict(co.named_hf_weights())
+    loaded = load_model(ckpt, torch.float32, "cpu")
     result = {
         "policy_equal": all(torch.equal(a[n], b[n]) for n in a if not n.startswith(MTP)),
-        "policy_moved": any(not torch.equal(a[n], t) for n, t in
-                            FSDPBackend.create(ckpt, TrainerSettings(**base)).named_hf_weights()
-                            if not n.startswith(MTP)),
+        "policy_moved": any(not torch.equal(a[n], loaded.weight_view(n)) for n in a if not n.startswith(MTP)),
         "mtp_moved": any(not torch.equal(a[n], b[n]) for n in a if n.startswith(MTP)),
         "grad_norms": [plain_metrics["grad_norm"], co_metrics["grad_norm"]],
         "has_mtp_loss": "mtp_loss" in co_metrics and "mtp_loss" not in plain_metrics,
@@ -84,7 +84,7 @@ def cotrain(rank: int, world: int, ckpt: str, seqs: list, prompt_lens: list, out
 
 def test_mtp_cotraining_raises_acceptance_and_leaves_the_policy_update_alone(ckpt, tmp_path) -> None:
     seqs, prompt_lens, _ = rollouts(ckpt, 32, seed=0)
-    (r,) = run_ranks(cotrain, 1, str(ckpt), seqs, prompt_lens, str(tmp_path / "co"), 30, timeout_s=240)
+    (r,) = run_ranks(cotrain, 1, str(ckpt), seqs, prompt_lens, str(tmp_path / "co"), 20, timeout_s=240)
     assert r["policy_moved"] and r["mtp_moved"] and r["has_mtp_loss"]
     assert r["policy_equal"], "the MTP loss must not change the policy's update (detached, clipped apart)"
     assert r["grad_norms"][0] == r["grad_norms"][1]
