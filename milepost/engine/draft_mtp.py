@@ -3,8 +3,8 @@
 The MTP layer at position p reads the target's final hidden state at p and the token at p + 1, and
 predicts the token at p + 2 (models/mtp.py). So the drafter keeps, per request, the target's
 hidden states of the positions its MTP cache still lacks (`observe`, after every target forward;
-after a verify only the accepted positions' rows stay), and a proposal first catches the MTP
-cache up over them: the last of those rows (the hidden state before the last token, with the last
+after a verify only the accepted positions' rows stay; after a prefill chunk the positions whose
+next token is known are run at once), and a proposal first catches the MTP cache up over them: the last of those rows (the hidden state before the last token, with the last
 token) gives the first proposal. Each further proposal feeds the MTP's own output state and the
 previous proposal back into the same layer (one MTP layer chained k times, as SGLang does).
 
@@ -89,9 +89,12 @@ class MtpDrafter:
                 # have no hidden state here, their MTP cache is taken as it is.
                 req.draft_computed = c.start
                 st = self._stash[req] = _Stash(c.start, rows)
-            if st.rows.shape[0] > self.catch_up_tokens:
+            # After a prefill chunk (as SGLang's draft extend does), and whenever the rows pile up:
+            # the MTP cache of the positions whose next token is known is written now, so a
+            # request admitted next step on this prompt's cached blocks finds it filled.
+            if (c.length > 1 and not c.verify) or st.rows.shape[0] > self.catch_up_tokens:
                 long.append(req)
-        if long:  # a long prefill: catch the MTP cache up now rather than hold every row
+        if long:
             with self._mode():
                 self._extend(long, keep_last=True)
 
