@@ -74,6 +74,11 @@ class MtpDrafter:
                 eligible: Callable[[Request], bool]) -> None:
         """Keep each chunk's rows of the target's final hidden states [T, H] (chunk i's rows begin at
         starts[i]). Requests that never propose (eligible False) keep none."""
+        with self._mode():  # the rows stay the kind of tensor the forwards make (inference on CUDA)
+            self._observe(chunks, hidden, starts, eligible)
+
+    def _observe(self, chunks: Sequence[Chunk], hidden: torch.Tensor, starts: Sequence[int],
+                 eligible: Callable[[Request], bool]) -> None:
         long: list[Request] = []
         for c, a in zip(chunks, starts):
             req = c.req
@@ -95,8 +100,7 @@ class MtpDrafter:
             if (c.length > 1 and not c.verify) or st.rows.shape[0] > self.catch_up_tokens:
                 long.append(req)
         if long:
-            with self._mode():
-                self._extend(long, keep_last=True)
+            self._extend(long, keep_last=True)
 
     def after_verify(self, req: Request, start_len: int, k: int, accepted: int) -> None:
         """A verify that started at total_len start_len accepted `accepted` of k proposals: the
