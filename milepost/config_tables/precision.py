@@ -41,7 +41,8 @@ class PrecisionTable(Table):
         "current", description="FP8 trainer (--precision fp8): current = a scale per 1x128 block "
         "from the tensor itself (the engines' recipe); delayed = one scale per activation and "
         "output-gradient tensor from the amax history of earlier steps (Transformer Engine's "
-        "DelayedScaling; weights keep the shared 128x128 quantizer; TIS on by default).")
+        "DelayedScaling; weights keep the shared 128x128 quantizer); the engines take the input "
+        "scales with every weight update as static activation scales, so both sides compute alike.")
     fp8_amax_history_len: int = Field(
         1024, ge=1, description="--fp8-scaling delayed: optimizer steps of amax history per tensor.")
     fp8_amax_compute_algo: Literal["max", "most_recent"] = Field(

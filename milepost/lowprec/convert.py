@@ -1,7 +1,9 @@
 """Checkpoint conversion, the contract's fourth stage: a Hugging Face checkpoint to FP8 blockwise
 in the layout SGLang and DeepSeek-V3 checkpoints use (`weight` float8_e4m3fn, `weight_scale_inv`
 float32 per 128 x 128 tile, `quantization_config` in config.json), quantized by the same
-function the trainer and the engines call.
+function the trainer and the engines call. A source exported by a trainer under `--fp8-scaling
+delayed` holds each FP8 linear's `input_scale` (float32): they are kept and the checkpoint says
+`activation_scheme: static`, as FP8 checkpoints with calibrated activation scales do.
 
     python -m milepost.lowprec.convert SRC_DIR DST_DIR [--precision-override layers.0-0=bf16 ...]
         [--precision-bf16-first-layers N] [--precision-bf16-last-layers M]
@@ -18,6 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from milepost.lowprec.contract import BF16, Contract, layer_overrides, parse_overrides
+from milepost.lowprec.delayed import input_scale_name
+from milepost.lowprec.engine_scales import SCALE_SUFFIX
 from milepost.lowprec.quantize import FP8_TILE, quantize
 
 
@@ -30,11 +34,16 @@ def convert_checkpoint(src: Path, dst: Path, contract: Contract) -> list[str]:
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{src} has no *.safetensors files")
+    scales = _input_scales(files, contract)
     dst.mkdir(parents=True, exist_ok=True)
     done: list[str] = []
     for f in files:
         out: dict[str, torch.Tensor] = {}
         for name, t in load_file(f).items():
+            if name.endswith(SCALE_SUFFIX):
+                if scales:
+                    out[name] = t.float()
+                continue
             if contract.tensor_format(name, "rollout") == BF16 or t.dim() != 2:
                 out[name] = t
                 continue
@@ -48,12 +57,42 @@ def convert_checkpoint(src: Path, dst: Path, contract: Contract) -> list[str]:
             shutil.copy2(other, dst / other.name)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if scales else "dynamic",
         "weight_block_size": [FP8_TILE, FP8_TILE],
         "modules_to_not_convert": sorted({p for p, f in contract.overrides if f == BF16}) or None,
     }
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return done
+
+
+def _input_scales(files: list[Path], contract: Contract) -> dict[str, float]:
+    """The source's static input scales, {name: value}: none (dynamic), or one positive scale for
+    every FP8 linear, equal within a projection the engines fuse (q/k/v, gate/up); else refused."""
+    found: dict[str, float] = {}
+    covered: set[str] = set()
+    for f in files:
+        for name, t in load_file(f).items():
+            if name.endswith(SCALE_SUFFIX):
+                found[name] = float(t)
+            elif contract.tensor_format(name, "rollout") != BF16 and t.dim() == 2:
+                covered.add(input_scale_name(name))
+    if not found or not any(found.values()):
+        return {}  # none, or a trainer export before its first step (zeros: no history yet)
+    problems = sorted(covered - set(found))[:3] + [f"{n}={v} (not > 0)" for n, v in found.items()
+                                                    if not v > 0][:3]
+    groups: dict[str, set[float]] = {}
+    for n, v in found.items():
+        for part, fused in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"),
+                            ("gate_proj", "gate_up"), ("up_proj", "gate_up")):
+            if n.endswith(f".{part}{SCALE_SUFFIX}"):
+                groups.setdefault(n.rsplit(".", 2)[0] + "." + fused, set()).add(v)
+    problems += [f"{g}: unequal input scales {sorted(v)}" for g, v in groups.items() if len(v) > 1]
+    if problems:
+        raise ValueError("the source's static input scales (*.input_scale) must cover every FP8 "
+                         "linear with one positive scale, equal within q/k/v and gate/up: "
+                         + "; ".join(problems) + "; export the trainer after a training step, "
+                         "or drop the scales for dynamic activation scaling")
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -125,15 +125,14 @@ def fp8_scaling_refusals(c: TrainConfig, train: str) -> list[str]:
 def ratio_correction_default(c: TrainConfig) -> str | None:
     """TIS by default when the engines serve a quantized copy of a bf16 trainer's weights (the
     gap the report corrects), MoE experts under `--precision fp8` included (the trainer keeps
-    them bf16: for experts that arrangement is bf16-train-fp8-serve), and under
-    `--fp8-scaling delayed` (the trainer scales its activations from history, the engines per
-    block: the forwards differ); None = keep the configured value."""
+    them bf16: for experts that arrangement is bf16-train-fp8-serve); None = keep the configured
+    value. `--fp8-scaling delayed` is one format on both sides again: the engines take the
+    trainer's input scales with every update (`--fp8-activation-scheme static`, every transport),
+    so no TIS for it."""
     if "ratio_correction" in c.model_fields_set:
         return None
     train, rollout = sides(c.precision, c.train_precision, c.rollout_precision)
     if train == BF16 and rollout != BF16:
-        return "tis"
-    if train == "fp8_block" and c.fp8_scaling == "delayed":  # the trainer's activations differ
         return "tis"
     if rollout in EXPERTS_SERVED and _experts_served_quantized(c, run_contract(c)):
         return "tis"

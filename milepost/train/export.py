@@ -61,7 +61,8 @@ def write_hf_directory(
     for name, tensor in named_weights:
         if not is_writer:
             continue  # still iterate: the gather behind each tensor is a collective
-        dtype = tensor.dtype
+        if not name.endswith(".input_scale"):  # float32 FP8 input scales (delayed scaling)
+            dtype = tensor.dtype  # config.json's: the weights'
         if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > shard_bytes:
             flush()
         shard[name] = tensor.detach().to("cpu", copy=True).contiguous()  # own storage: no shared views

@@ -89,18 +89,20 @@ def test_first_and_last_layers_stay_bf16_at_all_four_stages(tmp_path: Path, ckpt
     assert config["quantization_config"]["modules_to_not_convert"] == ["layers.0-0", "layers.2-3"]
 
 
-def test_delayed_scaling_reaches_the_trainer_with_tis(tmp_path: Path, ckpt: Path) -> None:
+def test_delayed_scaling_reaches_the_trainer_and_static_engines(tmp_path: Path, ckpt: Path) -> None:
     cfg = load_config(None, _args(tmp_path, ckpt, "--precision", "fp8", "--fp8-scaling", "delayed",
                                   "--fp8-amax-history-len", "16",
                                   "--fp8-amax-compute-algo", "most_recent", "--fp8-margin", "1"))
     s = trainer_settings(cfg)
     assert (s.fp8_scaling, s.fp8_amax_history_len, s.fp8_amax_compute_algo, s.fp8_margin) == (
         "delayed", 16, "most_recent", 1)
-    assert cfg.ratio_correction == "tis"  # the trainer's activations differ from the engines'
+    assert cfg.ratio_correction == "none"  # the engines take the trainer's input scales: one format
     cmd = LocalLauncher(cfg, cfg.run_dir)._engine_cmd(12345)
-    assert cmd[cmd.index("--quantization") + 1] == "fp8_block"  # the engines' recipe is unchanged
+    assert cmd[cmd.index("--quantization") + 1] == "fp8_block"
+    assert cmd[cmd.index("--fp8-activation-scheme") + 1] == "static"
     current = load_config(None, _args(tmp_path, ckpt, "--precision", "fp8"))
     assert current.ratio_correction == "none"
+    assert "--fp8-activation-scheme" not in LocalLauncher(current, current.run_dir)._engine_cmd(1)
     sr = load_config(None, _args(tmp_path, ckpt, "--precision", "nvfp4", "--nvfp4-stochastic-rounding"))
     assert trainer_settings(sr).nvfp4_stochastic_rounding
     assert "--nvfp4-stochastic-rounding" not in LocalLauncher(sr, sr.run_dir)._engine_cmd(12345)

@@ -1,19 +1,26 @@
 """Static FP8 input scales (`--fp8-activation-scheme static`): an fp8_block engine given the
 delayed-scaling trainer's `<module>.input_scale` tensors quantizes its inputs exactly as the
 trainer's forward does (bit for bit), follows each update's new scales, refuses unequal scales
-for a fused projection, and the weight sync never rounds the float32 scales."""
+for a fused projection, and the weight sync never rounds the float32 scales; checkpoint
+conversion keeps a trainer export's scales (activation_scheme static) and a static engine
+started on the export reads them."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from milepost.engine.weight_update import WeightLoader
 from milepost.lowprec.contract import Contract
+from milepost.lowprec.convert import main as convert_main
 from milepost.lowprec.delayed import DelayedScaling, DelayedSettings, attach_delayed, qdq_input
+from milepost.lowprec.engine_setup import store_engine_precision
 from milepost.lowprec.engine_store import store_quantized
 from milepost.lowprec.linear import apply_train_precision, quantize_activation
 from milepost.models.registry import load_model
@@ -127,3 +134,32 @@ def test_the_sync_keeps_scales_in_float32() -> None:
                                     ("model.norm.weight", torch.ones(4))]), None))
     assert out["model.norm.weight"].dtype == torch.bfloat16
     assert torch.equal(out["model.layers.0.mlp.down_proj.input_scale"], scale)
+
+
+def test_a_checkpoint_with_trainer_scales_converts_static_and_loads(ckpt: Path, tmp_path: Path) -> None:
+    """The trainer's HF export under delayed scaling holds the input scales: conversion keeps
+    them (activation_scheme static) and a static engine started on either directory reads them."""
+    tm, state = trainer(ckpt)
+    train_step(tm, state, 1.0, seed=7)
+    src = tmp_path / "export"
+    shutil.copytree(ckpt, src)
+    scales = dict(state.input_scales())
+    save_file(scales, src / "scales.safetensors")
+    dst = tmp_path / "fp8"
+    convert_main([str(src), str(dst)])
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization_config"]["activation_scheme"] == "static"
+    converted = {n: t for f in dst.glob("*.safetensors") for n, t in load_file(f).items()}
+    assert all(torch.equal(converted[n], t) for n, t in scales.items())  # float32, as sent
+    # (This engine loads bf16/fp32 checkpoints, not converted FP8 ones: it reads the export.)
+    em = load_model(src, torch.float32, "cpu")
+    em.fuse_projections()
+    args = SimpleNamespace(quantization="fp8_block", fp8_activation_scheme="static", model_path=src)
+    store_engine_precision(em, args, torch.device("cpu"))
+    for name, t in scales.items():
+        assert torch.equal(em.weight_view(name), t), name
+    bad = dict(scales)
+    bad["model.layers.0.mlp.up_proj.input_scale"] = bad["model.layers.0.mlp.up_proj.input_scale"] * 2
+    save_file(bad, src / "scales.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_up: unequal input scales"):
+        convert_main([str(src), str(tmp_path / "refused")])
