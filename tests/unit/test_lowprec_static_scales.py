@@ -163,3 +163,14 @@ def test_a_checkpoint_with_trainer_scales_converts_static_and_loads(ckpt: Path, 
     save_file(bad, src / "scales.safetensors")
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_up: unequal input scales"):
         convert_main([str(src), str(tmp_path / "refused")])
+
+
+def test_the_hf_export_keeps_the_weights_dtype_beside_float32_scales(ckpt: Path, tmp_path: Path) -> None:
+    from milepost.train.export import write_hf_directory
+
+    scale = ("model.layers.0.mlp.down_proj.input_scale", torch.tensor(1.0 + 2.0**-20))
+    named = [(n, t.bfloat16()) for n, t in load_file(ckpt / "model.safetensors").items()]
+    write_hf_directory(iter([*named, scale]), ckpt, tmp_path / "hf")  # the scales come last
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    assert torch.equal(load_file(tmp_path / "hf" / "model.safetensors")[scale[0]], scale[1])
