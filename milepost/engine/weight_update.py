@@ -317,6 +317,11 @@ class WeightLoader:
         try:
             view = self.model.weight_view(name)
         except KeyError as e:
+            if name.endswith(".input_scale"):  # a delayed-scaling FP8 trainer's static scales
+                problems.append(f"{name}: this engine takes no static FP8 input scales; start it "
+                                "with --quantization fp8_block --fp8-activation-scheme static (a "
+                                "trainer under --fp8-scaling delayed sends them)")
+                return None
             # Hints cost a fuzzy search over all names; only listed problems get one.
             hint = self._unknown_hint(name, e) if len(problems) < _MAX_LISTED_PROBLEMS else ""
             problems.append(f"{name}: unknown name for this model{hint}")

@@ -174,3 +174,12 @@ def test_the_hf_export_keeps_the_weights_dtype_beside_float32_scales(ckpt: Path,
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
     assert torch.equal(load_file(tmp_path / "hf" / "model.safetensors")[scale[0]], scale[1])
+
+
+def test_an_engine_without_static_scales_names_the_flag(ckpt: Path) -> None:
+    model = load_model(ckpt, torch.float32, "cpu")
+    model.fuse_projections()
+    store_quantized(model, FP8)  # dynamic: no input scales
+    with pytest.raises(WeightUpdateError, match="--fp8-activation-scheme static"):
+        WeightLoader(model).from_named([("model.layers.0.mlp.down_proj.input_scale",
+                                         torch.tensor(0.5))])
