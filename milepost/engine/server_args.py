@@ -72,7 +72,7 @@ class ServerArgs(BaseModel):
         "dynamic", description="--quantization fp8_block: dynamic = each 1x128 activation block "
         "scaled by its own amax; static = one float32 scale per linear's input, `<module>.input_scale`, "
         "read from the checkpoint and sent with every weight update (a trainer under --fp8-scaling "
-        "delayed sends its own; until one arrives a linear scales dynamically). Emulated GEMMs.")
+        "delayed sends its own; until one arrives a linear scales dynamically).")
     max_total_tokens: int | None = Field(
         None,
         description="KV pool size in tokens; default derived from --mem-fraction-static on CUDA "

@@ -80,6 +80,22 @@ def qdq_input(x: torch.Tensor, scale: torch.Tensor, seen: bool | None = None) ->
     return torch.where(scale > 0, static, quantize_activation(x, "fp8_block"))
 
 
+def quantize_input_blocks(x2: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qdq_input`'s rule for the block-scaled FP8 GEMMs (engines on Hopper): x2 [M, K], K a
+    multiple of 128 -> (float8_e4m3fn [M, K], float32 [M, K/128] block scales), every block
+    scaled by `scale` where it is > 0 (NaN if x2 holds NaN/Inf), else by its own amax (current
+    scaling). Dequantized (values times their block's scale) they are qdq_input's values."""
+    m, k = x2.shape
+    t = x2.detach().float().reshape(m, k // 128, 128)
+    finite = torch.isfinite(t)
+    amax, bad = torch.where(finite, t.abs(), 0.0).amax(-1), ~finite.all(-1)
+    current = torch.where(amax > 0, amax / torch.full_like(amax, el.E4M3_MAX), 1.0)  # quantize()'s
+    current = torch.where(bad, torch.nan, current)
+    static = torch.where(bad.any(), torch.nan, scale).expand(m, k // 128)
+    s = torch.where(scale > 0, static, current)
+    return el.to_e4m3(t / s[..., None]).reshape(m, k), s
+
+
 def input_scale_name(weight_name: str) -> str:
     """'...q_proj.weight' -> '...q_proj.input_scale' (FP8 checkpoints' static activation scale)."""
     return weight_name.removesuffix(".weight") + ".input_scale"

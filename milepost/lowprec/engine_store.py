@@ -47,9 +47,10 @@ class QuantizedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            from milepost.kernels.fp8_gemm import fp8_block_linear
+            from milepost.kernels.fp8_gemm import fp8_block_linear, fp8_static_linear
 
-            y = fp8_block_linear(x, self.weight, self.weight_scale)
+            y = (fp8_static_linear(x, self.weight, self.weight_scale, self.input_scale[0])
+                 if self.qstatic else fp8_block_linear(x, self.weight, self.weight_scale))
             return y + self.bias if self.bias is not None else y
         if self.qformat == "int4":  # weight-only (W4A16): activations stay in the model dtype
             from milepost.kernels.int4_gemm import int4_linear
@@ -166,8 +167,8 @@ def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = 
                     ) -> QuantizedWeights:
     """Quantize the covered linears of `model` (after fuse_projections) in place, per HF tensor,
     in the format `contract` gives each (bf16 overrides stay as they are); `static_scales`: the
-    fp8_block linears take static input scales (engine_scales.py) and run the emulated GEMM
-    (the native kernels quantize activations per 1 x 128 block themselves)."""
+    fp8_block linears take static input scales (engine_scales.py); native ones then run the
+    block-scaled GEMM with every block scale the static one (kernels/fp8_gemm.py)."""
     by_module: dict[int, list[tuple[int, int, str]]] = {}
     modules: dict[int, nn.Linear] = {}
     mod_of_param = {id(m.weight): m for m in model.modules() if type(m) is nn.Linear}
@@ -214,7 +215,7 @@ def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = 
         qs = (quantize_weight_parts(srcs, fmt, contract, [n for _, _, n in parts]) if joint else
               [quantize_weight_parts([s], fmt, contract, [n])[0] for s, (_, _, n) in zip(srcs, parts)])
         module.qparts = [(row, rows, None) for row, rows, _ in parts]  # type: ignore[misc]
-        module.native = _native(module, fmt, parts) and not static_scales
+        module.native = _native(module, fmt, parts)
         if fmt == "int4":  # packed on every device: a quarter of bf16's bytes (plus scales)
             n, k = module.weight.shape
             dev = module.weight.device
