@@ -73,6 +73,11 @@ class ServerArgs(BaseModel):
         "scaled by its own amax; static = one float32 scale per linear's input, `<module>.input_scale`, "
         "read from the checkpoint and sent with every weight update (a trainer under --fp8-scaling "
         "delayed sends its own; until one arrives a linear scales dynamically).")
+    dequantize_checkpoint: bool = Field(
+        False, description="An FP8 blockwise checkpoint (quantization_config quant_method fp8) is "
+        "served as --quantization fp8_block from its own float8 values and scales unless this is "
+        "set: then its weights are dequantized at load (weight * weight_scale_inv per 128x128 "
+        "tile) and served in --dtype. The trainer's launcher sets it when the engines serve bf16.")
     max_total_tokens: int | None = Field(
         None,
         description="KV pool size in tokens; default derived from --mem-fraction-static on CUDA "
@@ -297,10 +302,11 @@ class ServerArgs(BaseModel):
                 or self.max_lora_rank != 16) and not self.enable_lora:
             raise ValueError("--lora-paths / --max-lora-rank / --lora-target-modules / "
                              "--max-loras-per-batch need --enable-lora")
-        if (self.precision_override or self.nvfp4_four_over_six) and self.quantization in (None, "fp8"):
+        quantization = self._checkpoint_quantization()
+        if (self.precision_override or self.nvfp4_four_over_six) and quantization in (None, "fp8"):
             raise ValueError("--precision-override / --nvfp4-four-over-six need --quantization "
                              "fp8_block, mxfp8 or nvfp4")
-        if self.fp8_activation_scheme == "static" and self.quantization != "fp8_block":
+        if self.fp8_activation_scheme == "static" and quantization != "fp8_block":
             raise ValueError("--fp8-activation-scheme static scales the fp8_block engine's "
                              "activations; add --quantization fp8_block or drop it")
         if self.nvfp4_four_over_six and self.quantization != "nvfp4":
@@ -309,9 +315,11 @@ class ServerArgs(BaseModel):
             from milepost.lowprec.contract import parse_overrides
 
             parse_overrides(self.precision_override.split(","))
-        if self.true_on_policy and (self.quantization or self.enable_lora):
+        if self.true_on_policy and (quantization or self.enable_lora):
             raise ValueError("--true-on-policy re-scores with the trainer's unquantized, adapter-free "
-                             "computation: drop --quantization / --enable-lora")
+                             "computation: drop --quantization / --enable-lora" + (
+                                 " (an FP8 checkpoint: add --dequantize-checkpoint)"
+                                 if quantization and not self.quantization else ""))
         self._check_speculative()
         specs = self.lora_paths.split(",") if self.lora_paths else []
         bad = [p for p in specs if "=" not in p or not p.split("=", 1)[0]]
@@ -390,6 +398,24 @@ class ServerArgs(BaseModel):
 
         check_mtp_checkpoint(self.model_path, algo)
 
+    def _checkpoint_quantization(self) -> str | None:
+        """--quantization as the checkpoint makes it: an FP8 blockwise checkpoint is fp8_block
+        unless --dequantize-checkpoint (as SGLang, which takes the method from the checkpoint's
+        quantization_config); a layout the engines cannot hold is refused here, at start."""
+        from milepost.lowprec.fp8_checkpoint import fp8_checkpoint
+
+        ckpt = fp8_checkpoint(self.model_path)
+        if self.dequantize_checkpoint and ckpt is None:
+            raise ValueError(f"--dequantize-checkpoint: {self.model_path / 'config.json'} has no FP8 "
+                             "quantization_config; drop the flag")
+        if self.dequantize_checkpoint and self.quantization:
+            raise ValueError(f"--dequantize-checkpoint with --quantization {self.quantization}: "
+                             "serving the dequantized weights quantized again; drop one (an FP8 "
+                             "checkpoint without either is served as fp8_block from its own values)")
+        if ckpt is None or self.dequantize_checkpoint or self.quantization:
+            return self.quantization  # other formats: re-quantized from the dequantized weights
+        return "fp8_block"
+
     def resolved(self) -> ServerArgs:
         """A copy where device, dtype, tokenizer path, context length and prefill chunk are concrete.
 
@@ -441,8 +467,22 @@ class ServerArgs(BaseModel):
                 else ("triton" if device == "cuda" and not self.true_on_policy else "pytorch"),
                 "overlap_schedule": self.overlap_schedule if self.overlap_schedule != "auto"
                 else ("on" if device == "cuda" and self.speculative_algorithm is None else "off"),
+                **self._checkpoint_precision(),
             }
         )
+
+    def _checkpoint_precision(self) -> dict[str, str]:
+        """An FP8 checkpoint's settings: fp8_block, and its static input scales
+        (`activation_scheme: static`) unless --fp8-activation-scheme was given."""
+        from milepost.lowprec.fp8_checkpoint import fp8_checkpoint
+
+        quantization = self._checkpoint_quantization()
+        out = {"quantization": quantization} if quantization != self.quantization else {}
+        ckpt = fp8_checkpoint(self.model_path)
+        if (ckpt is not None and ckpt.activation_scheme == "static" and quantization == "fp8_block"
+                and "fp8_activation_scheme" not in self.model_fields_set):
+            out["fp8_activation_scheme"] = "static"
+        return out
 
     def kv_pool_tokens(self, kv_bytes_per_token: int, cuda_kv_budget_bytes: int | None = None) -> int:
         """KV pool size in tokens, a whole number of pages.

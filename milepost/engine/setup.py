@@ -19,6 +19,7 @@ from milepost.engine.speculative_setup import (
     make_speculator,
     mtp_kv_bytes_per_token,
 )
+from milepost.lowprec.fp8_checkpoint import fp8_checkpoint
 from milepost.models.attention import PagedKVCache
 from milepost.models.base import CausalLM
 from milepost.models.masked_attention import needs_variant_backend
@@ -52,10 +53,13 @@ def build_engine(
         if device.index is None:  # "cuda" means the current device; pin it so allocations agree
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
+    fp8_weights = None  # an FP8 checkpoint served as fp8_block: its values and scales as stored
     if model is None:
+        if args.quantization == "fp8_block" and fp8_checkpoint(args.model_path) is not None:
+            fp8_weights = {}
         try:
             model = load_model(args.model_path, dtype, device, backend=args.model_impl,
-                               trust_remote_code=args.trust_remote_code)
+                               trust_remote_code=args.trust_remote_code, fp8_weights=fp8_weights)
         except torch.OutOfMemoryError as e:
             raise RuntimeError(out_of_memory_message("the weights", None, args.mem_fraction_static)) from e
     if args.true_on_policy:  # refused before any request: no profile, no bitwise promise
@@ -77,7 +81,8 @@ def build_engine(
     if args.quantization in ("fp8_block", "mxfp8", "nvfp4", "int4"):  # per HF tensor, after fusing
         from milepost.lowprec.engine_setup import store_engine_precision
 
-        store_engine_precision(model, args, device)
+        store_engine_precision(model, args, device, fp8_weights)
+        fp8_weights = None  # stored: the host copies go
     if args.quantization == "fp8":  # after fusing: one scale per row of the fused weights too
         from milepost.engine.weight_fp8 import store_fp8
 

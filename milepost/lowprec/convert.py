@@ -37,6 +37,7 @@ def convert_checkpoint(src: Path, dst: Path, contract: Contract) -> list[str]:
     scales = _input_scales(files, contract)
     dst.mkdir(parents=True, exist_ok=True)
     done: list[str] = []
+    kept: list[str] = []  # modules of 2-d weights left unquantized: modules_to_not_convert
     for f in files:
         out: dict[str, torch.Tensor] = {}
         for name, t in load_file(f).items():
@@ -46,6 +47,8 @@ def convert_checkpoint(src: Path, dst: Path, contract: Contract) -> list[str]:
                 continue
             if contract.tensor_format(name, "rollout") == BF16 or t.dim() != 2:
                 out[name] = t
+                if t.dim() == 2 and name.endswith(".weight"):
+                    kept.append(name.removesuffix(".weight"))
                 continue
             q = quantize(t, "fp8_block", "weight", name=name)
             out[name] = q.values
@@ -59,7 +62,9 @@ def convert_checkpoint(src: Path, dst: Path, contract: Contract) -> list[str]:
     config["quantization_config"] = {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if scales else "dynamic",
         "weight_block_size": [FP8_TILE, FP8_TILE],
-        "modules_to_not_convert": sorted({p for p, f in contract.overrides if f == BF16}) or None,
+        # Module names, as transformers and SGLang match them (prefix / suffix), so a reader
+        # that quantizes every other linear leaves these (lm_head, routers, overrides) alone.
+        "modules_to_not_convert": sorted(kept) or None,
     }
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return done

@@ -9,9 +9,10 @@ import logging
 import torch
 from torch import nn
 
-from milepost.lowprec.contract import Contract, native_support, parse_overrides
+from milepost.lowprec.contract import BF16, Contract, native_support, parse_overrides
 from milepost.lowprec.engine_scales import load_checkpoint_scales
 from milepost.lowprec.engine_store import QuantizedWeights, store_quantized
+from milepost.lowprec.quantize import QTensor
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +23,15 @@ def engine_contract(quantization: str, precision_override: str | None,
     return Contract(quantization, quantization, overrides, four_over_six)
 
 
-def store_engine_precision(model: nn.Module, args: object, device: torch.device) -> QuantizedWeights:
+def store_engine_precision(model: nn.Module, args: object, device: torch.device,
+                           fp8_weights: dict[str, QTensor] | None = None) -> QuantizedWeights:
+    """`fp8_weights`: an FP8 checkpoint's QTensors by HF name (registry.load_native), stored as
+    they are; the covered tensors the checkpoint kept unquantized stay in the model dtype."""
     fmt = args.quantization  # type: ignore[attr-defined]
     contract = engine_contract(fmt, getattr(args, "precision_override", None),
                                getattr(args, "nvfp4_four_over_six", False))
+    if fp8_weights is not None:
+        contract = checkpoint_contract(contract, model.hf_weight_names(), fp8_weights)
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if fmt == "int4":  # stored packed everywhere; the W4A16 kernel needs CUDA (bf16 tl.dot: 8.0+)
         if cap is None or cap < (8, 0):
@@ -37,10 +43,26 @@ def store_engine_precision(model: nn.Module, args: object, device: torch.device)
                     "dequantize, GEMM in the model dtype): the format's values, not its speed",
                     fmt, f"compute capability {cap}" if cap else "the CPU", fmt)
     static = getattr(args, "fp8_activation_scheme", "dynamic") == "static"
-    store = store_quantized(model, contract, static_scales=static)
+    store = store_quantized(model, contract, static_scales=static, preset=fp8_weights)
     if store.input_scales is not None:  # a checkpoint's own static scales (activation_scheme static)
         n = load_checkpoint_scales(store.input_scales, str(args.model_path))  # type: ignore[attr-defined]
         log.info("--fp8-activation-scheme static: %d linears, %d input scales read from the "
                  "checkpoint (the others scale dynamically until an update sends them)",
                  len(store.input_scales.names()), n)
     return store
+
+
+def checkpoint_contract(contract: Contract, names: list[str], fp8_weights: dict[str, QTensor]
+                        ) -> Contract:
+    """`contract` with the covered tensors an FP8 checkpoint kept unquantized (its
+    modules_to_not_convert, or any covered weight not stored as float8) overridden to bf16 by
+    exact name, so they stay in the model dtype at load and on every update; the checkpoint's
+    float8 tensors the contract keeps in bf16 (not covered, or overridden) stay dequantized."""
+    kept = [n for n in names if n not in fp8_weights and contract.tensor_format(n, "rollout") != BF16]
+    served = sum(1 for n in fp8_weights if contract.tensor_format(n, "rollout") != BF16)
+    log.info("FP8 checkpoint: %d tensors served from its float8 values and scales as stored, "
+             "%d float8 tensors dequantized into the model dtype (outside the recipe or "
+             "overridden), %d covered tensors kept unquantized as the checkpoint stores them",
+             served, len(fp8_weights) - served, len(kept))
+    return Contract(contract.train, contract.rollout, contract.overrides + tuple((n, BF16) for n in kept),
+                    contract.four_over_six)

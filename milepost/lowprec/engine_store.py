@@ -163,12 +163,15 @@ class QuantizedWeights:
 
 
 @torch.no_grad()
-def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = False
-                    ) -> QuantizedWeights:
+def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = False,
+                    preset: dict[str, QTensor] | None = None) -> QuantizedWeights:
     """Quantize the covered linears of `model` (after fuse_projections) in place, per HF tensor,
     in the format `contract` gives each (bf16 overrides stay as they are); `static_scales`: the
     fp8_block linears take static input scales (engine_scales.py); native ones then run the
-    block-scaled GEMM with every block scale the static one (kernels/fp8_gemm.py)."""
+    block-scaled GEMM with every block scale the static one (kernels/fp8_gemm.py). `preset`:
+    fp8_block QTensors by HF name (an FP8 checkpoint's own values and scales), stored as they
+    are instead of quantizing the model's (dequantized) weights again."""
+    preset = preset or {}
     by_module: dict[int, list[tuple[int, int, str]]] = {}
     modules: dict[int, nn.Linear] = {}
     mod_of_param = {id(m.weight): m for m in model.modules() if type(m) is nn.Linear}
@@ -213,7 +216,9 @@ def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = 
         module.qjoint = joint
         module.qfour = contract.four_over_six
         qs = (quantize_weight_parts(srcs, fmt, contract, [n for _, _, n in parts]) if joint else
-              [quantize_weight_parts([s], fmt, contract, [n])[0] for s, (_, _, n) in zip(srcs, parts)])
+              [_on(preset[n], s.device) if fmt == "fp8_block" and n in preset
+               else quantize_weight_parts([s], fmt, contract, [n])[0]
+               for s, (_, _, n) in zip(srcs, parts)])
         module.qparts = [(row, rows, None) for row, rows, _ in parts]  # type: ignore[misc]
         module.native = _native(module, fmt, parts)
         if fmt == "int4":  # packed on every device: a quarter of bf16's bytes (plus scales)
@@ -239,12 +244,20 @@ def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = 
         names.update({(id(module), row): n for row, _, n in parts})
     store = QuantizedWeights(store_modules, names, contract, dtype)
     store.experts = experts
+    for name, q in preset.items():  # the checkpoint's FP8 experts, tensor by tensor
+        if experts is not None and ".experts." in name:
+            module, parts = experts.parts(model.weight_view(name))
+            module.put(*parts[0], _on(q, module.w13.device))
     if static_scales:
         store.input_scales = attach_input_scales(model, [
             (m, [names[(id(m), row)] for row, _, _ in m.qparts])
             for m in store_modules.values() if m.qformat == "fp8_block"])
     model.fp8_weights = store
     return store
+
+
+def _on(q: QTensor, device: torch.device) -> QTensor:
+    return QTensor(q.fmt, q.values.to(device), q.scales.to(device), q.tile, q.shape)
 
 
 def _native(module: nn.Linear, fmt: str, parts: list[tuple[int, int, str]]) -> bool:

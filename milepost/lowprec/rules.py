@@ -15,6 +15,7 @@ from milepost.lowprec.contract import (
     parse_overrides,
     sides,
 )
+from milepost.lowprec.fp8_checkpoint import fp8_checkpoint, unquantized_weights
 from milepost.lowprec.formats import block_shape
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ def precision_refusals(c: TrainConfig) -> list[str]:
     if c.nvfp4_stochastic_rounding and train != "nvfp4":
         p.append("--nvfp4-stochastic-rounding rounds the NVFP4 trainer's gradients; the trainer "
                  f"runs {train} (--precision {c.precision}): drop it or use --precision nvfp4")
+    p += checkpoint_refusals(c, Contract(train, rollout, overrides, c.nvfp4_four_over_six))
     if train == BF16 and rollout == BF16:
         return p
     what = f"--precision {c.precision} (trainer {train}, engines {rollout})"
@@ -78,6 +80,33 @@ def precision_refusals(c: TrainConfig) -> list[str]:
     if c.nvfp4_stochastic_rounding and c.nvfp4_dequantized_backward:
         p.append("--nvfp4-stochastic-rounding with --nvfp4-dequantized-backward: the dequantized "
                  "backward quantizes no gradient to round; choose one")
+    return p
+
+
+def checkpoint_refusals(c: TrainConfig, contract: Contract) -> list[str]:
+    """An FP8 blockwise checkpoint (lowprec/fp8_checkpoint.py): the trainer dequantizes it at
+    load; the engines serve it as the contract says (fp8_block from its own values, bf16
+    dequantized), which only milepost's engine does. A covered tensor the checkpoint kept
+    unquantized stays so on the engines: an FP8 trainer must keep it too."""
+    try:
+        if fp8_checkpoint(c.hf_checkpoint) is None:
+            return []
+    except ValueError as e:  # a layout the engines cannot hold: refused now, not in a worker
+        return [str(e)]
+    p = []
+    if c.engine_backend != "embedded":
+        p.append(f"{c.hf_checkpoint} is an FP8 blockwise checkpoint: the engines serve it by "
+                 "the precision contract (fp8_block from its values, or dequantized), which "
+                 f"milepost's engine does; use --engine-backend embedded, not {c.engine_backend}")
+    if contract.train != BF16:
+        kept = [n for n in unquantized_weights(c.hf_checkpoint)
+                if contract.tensor_format(n, "train") != BF16]
+        if kept:
+            shown = ", ".join(kept[:3]) + (f", ... ({len(kept) - 3} more)" if len(kept) > 3 else "")
+            p.append(f"{c.hf_checkpoint} keeps {shown} unquantized (modules_to_not_convert) and "
+                     "the engines serve them so, but the trainer would quantize them "
+                     f"({contract.train}): add --precision-override NAME=bf16 for each (or a "
+                     "glob / layers.A-B covering them)")
     return p
 
 
@@ -185,7 +214,9 @@ def engine_precision_flags(cfg: TrainConfig) -> list[str]:
     """`milepost serve` flags for the engines' side of `cfg`'s contract."""
     contract = run_contract(cfg)
     if contract.rollout == BF16:
-        return []
+        # An FP8 checkpoint would otherwise be served as fp8_block (server_args.py).
+        fp8 = cfg.engine_quantization is None and fp8_checkpoint(cfg.hf_checkpoint) is not None
+        return ["--dequantize-checkpoint"] if fp8 else []
     flags = ["--quantization", contract.rollout]
     if contract.overrides:
         flags += ["--precision-override", ",".join(f"{p}={f}" for p, f in contract.overrides)]
@@ -193,4 +224,8 @@ def engine_precision_flags(cfg: TrainConfig) -> list[str]:
         flags += ["--nvfp4-four-over-six"]
     if contract.rollout == "fp8_block" and cfg.fp8_scaling == "delayed":
         flags += ["--fp8-activation-scheme", "static"]  # the trainer sends its input scales
+    elif contract.rollout == "fp8_block" and fp8_checkpoint(cfg.hf_checkpoint) is not None:
+        # The trainer quantizes inputs per 1 x 128 block: a checkpoint's static input scales
+        # (activation_scheme static) would give the engines another forward.
+        flags += ["--fp8-activation-scheme", "dynamic"]
     return flags

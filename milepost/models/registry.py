@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Literal
 
@@ -18,6 +19,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from milepost.lowprec.fp8_checkpoint import SCALE_INV_SUFFIX, checkpoint_qtensor, fp8_checkpoint
+from milepost.lowprec.quantize import QTensor, dequantize
 from milepost.models.base import CausalLM
 from milepost.models.deepseek_v3 import DeepseekV3ForCausalLM
 from milepost.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -86,14 +89,20 @@ def checkpoint_config(path: str | Path, trust_remote_code: bool = False) -> obje
 def load_model(
     path: str | Path, dtype: torch.dtype, device: torch.device | str, *,
     backend: Backend = "auto", trust_remote_code: bool = False,
+    fp8_weights: dict[str, QTensor] | None = None,
 ) -> CausalLM:
     """The model for the Hugging Face directory `path`: native when possible, else the fallback.
 
     backend "native" refuses with the reason instead of falling back; "transformers" always
-    loads the fallback (e.g. to compare against it).
+    loads the fallback (e.g. to compare against it). An FP8 blockwise checkpoint loads natively
+    only, dequantized into `dtype` (`load_native`); `fp8_weights` receives its QTensors.
     """
     config = checkpoint_config(path, trust_remote_code)
     reason = "custom modeling code (auto_map)" if getattr(config, "auto_map", None) else native_reason(config)
+    if (backend == "transformers" or reason is not None) and fp8_checkpoint(path) is not None:
+        raise ValueError(f"{path}: an FP8 blockwise checkpoint loads on a native model only "
+                         f"({reason or '--model-impl transformers was given'}); use the model's "
+                         "bf16 checkpoint")
     if backend == "transformers" or (backend == "auto" and reason is not None):
         from milepost.models.hf_fallback import load_fallback
 
@@ -104,7 +113,7 @@ def load_model(
         return load_fallback(path, dtype, device, trust_remote_code=trust_remote_code)
     if reason is not None:
         raise ValueError(f"{path}: no native path: {reason}")
-    return load_native(path, dtype, device)
+    return load_native(path, dtype, device, fp8_weights=fp8_weights)
 
 
 def _arch(config: object) -> str:
@@ -131,8 +140,14 @@ def build_model(hf_config: object, dtype: torch.dtype, device: torch.device | st
     return model.eval()
 
 
-def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """Build the native model for the Hugging Face directory `path` and load all its safetensors shards."""
+def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str, *,
+                fp8_weights: dict[str, QTensor] | None = None) -> CausalLM:
+    """Build the native model for the Hugging Face directory `path` and load all its safetensors shards.
+
+    An FP8 blockwise checkpoint (lowprec/fp8_checkpoint.py): each float8 weight is dequantized
+    into its view (`weight * weight_scale_inv` per tile in float32, `quantize.dequantize`, then
+    `dtype`); `fp8_weights`, when given, receives each one's QTensor (the checkpoint's bytes, for
+    an engine that stores them as they are)."""
     path = Path(path)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
@@ -147,25 +162,44 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
     expected = set(model.hf_weight_names())
     loaded: set[str] = set()
     unexpected: list[str] = []
-    with torch.no_grad():
-        for shard in shards:
-            with safe_open(str(shard), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES) or (mtp and is_mtp_copy(name, config.num_hidden_layers)):
-                        continue
-                    try:
-                        view = model.weight_view(name)
-                    except KeyError:
-                        unexpected.append(name)
-                        continue
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(view.shape):
-                        raise ValueError(
-                            f"{shard.name}: {name} has shape {tuple(tensor.shape)}, the model expects "
-                            f"{tuple(view.shape)}; does config.json match the weights?"
-                        )
-                    view.copy_(tensor)
-                    loaded.add(name)
+    fp8 = fp8_checkpoint(path) is not None  # refuses a quantized layout it cannot hold
+    with torch.no_grad(), ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(s), framework="pt", device="cpu")) for s in shards]
+        # A weight's scale may sit in another shard: index them first (names only).
+        scale_of = {n: h for h in handles for n in h.keys() if fp8 and n.endswith(SCALE_INV_SUFFIX)}
+        for shard, f in zip(shards, handles):
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (mtp and is_mtp_copy(name, config.num_hidden_layers)):
+                    continue
+                if name in scale_of:
+                    continue  # read with its weight
+                try:
+                    view = model.weight_view(name)
+                except KeyError:
+                    unexpected.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(view.shape):
+                    raise ValueError(
+                        f"{shard.name}: {name} has shape {tuple(tensor.shape)}, the model expects "
+                        f"{tuple(view.shape)}; does config.json match the weights?"
+                    )
+                if tensor.dtype == torch.float8_e4m3fn and fp8:
+                    scale = name.removesuffix(".weight") + SCALE_INV_SUFFIX
+                    q = checkpoint_qtensor(name, tensor, scale_of[scale].get_tensor(scale)
+                                           if scale in scale_of else None)
+                    if fp8_weights is not None:
+                        fp8_weights[name] = q
+                    tensor = dequantize(q)
+                    loaded.add(scale)
+                elif tensor.dtype.itemsize == 1 and tensor.is_floating_point():
+                    raise ValueError(f"{shard.name}: {name} is {tensor.dtype} but config.json has no "
+                                     "FP8 blockwise quantization_config (fp8, e4m3, [128, 128])")
+                view.copy_(tensor)
+                loaded.add(name)
+    orphans = sorted(n for n in scale_of if n not in loaded)
+    if orphans:
+        raise ValueError(f"{path}: scales without a float8 weight: {_short(orphans)}")
     if unexpected:
         raise ValueError(f"{path}: weights unknown to {type(model).__name__}: {_short(unexpected)}")
     # A fused expert name fills every per-expert slice of its layer at once.

@@ -24,6 +24,9 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 def _copy_source_files(source: Path, out: Path, dtype: torch.dtype) -> None:
     config = json.loads((source / "config.json").read_text())
+    # The trainer's weights are unquantized (an FP8 source is dequantized at load): the export
+    # must not claim the source's FP8 layout.
+    config.pop("quantization_config", None)
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
     for key in keys:
         config[key] = _DTYPE_NAMES[dtype]
