@@ -21,10 +21,32 @@ def add_convert_command(subparsers: argparse._SubParsersAction) -> None:
     to_hf = kinds.add_parser("megatron-to-hf", help="Megatron checkpoint -> Hugging Face directory")
     to_hf.add_argument("source", help="Megatron checkpoint directory (written by hf-to-megatron)")
     to_hf.add_argument("dest", help="Hugging Face directory to write")
+    to_fp8 = kinds.add_parser(
+        "hf-to-fp8", help="Hugging Face directory -> FP8 blockwise checkpoint (docs/low_precision.md)",
+        description="The projection linears in FP8 128 x 128 blockwise (weight + weight_scale_inv, "
+        "DeepSeek-V3 / SGLang layout), quantized by the quantizer the trainer and engines use; "
+        "`milepost serve --model-path DEST` serves it as stored.")
+    to_fp8.add_argument("source", help="Hugging Face model directory (config.json + safetensors)")
+    to_fp8.add_argument("dest", help="directory to write")
+    to_fp8.add_argument("--precision-override", action="append", default=[],
+                        help="PATTERN=bf16: keep these tensors unquantized (glob or layers.A-B)")
+    to_fp8.add_argument("--precision-bf16-first-layers", type=int, default=0)
+    to_fp8.add_argument("--precision-bf16-last-layers", type=int, default=0)
     parser.set_defaults(run=run)
 
 
 def run(ns: argparse.Namespace) -> int:
+    if ns.direction == "hf-to-fp8":  # the lowprec converter's own command line, same flags
+        from milepost.lowprec.convert import main as fp8_main
+
+        argv = [ns.source, ns.dest, "--precision-bf16-first-layers", str(ns.precision_bf16_first_layers),
+                "--precision-bf16-last-layers", str(ns.precision_bf16_last_layers)]
+        try:
+            fp8_main(argv + [f"--precision-override={o}" for o in ns.precision_override])
+        except ValueError as err:
+            print(f"milepost convert: {err}")
+            return 2
+        return 0
     from milepost.convert import hf_to_megatron_dir, megatron_to_hf_dir
     from milepost.train.megatron.parallel import ParallelSizes
 

@@ -102,3 +102,22 @@ def unquantized_weights(path: str | Path) -> list[str]:
             out += [n for n in h.keys() if n.endswith(".weight")
                     and not h.get_slice(n).get_dtype().startswith("F8")]
     return out
+
+
+def dequantize_state(path: str | Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (a whole checkpoint read as stored) with each float8 weight of an FP8 blockwise
+    checkpoint dequantized to float32 (`quantize.dequantize`, the loaders' function) and its
+    `weight_scale_inv` dropped; an unquantized checkpoint's tensors are returned as they are."""
+    from milepost.lowprec.quantize import dequantize
+
+    if fp8_checkpoint(path) is None:
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(SCALE_INV_SUFFIX):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            scale = tensors.get(name.removesuffix(".weight") + SCALE_INV_SUFFIX)
+            t = dequantize(checkpoint_qtensor(name, t, scale))
+        out[name] = t
+    return out

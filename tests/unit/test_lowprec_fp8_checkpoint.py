@@ -268,3 +268,32 @@ def test_training_runs_decide_what_the_engines_get(converted: Path, tmp_path: Pa
         cfg("--precision", "fp8")
     c = cfg("--precision", "fp8", "--precision-override", "layers.1-1=bf16")
     assert "--quantization" in engine_precision_flags(c)
+
+
+def test_moe_experts_load_as_stored(tmp_path: Path) -> None:
+    """A converted Qwen3-MoE checkpoint: the engine's FP8 experts hold the checkpoint's bytes,
+    the same as an engine that quantized the bf16 source on load."""
+    moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=5, with_tokenizer=False)
+    convert_checkpoint(moe, tmp_path / "moe8", Contract("fp8_block", "fp8_block"))
+    stored = load_file(tmp_path / "moe8" / "model.safetensors")
+    a = build_engine(_args(tmp_path / "moe8"))[0].runner.model
+    b = build_engine(_args(moe, quantization="fp8_block"))[0].runner.model
+    names = [n for n in stored if ".experts." in n and n.endswith(".weight")]
+    assert names and all(stored[n].dtype == torch.float8_e4m3fn for n in names)
+    for n in names:
+        for m in (a, b):
+            module, parts = m.fp8_weights.experts.parts(m.weight_view(n))
+            q = module.qtensor(*parts[0])
+            assert torch.equal(q.values.view(torch.uint8), stored[n].view(torch.uint8)), n
+            assert torch.equal(q.scales, stored[n.removesuffix("weight") + "weight_scale_inv"]), n
+
+
+def test_megatron_reader_dequantizes(src: Path, tmp_path: Path) -> None:
+    from milepost.train.megatron.provider import read_hf_weights
+
+    out = _public_layout(src, tmp_path / "pub")
+    got = read_hf_weights(tmp_path / "pub")
+    assert not any(n.endswith("weight_scale_inv") for n in got)
+    for n, t in out.items():
+        if t.dtype == torch.float8_e4m3fn:
+            assert torch.equal(got[n], _expected(out, n)), n

@@ -209,7 +209,8 @@ def _swap_norms(spec: Any) -> Any:
 
 
 def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face directory's safetensors files (fp32 or as stored)."""
+    """Every tensor of a Hugging Face directory's safetensors files (fp32 or as stored; an FP8
+    blockwise checkpoint's float8 weights dequantized, as the FSDP trainer's loader does)."""
     from safetensors.torch import load_file
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -218,7 +219,9 @@ def read_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load_file(str(f)))
-    return out
+    from milepost.lowprec.fp8_checkpoint import dequantize_state
+
+    return dequantize_state(path, out)  # an FP8 checkpoint: float32 weights, scales applied
 
 
 def load_hf_into(model: Any, shape: ModelShape, hf: dict[str, torch.Tensor]) -> None:
