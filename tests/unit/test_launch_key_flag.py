@@ -4,22 +4,21 @@ it as `--api-key=KEY` (a per-run key from token_urlsafe started with "-" about 1
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 from milepost.cli import build_parser
+from milepost.config import TrainConfig
 from milepost.launch.local import LocalLauncher
 
 KEY = "-starts-like-a-flag-0123456789abcdef"
 
 
-def _cfg() -> types.SimpleNamespace:
-    return types.SimpleNamespace(
+def _cfg() -> TrainConfig:
+    # The real config with its defaults (unvalidated: the checkpoint does not exist), so every
+    # setting the launcher reads is there as it grows.
+    return TrainConfig.model_construct(
         hf_checkpoint="/models/m", engine_mem_fraction_static=0.8, engine_page_size=16, seed=1,
-        engine_max_total_tokens=2048, engine_quantization=None, lora_rank=0, adapters=None,
-        true_on_policy=False, api_key=KEY, engine_backend="embedded", dtype="float32",
-        device="cpu", precision="bf16", train_precision=None, rollout_precision=None,
-        precision_override=None, nvfp4_four_over_six=False, engine_kv_cache_dtype=None)
+        engine_max_total_tokens=2048, api_key=KEY, dtype="float32", device="cpu")
 
 
 def test_the_engine_command_parses_a_key_that_looks_like_a_flag(tmp_path: Path) -> None:
