@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from milepost.engine.request import Request
 from milepost.engine.sampling import SamplingParams
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
-from milepost.lowprec.contract import Contract, parse_overrides
+from milepost.lowprec.contract import Contract
 from milepost.lowprec.convert import convert_checkpoint
 from milepost.lowprec.engine_store import QuantizedLinear
 from milepost.lowprec.quantize import QTensor, dequantize, quantize
@@ -39,9 +40,12 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def converted(src: Path) -> Path:
-    """milepost's FP8 export, layer 1 kept in bf16 (modules_to_not_convert)."""
+    """milepost's FP8 export (`milepost convert hf-to-fp8`), layer 1 kept in bf16
+    (modules_to_not_convert)."""
+    from milepost.cli import main
+
     dst = src.parent / "fp8"
-    convert_checkpoint(src, dst, Contract("fp8_block", "fp8_block", parse_overrides(["layers.1-1=bf16"])))
+    assert main(["convert", "hf-to-fp8", str(src), str(dst), "--precision-override", "layers.1-1=bf16"]) == 0
     return dst
 
 
@@ -76,8 +80,13 @@ def _qtensors(engine: object) -> dict[str, QTensor]:
     store = model.fp8_weights
     out = {}
     for n in model.hf_weight_names():
-        if store.owner(model.weight_view(n)) is not None:
-            m, j = store._part(model.weight_view(n))
+        view = model.weight_view(n)
+        if store.experts is not None and store.experts.owner(view) is not None:
+            module, parts = store.experts.parts(view)
+            if len(parts) == 1:
+                out[n] = module.qtensor(*parts[0])
+        elif store.owner(view) is not None:
+            m, j = store._part(view)
             out[n] = m.qparts[j][2]
     return out
 
@@ -99,7 +108,8 @@ def test_converted_checkpoint_serves_what_quantize_on_load_serves(src: Path, con
     assert _greedy(from_ckpt) == _greedy(on_load)
 
 
-def _public_layout(src: Path, dst: Path, static: bool = False) -> dict[str, torch.Tensor]:
+def _public_layout(src: Path, dst: Path, static: bool = False,
+                   quantized: Callable[[str, torch.Tensor], bool] | None = None) -> dict[str, torch.Tensor]:
     """A Qwen3-FP8 / DeepSeek-V3 style checkpoint written by hand: random E4M3 codes and tile
     scales that are not amax / 448 (no milepost quantizer involved); layer 0's MLP and lm_head
     left in bf16 (modules_to_not_convert). Returns the tensors written."""
@@ -108,7 +118,7 @@ def _public_layout(src: Path, dst: Path, static: bool = False) -> dict[str, torc
     out: dict[str, torch.Tensor] = {}
     for n, t in load_file(src / "model.safetensors").items():
         module = n.removesuffix(".weight").rsplit(".", 1)[-1]
-        if module not in COVERED or ".layers.0.mlp." in n:
+        if not (quantized(n, t) if quantized else module in COVERED and ".layers.0.mlp." not in n):
             out[n] = t
             continue
         codes = torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8)
@@ -297,3 +307,26 @@ def test_megatron_reader_dequantizes(src: Path, tmp_path: Path) -> None:
     for n, t in out.items():
         if t.dtype == torch.float8_e4m3fn:
             assert torch.equal(got[n], _expected(out, n)), n
+
+
+def test_deepseek_v3_layout(tmp_path: Path) -> None:
+    """DeepSeek-V3 as shipped: every 2-d linear of the layers in FP8, MLA's too (q_a / q_b /
+    kv_a / kv_b: outside milepost's recipe, so the engine dequantizes them into the model
+    dtype), the router in bf16; the dense MLP and shared experts served from their FP8 bytes."""
+    from milepost.testing.hf_archs import make_tiny_hf_checkpoint
+
+    ds = make_tiny_hf_checkpoint(tmp_path / "ds", "deepseek_v3", seed=6)
+    out = _public_layout(Path(ds), tmp_path / "ds8", quantized=lambda n, t: (
+        ".layers." in n and n.endswith("_proj.weight") and t.dim() == 2))
+    fp8 = [n for n, t in out.items() if t.dtype == torch.float8_e4m3fn]
+    assert any("kv_b_proj" in n for n in fp8) and any("shared_experts" in n for n in fp8)
+    model = build_engine(_args(tmp_path / "ds8"))[0].runner.model
+    qs = _qtensors(type("E", (), {"runner": type("R", (), {"model": model})})())
+    for n in fp8:
+        if n in qs:  # served as stored
+            assert torch.equal(qs[n].values.view(torch.uint8), out[n].view(torch.uint8)), n
+        else:  # outside the recipe: dequantized into the model dtype (float32 here: exact)
+            assert torch.equal(model.weight_view(n), _expected(out, n)), n
+    assert any("shared_experts" in n for n in qs) and any(".experts.0." in n for n in qs)
+    assert not any("kv_b_proj" in n for n in qs)
+    assert len(_greedy(build_engine(_args(tmp_path / "ds8"))[0])[0][0]) == 5
