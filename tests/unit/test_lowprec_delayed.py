@@ -187,12 +187,15 @@ def test_settings_refuse_delayed_without_the_fp8_trainer() -> None:
 
 def test_compiled_layers_record_the_same_history() -> None:
     """--compile-layers: the delayed linear runs eagerly inside the compiled layer (it updates
-    the history in place), with the eager model's history, scales and gradients."""
+    the history in place), with the eager model's history, scales and gradients. Dynamo's
+    tracing and graph breaks decide that, not code generation: `aot_eager` proves it in well
+    under a second where inductor compiled C++ for ~13 s on a cold cache (as in CI), as
+    test_train_fast_path's compile test does; inductor's numerics are the optin trainer test's."""
     torch.manual_seed(2)
     a, b = Mlp(), Mlp()
     b.load_state_dict(a.state_dict())
     sa, sb = _delayed(a), _delayed(b)
-    compiled = torch.compile(b)
+    compiled = torch.compile(b, backend="aot_eager")
     for _ in range(2):
         x = torch.randn(8, 64)
         for m, s in ((a, sa), (compiled, sb)):
