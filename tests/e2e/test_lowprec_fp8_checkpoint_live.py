@@ -51,3 +51,5 @@ def test_rl_run_starts_from_an_fp8_checkpoint(work: Path, precision: str, tmp_pa
     assert len(gaps) == 2 and all(math.isfinite(g) for g in gaps), gaps
     # Step 1's rollout ran on the checkpoint as loaded: the same values on both sides (fp32).
     assert gaps[0] < 1e-4, gaps
+    # The trained weights are exported unquantized: the FP8 layout's config must not follow.
+    assert "quantization_config" not in json.loads((run_dir / "hf" / "config.json").read_text())
