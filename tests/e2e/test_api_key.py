@@ -1,6 +1,8 @@
 """`--api-key` on a real engine and on sglang-router in front of it (as the launcher starts them):
 401 without the key, the same answers with it, /health open; milepost's weight transport sends
-the key it was given."""
+the key it was given. A whole `milepost train` run with a key (rollouts, broadcast updates and
+their checksum checks through the keyed engines and router; its engines refuse a keyless request)
+shares the loopback test's run: tests/e2e/test_loopback_listeners.py."""
 
 from __future__ import annotations
 
@@ -79,50 +81,3 @@ def test_weight_transport_sends_the_key(engine) -> None:
     r = httpx.get(f"{url}/get_weight_version", headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["weight_version"] == "keyed"
 
-
-def test_train_with_an_api_key_end_to_end(tmp_path: Path) -> None:
-    """engines + router + trainer ranks with api_key: rollouts, broadcast weight updates and their
-    checksum checks pass, while the run's engines answer 401 to a request without the key."""
-    import json
-    import os
-    import subprocess
-    import time
-
-    import psutil
-
-    make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3)
-    (tmp_path / "p.jsonl").write_text("".join(
-        json.dumps({"prompt": f"What is {a} + {b}?", "label": str(a + b)}) + "\n"
-        for a, b in [(1, 2), (3, 4)]))
-    recipe = tmp_path / "r.toml"
-    recipe.write_text(
-        f'hf_checkpoint = "{tmp_path / "m"}"\nprompt_data = "{tmp_path / "p.jsonl"}"\n'
-        "num_rollout = 3\nrollout_batch_size = 2\nn_samples_per_prompt = 2\n"
-        'rollout_max_response_len = 8\nengine_max_total_tokens = 2048\ndevice = "cpu"\n'
-        "rollout_num_engines = 2\nrouter = true\ncheck_weight_update = true\n"
-        f'update_weight_transfer_mode = "broadcast"\napi_key = "{KEY}"\n')
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "milepost", "train", str(recipe), "--run-dir", str(tmp_path / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    refused = []
-    deadline = time.monotonic() + 600
-    while proc.poll() is None and not refused and time.monotonic() < deadline:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            try:
-                cmd = child.cmdline()
-            except psutil.Error:
-                continue
-            if "serve" in cmd and any(a.startswith("--api-key=") for a in cmd):  # launch/local.py
-                url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-                try:
-                    refused.append(httpx.post(f"{url}/generate", json=GEN, timeout=10).status_code)
-                except httpx.HTTPError:
-                    pass  # not listening yet
-        time.sleep(0.5)
-    out = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
-    assert proc.returncode == 0, out[-4000:]
-    assert refused and set(refused) == {401}, refused
-    metrics = [json.loads(line) for line in
-               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [0, 1, 2]
