@@ -39,6 +39,29 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+
+def _fp8_scales(root: Path, handles: list) -> dict[str, object] | None:
+    """{`X.weight_scale_inv`: its file handle} of an FP8 blockwise checkpoint; None for another."""
+    from milepost.lowprec.fp8_checkpoint import SCALE_INV_SUFFIX, fp8_checkpoint
+
+    try:
+        if fp8_checkpoint(root) is None:
+            return None
+    except ValueError as e:
+        raise WeightUpdateError(str(e)) from e
+    return {n: h for h in handles for n in h.keys() if n.endswith(SCALE_INV_SUFFIX)}
+
+
+def _read_dequantized(handle: object, name: str, scales: dict[str, object]) -> torch.Tensor:
+    from milepost.lowprec.fp8_checkpoint import SCALE_INV_SUFFIX, checkpoint_qtensor
+    from milepost.lowprec.quantize import dequantize
+
+    t = handle.get_tensor(name)
+    if t.dtype != torch.float8_e4m3fn:
+        return t
+    scale = name.removesuffix(".weight") + SCALE_INV_SUFFIX
+    return dequantize(checkpoint_qtensor(name, t, scales[scale].get_tensor(scale) if scale in scales else None))
+
 class WeightAddressable(Protocol):
     """The part of the model contract (milepost/models/base.py) that weight loading uses."""
 
@@ -181,12 +204,19 @@ class WeightLoader:
             # Tensors a checkpoint keeps beside the weights, read by no model (DeepSeek's copies
             # of the embedding and head under its MTP layers, models/mtp.py).
             unread = getattr(self.model, "skip_checkpoint_name", None)
+            # An FP8 blockwise checkpoint: each float8 weight arrives dequantized (its
+            # weight_scale_inv applied, lowprec/fp8_checkpoint.py) and is stored as any update.
+            scales = _fp8_scales(root, handles)
             for handle in handles:
                 for name in handle.keys():
                     if name.endswith(_DERIVED_SUFFIXES) or (unread is not None and unread(name)):
                         continue
+                    if scales is not None and name in scales:
+                        continue  # read with its weight
                     header = handle.get_slice(name)
                     dtype = _SAFETENSORS_DTYPES.get(header.get_dtype())
+                    if scales is not None and dtype == torch.float8_e4m3fn:
+                        dtype = torch.float32  # what it dequantizes to
                     if dtype is None:
                         problems.append(f"{name}: safetensors dtype {header.get_dtype()} is not "
                                         "a weight dtype this engine loads")
@@ -200,11 +230,16 @@ class WeightLoader:
                 problems += [f"{name}: missing from {model_path!r}" for name in missing]
             self._raise_if(problems)
             # Two passes, one tensor in memory at a time: check every value, then copy.
-            for _, handle, name in plan:
-                self.refuse_non_finite([(name, handle.get_tensor(name))],  # type: ignore[attr-defined]
-                                       f"; {model_path!r} holds non-finite weights")
+            read = (lambda h, n: _read_dequantized(h, n, scales)) if scales is not None else (
+                lambda h, n: h.get_tensor(n))
+            try:
+                for _, handle, name in plan:
+                    self.refuse_non_finite([(name, read(handle, name))],  # type: ignore[attr-defined]
+                                           f"; {model_path!r} holds non-finite weights")
+            except ValueError as e:  # a float8 weight without its scale, or a misshapen one
+                raise WeightUpdateError(f"{model_path!r}: {e}") from e
             for view, handle, name in plan:
-                self.commit([(view, handle.get_tensor(name))])  # type: ignore[attr-defined]
+                self.commit([(view, read(handle, name))])  # type: ignore[attr-defined]
         return len(plan)
 
     def from_distributed(

@@ -330,3 +330,30 @@ def test_deepseek_v3_layout(tmp_path: Path) -> None:
     assert any("shared_experts" in n for n in qs) and any(".experts.0." in n for n in qs)
     assert not any("kv_b_proj" in n for n in qs)
     assert len(_greedy(build_engine(_args(tmp_path / "ds8"))[0])[0][0]) == 5
+
+
+def test_update_weights_from_disk_takes_an_fp8_checkpoint(src: Path, converted: Path, tmp_path: Path) -> None:
+    """/update_weights_from_disk with an FP8 checkpoint: each float8 weight arrives dequantized
+    (its scale applied) and is stored as any update: a bf16 engine holds the dequantized values,
+    an fp8_block engine re-quantizes them, which gives milepost's export back bit for bit."""
+    from milepost.engine.weight_update import WeightLoader
+    from milepost.weights.codec import WeightUpdateError
+
+    out = load_file(converted / "model.safetensors")
+    fp8 = build_engine(_args(src, quantization="fp8_block", precision_override="layers.1-1=bf16"))[0]
+    assert WeightLoader(fp8.runner.model).from_disk(str(converted)) > 0
+    want = _qtensors(build_engine(_args(converted))[0])
+    for n, q in _qtensors(fp8).items():
+        assert torch.equal(q.values.view(torch.uint8), want[n].values.view(torch.uint8)), n
+        assert torch.equal(q.scales, want[n].scales), n
+    plain = build_engine(_args(src))[0].runner.model
+    WeightLoader(plain).from_disk(str(converted))
+    n = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(plain.weight_view(n), dequantize(want[n]))
+    bad = tmp_path / "bad"
+    shutil.copytree(converted, bad)
+    t = load_file(bad / "model.safetensors")
+    del t["model.layers.0.mlp.up_proj.weight_scale_inv"]
+    save_file(t, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightUpdateError, match="no model.layers.0.mlp.up_proj.weight_scale_inv"):
+        WeightLoader(plain).from_disk(str(bad))
