@@ -93,18 +93,25 @@ def test_two_ranks_fully_async_trains_every_step_and_accounts_for_every_prompt(p
     assert (run.run_dir / "checkpoints").is_dir()
 
 
-def test_staleness_limit_zero_and_abort_mode_retry_and_train_on_policy_only(plugins):
-    # One run for both retry policies (a run costs ~12 CPU-seconds): groups past the staleness
-    # limit and groups aborted at an update (abort mode, group granularity) are both retried.
+def test_staleness_zero_abort_retry_on_policy_and_a_broken_external_evaluation(plugins):
+    # One run for three claims (a run costs ~12 CPU-seconds): groups past the staleness limit and
+    # groups aborted at an update (abort mode, group granularity) are both retried; and an
+    # external evaluation backend that raises is recorded per due step while training goes on
+    # (its thread only reads snapshots, so the on-policy claims are the same with or without it).
     run = ok(train(plugins, plugins / "onpolicy-abort", "--fully-async", max_staleness=0,
                    stale_group_policy="retry", pause_generation_mode="abort",
                    rollout_granularity="group", aborted_group_policy="retry",
-                   rollout_max_response_len=24))
+                   rollout_max_response_len=24, eval_interval=2, eval_mode="external",
+                   eval_backend="e2e_buffers:Broken", eval_prompt_data=str(plugins / "prompts.jsonl")))
     records = run.metrics()
     assert len(records) == 4
     assert all(r["rollout/fully_async/max_staleness"] == 0 for r in records)
     a = check_accounts(run)
     assert a["prompts_trained"] == 4 * 2
+    evals = eval_records(run)
+    assert [r["step"] for r in evals] == [1, 3]
+    assert all("backend error: RuntimeError: the evaluation service is down"
+               in r["skipped_reason"] for r in evals)
 
 
 def test_evaluation_on_shared_engines_scores_the_version_of_its_step(plugins):
@@ -183,17 +190,6 @@ def test_dedicated_fleet_scores_verified_snapshots_beside_training(plugins):
         assert m["weight_version"] == r["step"] + 1 and m["mixed_version_frac"] == 0, r
         assert m["num_samples"] == 8 and math.isfinite(m["reward_mean"])
     assert (run.run_dir / "logs" / "eval-engine-0.log").is_file()
-    assert len(run.metrics()) == 4
-
-
-def test_an_external_backend_error_is_recorded_and_training_goes_on(plugins):
-    run = ok(train(plugins, plugins / "ext-broken", "--fully-async", eval_interval=2,
-                   eval_mode="external", eval_backend="e2e_buffers:Broken",
-                   eval_prompt_data=str(plugins / "prompts.jsonl")))
-    records = eval_records(run)
-    assert [r["step"] for r in records] == [1, 3]
-    assert all("backend error: RuntimeError: the evaluation service is down"
-               in r["skipped_reason"] for r in records)
     assert len(run.metrics()) == 4
 
 
