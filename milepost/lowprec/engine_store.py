@@ -211,14 +211,17 @@ def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = 
         module.__class__ = QuantizedLinear
         module.qformat = fmt
         module.weight.requires_grad_(False)
-        srcs = [module.weight[row:row + rows].float() for row, rows, _ in parts]
+        w = module.weight
         joint = fmt == "nvfp4" and any(n.endswith("gate_proj.weight") for _, _, n in parts)
         module.qjoint = joint
         module.qfour = contract.four_over_six
-        qs = (quantize_weight_parts(srcs, fmt, contract, [n for _, _, n in parts]) if joint else
-              [_on(preset[n], s.device) if fmt == "fp8_block" and n in preset
-               else quantize_weight_parts([s], fmt, contract, [n])[0]
-               for s, (_, _, n) in zip(srcs, parts)])
+        # A preset part (an FP8 checkpoint's own tensor) is stored as it is: no float copy of
+        # the loaded weights, no quantization.
+        qs = (quantize_weight_parts([w[row:row + rows].float() for row, rows, _ in parts], fmt,
+                                    contract, [n for _, _, n in parts]) if joint else
+              [_on(preset[n], w.device) if fmt == "fp8_block" and n in preset
+               else quantize_weight_parts([w[row:row + rows].float()], fmt, contract, [n])[0]
+               for row, rows, n in parts])
         module.qparts = [(row, rows, None) for row, rows, _ in parts]  # type: ignore[misc]
         module.native = _native(module, fmt, parts)
         if fmt == "int4":  # packed on every device: a quarter of bf16's bytes (plus scales)

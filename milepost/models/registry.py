@@ -190,7 +190,10 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
                                            if scale in scale_of else None)
                     if fp8_weights is not None:
                         fp8_weights[name] = q
-                    tensor = dequantize(q)
+                    # On the weights' device (a GPU multiplies in no time; float32 products are
+                    # correctly rounded everywhere, so the bits are the CPU's).
+                    tensor = dequantize(QTensor(q.fmt, q.values.to(view.device), q.scales.to(view.device),
+                                                q.tile, q.shape))
                     loaded.add(scale)
                 elif tensor.dtype.itemsize == 1 and tensor.is_floating_point():
                     raise ValueError(f"{shard.name}: {name} is {tensor.dtype} but config.json has no "
