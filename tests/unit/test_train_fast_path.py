@@ -7,7 +7,6 @@ none, and the packed attention's gradients vs one autograd graph per sequence; p
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,9 +38,35 @@ def _train(rank: int, world: int, path: str, overrides: dict, rollouts: int) -> 
     return {"metrics": metrics, "params": _params(backend)}
 
 
+# A rank process costs ~5 CPU-seconds before its first step (torch, then dynamo on DTensor's first
+# op); the variants compared below are trainers built one after another in one rank process, and
+# the context refusal runs there too: one spawn where there were five (docs/testing.md).
+VARIANTS = {"fast": {}, "separate": {"separate_old_logprob_pass": True},
+            "layer_ckpt": {"activation_checkpointing": "layer"}}
+
+
+def _train_variants(rank: int, world: int, path: str, short_path: str) -> dict:
+    out: dict = {name: _train(rank, world, path, overrides, 2) for name, overrides in VARIANTS.items()}
+    out["too_long"] = _too_long(rank, world, short_path)
+    return out
+
+
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("m") / "qwen3", "qwen3", with_tokenizer=False))
+
+
+@pytest.fixture(scope="module")
+def variants(qwen3: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two rollouts of each trainer variant, and the too-long refusal (a 32-position model)."""
+    short = make_tiny_checkpoint(tmp_path_factory.mktemp("short") / "short", "qwen3",
+                                 with_tokenizer=False, max_position_embeddings=32)
+    [out] = run_ranks(_train_variants, 1, qwen3, str(short))
+    return out
+
+
+# One group: the fixture's rank process runs once, on the worker that runs these tests.
+shared_rank = pytest.mark.xdist_group("train_fast_path_variants")
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -56,19 +81,18 @@ def _assert_same(a: dict, b: dict) -> None:
         assert torch.equal(p, b["params"][name]), name
 
 
-def test_in_forward_old_logprobs_equal_the_separate_pass(qwen3: str) -> None:
+@shared_rank
+def test_in_forward_old_logprobs_equal_the_separate_pass(variants: dict) -> None:
     # Two rollouts: the second starts from trained weights, so old != initial policy there too.
-    [fast] = run_ranks(_train, 1, qwen3, {}, 2)
-    [ref] = run_ranks(_train, 1, qwen3, {"separate_old_logprob_pass": True}, 2)
+    fast, ref = variants["fast"], variants["separate"]
     _assert_same(fast, ref)
     m = fast["metrics"][1]
     assert m["ppo_kl"] == 0.0 and m["train_rollout_logprob_abs_diff"] > 0 and m["rollout_ratio_clipfrac"] > 0
 
 
-def test_layer_checkpointing_changes_no_number(qwen3: str) -> None:
-    [ckpt] = run_ranks(_train, 1, qwen3, {"activation_checkpointing": "layer"}, 1)
-    [plain] = run_ranks(_train, 1, qwen3, {}, 1)
-    _assert_same(ckpt, plain)
+@shared_rank
+def test_layer_checkpointing_changes_no_number(variants: dict) -> None:
+    _assert_same(variants["layer_ckpt"], variants["fast"])
 
 
 def test_packed_attention_gradients_match_per_sequence_graphs() -> None:
@@ -98,9 +122,9 @@ def _too_long(rank: int, world: int, path: str) -> str:
     return ""
 
 
-def test_sample_longer_than_the_context_is_refused(tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path / "short", "qwen3", with_tokenizer=False, max_position_embeddings=32)
-    [msg] = run_ranks(_too_long, 1, str(path))
+@shared_rank
+def test_sample_longer_than_the_context_is_refused(variants: dict) -> None:
+    msg = variants["too_long"]
     assert "max_position_embeddings (32)" in msg and "40 tokens" in msg
 
 
