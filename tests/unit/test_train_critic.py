@@ -4,8 +4,8 @@ loss, checkpoint), TIS metrics against hand values, GSPO and the driver's advant
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
+import pytest
 import torch
 
 from milepost.testing.batches import random_train_batch
@@ -42,10 +42,42 @@ def critic_worker(rank: int, world: int, path: str, ckpt: str) -> dict:
             "old": old, "rollout": batch.rollout_logprobs, "masks": batch.loss_masks}
 
 
-def test_critic_learns_its_targets_and_survives_a_checkpoint(tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False)
+def all_workers(rank: int, world: int, path: str, ckpt: str, cfg_path: str) -> dict:
+    """Every worker of this file in one rank process, one after another."""
+    return {"critic": critic_worker(rank, world, path, ckpt),
+            "gspo": gspo_worker(rank, world, path) if world == 1 else None,
+            "rank_batch": rank_batch_worker(rank, world, cfg_path)}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
+    """{world size: each rank's results}. A rank process costs ~5 CPU-seconds before its first
+    step (torch, then dynamo on DTensor's first op): the three tests' workers share one 1-rank
+    and one 2-rank run, 3 processes where there were 7 (docs/testing.md, "Suite time")."""
+    from milepost.config import load_config
+
+    tmp = tmp_path_factory.mktemp("critic")
+    path = make_tiny_checkpoint(tmp / "m", "qwen3", with_tokenizer=False)
+    prompts = tmp / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    cfg = load_config(None, ["--hf-checkpoint", str(path), "--prompt-data", str(prompts), "--num-rollout", "1",
+                             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--device", "cpu",
+                             "--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--kl-coef", "0.5",
+                             "--kl-loss-type", "k1", "--gamma", "0.9", "--lambd", "0.8",
+                             "--run-dir", str(tmp / "run")])
+    cfg_path = str(cfg.write_resolved())
+    return {world: run_ranks(all_workers, world, str(path), str(tmp / f"ckpt{world}"), cfg_path)
+            for world in (1, 2)}
+
+
+# One group: the fixture's ranks run once, on the worker that runs these tests.
+shared_ranks = pytest.mark.xdist_group("train_critic_ranks")
+
+
+@shared_ranks
+def test_critic_learns_its_targets_and_survives_a_checkpoint(ranks: dict[int, list[dict]]) -> None:
     for world in (1, 2):
-        results = run_ranks(critic_worker, world, str(path), str(tmp_path / f"ckpt{world}"))
+        results = [res["critic"] for res in ranks[world]]
         r = results[0]
         assert all(float(v.abs().max()) == 0.0 for v in r["v0"])  # zero-initialized head
         losses = [m["value_loss"] for m in r["history"]]
@@ -74,9 +106,9 @@ def gspo_worker(rank: int, world: int, path: str) -> dict:
     return backend.train_step(random_train_batch(4, seed=5))  # 2 optimizer steps: the second one clips
 
 
-def test_gspo_trains_and_clips_whole_sequences(tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False)
-    m = run_ranks(gspo_worker, 1, str(path))[0]
+@shared_ranks
+def test_gspo_trains_and_clips_whole_sequences(ranks: dict[int, list[dict]]) -> None:
+    m = ranks[1][0]["gspo"]
     assert m["optimizer_steps"] == 2.0 and math.isfinite(m["loss"])
     masks = random_train_batch(4, seed=5).loss_masks
     second_step_share = float(masks[2].sum() + masks[3].sum()) / float(sum(x.sum() for x in masks))
@@ -99,24 +131,14 @@ def rank_batch_worker(rank: int, world: int, cfg_path: str) -> dict:
     return {"mine": mine, "adv": batch.advantages, "returns": batch.returns, "ref": batch.ref_logprobs}
 
 
-def test_rank_batch_ppo_with_kl_reward_is_the_same_on_one_and_two_ranks(tmp_path: Path) -> None:
+@shared_ranks
+def test_rank_batch_ppo_with_kl_reward_is_the_same_on_one_and_two_ranks(ranks: dict[int, list[dict]]) -> None:
     """Values and KL penalties are scored per rank and gathered: the advantages must not depend on
     how the rollout was split."""
-    from milepost.config import load_config
-
-    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    cfg = load_config(None, ["--hf-checkpoint", str(path), "--prompt-data", str(prompts), "--num-rollout", "1",
-                             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--device", "cpu",
-                             "--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--kl-coef", "0.5",
-                             "--kl-loss-type", "k1", "--gamma", "0.9", "--lambd", "0.8",
-                             "--run-dir", str(tmp_path / "run")])
-    cfg_path = str(cfg.write_resolved())
     by_world = {}
     for world in (1, 2):
         adv: dict[int, torch.Tensor] = {}
-        for res in run_ranks(rank_batch_worker, world, cfg_path):
+        for res in (r["rank_batch"] for r in ranks[world]):
             assert res["returns"] is not None and res["ref"] is not None
             adv.update(zip(res["mine"], res["adv"]))
         by_world[world] = [adv[i] for i in range(8)]
