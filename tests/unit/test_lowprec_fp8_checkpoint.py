@@ -357,3 +357,17 @@ def test_update_weights_from_disk_takes_an_fp8_checkpoint(src: Path, converted: 
     save_file(t, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(WeightUpdateError, match="no model.layers.0.mlp.up_proj.weight_scale_inv"):
         WeightLoader(plain).from_disk(str(bad))
+
+
+def test_scales_in_another_shard(converted: Path, tmp_path: Path) -> None:
+    """Large checkpoints are sharded: a weight's weight_scale_inv may sit in another file."""
+    split = tmp_path / "split"
+    shutil.copytree(converted, split)
+    t = load_file(split / "model.safetensors")
+    (split / "model.safetensors").unlink()
+    save_file({n: v for n, v in t.items() if not n.endswith("weight_scale_inv")},
+              split / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file({n: v for n, v in t.items() if n.endswith("weight_scale_inv")},
+              split / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    a, b = _qtensors(build_engine(_args(split))[0]), _qtensors(build_engine(_args(converted))[0])
+    assert a.keys() == b.keys() and all(torch.equal(a[n].scales, b[n].scales) for n in a)
