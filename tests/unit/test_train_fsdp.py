@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -56,10 +55,35 @@ def train_worker(rank: int, world: int, path: str) -> dict:
     }
 
 
-def test_two_ranks_equal_one_rank(tmp_path: Path) -> None:
-    path = str(make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", with_tokenizer=False))
-    [one] = run_ranks(train_worker, 1, path)
-    two = run_ranks(train_worker, 2, path)
+def one_rank_workers(rank: int, world: int, qwen3: str, llama: str) -> dict:
+    return {"train": train_worker(rank, world, qwen3), "learn": learn_worker(rank, world, llama)}
+
+
+def two_rank_workers(rank: int, world: int, qwen3: str, moe: str, out: str) -> dict:
+    # the export worker last: it ends with train steps every rank refuses
+    return {"train": train_worker(rank, world, qwen3), "export": export_worker(rank, world, moe, out)}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The workers of this file in one 1-rank and one 2-rank run (3 rank processes where there
+    were 6: a rank process costs ~5 CPU-seconds before its first step; docs/testing.md)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    qwen3 = str(make_tiny_checkpoint(tmp / "qwen3", "qwen3", with_tokenizer=False))
+    llama = str(make_tiny_checkpoint(tmp / "llama", "llama", with_tokenizer=False))
+    moe = make_tiny_checkpoint(tmp / "moe", "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    [one] = run_ranks(one_rank_workers, 1, qwen3, llama)
+    two = run_ranks(two_rank_workers, 2, qwen3, str(moe), str(tmp / "export"))
+    return {"qwen3": qwen3, "moe": moe, "export": tmp / "export", "one": one, "two": two}
+
+
+# One group: the fixture's ranks run once, on the worker that runs these tests.
+shared_ranks = pytest.mark.xdist_group("train_fsdp_ranks")
+
+
+@shared_ranks
+def test_two_ranks_equal_one_rank(ranks: dict) -> None:
+    path, one, two = ranks["qwen3"], ranks["one"]["train"], [r["train"] for r in ranks["two"]]
     for m1, m2 in zip(one["metrics"], two[0]["metrics"]):
         assert m1.keys() == m2.keys() and m1["optimizer_steps"] == 2 and m1["tokens"] == m2["tokens"]
         for k in m1:
@@ -99,10 +123,9 @@ def export_worker(rank: int, world: int, path: str, out: str) -> dict:
     return {"params": full_params(backend), "hf": hf, "logprobs": backend.compute_logprobs(probe), "refused": refused}
 
 
-def test_moe_named_hf_weights_round_trip_and_export(tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
-    out = tmp_path / "export"
-    results = run_ranks(export_worker, 2, str(path), str(out))
+@shared_ranks
+def test_moe_named_hf_weights_round_trip_and_export(ranks: dict) -> None:
+    path, out, results = ranks["moe"], ranks["export"], [r["export"] for r in ranks["two"]]
     hf, params = results[0]["hf"], results[0]["params"]
     for r in results:  # refused on every rank, before any collective could hang
         assert "got [2, 4] per rank" in r["refused"][0]
@@ -155,9 +178,9 @@ def learn_worker(rank: int, world: int, path: str) -> dict:
     return {"history": history, "bf16": (before, after, dtypes, masters)}
 
 
-def test_training_makes_rewarded_token_more_likely(tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path / "llama", "llama", with_tokenizer=False)
-    [result] = run_ranks(learn_worker, 1, str(path))
+@shared_ranks
+def test_training_makes_rewarded_token_more_likely(ranks: dict) -> None:
+    result = ranks["one"]["learn"]
     h = result["history"]
     assert all(b > a for a, b in zip(h, h[1:])), h
     assert h[-1] - h[0] > 0.5, h

@@ -3,8 +3,6 @@ nothing about training (bitwise, fp32 moments), and streamed checkpoints resume 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -51,12 +49,29 @@ def variants_worker(rank: int, world: int, path: str, tmp: str) -> dict[str, dic
     return out
 
 
-def test_streaming_and_offload_are_bitwise_plain_training(tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False)
-    for ranks in run_ranks(variants_worker, 2, str(path), str(tmp_path)):
-        plain = ranks["plain"]
+def both_workers(rank: int, world: int, path: str, tmp: str) -> dict:
+    return {"variants": variants_worker(rank, world, path, tmp), **resume_worker(rank, world, path, tmp)}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Both workers (their files apart under one folder) in one 2-rank run: a rank process costs
+    ~5 CPU-seconds before its first step (docs/testing.md, "Suite time")."""
+    tmp = tmp_path_factory.mktemp("memory")
+    path = make_tiny_checkpoint(tmp / "m", "qwen3", with_tokenizer=False)
+    return {"tmp": tmp, "results": run_ranks(both_workers, 2, str(path), str(tmp))}
+
+
+# One group: the fixture's ranks run once, on the worker that runs these tests.
+shared_ranks = pytest.mark.xdist_group("train_memory_ranks")
+
+
+@shared_ranks
+def test_streaming_and_offload_are_bitwise_plain_training(ranks: dict) -> None:
+    for r in ranks["results"]:
+        plain = r["variants"]["plain"]
         for name in ("streamed", "host", "disk+streamed"):
-            assert all(torch.equal(plain[k], ranks[name][k]) for k in plain), name
+            assert all(torch.equal(plain[k], r["variants"][name][k]) for k in plain), name
 
 
 def resume_worker(rank: int, world: int, path: str, tmp: str) -> dict:
@@ -83,9 +98,10 @@ def resume_worker(rank: int, world: int, path: str, tmp: str) -> dict:
     return {"a": local_params(a), "b": local_params(b), "refusals": refusals}
 
 
-def test_streamed_checkpoint_resumes_exactly_and_mixing_is_refused(tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False)
-    for r in run_ranks(resume_worker, 2, str(path), str(tmp_path)):
+@shared_ranks
+def test_streamed_checkpoint_resumes_exactly_and_mixing_is_refused(ranks: dict) -> None:
+    tmp_path = ranks["tmp"]
+    for r in ranks["results"]:
         assert all(torch.equal(r["a"][k], r["b"][k]) for k in r["a"])
         without, into = r["refusals"]
         assert "resume it with that setting" in without
