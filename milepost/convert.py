@@ -64,6 +64,9 @@ def hf_to_megatron_dir(hf_dir: str | Path, out_dir: str | Path, sizes: ParallelS
     for f in hf_dir.iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
             shutil.copy2(f, keep / f.name)
+    config = json.loads((keep / "config.json").read_text())
+    if config.pop("quantization_config", None) is not None:  # FP8 source: read dequantized
+        (keep / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return written
 
 

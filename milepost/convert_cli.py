@@ -8,9 +8,11 @@ import argparse
 
 def add_convert_command(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "convert", help="convert checkpoints between Hugging Face and Megatron-core (docs/megatron.md)",
+        "convert", help="convert checkpoints between Hugging Face and Megatron-core (docs/megatron.md), "
+        "or to FP8 blockwise (docs/low_precision.md)",
         description="Bit-exact conversion between a Hugging Face directory and a Megatron checkpoint "
-        "cut for tensor / pipeline / expert parallel sizes (Llama, Qwen3, Qwen3-MoE).")
+        "cut for tensor / pipeline / expert parallel sizes (Llama, Qwen3, Qwen3-MoE); hf-to-fp8 "
+        "writes an FP8 blockwise checkpoint.")
     kinds = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
     to_meg = kinds.add_parser("hf-to-megatron", help="Hugging Face directory -> Megatron checkpoint")
     to_meg.add_argument("source", help="Hugging Face model directory (config.json + safetensors)")

@@ -58,6 +58,9 @@ def checkpoint_contract(contract: Contract, names: list[str], fp8_weights: dict[
     modules_to_not_convert, or any covered weight not stored as float8) overridden to bf16 by
     exact name, so they stay in the model dtype at load and on every update; the checkpoint's
     float8 tensors the contract keeps in bf16 (not covered, or overridden) stay dequantized."""
+    if not fp8_weights:
+        raise ValueError("config.json has an FP8 quantization_config but no weight is float8_e4m3fn: "
+                         "remove quantization_config from config.json (the weights are unquantized)")
     kept = [n for n in names if n not in fp8_weights and contract.tensor_format(n, "rollout") != BF16]
     served = sum(1 for n in fp8_weights if contract.tensor_format(n, "rollout") != BF16)
     log.info("FP8 checkpoint: %d tensors served from its float8 values and scales as stored, "

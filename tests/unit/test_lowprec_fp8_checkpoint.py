@@ -371,3 +371,21 @@ def test_scales_in_another_shard(converted: Path, tmp_path: Path) -> None:
               split / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
     a, b = _qtensors(build_engine(_args(split))[0]), _qtensors(build_engine(_args(converted))[0])
     assert a.keys() == b.keys() and all(torch.equal(a[n].scales, b[n].scales) for n in a)
+
+
+def test_fp8_config_without_float8_weights_is_refused(src: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "cfg_only"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no weight is float8_e4m3fn: remove quantization_config"):
+        build_engine(_args(bad))
+
+
+def test_hf_to_megatron_from_fp8_drops_the_fp8_config(converted: Path, tmp_path: Path) -> None:
+    from milepost.convert import hf_to_megatron_dir
+    from milepost.train.megatron.parallel import ParallelSizes
+
+    hf_to_megatron_dir(converted, tmp_path / "meg", ParallelSizes(tp=1, pp=1, ep=1))
+    assert "quantization_config" not in json.loads((tmp_path / "meg" / "hf" / "config.json").read_text())
