@@ -8,14 +8,27 @@ start with a message naming them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 from test_train_loop import train, work  # noqa: F401 - `work` is a fixture used here
 
+from milepost.testing.server_process import ServerProcess
 
+
+@pytest.fixture(scope="module")
+def teacher(work: Path) -> Iterator[ServerProcess]:  # noqa: F811
+    """One teacher engine for both served runs: it only scores, its weights never change, so a
+    second engine start (~4 CPU-seconds) would prove nothing more (docs/testing.md)."""
+    with ServerProcess(work / "qwen3", "--max-total-tokens", "8192") as srv:
+        yield srv
+
+
+@pytest.mark.xdist_group("opd_runs_teacher")  # both cases on the worker that holds the teacher
 @pytest.mark.parametrize("args", [(), pytest.param(("--fully-async", "--opd-top-k", "2"),
                                                   marks=pytest.mark.slow)], ids=["sync", "async-topk"])
-def test_served_teacher_runs_and_logs_opd_metrics(work, start_server, args) -> None:  # noqa: F811
-    teacher = start_server(work / "qwen3", "--max-total-tokens", "8192")
+def test_served_teacher_runs_and_logs_opd_metrics(work, teacher, args) -> None:  # noqa: F811
     name = "opd-" + ("async" if args else "sync")
     run = train(work, work / name, "--opd-teacher-url", teacher.url, *args, num_rollout=3)
     assert run.rc == 0, run.out[-4000:]
