@@ -59,7 +59,9 @@ class ServerArgs(BaseModel):
         "weight tiles, 1x128 activation blocks), mxfp8, nvfp4: weights and activations in that "
         "format, each HF tensor quantized on arrival by the trainer's quantizer (docs/low_precision.md); "
         "fp8_block also stores MoE experts in FP8 (128x128 weight tiles, activations in --dtype; "
-        "the trainer keeps experts bf16). int4: weights only, groups of 128 (the INT4 QAT recipe)."
+        "the trainer keeps experts bf16). int4: weights only, groups of 128 (the INT4 QAT recipe). "
+        "Unset on an FP8 blockwise checkpoint (config.json quantization_config): fp8_block, served "
+        "from the checkpoint's own float8 weights and scales."
     )
     precision_override: str | None = Field(
         None, description="With --quantization fp8_block|mxfp8|nvfp4: PATTERN=bf16[,...] keeps the "
