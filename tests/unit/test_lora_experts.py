@@ -66,8 +66,25 @@ def expert_worker(rank: int, world: int, path: str, run_dir: str) -> dict:
     return {"logprobs": backend.compute_logprobs(PROBE)[0], "sent": dict(backend.named_hf_weights())}
 
 
-def test_rl_step_sends_expert_adapters_engine_and_peft_match_trainer(moe: Path, tmp_path: Path) -> None:
-    r = run_ranks(expert_worker, 1, str(moe), str(tmp_path))[0]
+def both_workers(rank: int, world: int, path: str, run_dir: str) -> dict:
+    return {"expert": expert_worker(rank, world, path, run_dir), "bf16": bf16_worker(rank, world, path)}
+
+
+@pytest.fixture(scope="module")
+def rank_results(moe: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """Both trainer workers in one rank process (a rank process costs ~5 CPU-seconds before its
+    first step; docs/testing.md). (results, the expert worker's export folder)."""
+    run_dir = tmp_path_factory.mktemp("experts")
+    return run_ranks(both_workers, 1, str(moe), str(run_dir))[0], run_dir
+
+
+# One group: the fixture's rank process runs once, on the worker that runs these tests.
+shared_rank = pytest.mark.xdist_group("lora_experts_rank")
+
+
+@shared_rank
+def test_rl_step_sends_expert_adapters_engine_and_peft_match_trainer(moe: Path, rank_results) -> None:
+    r, tmp_path = rank_results[0]["expert"], rank_results[1]
     sent = r["sent"]
     assert "policy/model.layers.0.mlp.experts.gate_up_proj.lora_B.weight" in sent
     assert sent["policy/model.layers.0.mlp.experts.down_proj.lora_B.weight"].abs().max() > 0  # it trained
@@ -173,8 +190,9 @@ def bf16_worker(rank: int, world: int, path: str) -> dict:
     return out
 
 
-def test_bf16_run_keeps_experts_bf16_and_their_adapters_fp32(moe: Path) -> None:
-    r = run_ranks(bf16_worker, 1, str(moe))[0]
+@shared_rank
+def test_bf16_run_keeps_experts_bf16_and_their_adapters_fp32(rank_results) -> None:
+    r = rank_results[0]["bf16"]
     assert r["bfloat16"]["base"] == {torch.bfloat16} and r["bfloat16"]["adapter"] == {torch.float32}
     assert r["float32"]["base"] == {torch.float32}
     diff = (r["bfloat16"]["logprobs"] - r["float32"]["logprobs"]).abs()

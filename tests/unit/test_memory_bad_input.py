@@ -111,9 +111,28 @@ def full_disk_worker(rank: int, world: int, path: str, tmp: str) -> dict:
             "loss": metrics["loss"], "files": sorted(os.listdir(tmp))}
 
 
-def test_a_full_disk_at_the_critic_brings_the_actor_back(tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False)
-    [r] = run_ranks(full_disk_worker, 1, str(path), str(tmp_path / "off"))
+def one_rank_workers(rank: int, world: int, path: str, tmp: str) -> dict:
+    # load_worker reads the checkpoint the 2-rank save_worker wrote before this process started
+    return {"full_disk": full_disk_worker(rank, world, path, f"{tmp}/off"), "load": load_worker(rank, world, path, tmp)}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The 2-rank save, then both 1-rank workers in one process (3 rank processes where there
+    were 4: a rank process costs ~5 CPU-seconds before its first step; docs/testing.md)."""
+    tmp = tmp_path_factory.mktemp("bad_input")
+    path = make_tiny_checkpoint(tmp / "m", "qwen3", with_tokenizer=False)
+    run_ranks(save_worker, 2, str(path), str(tmp))
+    return run_ranks(one_rank_workers, 1, str(path), str(tmp))[0]
+
+
+# One group: the fixture's ranks run once, on the worker that runs these tests.
+shared_ranks = pytest.mark.xdist_group("memory_bad_input_ranks")
+
+
+@shared_ranks
+def test_a_full_disk_at_the_critic_brings_the_actor_back(ranks: dict) -> None:
+    r = ranks["full_disk"]
     assert "nothing was offloaded" in r["error"] and "rank0-critic.bin" in r["error"]
     assert r["intact"] and r["loss"] == r["loss"]
     assert r["files"] == []  # the actor's file was read back and removed, the partial one too
@@ -135,8 +154,7 @@ def load_worker(rank: int, world: int, path: str, tmp: str) -> str:
     return ""
 
 
-def test_a_streamed_checkpoint_on_another_number_of_ranks_is_refused(tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path / "m", "qwen3", with_tokenizer=False)
-    run_ranks(save_worker, 2, str(path), str(tmp_path))
-    [message] = run_ranks(load_worker, 1, str(path), str(tmp_path))
+@shared_ranks
+def test_a_streamed_checkpoint_on_another_number_of_ranks_is_refused(ranks: dict) -> None:
+    message = ranks["load"]
     assert "resumes only on the same layout" in message and "2 trainer ranks" in message
