@@ -248,8 +248,9 @@ def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = 
     store = QuantizedWeights(store_modules, names, contract, dtype)
     store.experts = experts
     for name, q in preset.items():  # the checkpoint's FP8 experts, tensor by tensor
-        if experts is not None and ".experts." in name:
-            module, parts = experts.parts(model.weight_view(name))
+        view = model.weight_view(name) if experts is not None and ".experts." in name else None
+        if view is not None and experts.owner(view) is not None:  # else: kept dequantized
+            module, parts = experts.parts(view)
             module.put(*parts[0], _on(q, module.w13.device))
     if static_scales:
         store.input_scales = attach_input_scales(model, [
