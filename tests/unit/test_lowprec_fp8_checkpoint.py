@@ -407,3 +407,21 @@ def test_other_formats_quantize_the_dequantized_checkpoint(converted: Path, fmt:
                            dequantize(quantize(deq, "mxfp8")))
     else:
         assert model.weight_view(n).dtype == torch.float8_e4m3fn
+
+
+def test_deepseek_v3_with_an_mtp_layer(tmp_path: Path) -> None:
+    """DeepSeek ships its MTP layer in FP8 too: the trainer and the engine (NEXTN drafting
+    included) load it; what the FP8 store does not hold stays dequantized, exactly."""
+    from milepost.testing.mtp_checkpoint import make_tiny_mtp_checkpoint
+
+    src = make_tiny_mtp_checkpoint(tmp_path / "src", seed=1)
+    out = _public_layout(Path(src), tmp_path / "fp8", quantized=lambda n, t: (
+        ".layers." in n and n.endswith("_proj.weight") and t.dim() == 2))
+    load_model(tmp_path / "fp8", torch.float32, "cpu")
+    engine = build_engine(_args(tmp_path / "fp8", speculative_algorithm="NEXTN", speculative_num_steps=1,
+                                speculative_eagle_topk=1, speculative_num_draft_tokens=2))[0]
+    qs, model = _qtensors(engine), engine.runner.model
+    for n, t in out.items():
+        if t.dtype == torch.float8_e4m3fn and n not in qs:
+            assert torch.equal(model.weight_view(n), _expected(out, n)), n
+    assert qs
