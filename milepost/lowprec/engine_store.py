@@ -170,7 +170,9 @@ def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = 
     fp8_block linears take static input scales (engine_scales.py); native ones then run the
     block-scaled GEMM with every block scale the static one (kernels/fp8_gemm.py). `preset`:
     fp8_block QTensors by HF name (an FP8 checkpoint's own values and scales), stored as they
-    are instead of quantizing the model's (dequantized) weights again."""
+    are instead of quantizing the model's (dequantized) weights again; the weights must hold
+    their dequantized values already (registry.load_native writes them), which an emulated
+    linear keeps as its weight."""
     preset = preset or {}
     by_module: dict[int, list[tuple[int, int, str]]] = {}
     modules: dict[int, nn.Linear] = {}
@@ -241,8 +243,11 @@ def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = 
                                                      device=module.weight.device), requires_grad=False)
             module.register_buffer("weight_scale", torch.empty(
                 -(-n // 128), -(-k // 128), dtype=torch.float32, device=module.weight.device))
-        for j, q in enumerate(qs):
-            module.put(j, q)
+        for j, (q, (row, rows, n)) in enumerate(zip(qs, parts)):
+            if fmt == "fp8_block" and n in preset and not module.native:
+                module.qparts[j] = (row, rows, q)  # the loader wrote dequantize(q) there already
+            else:
+                module.put(j, q)
         store_modules[module.weight.untyped_storage().data_ptr()] = module
         names.update({(id(module), row): n for row, _, n in parts})
     store = QuantizedWeights(store_modules, names, contract, dtype)

@@ -154,6 +154,11 @@ def test_public_layout_loads_its_values_in_engine_and_trainer(src: Path, tmp_pat
         assert torch.equal(qs[n].values.view(torch.uint8), out[n].view(torch.uint8)), n
         assert torch.equal(qs[n].scales, out[n.removesuffix("weight") + "weight_scale_inv"]), n
         assert torch.equal(dequantize(qs[n]), _expected(out, n)), n
+    store = engine.runner.model.fp8_weights
+    for n in fp8_names:  # the emulated linears multiply exactly those values
+        m, j = store._part(engine.runner.model.weight_view(n))
+        row, rows, _ = m.qparts[j]
+        assert not m.native and torch.equal(m.weight[row:row + rows], _expected(out, n)), n
     assert type(engine.runner.model.model.layers[0].mlp.gate_up_proj) is not QuantizedLinear
     # The trainer's load (fp32 master weights): the same dequantized values, bit for bit.
     lm = load_model(tmp_path / "pub", torch.float32, "cpu")
