@@ -39,30 +39,47 @@ def engines(ckpts: dict[str, Path]):
         srv.close()
 
 
-def source_worker(rank: int, world: int, ckpt: str, urls: list[str]) -> dict:
-    """One trainer rank: FSDP2-sharded weights, its own P2P transport, two updates."""
+def source_worker(rank: int, world: int, ckpt: str, fleets: list[list[str]]) -> list[dict]:
+    """One trainer rank: FSDP2-sharded weights; for each fleet of engines in turn, its own P2P
+    transport and two updates (one rank process for every fleet: a rank costs ~5 CPU-seconds
+    before its first op; each fleet's equality check starts from noise, so what an earlier
+    fleet left on an engine changes nothing)."""
     backend = FSDPBackend.create(ckpt, TrainerSettings(lr=1e-3, global_batch_size=2))
-    transport = P2PTransport(urls, "gloo", timeout_s=60, source_rank=rank, num_sources=world)
-    sync = WeightSync(transport, BUCKET_BYTES, dtype=torch.float32, check_equal_once=True,
-                      check_weight_update=True)
-    try:
-        first = sync.update(backend.named_hf_weights(), "s1")
-        sent_first = transport.bytes_sent
-        with torch.no_grad():  # a trainer step in miniature: one shard changes on every rank
-            param = next(backend.policy.lm.parameters())
-            (param.to_local() if isinstance(param, DTensor) else param).add_(0.5)
-        second = sync.update(backend.named_hf_weights(), "s2")
-    finally:
-        sync.close()
-    return {"targets": transport.targets, "path": transport.path, "sent_first": sent_first,
-            "sent": transport.bytes_sent, "verified": [first.verified, second.verified],
-            "bytes": first.bytes}
+    out = []
+    for n, urls in enumerate(fleets):
+        transport = P2PTransport(urls, "gloo", timeout_s=60, source_rank=rank, num_sources=world)
+        sync = WeightSync(transport, BUCKET_BYTES, dtype=torch.float32, check_equal_once=True,
+                          check_weight_update=True)
+        try:
+            first = sync.update(backend.named_hf_weights(), f"f{n}-s1")
+            sent_first = transport.bytes_sent
+            with torch.no_grad():  # a trainer step in miniature: one shard changes on every rank
+                param = next(backend.policy.lm.parameters())
+                (param.to_local() if isinstance(param, DTensor) else param).add_(0.5)
+            second = sync.update(backend.named_hf_weights(), f"f{n}-s2")
+        finally:
+            sync.close()
+        out.append({"targets": transport.targets, "path": transport.path, "sent_first": sent_first,
+                    "sent": transport.bytes_sent, "verified": [first.verified, second.verified],
+                    "bytes": first.bytes})
+    return out
 
 
-@pytest.mark.parametrize("n_engines", [2, 1])
-def test_two_trainer_ranks_send_to_their_planned_engines(n_engines, engines, ckpts) -> None:
-    urls = [e.url for e in engines[:n_engines]]
-    r0, r1 = run_ranks(source_worker, 2, str(ckpts["b"]), urls, timeout_s=240)
+FLEETS = [2, 1]  # engines per fleet
+
+
+@pytest.fixture(scope="module")
+def sent(engines, ckpts) -> dict[int, tuple[dict, dict]]:
+    """{engines in the fleet: (rank 0's result, rank 1's)}, from one 2-rank run."""
+    r0, r1 = run_ranks(source_worker, 2, str(ckpts["b"]), [[e.url for e in engines[:n]] for n in FLEETS],
+                       timeout_s=240)
+    return {n: (a, b) for n, a, b in zip(FLEETS, r0, r1)}
+
+
+@pytest.mark.xdist_group("p2p_sources")  # the engines and the ranks' run once, on one worker
+@pytest.mark.parametrize("n_engines", FLEETS)
+def test_two_trainer_ranks_send_to_their_planned_engines(n_engines, sent) -> None:
+    r0, r1 = sent[n_engines]
     # rank 0 ran both checks (noise first, then bit-exact; digests after the second update)
     assert r0["verified"] == [True, True] and r1["verified"] == [False, False]
     assert r0["targets"] == [0] and r0["path"] == "gloo"
