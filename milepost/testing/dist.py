@@ -33,10 +33,11 @@ def _load_per_core() -> float:
 
 
 # What every rank imports before its first line of work: ~3.3 CPU-seconds a process when each
-# rank is a fresh interpreter. On CPU (gloo) ranks fork from a server that imported these once per
-# calling process (multiprocessing's forkserver), so a rank starts in milliseconds; CUDA must not
-# be initialized in a forked child, so nccl ranks stay fresh interpreters ("spawn").
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "milepost.train.fsdp"]
+# rank is a fresh interpreter, and dynamo (~0.7 s), which DTensor's constructor imports on first
+# use. On CPU (gloo) ranks fork from a server that imported these once per calling process
+# (multiprocessing's forkserver; a tiny FSDP step then costs a rank 0.25 CPU-s, not 4.3); CUDA
+# must not be initialized in a forked child, so nccl ranks stay fresh interpreters ("spawn").
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "milepost.train.fsdp"]
 
 
 def _context(backend: str) -> Any:
