@@ -41,9 +41,9 @@ def engines(ckpts: dict[str, Path]):
 
 def source_worker(rank: int, world: int, ckpt: str, fleets: list[list[str]]) -> list[dict]:
     """One trainer rank: FSDP2-sharded weights; for each fleet of engines in turn, its own P2P
-    transport and two updates (one rank process for every fleet: a rank costs ~5 CPU-seconds
-    before its first op; each fleet's equality check starts from noise, so what an earlier
-    fleet left on an engine changes nothing)."""
+    transport and two updates (one 2-rank run for every fleet: each rank pays its own start and
+    FSDP setup; each fleet's equality check starts from noise, so what an earlier fleet left on
+    an engine changes nothing)."""
     backend = FSDPBackend.create(ckpt, TrainerSettings(lr=1e-3, global_batch_size=2))
     out = []
     for n, urls in enumerate(fleets):

@@ -72,8 +72,8 @@ def both_workers(rank: int, world: int, path: str, run_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def rank_results(moe: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """Both trainer workers in one rank process (a rank process costs ~5 CPU-seconds before its
-    first step; docs/testing.md). (results, the expert worker's export folder)."""
+    """Both trainer workers in one rank process (each pays its own start; docs/testing.md).
+    (results, the expert worker's export folder)."""
     run_dir = tmp_path_factory.mktemp("experts")
     return run_ranks(both_workers, 1, str(moe), str(run_dir))[0], run_dir
 

@@ -119,7 +119,7 @@ def one_rank_workers(rank: int, world: int, path: str, tmp: str) -> dict:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The 2-rank save, then both 1-rank workers in one process (3 rank processes where there
-    were 4: a rank process costs ~5 CPU-seconds before its first step; docs/testing.md)."""
+    were 4: each pays its own start; docs/testing.md)."""
     tmp = tmp_path_factory.mktemp("bad_input")
     path = make_tiny_checkpoint(tmp / "m", "qwen3", with_tokenizer=False)
     run_ranks(save_worker, 2, str(path), str(tmp))

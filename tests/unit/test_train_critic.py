@@ -51,9 +51,9 @@ def all_workers(rank: int, world: int, path: str, ckpt: str, cfg_path: str) -> d
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict]]:
-    """{world size: each rank's results}. A rank process costs ~5 CPU-seconds before its first
-    step (torch, then dynamo on DTensor's first op): the three tests' workers share one 1-rank
-    and one 2-rank run, 3 processes where there were 7 (docs/testing.md, "Suite time")."""
+    """{world size: each rank's results}. Each rank process pays its own start: the three tests'
+    workers share one 1-rank and one 2-rank run, 3 processes where there were 7 (docs/testing.md,
+    "Suite time")."""
     from milepost.config import load_config
 
     tmp = tmp_path_factory.mktemp("critic")

@@ -38,9 +38,9 @@ def _train(rank: int, world: int, path: str, overrides: dict, rollouts: int) -> 
     return {"metrics": metrics, "params": _params(backend)}
 
 
-# A rank process costs ~5 CPU-seconds before its first step (torch, then dynamo on DTensor's first
-# op); the variants compared below are trainers built one after another in one rank process, and
-# the context refusal runs there too: one spawn where there were five (docs/testing.md).
+# Each rank process pays its own start (process group, gloo, forked from run_ranks' preloaded
+# server); the variants compared below are trainers built one after another in one rank process,
+# and the context refusal runs there too: one process where there were five (docs/testing.md).
 VARIANTS = {"fast": {}, "separate": {"separate_old_logprob_pass": True},
             "layer_ckpt": {"activation_checkpointing": "layer"}}
 

@@ -67,7 +67,7 @@ def two_rank_workers(rank: int, world: int, qwen3: str, moe: str, out: str) -> d
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The workers of this file in one 1-rank and one 2-rank run (3 rank processes where there
-    were 6: a rank process costs ~5 CPU-seconds before its first step; docs/testing.md)."""
+    were 6: each pays its own start; docs/testing.md)."""
     tmp = tmp_path_factory.mktemp("fsdp")
     qwen3 = str(make_tiny_checkpoint(tmp / "qwen3", "qwen3", with_tokenizer=False))
     llama = str(make_tiny_checkpoint(tmp / "llama", "llama", with_tokenizer=False))

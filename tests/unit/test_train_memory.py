@@ -55,8 +55,8 @@ def both_workers(rank: int, world: int, path: str, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Both workers (their files apart under one folder) in one 2-rank run: a rank process costs
-    ~5 CPU-seconds before its first step (docs/testing.md, "Suite time")."""
+    """Both workers (their files apart under one folder) in one 2-rank run: each rank process
+    pays its own start (docs/testing.md, "Suite time")."""
     tmp = tmp_path_factory.mktemp("memory")
     path = make_tiny_checkpoint(tmp / "m", "qwen3", with_tokenizer=False)
     return {"tmp": tmp, "results": run_ranks(both_workers, 2, str(path), str(tmp))}
