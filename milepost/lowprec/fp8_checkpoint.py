@@ -18,11 +18,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from milepost.lowprec.formats import FP8_TILE
-from milepost.lowprec.quantize import QTensor
+
+if TYPE_CHECKING:  # detection (fp8_checkpoint, unquantized_weights) runs in the config check, without torch
+    import torch
+
+    from milepost.lowprec.quantize import QTensor
 
 SCALE_INV_SUFFIX = ".weight_scale_inv"
 
@@ -75,6 +78,8 @@ def fp8_checkpoint(path: str | Path) -> Fp8Checkpoint | None:
 def checkpoint_qtensor(name: str, weight: torch.Tensor, scale_inv: torch.Tensor | None) -> QTensor:
     """The QTensor of checkpoint tensor `name` (float8_e4m3fn) from its `weight_scale_inv`, as
     stored (scales multiply, as the quantizer's do); a missing or misshapen scale is refused."""
+    from milepost.lowprec.quantize import QTensor
+
     if weight.dim() != 2:
         raise ValueError(f"{name}: an FP8 weight of shape {list(weight.shape)}; the engines load "
                          "2-d FP8 linears (per-expert names for MoE experts), not stacked ones")
@@ -108,6 +113,8 @@ def dequantize_state(path: str | Path, tensors: dict[str, torch.Tensor]) -> dict
     """`tensors` (a whole checkpoint read as stored) with each float8 weight of an FP8 blockwise
     checkpoint dequantized to float32 (`quantize.dequantize`, the loaders' function) and its
     `weight_scale_inv` dropped; an unquantized checkpoint's tensors are returned as they are."""
+    import torch
+
     from milepost.lowprec.quantize import dequantize
 
     if fp8_checkpoint(path) is None:
