@@ -14,17 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from milepost.engine.cuda_graph import DecodeGraphs
-from milepost.engine.forward_batch import build_flat
+from milepost.engine.forward_batch import FlatBatch, build_flat
 from milepost.engine.request import Request
 from milepost.engine.sampling import _race, _truncate
 from milepost.engine.scheduler import Chunk
-from milepost.models.attention import PagedBatch, PagedKVCache
+from milepost.models.attention import PagedBatch, PagedKVCache, TorchPagedAttention
 from milepost.models.base import CausalLM, ForwardContext
 from milepost.models.masked_attention import VariantPagedAttention, needs_variant_backend
-from milepost.models.triton_attention import AttentionBackendName, make_paged_attention
+from milepost.models.triton_attention import AttentionBackendName, TritonPagedAttention, make_paged_attention
 
 Proposal = tuple[list[int], "torch.Tensor | None"]  # tokens, [k, V] draft probabilities (None: greedy)
 
@@ -117,20 +118,10 @@ class DraftModel:
 
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """The draft's logits [len(chunks), V] at each chunk's last position."""
-        flat = build_flat(chunks, self.block_size)
-        dev = self.device
-
-        def put(a) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
-        self.attention.prepare(PagedBatch(
-            query_start_loc=put(flat.query_start_loc), seq_lens=put(flat.seq_lens),
-            block_tables=put(flat.block_tables), slot_mapping=put(flat.slots),
-            query_lens_cpu=flat.query_lens, seq_lens_cpu=flat.seq_lens.tolist(),
-        ))
-        hidden = self.model.forward(put(flat.input_ids), put(flat.positions),
+        flat = prepare_draft_batch(self.attention, chunks, self.block_size, self.device)
+        hidden = self.model.forward(to_device(flat.input_ids, self.device), to_device(flat.positions, self.device),
                                     ForwardContext(attention=self.attention))
-        rows = torch.tensor(flat.sample_rows, dtype=torch.long).to(dev, non_blocking=True)
+        rows = torch.tensor(flat.sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
 
 
@@ -152,3 +143,23 @@ def draw(logits: torch.Tensor, live: list[int], reqs: Sequence[Request],
             probs[live[j]].append(p[row])
     for i, t in zip(live, picked.tolist()):
         tokens[i].append(t)
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(a).to(device, non_blocking=True)
+
+
+DraftAttention = TorchPagedAttention | TritonPagedAttention | VariantPagedAttention
+
+
+def prepare_draft_batch(attention: DraftAttention, chunks: list[Chunk], block_size: int,
+                        device: torch.device) -> FlatBatch:
+    """`chunks` laid out flat, and a draft's paged attention pointed at their blocks (the draft's
+    pools share the target's block ids, so the target's block tables serve it)."""
+    flat = build_flat(chunks, block_size)
+    attention.prepare(PagedBatch(
+        query_start_loc=to_device(flat.query_start_loc, device), seq_lens=to_device(flat.seq_lens, device),
+        block_tables=to_device(flat.block_tables, device), slot_mapping=to_device(flat.slots, device),
+        query_lens_cpu=flat.query_lens, seq_lens_cpu=flat.seq_lens.tolist(),
+    ))
+    return flat

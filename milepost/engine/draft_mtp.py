@@ -24,11 +24,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from milepost.engine.draft_model import Proposal, draw
-from milepost.engine.forward_batch import build_flat, token_slice
+from milepost.engine.draft_model import Proposal, draw, prepare_draft_batch, to_device
+from milepost.engine.forward_batch import token_slice
 from milepost.engine.request import Request
 from milepost.engine.scheduler import Chunk
-from milepost.models.attention import PagedBatch, PagedKVCache
+from milepost.models.attention import PagedKVCache
 from milepost.models.base import CausalLM, ForwardContext
 from milepost.models.masked_attention import VariantPagedAttention
 from milepost.models.triton_attention import AttentionBackendName, make_paged_attention
@@ -181,19 +181,9 @@ class MtpDrafter:
 
     def _forward(self, chunks: list[Chunk], ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
         """The MTP layer over chunks whose input ids are `ids` (tokens p + 1) and states `hidden`."""
-        flat = build_flat(chunks, self.block_size)
-        dev = self.device
-
-        def put(a) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
-        self.attention.prepare(PagedBatch(
-            query_start_loc=put(flat.query_start_loc), seq_lens=put(flat.seq_lens),
-            block_tables=put(flat.block_tables), slot_mapping=put(flat.slots),
-            query_lens_cpu=flat.query_lens, seq_lens_cpu=flat.seq_lens.tolist(),
-        ))
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        return self.target.mtp_forward(input_ids, hidden, put(flat.positions),
+        flat = prepare_draft_batch(self.attention, chunks, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        return self.target.mtp_forward(input_ids, hidden, to_device(flat.positions, self.device),
                                        ForwardContext(attention=self.attention))
 
 
