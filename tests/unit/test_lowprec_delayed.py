@@ -24,28 +24,12 @@ from milepost.lowprec.linear import apply_train_precision, qdq
 from milepost.testing.batches import random_train_batch
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.dist import run_ranks
+from milepost.testing.lowprec_mlp import DecoderNamedMlp
 from milepost.train.batch import split_for_rank
 from milepost.train.checkpoint import checkpoint_path
 from milepost.train.fsdp import FSDPBackend, TrainerSettings
 
 torch.set_num_threads(1)
-
-
-class Mlp(nn.Module):
-    """Module names as a decoder's: model.layers.0.mlp.{up,down}_proj."""
-
-    def __init__(self, width: int = 64) -> None:
-        super().__init__()
-        layer = nn.Module()
-        layer.mlp = nn.Module()
-        layer.mlp.up_proj = nn.Linear(width, 2 * width, bias=False)
-        layer.mlp.down_proj = nn.Linear(2 * width, width, bias=False)
-        self.model = nn.Module()
-        self.model.layers = nn.ModuleList([layer])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.model.layers[0].mlp
-        return mlp.down_proj(torch.relu(mlp.up_proj(x)))
 
 
 def _delayed(m: nn.Module, **kw: object) -> DelayedScaling:
@@ -78,7 +62,7 @@ def test_history_window_algo_and_margin(algo: str) -> None:
 
 def test_delayed_quantizes_activations_and_gradients_per_tensor_weights_unchanged() -> None:
     torch.manual_seed(0)
-    ref, m = Mlp(), Mlp()
+    ref, m = DecoderNamedMlp(), DecoderNamedMlp()
     m.load_state_dict(ref.state_dict())
     apply_train_precision(ref, Contract("fp8_block", "fp8_block"))
     state = _delayed(m)
@@ -121,7 +105,7 @@ def _train(m: nn.Module, opt: torch.optim.Optimizer, state: DelayedScaling, seed
 
 def test_state_dict_resumes_exactly_and_refuses_another_length() -> None:
     torch.manual_seed(1)
-    a = Mlp()
+    a = DecoderNamedMlp()
     sa = _delayed(a, history_len=4)
     opt_a = torch.optim.Adam(a.parameters(), lr=1e-2)
     _train(a, opt_a, sa, 0, 3)
@@ -129,7 +113,7 @@ def test_state_dict_resumes_exactly_and_refuses_another_length() -> None:
     torch.save({"m": a.state_dict(), "o": opt_a.state_dict(), "s": sa.state_dict()}, buf)
     _train(a, opt_a, sa, 1, 3)
 
-    b = Mlp()
+    b = DecoderNamedMlp()
     sb = _delayed(b, history_len=4)
     opt_b = torch.optim.Adam(b.parameters(), lr=1e-2)
     saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
@@ -140,7 +124,7 @@ def test_state_dict_resumes_exactly_and_refuses_another_length() -> None:
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert torch.equal(sa.history, sb.history) and torch.equal(sa.scale, sb.scale)
     with pytest.raises(ValueError, match="--fp8-amax-history-len 4"):
-        _delayed(Mlp(), history_len=8).load_state_dict(saved["s"])
+        _delayed(DecoderNamedMlp(), history_len=8).load_state_dict(saved["s"])
 
 
 SETTINGS = TrainerSettings(lr=1e-3, global_batch_size=4, max_tokens_per_micro_batch=40,
@@ -192,7 +176,7 @@ def test_compiled_layers_record_the_same_history() -> None:
     under a second where inductor compiled C++ for ~13 s on a cold cache (as in CI), as
     test_train_fast_path's compile test does; inductor's numerics are the optin trainer test's."""
     torch.manual_seed(2)
-    a, b = Mlp(), Mlp()
+    a, b = DecoderNamedMlp(), DecoderNamedMlp()
     b.load_state_dict(a.state_dict())
     sa, sb = _delayed(a), _delayed(b)
     compiled = torch.compile(b, backend="aot_eager")

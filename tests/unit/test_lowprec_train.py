@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from milepost.lowprec.contract import (
     Contract,
@@ -14,32 +13,16 @@ from milepost.lowprec.contract import (
     parse_overrides,
 )
 from milepost.lowprec.linear import LowPrecLinear, apply_train_precision, qdq
+from milepost.testing.lowprec_mlp import DecoderNamedMlp
 
 torch.set_num_threads(1)
-
-
-class Tiny(nn.Module):
-    """Module names as a decoder's: model.layers.N.mlp.{up,down}_proj."""
-
-    def __init__(self, width: int = 64) -> None:
-        super().__init__()
-        layer = nn.Module()
-        layer.mlp = nn.Module()
-        layer.mlp.up_proj = nn.Linear(width, 2 * width, bias=False)
-        layer.mlp.down_proj = nn.Linear(2 * width, width, bias=False)
-        self.model = nn.Module()
-        self.model.layers = nn.ModuleList([layer])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.model.layers[0].mlp
-        return mlp.down_proj(torch.relu(mlp.up_proj(x)))
 
 
 @pytest.mark.parametrize("fmt,tol", [("fp8_block", 0.15), ("mxfp8", 0.15), ("nvfp4", 0.6)])
 def test_quantized_gradients_track_the_exact_ones(fmt: str, tol: float) -> None:
     torch.manual_seed(0)
-    exact = Tiny()
-    quant = Tiny()
+    exact = DecoderNamedMlp()
+    quant = DecoderNamedMlp()
     quant.load_state_dict(exact.state_dict())
     assert apply_train_precision(quant, Contract(fmt, fmt)) == [
         "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"]
@@ -53,7 +36,7 @@ def test_quantized_gradients_track_the_exact_ones(fmt: str, tol: float) -> None:
 
 def test_dequantized_backward_runs_the_backward_on_the_forward_operands() -> None:
     torch.manual_seed(1)
-    m = Tiny()
+    m = DecoderNamedMlp()
     apply_train_precision(m, Contract("nvfp4", "nvfp4"), dequantized_backward=True)
     x = torch.randn(16, 64, requires_grad=True)
     up = m.model.layers[0].mlp.up_proj
@@ -67,7 +50,7 @@ def test_dequantized_backward_runs_the_backward_on_the_forward_operands() -> Non
 
 def test_int4_qat_fake_quantizes_forward_and_passes_gradients_straight_through() -> None:
     torch.manual_seed(2)
-    m = Tiny()
+    m = DecoderNamedMlp()
     apply_train_precision(m, Contract("int4", "int4"))
     up = m.model.layers[0].mlp.up_proj
     x = torch.randn(8, 64, requires_grad=True)
@@ -86,7 +69,7 @@ def test_fp8_training_follows_the_exact_loss_curve() -> None:
     losses = {}
     for fmt in ("bf16", "fp8_block"):
         torch.manual_seed(3)
-        teacher, m = Tiny(), Tiny()
+        teacher, m = DecoderNamedMlp(), DecoderNamedMlp()
         if fmt != "bf16":
             apply_train_precision(m, Contract(fmt, fmt))
         opt = torch.optim.Adam(m.parameters(), lr=3e-3)
@@ -105,10 +88,10 @@ def test_fp8_training_follows_the_exact_loss_curve() -> None:
 
 
 def test_shapes_the_format_cannot_hold_are_refused_at_start() -> None:
-    m = Tiny(width=40)
+    m = DecoderNamedMlp(width=40)
     with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.weight: nvfp4 blocks of 16"):
         apply_train_precision(m, Contract("nvfp4", "nvfp4"))
-    m = Tiny(width=40)  # kept in bf16 by an override: accepted, untouched
+    m = DecoderNamedMlp(width=40)  # kept in bf16 by an override: accepted, untouched
     names = apply_train_precision(m, Contract("nvfp4", "nvfp4",
                                               parse_overrides(["*.up_proj.weight=bf16"])))
     assert names == [] or not isinstance(m.model.layers[0].mlp.up_proj, LowPrecLinear)
