@@ -12,14 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from milepost.engine.request import Request
-from milepost.engine.sampling import SamplingParams
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
 from milepost.lowprec.contract import Contract
 from milepost.lowprec.convert import convert_checkpoint
 from milepost.lowprec.engine_store import QuantizedLinear
 from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.engine_greedy import greedy_outputs, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -31,24 +30,7 @@ def _engine(path: Path, **kw: object) -> object:
 
 
 def _greedy(engine: object) -> tuple[list[list[int]], list[list[float]]]:
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (37, 5, 130)]
-    toks: dict[int, list[int]] = {}
-    lps: dict[int, list[float]] = {}
-
-    def out(o: object, i: int) -> None:
-        toks.setdefault(i, []).extend(o.new_token_ids)
-        lps.setdefault(i, []).extend(o.new_logprobs)
-
-    for i, p in enumerate(prompts):
-        engine.submit(Request(rid=str(i), prompt_ids=p, stop_ids=frozenset(), return_logprob=True,
-                              params=SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True),
-                              on_output=lambda o, i=i: out(o, i)))
-    engine._drain_inbox(block=False)
-    while engine.scheduler.has_work:
-        engine.step()
-    engine._flush()
-    return [toks[i] for i in range(3)], [lps[i] for i in range(3)]
+    return greedy_outputs(engine, random_prompts((37, 5, 130), seed=7), max_new_tokens=16)
 
 
 def test_native_fp8_engine_serves_the_checkpoint_bytes(tmp_path: Path) -> None:

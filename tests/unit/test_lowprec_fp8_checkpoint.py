@@ -14,8 +14,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from milepost.config import ConfigError, load_config
-from milepost.engine.request import Request
-from milepost.engine.sampling import SamplingParams
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
 from milepost.lowprec.contract import Contract
@@ -25,6 +23,7 @@ from milepost.lowprec.quantize import QTensor, dequantize, quantize
 from milepost.lowprec.rules import engine_precision_flags
 from milepost.models.registry import load_model
 from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.engine_greedy import greedy_outputs, random_prompts
 from milepost.testing.run_args import stub_run_args
 
 torch.set_num_threads(1)
@@ -55,24 +54,7 @@ def _args(path: Path, **kw: object) -> ServerArgs:
 
 
 def _greedy(engine: object) -> tuple[list[list[int]], list[list[float]]]:
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 5)]
-    toks: dict[int, list[int]] = {}
-    lps: dict[int, list[float]] = {}
-
-    def out(o: object, i: int) -> None:
-        toks.setdefault(i, []).extend(o.new_token_ids)
-        lps.setdefault(i, []).extend(o.new_logprobs)
-
-    for i, p in enumerate(prompts):
-        engine.submit(Request(rid=str(i), prompt_ids=p, stop_ids=frozenset(), return_logprob=True,
-                              params=SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True),
-                              on_output=lambda o, i=i: out(o, i)))
-    engine._drain_inbox(block=False)
-    while engine.scheduler.has_work:
-        engine.step()
-    engine._flush()
-    return [toks[i] for i in range(2)], [lps[i] for i in range(2)]
+    return greedy_outputs(engine, random_prompts((9, 5), seed=7), max_new_tokens=5)
 
 
 def _qtensors(engine: object) -> dict[str, QTensor]:
