@@ -7,8 +7,6 @@ float8 values, which the FP8 trainer's quantizer gives back bit for bit), every 
 from __future__ import annotations
 
 import json
-import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +16,7 @@ import pytest
 from milepost.lowprec.contract import Contract
 from milepost.lowprec.convert import convert_checkpoint
 from milepost.testing.checkpoints import make_tiny_checkpoint
-
-TIMEOUT_S = 300  # a two-step tiny run takes ~15 s on 2 idle cores
+from milepost.testing.lowprec_runs import two_step_gaps
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +32,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_rl_run_starts_from_an_fp8_checkpoint(work: Path, precision: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "milepost", "train", "--hf-checkpoint", str(work / "fp8"),
-           "--prompt-data", str(work / "prompts.jsonl"), "--run-dir", str(run_dir),
-           "--device", "cpu", "--num-rollout", "2", "--rollout-batch-size", "2",
-           "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
-           "--engine-max-total-tokens", "1024", "--reward-fn", "exact_match",
-           "--check-weight-update-equal", "--precision", precision]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    gaps = [s["train/train_rollout_logprob_abs_diff"] for s in steps
-            if "train/train_rollout_logprob_abs_diff" in s]
-    assert len(gaps) == 2 and all(math.isfinite(g) for g in gaps), gaps
+    gaps = two_step_gaps(work / "fp8", work / "prompts.jsonl", run_dir, "--precision", precision)
     # Step 1's rollout ran on the checkpoint as loaded: the same values on both sides (fp32).
     assert gaps[0] < 1e-4, gaps
     # The trained weights are exported unquantized: the FP8 layout's config must not follow.

@@ -6,17 +6,12 @@ delayed FP8 scaling the engines follow the trainer's input scales, so the gap cl
 from __future__ import annotations
 
 import json
-import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from milepost.testing.checkpoints import make_tiny_checkpoint
-
-TIMEOUT_S = 300  # a two-step tiny run takes ~15 s on 2 idle cores
+from milepost.testing.lowprec_runs import two_step_gaps
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +30,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          ids=["bf16-train-fp8-serve", "nvfp4", "fp8-delayed"])
 def test_quantized_run_trains_and_reports_the_gap(work: Path, flags: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "milepost", "train", "--hf-checkpoint", str(work / "qwen3"),
-           "--prompt-data", str(work / "prompts.jsonl"), "--run-dir", str(run_dir),
-           "--device", "cpu", "--num-rollout", "2", "--rollout-batch-size", "2",
-           "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
-           "--engine-max-total-tokens", "1024", "--reward-fn", "exact_match",
-           "--check-weight-update-equal", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    gaps = [s["train/train_rollout_logprob_abs_diff"] for s in steps
-            if "train/train_rollout_logprob_abs_diff" in s]
-    assert len(gaps) == 2 and all(math.isfinite(g) for g in gaps), gaps
+    gaps = two_step_gaps(work / "qwen3", work / "prompts.jsonl", run_dir, *flags)
     resolved = (run_dir / "config.resolved.toml").read_text()
     if flags[1] == "bf16-train-fp8-serve":
         assert 'ratio_correction = "tis"' in resolved  # on by default for this arrangement
