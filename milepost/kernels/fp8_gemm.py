@@ -314,21 +314,27 @@ def fp8_static_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
                       scale: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """x [..., K] times fp8 weight w [N, K] (128x128 scales sw), x quantized under a static
     per-tensor `scale` (0: its own 1x128 blocks; lowprec/delayed.py `quantize_input_blocks`):
-    the block-scaled GEMMs with every block scale equal. The decode kernel quantizes per block
-    itself, so decode M takes the Triton GEMM (split over K there) where it passed the probe."""
+    the block-scaled GEMMs with every block scale equal (static_block_mm)."""
     from milepost.lowprec.delayed import quantize_input_blocks
 
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    m = x2.shape[0]
-    backend = backend or block_backend(x.device, m)
+    xq, sx = quantize_input_blocks(x.reshape(-1, shape[-1]), scale)
+    return static_block_mm(xq, sx, w, sw, x.dtype, backend).reshape(*shape[:-1], w.shape[0])
+
+
+def static_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
+                    out_dtype: torch.dtype, backend: str | None = None) -> torch.Tensor:
+    """xq [M, K] fp8 with block scales sx [M, K/128] (any strides) times w [N, K] (128x128
+    scales sw) -> [M, N]: the static engines' and the delayed trainer's GEMM. The decode kernel
+    quantizes per block itself, so decode M takes the Triton GEMM where it passed the probe."""
+    m = xq.shape[0]
+    backend = backend or block_backend(xq.device, m)
     if backend == "decode":
-        fallback = _FALLBACK.get(x.device.index or 0)
-        backend = "triton" if fallback == "triton" else block_backend(x.device)
-    xq, sx = quantize_input_blocks(x2, scale)
+        fallback = _FALLBACK.get(xq.device.index or 0)
+        backend = "triton" if fallback == "triton" else block_backend(xq.device)
     fn = {"scaled_mm": scaled_mm_block, "triton": triton_block_mm,
           "emulated": emulated_block_mm}[backend]
-    return fn(xq, sx, w, sw, x.dtype)[:m].reshape(*shape[:-1], w.shape[0])
+    return fn(xq, sx, w, sw, out_dtype)[:m]
 
 
 class Fp8BlockLinearFn(torch.autograd.Function):

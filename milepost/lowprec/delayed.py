@@ -121,14 +121,28 @@ class DelayedScaling:
         scaled = amax * 2.0 ** self.settings.margin  # a power of two: exact
         return torch.where(amax > 0, scaled / torch.full_like(scaled, el.E4M3_MAX), 1.0)
 
-    def qdq(self, x: torch.Tensor, slot: int, record: bool) -> torch.Tensor:
-        """`x` as the FP8 GEMM sees it under this slot's scale; `record` adds its amax to the step."""
+    def operand_scale(self, x: torch.Tensor, slot: int, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 scale, whether x holds NaN/Inf) that `x` quantizes with in `slot`; `record`
+        adds its amax to the step. The scale is the history's; with no history yet 0 for an
+        input (its own 1 x 128 blocks) and the tensor's own amax's for an output gradient."""
         amax, bad = _amax(x)
         if record:
             self.pending[slot] = torch.maximum(self.pending[slot], amax)
-        if slot % 2 == 0:  # an input ("x" slots are even): the engines' function (qdq_input)
-            return qdq_input(x, self.scale[slot], self._seen[slot])
-        scale = self.scale[slot] if self._seen[slot] else self._current_scale(amax)
+        if self._seen[slot]:
+            return self.scale[slot], bad
+        if slot % 2 == 0:  # an input ("x" slots are even)
+            return torch.zeros((), dtype=torch.float32, device=x.device), bad
+        return self._current_scale(amax), bad
+
+    def seen(self, slot: int) -> bool:
+        """Whether `slot` has a positive amax in its history (host copy: no device sync)."""
+        return self._seen[slot]
+
+    def qdq(self, x: torch.Tensor, slot: int, record: bool) -> torch.Tensor:
+        """`x` as the FP8 GEMM sees it under this slot's scale; `record` adds its amax to the step."""
+        scale, bad = self.operand_scale(x, slot, record)
+        if slot % 2 == 0:  # an input: the engines' function (qdq_input)
+            return qdq_input(x, scale, self._seen[slot])
         return qdq_per_tensor(x, torch.where(bad, torch.nan, scale))
 
     def step(self, group: dist.ProcessGroup | None = None) -> None:
@@ -202,9 +216,18 @@ class DelayedFp8LinearFn(torch.autograd.Function):
 def delayed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A LowPrecLinear's forward under delayed scaling (module.__dict__['_delayed'] is set);
     under --compile-layers the rest of the layer compiles around it."""
+    from milepost.kernels.fp8_delayed import DelayedFp8NativeFn, runs_native
+    from milepost.lowprec.quantize import quantize
+
     state, slots, records = module.__dict__["_delayed"]
     record = records and torch.is_grad_enabled()  # scoring passes under no_grad only read
-    y = DelayedFp8LinearFn.apply(x, module.weight, module.quantized_weight(), state, slots, record)
+    gemms = runs_native(module.weight, x)
+    if gemms is not None:  # FP8 GEMMs on the same values (kernels/fp8_delayed.py)
+        with torch.no_grad():
+            q = quantize(module.weight, "fp8_block", "weight")  # the shared quantizer's tiles
+        y = DelayedFp8NativeFn.apply(x, module.weight, q.values, q.scales, state, slots, record, gemms)
+    else:
+        y = DelayedFp8LinearFn.apply(x, module.weight, module.quantized_weight(), state, slots, record)
     return y + module.bias if module.bias is not None else y
 
 
