@@ -76,10 +76,11 @@ class ServerArgs(BaseModel):
         "read from the checkpoint and sent with every weight update (a trainer under --fp8-scaling "
         "delayed sends its own; until one arrives a linear scales dynamically).")
     dequantize_checkpoint: bool = Field(
-        False, description="An FP8 blockwise checkpoint (quantization_config quant_method fp8) is "
-        "served as --quantization fp8_block from its own float8 values and scales unless this is "
-        "set: then its weights are dequantized at load (weight * weight_scale_inv per 128x128 "
-        "tile) and served in --dtype. The trainer's launcher sets it when the engines serve bf16.")
+        False, description="A quantized checkpoint (config.json quantization_config: FP8 blockwise, "
+        "per-tensor or per-channel, INT4 pack-quantized) is served from its own values and scales "
+        "by the store that holds them (fp8_block, fp8 or int4) unless this is set: then its "
+        "weights are dequantized at load (values times their scales) and served in --dtype. The "
+        "trainer's launcher sets it when the engines serve bf16.")
     max_total_tokens: int | None = Field(
         None,
         description="KV pool size in tokens; default derived from --mem-fraction-static on CUDA "
@@ -401,22 +402,26 @@ class ServerArgs(BaseModel):
         check_mtp_checkpoint(self.model_path, algo)
 
     def _checkpoint_quantization(self) -> str | None:
-        """--quantization as the checkpoint makes it: an FP8 blockwise checkpoint is fp8_block
-        unless --dequantize-checkpoint (as SGLang, which takes the method from the checkpoint's
-        quantization_config); a layout the engines cannot hold is refused here, at start."""
-        from milepost.lowprec.fp8_checkpoint import fp8_checkpoint
+        """--quantization as the checkpoint makes it: a quantized checkpoint (FP8 blockwise or
+        per-tensor: fp8_block; FP8 per-channel: fp8; INT4 pack-quantized: int4) is served by the
+        store that holds its values as stored unless --dequantize-checkpoint (as SGLang, which
+        takes the method from the checkpoint's quantization_config); a layout the engines cannot
+        hold is refused here, at start."""
+        from milepost.lowprec.quant_checkpoint import checkpoint_quant
 
-        ckpt = fp8_checkpoint(self.model_path)
+        ckpt = checkpoint_quant(self.model_path)
         if self.dequantize_checkpoint and ckpt is None:
-            raise ValueError(f"--dequantize-checkpoint: {self.model_path / 'config.json'} has no FP8 "
+            raise ValueError(f"--dequantize-checkpoint: {self.model_path / 'config.json'} has no "
                              "quantization_config; drop the flag")
         if self.dequantize_checkpoint and self.quantization:
             raise ValueError(f"--dequantize-checkpoint with --quantization {self.quantization}: "
-                             "serving the dequantized weights quantized again; drop one (an FP8 "
-                             "checkpoint without either is served as fp8_block from its own values)")
+                             "serving the dequantized weights quantized again; drop one (a quantized "
+                             "checkpoint without either is served from its own values)")
         if ckpt is None or self.dequantize_checkpoint or self.quantization:
             return self.quantization  # other formats: re-quantized from the dequantized weights
-        return "fp8_block"
+        if ckpt.inexact:
+            raise ValueError(ckpt.inexact)
+        return ckpt.serve_as
 
     def resolved(self) -> ServerArgs:
         """A copy where device, dtype, tokenizer path, context length and prefill chunk are concrete.
@@ -474,13 +479,13 @@ class ServerArgs(BaseModel):
         )
 
     def _checkpoint_precision(self) -> dict[str, str]:
-        """An FP8 checkpoint's settings: fp8_block, and its static input scales
+        """A quantized checkpoint's settings: its store, and its static input scales
         (`activation_scheme: static`) unless --fp8-activation-scheme was given."""
-        from milepost.lowprec.fp8_checkpoint import fp8_checkpoint
+        from milepost.lowprec.quant_checkpoint import checkpoint_quant
 
         quantization = self._checkpoint_quantization()
         out = {"quantization": quantization} if quantization != self.quantization else {}
-        ckpt = fp8_checkpoint(self.model_path)
+        ckpt = checkpoint_quant(self.model_path)
         if (ckpt is not None and ckpt.activation_scheme == "static" and quantization == "fp8_block"
                 and "fp8_activation_scheme" not in self.model_fields_set):
             out["fp8_activation_scheme"] = "static"

@@ -19,7 +19,7 @@ from milepost.engine.speculative_setup import (
     make_speculator,
     mtp_kv_bytes_per_token,
 )
-from milepost.lowprec.fp8_checkpoint import fp8_checkpoint
+from milepost.lowprec.quant_checkpoint import checkpoint_quant
 from milepost.models.attention import PagedKVCache
 from milepost.models.base import CausalLM
 from milepost.models.masked_attention import needs_variant_backend
@@ -53,9 +53,10 @@ def build_engine(
         if device.index is None:  # "cuda" means the current device; pin it so allocations agree
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-    fp8_weights = None  # an FP8 checkpoint served as fp8_block: its values and scales as stored
+    fp8_weights = None  # a quantized checkpoint served by its store: its values and scales as stored
     if model is None:
-        if args.quantization == "fp8_block" and fp8_checkpoint(args.model_path) is not None:
+        ckpt = checkpoint_quant(args.model_path)  # its store serves its values as stored
+        if ckpt is not None and args.quantization == ckpt.serve_as and not ckpt.inexact:
             fp8_weights = {}
         try:
             model = load_model(args.model_path, dtype, device, backend=args.model_impl,
@@ -86,7 +87,8 @@ def build_engine(
     if args.quantization == "fp8":  # after fusing: one scale per row of the fused weights too
         from milepost.engine.weight_fp8 import store_fp8
 
-        store_fp8(model)
+        store_fp8(model, fp8_weights)
+        fp8_weights = None
     cfg = model.hf_config
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else getattr(torch, args.kv_cache_dtype)
     elem = torch.empty((), dtype=kv_dtype).element_size()

@@ -15,11 +15,16 @@ bound the format itself gives (milepost/weights/fp8.py: `fp8_error_bound`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from milepost.weights.fp8 import FP8, dequantize_rows, quantize_rows
+
+if TYPE_CHECKING:
+    from milepost.lowprec.quantize import QTensor
 
 # Linear layers whose weights are stored in fp8 (their module names' last component).
 QUANTIZED_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
@@ -79,9 +84,11 @@ class Fp8Weights:
 
 
 @torch.no_grad()
-def store_fp8(model: nn.Module) -> Fp8Weights:
+def store_fp8(model: nn.Module, preset: dict[str, QTensor] | None = None) -> Fp8Weights:
     """Convert the model's projection linears to fp8 storage, in place; returns their registry,
-    which is also attached to the model as `fp8_weights` (WeightLoader looks for it there)."""
+    which is also attached to the model as `fp8_weights` (WeightLoader looks for it there).
+    `preset`: a per-channel FP8 checkpoint's weights by HF name (fmt "fp8_row",
+    lowprec/checkpoint_weights.py), stored as they are instead of quantizing the loaded weights."""
     dtype = None
     modules: list[Fp8Linear] = []
     for name, module in list(model.named_modules()):
@@ -97,5 +104,27 @@ def store_fp8(model: nn.Module) -> Fp8Weights:
         raise ValueError(f"--quantization fp8: {type(model).__name__} has no projection linears "
                          f"({', '.join(sorted(QUANTIZED_LINEARS))}) to store in fp8")
     store = Fp8Weights(modules, dtype)
+    if preset is not None:
+        _store_preset(model, store, preset)
     model.fp8_weights = store
     return store
+
+
+def _store_preset(model: nn.Module, store: Fp8Weights, preset: dict[str, QTensor]) -> None:
+    """The checkpoint's float8 rows and row scales into their views; a tensor this store does
+    not hold (MoE experts), or a projection the checkpoint kept unquantized, is refused: the
+    store would not serve the checkpoint's values."""
+    for name, q in preset.items():
+        view = model.weight_view(name)
+        if store.owner(view) is None:
+            raise ValueError(f"{name}: a per-channel FP8 weight outside the projection linears "
+                             "(q/k/v/o, gate/up/down) that the row-scaled fp8 store holds; serve "
+                             "the checkpoint with --dequantize-checkpoint")
+        view.copy_(q.values.to(view.device))
+        store.scale_of(view).copy_(q.scales.reshape(-1))
+    kept = [n for n in model.hf_weight_names() if n not in preset
+            and store.owner(model.weight_view(n)) is not None]
+    if kept:
+        raise ValueError(f"{kept[0]}: stored unquantized by the checkpoint (its ignore list) but "
+                         "a projection the row-scaled fp8 store quantizes; serve the checkpoint "
+                         "with --dequantize-checkpoint")

@@ -41,14 +41,21 @@ _SAFETENSORS_DTYPES = {
 
 
 def _fp8_scales(root: Path, handles: list) -> dict[str, object] | None:
-    """{`X.weight_scale_inv`: its file handle} of an FP8 blockwise checkpoint; None for another."""
-    from milepost.lowprec.fp8_checkpoint import SCALE_INV_SUFFIX, fp8_checkpoint
+    """{`X.weight_scale_inv`: its file handle} of an FP8 blockwise checkpoint; None for an
+    unquantized one; another quantized layout is refused (an update sends the weights' values)."""
+    from milepost.lowprec.fp8_checkpoint import SCALE_INV_SUFFIX
+    from milepost.lowprec.quant_checkpoint import checkpoint_quant
 
     try:
-        if fp8_checkpoint(root) is None:
-            return None
+        ckpt = checkpoint_quant(root)
     except ValueError as e:
         raise WeightUpdateError(str(e)) from e
+    if ckpt is None:
+        return None
+    if ckpt.layout != "fp8_block" or ckpt.scale_suffix != SCALE_INV_SUFFIX:
+        raise WeightUpdateError(f"{root}: a {ckpt.layout} checkpoint; /update_weights_from_disk "
+                                "reads unquantized and FP8 blockwise (weight_scale_inv) checkpoints: "
+                                "send the dequantized weights (or start an engine on this checkpoint)")
     return {n: h for h in handles for n in h.keys() if n.endswith(SCALE_INV_SUFFIX)}
 
 

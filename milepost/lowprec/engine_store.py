@@ -221,7 +221,7 @@ def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = 
         # the loaded weights, no quantization.
         qs = (quantize_weight_parts([w[row:row + rows].float() for row, rows, _ in parts], fmt,
                                     contract, [n for _, _, n in parts]) if joint else
-              [_on(preset[n], w.device) if fmt == "fp8_block" and n in preset
+              [_on(preset[n], w.device) if n in preset and preset[n].fmt == fmt
                else quantize_weight_parts([w[row:row + rows].float()], fmt, contract, [n])[0]
                for row, rows, n in parts])
         module.qparts = [(row, rows, None) for row, rows, _ in parts]  # type: ignore[misc]

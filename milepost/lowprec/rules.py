@@ -15,8 +15,9 @@ from milepost.lowprec.contract import (
     parse_overrides,
     sides,
 )
-from milepost.lowprec.fp8_checkpoint import fp8_checkpoint, unquantized_weights
+from milepost.lowprec.fp8_checkpoint import unquantized_weights
 from milepost.lowprec.formats import block_shape
+from milepost.lowprec.quant_checkpoint import checkpoint_quant
 
 if TYPE_CHECKING:
     from milepost.config import TrainConfig
@@ -84,19 +85,21 @@ def precision_refusals(c: TrainConfig) -> list[str]:
 
 
 def checkpoint_refusals(c: TrainConfig, contract: Contract) -> list[str]:
-    """An FP8 blockwise checkpoint (lowprec/fp8_checkpoint.py): the trainer dequantizes it at
-    load; the engines serve it as the contract says (fp8_block from its own values, bf16
-    dequantized), which only milepost's engine does. A covered tensor the checkpoint kept
-    unquantized stays so on the engines: an FP8 trainer must keep it too."""
+    """A quantized checkpoint (FP8 or INT4, lowprec/quant_checkpoint.py): the trainer
+    dequantizes it at load; the engines serve it as the contract says (from its own values
+    where the rollout format is its store, else dequantized), which only milepost's engine
+    does. A covered tensor the checkpoint kept unquantized stays so on the engines: a quantized
+    trainer must keep it too."""
     try:
-        if fp8_checkpoint(c.hf_checkpoint) is None:
-            return []
+        ckpt = checkpoint_quant(c.hf_checkpoint)
     except ValueError as e:  # a layout the engines cannot hold: refused now, not in a worker
         return [str(e)]
+    if ckpt is None:
+        return []
     p = []
     if c.engine_backend != "embedded":
-        p.append(f"{c.hf_checkpoint} is an FP8 blockwise checkpoint: the engines serve it by "
-                 "the precision contract (fp8_block from its values, or dequantized), which "
+        p.append(f"{c.hf_checkpoint} is a quantized checkpoint ({ckpt.layout}): the engines serve "
+                 "it by the precision contract (from its values, or dequantized), which "
                  f"milepost's engine does; use --engine-backend embedded, not {c.engine_backend}")
     if contract.train != BF16:
         kept = [n for n in unquantized_weights(c.hf_checkpoint)
@@ -214,9 +217,9 @@ def engine_precision_flags(cfg: TrainConfig) -> list[str]:
     """`milepost serve` flags for the engines' side of `cfg`'s contract."""
     contract = run_contract(cfg)
     if contract.rollout == BF16:
-        # An FP8 checkpoint would otherwise be served as fp8_block (server_args.py).
-        fp8 = cfg.engine_quantization is None and fp8_checkpoint(cfg.hf_checkpoint) is not None
-        return ["--dequantize-checkpoint"] if fp8 else []
+        # A quantized checkpoint would otherwise be served by its store (server_args.py).
+        quantized = cfg.engine_quantization is None and checkpoint_quant(cfg.hf_checkpoint) is not None
+        return ["--dequantize-checkpoint"] if quantized else []
     flags = ["--quantization", contract.rollout]
     if contract.overrides:
         flags += ["--precision-override", ",".join(f"{p}={f}" for p, f in contract.overrides)]
@@ -224,7 +227,7 @@ def engine_precision_flags(cfg: TrainConfig) -> list[str]:
         flags += ["--nvfp4-four-over-six"]
     if contract.rollout == "fp8_block" and cfg.fp8_scaling == "delayed":
         flags += ["--fp8-activation-scheme", "static"]  # the trainer sends its input scales
-    elif contract.rollout == "fp8_block" and fp8_checkpoint(cfg.hf_checkpoint) is not None:
+    elif contract.rollout == "fp8_block" and checkpoint_quant(cfg.hf_checkpoint) is not None:
         # The trainer quantizes inputs per 1 x 128 block: a checkpoint's static input scales
         # (activation_scheme static) would give the engines another forward.
         flags += ["--fp8-activation-scheme", "dynamic"]

@@ -19,8 +19,16 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from milepost.lowprec.fp8_checkpoint import SCALE_INV_SUFFIX, checkpoint_qtensor, fp8_checkpoint
-from milepost.lowprec.quantize import QTensor, dequantize
+from milepost.lowprec.checkpoint_weights import (
+    dequantize_weight,
+    is_companion,
+    is_quantized,
+    on_device,
+    read_weight,
+    weight_name,
+)
+from milepost.lowprec.quant_checkpoint import CheckpointQuant, checkpoint_quant
+from milepost.lowprec.quantize import QTensor
 from milepost.models.base import CausalLM
 from milepost.models.deepseek_v3 import DeepseekV3ForCausalLM
 from milepost.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -99,8 +107,8 @@ def load_model(
     """
     config = checkpoint_config(path, trust_remote_code)
     reason = "custom modeling code (auto_map)" if getattr(config, "auto_map", None) else native_reason(config)
-    if (backend == "transformers" or reason is not None) and fp8_checkpoint(path) is not None:
-        raise ValueError(f"{path}: an FP8 blockwise checkpoint loads on a native model only "
+    if (backend == "transformers" or reason is not None) and checkpoint_quant(path) is not None:
+        raise ValueError(f"{path}: a quantized checkpoint loads on a native model only "
                          f"({reason or '--model-impl transformers was given'}); use the model's "
                          "bf16 checkpoint")
     if backend == "transformers" or (backend == "auto" and reason is not None):
@@ -144,10 +152,10 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
                 fp8_weights: dict[str, QTensor] | None = None) -> CausalLM:
     """Build the native model for the Hugging Face directory `path` and load all its safetensors shards.
 
-    An FP8 blockwise checkpoint (lowprec/fp8_checkpoint.py): each float8 weight is dequantized
-    into its view (`weight * weight_scale_inv` per tile in float32, `quantize.dequantize`, then
-    `dtype`); `fp8_weights`, when given, receives each one's QTensor (the checkpoint's bytes, for
-    an engine that stores them as they are)."""
+    A quantized checkpoint (FP8 or INT4, lowprec/quant_checkpoint.py): each quantized weight is
+    dequantized into its view (values times scales in float32, checkpoint_weights.dequantize_weight,
+    then `dtype`); `fp8_weights`, when given, receives each one's QTensor (the checkpoint's
+    values, for an engine that stores them as they are)."""
     path = Path(path)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
@@ -162,47 +170,21 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
     expected = set(model.hf_weight_names())
     loaded: set[str] = set()
     unexpected: list[str] = []
-    fp8 = fp8_checkpoint(path) is not None  # refuses a quantized layout it cannot hold
+    ckpt = checkpoint_quant(path)  # refuses a quantized layout it cannot read
     with torch.no_grad(), ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(s), framework="pt", device="cpu")) for s in shards]
-        # A weight's scale may sit in another shard: index them first (names only).
-        scale_of = {n: h for h in handles for n in h.keys() if fp8 and n.endswith(SCALE_INV_SUFFIX)}
+        # A weight's scales may sit in another shard: index them first (names only).
+        scale_of = {n: h for h in handles for n in h.keys() if is_companion(ckpt, n)}
         for shard, f in zip(shards, handles):
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (mtp and is_mtp_copy(name, config.num_hidden_layers)):
                     continue
                 if name in scale_of:
                     continue  # read with its weight
-                try:
-                    view = model.weight_view(name)
-                except KeyError:
-                    unexpected.append(name)
-                    continue
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(view.shape):
-                    raise ValueError(
-                        f"{shard.name}: {name} has shape {tuple(tensor.shape)}, the model expects "
-                        f"{tuple(view.shape)}; does config.json match the weights?"
-                    )
-                if tensor.dtype == torch.float8_e4m3fn and fp8:
-                    scale = name.removesuffix(".weight") + SCALE_INV_SUFFIX
-                    q = checkpoint_qtensor(name, tensor, scale_of[scale].get_tensor(scale)
-                                           if scale in scale_of else None)
-                    if fp8_weights is not None:
-                        fp8_weights[name] = q
-                    # On the weights' device (a GPU multiplies in no time; float32 products are
-                    # correctly rounded everywhere, so the bits are the CPU's).
-                    tensor = dequantize(QTensor(q.fmt, q.values.to(view.device), q.scales.to(view.device),
-                                                q.tile, q.shape))
-                    loaded.add(scale)
-                elif tensor.dtype.itemsize == 1 and tensor.is_floating_point():
-                    raise ValueError(f"{shard.name}: {name} is {tensor.dtype} but config.json has no "
-                                     "FP8 blockwise quantization_config (fp8, e4m3, [128, 128])")
-                view.copy_(tensor)
-                loaded.add(name)
+                loaded.update(_load_tensor(model, name, shard, f, scale_of, ckpt, fp8_weights, unexpected))
     orphans = sorted(n for n in scale_of if n not in loaded)
     if orphans:
-        raise ValueError(f"{path}: scales without a float8 weight: {_short(orphans)}")
+        raise ValueError(f"{path}: scales without a quantized weight: {_short(orphans)}")
     if unexpected:
         raise ValueError(f"{path}: weights unknown to {type(model).__name__}: {_short(unexpected)}")
     # A fused expert name fills every per-expert slice of its layer at once.
@@ -225,3 +207,44 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
 def _short(names: list[str], limit: int = 10) -> str:
     shown = ", ".join(sorted(names)[:limit])
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _load_tensor(model: CausalLM, name: str, shard: Path, f: object, scale_of: dict[str, object],
+                 ckpt: CheckpointQuant | None, fp8_weights: dict[str, QTensor] | None,
+                 unexpected: list[str]) -> list[str]:
+    """Copy checkpoint tensor `name` into its view (a quantized one dequantized with its scales,
+    lowprec/checkpoint_weights.py); the HF names and scales read (none when the model has no
+    such weight: listed in `unexpected`)."""
+    hf = weight_name(ckpt, name)  # X.weight_packed holds X.weight
+    try:
+        view = model.weight_view(hf)
+    except KeyError:
+        unexpected.append(name)
+        return []
+    read = [hf]
+
+    def companion(n: str) -> torch.Tensor | None:
+        if n not in scale_of:
+            return None
+        read.append(n)
+        return scale_of[n].get_tensor(n)
+
+    tensor = f.get_tensor(name)
+    q = read_weight(ckpt, hf, tensor, companion) if is_quantized(ckpt, name, tensor.dtype) else None
+    shape = q.shape if q is not None else tensor.shape
+    if tuple(shape) != tuple(view.shape):
+        raise ValueError(
+            f"{shard.name}: {name} has shape {tuple(shape)}, the model expects "
+            f"{tuple(view.shape)}; does config.json match the weights?"
+        )
+    if q is not None:
+        if fp8_weights is not None:
+            fp8_weights[hf] = q
+        # On the weights' device (a GPU multiplies in no time; float32 products are
+        # correctly rounded everywhere, so the bits are the CPU's).
+        tensor = dequantize_weight(on_device(q, view.device))
+    elif tensor.dtype.itemsize == 1 and tensor.is_floating_point():
+        raise ValueError(f"{shard.name}: {name} is {tensor.dtype} but config.json has no FP8 "
+                         "quantization_config (quant_method fp8 or compressed-tensors)")
+    view.copy_(tensor)
+    return read

@@ -1,0 +1,148 @@
+"""A quantized checkpoint's weights as the engine stores them (lowprec/quant_checkpoint.py says
+which layout): each stored weight becomes a QTensor with no arithmetic on its values, and its
+dequantization is the function the engine's store multiplies with, so the model loader, the
+trainers and the engines agree bit for bit on what the checkpoint means.
+
+- FP8 blockwise: the float8 values and their tile scales (`quantize.dequantize`).
+- FP8 per-tensor: the same, every 128 x 128 tile given the tensor's scale.
+- FP8 per-channel: fmt "fp8_row": float8 values, a float32 scale per row (the row-scaled
+  `--quantization fp8` store; `weights.fp8.dequantize_rows`).
+- INT4 pack-quantized: the values unpacked from their int32 words (element 8j+i in bits 4i..4i+3,
+  stored +8) and packed as the engine packs them (two's complement, element 2i in the low nibble:
+  a re-encoding of the same values, `elements.pack_int4`); float32 scales per 128-wide group (a
+  coarser group's scale repeated), or per the checkpoint's finer group for dequantization only.
+Scales stored in bf16 / fp16 widen to float32 exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from milepost.lowprec import elements as el
+from milepost.lowprec.formats import FP8_TILE, INT4_GROUP
+from milepost.lowprec.quant_checkpoint import PACKED_SUFFIX, CheckpointQuant
+from milepost.lowprec.quantize import QTensor, dequantize
+from milepost.weights.fp8 import dequantize_rows
+
+Get = Callable[[str], "torch.Tensor | None"]  # a companion tensor by name (None: not in the checkpoint)
+
+
+def weight_name(ckpt: CheckpointQuant | None, stored: str) -> str:
+    """The model's HF weight name a stored tensor holds (`X.weight_packed` -> `X.weight`)."""
+    if ckpt is not None and ckpt.layout == "int4_pack" and stored.endswith(PACKED_SUFFIX):
+        return stored.removesuffix(PACKED_SUFFIX) + ".weight"
+    return stored
+
+
+def is_companion(ckpt: CheckpointQuant | None, stored: str) -> bool:
+    """A tensor read beside its weight (scales, shapes), not a weight of the model."""
+    return ckpt is not None and stored.endswith(ckpt.companions)
+
+
+def is_quantized(ckpt: CheckpointQuant | None, stored: str, dtype: torch.dtype) -> bool:
+    if ckpt is None:
+        return False
+    if ckpt.layout == "int4_pack":
+        return stored.endswith(PACKED_SUFFIX)
+    return dtype == torch.float8_e4m3fn and stored.endswith(".weight")
+
+
+def read_weight(ckpt: CheckpointQuant, name: str, stored: torch.Tensor, get: Get) -> QTensor:
+    """The QTensor of HF weight `name` from its stored tensor and companions (read with `get`);
+    a missing or misshapen companion is refused naming it."""
+    base = name.removesuffix(".weight")
+    scale = get(base + ckpt.scale_suffix)
+    if ckpt.layout == "int4_pack":
+        return _int4(ckpt, name, stored, scale, get)
+    if stored.dim() != 2:
+        raise ValueError(f"{name}: an FP8 weight of shape {list(stored.shape)}; the engines load "
+                         "2-d FP8 linears (per-expert names for MoE experts), not stacked ones")
+    if scale is None:
+        raise ValueError(f"{name} is float8_e4m3fn but the checkpoint has no {base}{ckpt.scale_suffix}")
+    rows, cols = stored.shape
+    tiles = (-(-rows // FP8_TILE), -(-cols // FP8_TILE))
+    # float32 as stored (bf16 scales widen exactly): the multiplier every stage dequantizes with.
+    if ckpt.layout == "fp8_block":
+        _want(scale, tiles, f"{base}{ckpt.scale_suffix}", f"{FP8_TILE} x {FP8_TILE} tiles of a "
+              f"{list(stored.shape)} weight")
+        return QTensor("fp8_block", stored, scale.float(), (FP8_TILE, FP8_TILE), (rows, cols))
+    if ckpt.layout == "fp8_tensor":
+        if scale.numel() != 1:
+            raise ValueError(f"{base}{ckpt.scale_suffix} has shape {list(scale.shape)}; a per-tensor "
+                             "FP8 checkpoint has one scale per weight")
+        return QTensor("fp8_block", stored, scale.float().reshape(1, 1).expand(tiles).contiguous(),
+                       (FP8_TILE, FP8_TILE), (rows, cols))
+    if scale.numel() != rows or scale.dim() not in (1, 2) or scale.shape[0] != rows:
+        raise ValueError(f"{base}{ckpt.scale_suffix} has shape {list(scale.shape)}; per-channel "
+                         f"scales of a {list(stored.shape)} weight are [{rows}, 1]")
+    return QTensor("fp8_row", stored, scale.float().reshape(rows, 1), (1, cols), (rows, cols))
+
+
+def _int4(ckpt: CheckpointQuant, name: str, packed: torch.Tensor, scale: torch.Tensor | None,
+          get: Get) -> QTensor:
+    base = name.removesuffix(".weight")
+    shape_t = get(base + ".weight_shape")
+    if shape_t is None or scale is None:
+        missing = base + (".weight_shape" if shape_t is None else ckpt.scale_suffix)
+        raise ValueError(f"{base}{PACKED_SUFFIX} has no {missing} in the checkpoint")
+    rows, cols = (int(v) for v in shape_t.tolist())
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (rows, -(-cols // 8)):
+        raise ValueError(f"{base}{PACKED_SUFFIX} is {packed.dtype} {list(packed.shape)}; a "
+                         f"[{rows}, {cols}] weight packs into int32 [{rows}, {-(-cols // 8)}]")
+    if get(base + ".weight_zero_point") is not None:
+        raise ValueError(f"{base}.weight_zero_point: a zero point in a symmetric checkpoint; the "
+                         "INT4 store has none: use a symmetric checkpoint or the bf16 one")
+    group = ckpt.group_size or cols  # channel: one group spanning the row
+    g_idx = get(base + ".weight_g_idx")
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols) // group):
+        raise ValueError(f"{base}.weight_g_idx groups columns out of order (activation ordering); "
+                         "the INT4 store's groups are contiguous: use the bf16 checkpoint")
+    _want(scale, (rows, -(-cols // group)), base + ckpt.scale_suffix,
+          f"groups of {group} in a [{rows}, {cols}] weight")
+    # Unpack by the definition: word j of a row holds elements 8j..8j+7, element 8j+i in bits
+    # 4i..4i+3, each stored as value + 8 (so -8..7 -> 0..15).
+    words = packed.to(torch.int64)
+    nibbles = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(rows, -1)
+    values = (nibbles[:, :cols] - 8).to(torch.int8)
+    scales = scale.float()
+    if not ckpt.group_size or group % INT4_GROUP == 0:  # the store's 128-wide groups: each
+        # takes the scale of the checkpoint group (or row) it lies in
+        per = -(-group // INT4_GROUP)
+        scales = scales.repeat_interleave(per, dim=1)[:, :-(-cols // INT4_GROUP)]
+        group = INT4_GROUP
+    return QTensor("int4", el.pack_int4(values), scales.contiguous(), (1, group), (rows, cols))
+
+
+def _want(t: torch.Tensor, shape: tuple[int, int], name: str, what: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {list(t.shape)}; {what} need {list(shape)}")
+
+
+def dequantize_weight(q: QTensor) -> torch.Tensor:
+    """float32 values of a checkpoint weight: what the engine's store multiplies."""
+    if q.fmt == "fp8_row":
+        return dequantize_rows(q.values, q.scales.reshape(-1))
+    return dequantize(q)
+
+
+def on_device(q: QTensor, device: torch.device | str) -> QTensor:
+    return QTensor(q.fmt, q.values.to(device), q.scales.to(device), q.tile, q.shape, q.tensor_scale)
+
+
+def dequantize_tensors(ckpt: CheckpointQuant | None, tensors: dict[str, torch.Tensor]
+                       ) -> dict[str, torch.Tensor]:
+    """`tensors` (a whole checkpoint read as stored) with each quantized weight dequantized to
+    float32 under its HF name and its companions dropped; unquantized ones returned as they are."""
+    if ckpt is None:
+        return tensors
+    out = {}
+    for stored, t in tensors.items():
+        if is_companion(ckpt, stored):
+            continue
+        name = weight_name(ckpt, stored)
+        if is_quantized(ckpt, stored, t.dtype):
+            t = dequantize_weight(read_weight(ckpt, name, t, tensors.get))
+        out[name] = t
+    return out

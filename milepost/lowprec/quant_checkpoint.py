@@ -1,0 +1,187 @@
+"""Which quantized checkpoint layout a model directory holds, and which engine store serves it as
+stored (no torch: the run-config check calls this before any process starts).
+
+Layouts read (config.json `quantization_config`), each held exactly by one existing store:
+- `fp8_block`: HF `quant_method: fp8` with `weight_block_size: [128, 128]` (DeepSeek-V3,
+  Qwen3-*-FP8, `milepost convert`; scales in `X.weight_scale_inv`), or compressed-tensors
+  `float-quantized` with `strategy: block`, `block_structure: [128, 128]` (`X.weight_scale`).
+- `fp8_tensor`: HF `quant_method: fp8` without `weight_block_size` (AutoFP8: one
+  `X.weight_scale` per tensor) or compressed-tensors `strategy: tensor`: the blockwise store with
+  every 128 x 128 tile given the tensor's scale.
+- `fp8_channel`: compressed-tensors `strategy: channel` (the "FP8-dynamic" releases; `X.weight_scale`
+  [out, 1]): the row-scaled `--quantization fp8` store (float8 values, a float32 scale per row).
+- `int4_pack`: compressed-tensors `pack-quantized`, 4-bit symmetric ints, `strategy: group` with a
+  group size that is a multiple of 128, or `channel` (`X.weight_packed` int32, eight values a word,
+  stored +8; `X.weight_scale` [out, groups]; `X.weight_shape`): the packed INT4 store (128-wide groups,
+  a coarser group's scale repeated). A finer group (32, 64) is read too, but no store holds it:
+  serving it as stored is refused naming the group size (`inexact`); `--dequantize-checkpoint`
+  (and training) take its dequantized weights.
+Anything else (another method, E5M2, other block sizes, zero points, activation ordering, kv-cache
+or sparsity schemes) is refused naming the setting.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from milepost.lowprec.formats import FP8_TILE, INT4_GROUP
+
+# The store (`--quantization`) that holds each layout exactly.
+SERVED_AS = {"fp8_block": "fp8_block", "fp8_tensor": "fp8_block", "fp8_channel": "fp8", "int4_pack": "int4"}
+# Tensors read beside a quantized weight, per layout (by name suffix).
+COMPANIONS = {
+    "fp8_tensor": (".weight_scale",),
+    "fp8_channel": (".weight_scale",),
+    "int4_pack": (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx"),
+}
+PACKED_SUFFIX = ".weight_packed"
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    """What a checkpoint's `quantization_config` says, checked."""
+
+    layout: str  # fp8_block | fp8_tensor | fp8_channel | int4_pack
+    activation_scheme: str  # "dynamic" | "static" (then `X.input_scale` per linear) | "none" (weight-only)
+    not_converted: tuple[str, ...]  # module names the checkpoint kept unquantized (informative)
+    scale_suffix: str = ".weight_scale"  # the weight scale's name: X.weight -> X{scale_suffix}
+    group_size: int = 0  # int4_pack: values per scale along a row (0: one scale per row)
+    inexact: str = ""  # why no engine store holds the stored values as they are ("": one does)
+
+    @property
+    def serve_as(self) -> str:
+        """The engine `--quantization` that holds the stored values and scales exactly."""
+        return SERVED_AS[self.layout]
+
+    @property
+    def companions(self) -> tuple[str, ...]:
+        return COMPANIONS.get(self.layout, (self.scale_suffix,))
+
+
+def checkpoint_quant(path: str | Path) -> CheckpointQuant | None:
+    """The quantized layout of the checkpoint at `path`, None for an unquantized one; a layout
+    the engines cannot hold exactly raises ValueError naming the setting."""
+    cfg_file = Path(path) / "config.json"
+    try:
+        qc = json.loads(cfg_file.read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None  # no readable config: the loader reports that itself
+    if not qc:
+        return None
+    where = f"{cfg_file}: quantization_config"
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return _hf_fp8(qc, where)
+    if method == "compressed-tensors":
+        return _compressed(qc, where)
+    raise ValueError(f"{where}.quant_method is {method!r}; milepost loads FP8 checkpoints (quant_method "
+                     "fp8: blockwise or per-tensor), compressed-tensors FP8 (per-tensor, per-channel, "
+                     "128 x 128 blocks) and INT4 (pack-quantized, symmetric) ones, and unquantized ones: "
+                     "use the bf16 checkpoint of this model (quantize it on load with --quantization)")
+
+
+def _hf_fp8(qc: dict[str, Any], where: str) -> CheckpointQuant:
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"{where}.fmt is {fmt!r}; the engines hold FP8 as E4M3 (float8_e4m3fn) "
+                         "only: use an e4m3 checkpoint or the bf16 one")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"{where}.activation_scheme is {scheme!r}; expected dynamic or static")
+    skipped = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
+    block = qc.get("weight_block_size")
+    if block is None:  # AutoFP8 / SGLang's per-tensor layout: X.weight_scale, one per tensor
+        return CheckpointQuant("fp8_tensor", scheme, skipped)
+    if list(block) != [FP8_TILE, FP8_TILE]:
+        raise ValueError(f"{where}.weight_block_size is {list(block)}; the engines' FP8 tiles are "
+                         f"[{FP8_TILE}, {FP8_TILE}] (DeepSeek-V3's): re-quantize the bf16 "
+                         "checkpoint with `python -m milepost.lowprec.convert`")
+    return CheckpointQuant("fp8_block", scheme, skipped, ".weight_scale_inv")
+
+
+def _compressed(qc: dict[str, Any], where: str) -> CheckpointQuant:
+    """compressed-tensors (llm-compressor's output): every config group must give the same
+    weight scheme, one the stores hold."""
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise ValueError(f"{where}.{key} is set; milepost reads quantized weights only (no "
+                             "kv-cache scales, sparsity or transforms): use the bf16 checkpoint")
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ValueError(f"{where}.quantization_status is {status!r}; milepost reads compressed "
+                         "checkpoints (the stored values quantized): save it compressed or use the bf16 one")
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ValueError(f"{where}.config_groups is empty: nothing says how the weights are stored")
+    found = {_group_layout(g, qc.get("format"), f"{where}.config_groups.{name}")
+             for name, g in groups.items()}
+    if len(found) > 1:
+        raise ValueError(f"{where}.config_groups mix weight schemes {sorted(found)}; milepost serves "
+                         "one scheme per checkpoint: use the bf16 checkpoint with --quantization")
+    layout, scheme, group = found.pop()
+    inexact = ""
+    if group % INT4_GROUP:  # 32, 64: four (two) scales where the store keeps one
+        inexact = (f"{where}: INT4 group_size {group}; the engines' INT4 store has one float32 "
+                   f"scale per {INT4_GROUP} values of a row, which holds multiples of "
+                   f"{INT4_GROUP} (and per-channel scales) exactly, not finer groups: serve it with "
+                   "--dequantize-checkpoint (its weights in --dtype), or --quantization int4 to "
+                   f"re-quantize them in groups of {INT4_GROUP}")
+    return CheckpointQuant(layout, scheme, tuple(qc.get("ignore") or ()), ".weight_scale", group, inexact)
+
+
+def _group_layout(g: dict[str, Any], top_format: str | None, where: str) -> tuple[str, str, int]:
+    """(layout, activation scheme, int4 group size) of one compressed-tensors config group."""
+    w = g.get("weights") or {}
+    fmt = g.get("format") or top_format
+    bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
+    if g.get("output_activations"):
+        raise ValueError(f"{where}.output_activations is set; milepost quantizes no outputs")
+    if w.get("dynamic"):
+        raise ValueError(f"{where}.weights.dynamic is true: no stored weight scales to serve")
+    if not w.get("symmetric", True):
+        raise ValueError(f"{where}.weights.symmetric is false: zero points; the engines' FP8 and "
+                         "INT4 stores are symmetric (no zero point): use a symmetric checkpoint or "
+                         "the bf16 one")
+    act = g.get("input_activations")
+    if kind == "float" and bits == 8:
+        if fmt not in ("float-quantized", "naive-quantized"):
+            raise ValueError(f"{where}: format {fmt!r} for FP8 weights; expected float-quantized")
+        scheme = "none" if not act else ("dynamic" if act.get("dynamic") else "static")
+        if strategy == "tensor":
+            return ("fp8_tensor", scheme if scheme != "none" else "dynamic", 0)
+        if strategy == "channel":
+            if scheme == "static":
+                raise ValueError(f"{where}: per-channel FP8 weights with static input scales; the "
+                                 "row-scaled store (--quantization fp8) quantizes no inputs: use "
+                                 "a dynamic-activation checkpoint or the bf16 one")
+            return ("fp8_channel", "none", 0)
+        if strategy == "block":
+            block = list(w.get("block_structure") or [])
+            if block != [FP8_TILE, FP8_TILE]:
+                raise ValueError(f"{where}.weights.block_structure is {block}; the engines' FP8 "
+                                 f"tiles are [{FP8_TILE}, {FP8_TILE}]: use the bf16 checkpoint")
+            return ("fp8_block", scheme if scheme != "none" else "dynamic", 0)
+        raise ValueError(f"{where}.weights.strategy is {strategy!r} for FP8; milepost holds "
+                         "tensor, channel and 128 x 128 block scales: use the bf16 checkpoint")
+    if kind == "int" and bits == 4:
+        if fmt != "pack-quantized":
+            raise ValueError(f"{where}: format {fmt!r} for INT4 weights; expected pack-quantized")
+        if act:
+            raise ValueError(f"{where}.input_activations is set (W4A8); the INT4 store is "
+                             "weight-only (W4A16): use a W4A16 checkpoint or the bf16 one")
+        if w.get("actorder") == "group":
+            raise ValueError(f"{where}.weights.actorder is 'group': columns are grouped out of "
+                             "order (weight_g_idx); the INT4 store's groups are contiguous: use a "
+                             "checkpoint quantized without actorder=group (static/weight are fine)")
+        if strategy == "channel":
+            return ("int4_pack", "none", 0)
+        size = w.get("group_size")
+        if strategy != "group" or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"{where}.weights: strategy {strategy!r}, group_size {size!r}; "
+                             "expected group (with a positive group_size) or channel")
+        return ("int4_pack", "none", size)
+    raise ValueError(f"{where}.weights: {bits}-bit {kind!r}; milepost reads 8-bit float (FP8) and "
+                     "4-bit int (W4A16) compressed-tensors weights: use the bf16 checkpoint")

@@ -1,0 +1,127 @@
+"""Tiny quantized checkpoints written by hand from the layouts' definitions (no milepost
+quantizer, no compressed-tensors package): per-tensor FP8 (AutoFP8's `quant_method: fp8` without
+`weight_block_size`, and compressed-tensors `strategy: tensor`), per-channel FP8
+(compressed-tensors "FP8-dynamic") and INT4 pack-quantized (compressed-tensors W4A16). Each
+covered projection gets random codes and random scales; `meaning` gives the float32 weight the
+checkpoint means (codes times scales), for tests to compare the loaders against."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+COVERED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def covered(name: str, keep: tuple[str, ...] = ()) -> bool:
+    """A projection weight the writers quantize (not under a module name in `keep`)."""
+    module = name.removesuffix(".weight")
+    return (name.endswith(".weight") and module.rsplit(".", 1)[-1] in COVERED
+            and not any(module.startswith(k) for k in keep))
+
+
+def fp8_codes(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+    return codes.view(torch.float8_e4m3fn)
+
+
+def pack_int4_words(values: torch.Tensor) -> torch.Tensor:
+    """int values -8..7 [rows, cols] -> int32 [rows, ceil(cols/8)] as compressed-tensors packs
+    them: each value stored + 8 (0..15), element 8j+i of a row in bits 4i..4i+3 of word j, the
+    last word padded with stored zeros."""
+    rows, cols = values.shape
+    u = (values.to(torch.int64) + 8)
+    u = torch.nn.functional.pad(u, (0, -cols % 8))
+    words = (u.reshape(rows, -1, 8) << (4 * torch.arange(8))).sum(-1)
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)  # the same 32 bits, signed
+
+
+def _config(src: Path, dst: Path, qc: dict[str, Any]) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def compressed_config(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str,
+                      ignore: list[str]) -> dict[str, Any]:
+    """A compressed-tensors quantization_config as llm-compressor writes one (one config group)."""
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": inputs, "output_activations": None}},
+            "ignore": ignore, "kv_cache_scheme": None}
+
+
+def write_fp8(src: Path, dst: Path, scales: str, style: str = "compressed-tensors",
+              keep: tuple[str, ...] = (), seed: int = 5) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint with one scale per tensor (`scales="tensor"`) or per output row
+    (`"channel"`); `style` "hf" writes AutoFP8's layout (per-tensor only). Modules under `keep`
+    stay in bf16 (the ignore list). Returns the tensors written."""
+    dst.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for n, t in load_file(src / "model.safetensors").items():
+        if not covered(n, keep):
+            out[n] = t
+            continue
+        out[n] = fp8_codes(tuple(t.shape), g)
+        rows = t.shape[0]
+        s = torch.rand((rows, 1) if scales == "channel" else (1,), generator=g) * 1e-3 + 1e-5
+        # compressed-tensors stores scales in the model dtype (bf16); AutoFP8 in float32, as a scalar.
+        out[n.removesuffix("weight") + "weight_scale"] = s.reshape(()) if style == "hf" else s.bfloat16()
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    ignore = ["lm_head", *keep]
+    if style == "hf":
+        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ignore}
+    else:
+        qc = compressed_config(
+            {"num_bits": 8, "type": "float", "strategy": scales, "symmetric": True, "dynamic": False},
+            {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
+            "float-quantized", ignore)
+    _config(src, dst, qc)
+    return out
+
+
+def write_int4(src: Path, dst: Path, group: int, seed: int = 6) -> dict[str, torch.Tensor]:
+    """A compressed-tensors W4A16 checkpoint (pack-quantized, symmetric, `group` values per scale
+    along a row; 0: one scale per row). Returns the tensors written, with each weight's int
+    values under `X.values` (not in the file) for `meaning`."""
+    dst.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    kept: dict[str, torch.Tensor] = {}
+    for n, t in load_file(src / "model.safetensors").items():
+        if not covered(n):
+            out[n] = t
+            continue
+        rows, cols = t.shape
+        base = n.removesuffix(".weight")
+        v = torch.randint(-8, 8, (rows, cols), generator=g, dtype=torch.int8)
+        groups = -(-cols // group) if group else 1
+        out[base + ".weight_packed"] = pack_int4_words(v)
+        out[base + ".weight_scale"] = (torch.rand(rows, groups, generator=g) * 1e-2 + 1e-4).bfloat16()
+        out[base + ".weight_shape"] = torch.tensor([rows, cols])
+        kept[base + ".values"] = v
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
+    _config(src, dst, compressed_config(
+        {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False, **strategy}, None,
+        "pack-quantized", ["lm_head"]))
+    return {**out, **kept}
+
+
+def meaning(out: dict[str, torch.Tensor], name: str, group: int = 0) -> torch.Tensor:
+    """The float32 weight `name` of a written checkpoint means: codes (or ints) times their
+    scale, the scale broadcast over its tensor, row or group (`group` for INT4; 0: per row)."""
+    base = name.removesuffix(".weight")
+    s = out[base + ".weight_scale"].float()
+    if base + ".values" in out:
+        v = out[base + ".values"].float()
+        width = group or v.shape[1]
+        return v * s.repeat_interleave(width, dim=1)[:, :v.shape[1]]
+    w = out[name].float()
+    return w * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
