@@ -407,7 +407,7 @@ class ServerArgs(BaseModel):
         store that holds its values as stored unless --dequantize-checkpoint (as SGLang, which
         takes the method from the checkpoint's quantization_config); a layout the engines cannot
         hold is refused here, at start."""
-        from milepost.lowprec.quant_checkpoint import checkpoint_quant
+        from milepost.lowprec.quant_checkpoint import checkpoint_quant, unheld_weights
 
         ckpt = checkpoint_quant(self.model_path)
         if self.dequantize_checkpoint and ckpt is None:
@@ -421,6 +421,12 @@ class ServerArgs(BaseModel):
             return self.quantization  # other formats: re-quantized from the dequantized weights
         if ckpt.inexact:
             raise ValueError(ckpt.inexact)
+        unheld = unheld_weights(self.model_path, ckpt)
+        if unheld:
+            more = f" (and {len(unheld) - 1} more)" if len(unheld) > 1 else ""
+            raise ValueError(f"{unheld[0]}{more}: a {ckpt.layout} weight that the {ckpt.serve_as} "
+                             "store does not hold (it holds the q/k/v/o and gate/up/down projections, "
+                             "no MoE experts); serve the checkpoint with --dequantize-checkpoint")
         return ckpt.serve_as
 
     def resolved(self) -> ServerArgs:

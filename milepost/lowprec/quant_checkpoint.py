@@ -23,10 +23,12 @@ or sparsity schemes) is refused naming the setting.
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from milepost.lowprec.contract import COVERED
 from milepost.lowprec.formats import FP8_TILE, INT4_GROUP
 
 # The store (`--quantization`) that holds each layout exactly.
@@ -185,3 +187,32 @@ def _group_layout(g: dict[str, Any], top_format: str | None, where: str) -> tupl
         return ("int4_pack", "none", size)
     raise ValueError(f"{where}.weights: {bits}-bit {kind!r}; milepost reads 8-bit float (FP8) and "
                      "4-bit int (W4A16) compressed-tensors weights: use the bf16 checkpoint")
+
+
+def unheld_weights(path: str | Path, ckpt: CheckpointQuant) -> list[str]:
+    """The quantized weights of a per-channel FP8 or INT4 checkpoint that its store would not hold
+    (MoE experts, projections outside q/k/v/o and gate/up/down): serving the checkpoint as stored
+    is refused for them (they would be dequantized into --dtype, which rounds in bf16). Read from
+    the safetensors headers alone (no torch)."""
+    if ckpt.layout not in ("fp8_channel", "int4_pack"):
+        return []  # the blockwise store: tensors outside its recipe are dequantized (documented)
+    out = []
+    for f in sorted(Path(path).glob("*.safetensors")):
+        for name, meta in _header(f).items():
+            if ckpt.layout == "int4_pack" and name.endswith(PACKED_SUFFIX):
+                name = name.removesuffix(PACKED_SUFFIX) + ".weight"
+            elif not (name.endswith(".weight") and meta.get("dtype") == "F8_E4M3"):
+                continue
+            module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+            if ".experts." in name or module not in COVERED:
+                out.append(name)
+    return sorted(out)
+
+
+def _header(f: Path) -> dict[str, dict[str, Any]]:
+    """A safetensors file's header: tensor name -> {dtype, shape, data_offsets}."""
+    with f.open("rb") as h:
+        (size,) = struct.unpack("<Q", h.read(8))
+        header = json.loads(h.read(size))
+    header.pop("__metadata__", None)
+    return header

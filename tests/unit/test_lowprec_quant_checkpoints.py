@@ -278,3 +278,25 @@ def test_the_launcher_and_the_disk_update(src: Path, tmp_path: Path) -> None:
     plain = build_engine(_args(src))[0].runner.model
     with pytest.raises(WeightUpdateError, match="a int4_pack checkpoint; /update_weights_from_disk"):
         WeightLoader(plain).from_disk(str(tmp_path / "i4"))
+
+
+def test_moe_experts(tmp_path: Path) -> None:
+    """Per-tensor FP8 experts go to the FP8 expert store as stored; INT4 experts have no store
+    (the INT4 store holds linears): refused at start naming one, dequantized on request."""
+    moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=5, with_tokenizer=False)
+    out = write_fp8(moe, tmp_path / "pt", "tensor")
+    model = build_engine(_args(tmp_path / "pt"))[0].runner.model
+    experts = [n for n in _quantized_names(out) if ".experts." in n]
+    assert experts
+    for n in experts:
+        module, parts = model.fp8_weights.experts.parts(model.weight_view(n))
+        q = module.qtensor(*parts[0])
+        assert torch.equal(q.values.view(torch.uint8), out[n].view(torch.uint8)), n
+        assert torch.equal(dequantize(q), meaning(out, n)), n
+    out = write_int4(moe, tmp_path / "i4", 128)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight \(and \d+ "
+                                         r"more\): a int4_pack weight that the int4 store does not hold"):
+        ServerArgs(model_path=tmp_path / "i4", device="cpu").resolved()
+    deq = build_engine(_args(tmp_path / "i4", dequantize_checkpoint=True))[0].runner.model
+    n = "model.layers.1.mlp.experts.1.up_proj.weight"
+    assert torch.equal(deq.weight_view(n), meaning(out, n, 128))
