@@ -11,6 +11,7 @@ trainers and the engines agree bit for bit on what the checkpoint means.
   stored +8) and packed as the engine packs them (two's complement, element 2i in the low nibble:
   a re-encoding of the same values, `elements.pack_int4`); float32 scales per 128-wide group (a
   coarser group's scale repeated), or per the checkpoint's finer group for dequantization only.
+- INT4 GPTQ (symmetric, 4-bit): the same, from its column-packed words (a transpose).
 Scales stored in bf16 / fp16 widen to float32 exactly.
 """
 
@@ -22,17 +23,19 @@ import torch
 
 from milepost.lowprec import elements as el
 from milepost.lowprec.formats import FP8_TILE, INT4_GROUP
-from milepost.lowprec.quant_checkpoint import PACKED_SUFFIX, CheckpointQuant
+from milepost.lowprec.quant_checkpoint import GPTQ_SUFFIX, PACKED_SUFFIX, CheckpointQuant
 from milepost.lowprec.quantize import QTensor, dequantize
 from milepost.weights.fp8 import dequantize_rows
 
 Get = Callable[[str], "torch.Tensor | None"]  # a companion tensor by name (None: not in the checkpoint)
+_PACKED = {"int4_pack": PACKED_SUFFIX, "int4_gptq": GPTQ_SUFFIX}  # the stored INT4 weight's suffix
 
 
 def weight_name(ckpt: CheckpointQuant | None, stored: str) -> str:
-    """The model's HF weight name a stored tensor holds (`X.weight_packed` -> `X.weight`)."""
-    if ckpt is not None and ckpt.layout == "int4_pack" and stored.endswith(PACKED_SUFFIX):
-        return stored.removesuffix(PACKED_SUFFIX) + ".weight"
+    """The model's HF weight name a stored tensor holds (`X.weight_packed`, `X.qweight` -> `X.weight`)."""
+    suffix = _PACKED.get(ckpt.layout) if ckpt is not None else None
+    if suffix is not None and stored.endswith(suffix):
+        return stored.removesuffix(suffix) + ".weight"
     return stored
 
 
@@ -44,8 +47,8 @@ def is_companion(ckpt: CheckpointQuant | None, stored: str) -> bool:
 def is_quantized(ckpt: CheckpointQuant | None, stored: str, dtype: torch.dtype) -> bool:
     if ckpt is None:
         return False
-    if ckpt.layout == "int4_pack":
-        return stored.endswith(PACKED_SUFFIX)
+    if ckpt.layout in _PACKED:
+        return stored.endswith(_PACKED[ckpt.layout])
     return dtype == torch.float8_e4m3fn and stored.endswith(".weight")
 
 
@@ -56,6 +59,8 @@ def read_weight(ckpt: CheckpointQuant, name: str, stored: torch.Tensor, get: Get
     scale = get(base + ckpt.scale_suffix)
     if ckpt.layout == "int4_pack":
         return _int4(ckpt, name, stored, scale, get)
+    if ckpt.layout == "int4_gptq":
+        return _gptq(ckpt, name, stored, scale, get)
     if stored.dim() != 2:
         raise ValueError(f"{name}: an FP8 weight of shape {list(stored.shape)}; the engines load "
                          "2-d FP8 linears (per-expert names for MoE experts), not stacked ones")
@@ -103,16 +108,58 @@ def _int4(ckpt: CheckpointQuant, name: str, packed: torch.Tensor, scale: torch.T
           f"groups of {group} in a [{rows}, {cols}] weight")
     # Unpack by the definition: word j of a row holds elements 8j..8j+7, element 8j+i in bits
     # 4i..4i+3, each stored as value + 8 (so -8..7 -> 0..15).
-    words = packed.to(torch.int64)
-    nibbles = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(rows, -1)
-    values = (nibbles[:, :cols] - 8).to(torch.int8)
-    scales = scale.float()
-    if not ckpt.group_size or group % INT4_GROUP == 0:  # the store's 128-wide groups: each
-        # takes the scale of the checkpoint group (or row) it lies in
+    values = (_nibbles(packed)[:, :cols] - 8).to(torch.int8)
+    return _int4_qtensor(ckpt, values, scale.float(), group)
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [r, c] -> the eight unsigned 4-bit fields of each word, low bits first: [r, 8c]."""
+    w = words.to(torch.int64)
+    return torch.stack([(w >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(w.shape[0], -1)
+
+
+def _int4_qtensor(ckpt: CheckpointQuant, values: torch.Tensor, scales: torch.Tensor, group: int
+                  ) -> QTensor:
+    """int8 `values` [rows, cols] (-8..7) and float32 `scales` [rows, ceil(cols/group)] as the
+    INT4 store holds them: a group that is a multiple of 128 (or the row) gives each 128-wide
+    group its scale; a finer group is kept as it is (dequantization only: `inexact`)."""
+    rows, cols = values.shape
+    if not ckpt.group_size or group % INT4_GROUP == 0:
         per = -(-group // INT4_GROUP)
         scales = scales.repeat_interleave(per, dim=1)[:, :-(-cols // INT4_GROUP)]
         group = INT4_GROUP
     return QTensor("int4", el.pack_int4(values), scales.contiguous(), (1, group), (rows, cols))
+
+
+def _gptq(ckpt: CheckpointQuant, name: str, qweight: torch.Tensor, scale: torch.Tensor | None,
+          get: Get) -> QTensor:
+    """GPTQ's column-packed tensors (quant_checkpoint._gptq) as the INT4 store's rows: a
+    transpose and a re-encoding of the same 4-bit values, no arithmetic on them."""
+    base = name.removesuffix(".weight")
+    zeros = get(base + ".qzeros")
+    if scale is None or zeros is None:
+        missing = base + (".scales" if scale is None else ".qzeros")
+        raise ValueError(f"{base}{GPTQ_SUFFIX} has no {missing} in the checkpoint")
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"{base}{GPTQ_SUFFIX} is {qweight.dtype} {list(qweight.shape)}; GPTQ packs "
+                         "a weight into int32 [in/8, out]")
+    cols, rows = qweight.shape[0] * 8, qweight.shape[1]  # in features, out features
+    group = ckpt.group_size or cols
+    groups = -(-cols // group)
+    _want(scale, (groups, rows), base + ".scales", f"groups of {group} in a [{rows}, {cols}] weight")
+    _want(zeros, (groups, -(-rows // 8)), base + ".qzeros", f"groups of {group} of {rows} columns")
+    z = _nibbles(zeros)[:, :rows]
+    if not (z == ckpt.gptq_zero).all():
+        raise ValueError(f"{base}.qzeros holds zero points other than {ckpt.gptq_zero} (symmetric "
+                         f"in this checkpoint_format); the INT4 store has no zero point: use a "
+                         "symmetric checkpoint or the bf16 one")
+    g_idx = get(base + ".g_idx")
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols) // group):
+        raise ValueError(f"{base}.g_idx groups columns out of order (desc_act); the INT4 store's "
+                         "groups are contiguous: use the bf16 checkpoint")
+    # Word i of a column holds its elements 8i..8i+7 (element 8i+j in bits 4j), stored unsigned.
+    u = _nibbles(qweight.t().contiguous())  # [out, in]: a column's words become a row's
+    return _int4_qtensor(ckpt, (u - 8).to(torch.int8), scale.float().t(), group)
 
 
 def _want(t: torch.Tensor, shape: tuple[int, int], name: str, what: str) -> None:

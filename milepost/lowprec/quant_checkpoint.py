@@ -13,7 +13,9 @@ Layouts read (config.json `quantization_config`), each held exactly by one exist
 - `int4_pack`: compressed-tensors `pack-quantized`, 4-bit symmetric ints, `strategy: group` with a
   group size that is a multiple of 128, or `channel` (`X.weight_packed` int32, eight values a word,
   stored +8; `X.weight_scale` [out, groups]; `X.weight_shape`): the packed INT4 store (128-wide groups,
-  a coarser group's scale repeated). A finer group (32, 64) is read too, but no store holds it:
+  a coarser group's scale repeated); and 4-bit symmetric GPTQ (`quant_method: gptq`, formats gptq
+  and gptq_v2, `desc_act` only with groups in order: `X.qweight` packed down the columns, the
+  same values transposed). A finer group (32, 64) is read too, but no store holds it:
   serving it as stored is refused naming the group size (`inexact`); `--dequantize-checkpoint`
   (and training) take its dequantized weights.
 Anything else (another method, E5M2, other block sizes, zero points, activation ordering, kv-cache
@@ -32,26 +34,30 @@ from milepost.lowprec.contract import COVERED
 from milepost.lowprec.formats import FP8_TILE, INT4_GROUP
 
 # The store (`--quantization`) that holds each layout exactly.
-SERVED_AS = {"fp8_block": "fp8_block", "fp8_tensor": "fp8_block", "fp8_channel": "fp8", "int4_pack": "int4"}
+SERVED_AS = {"fp8_block": "fp8_block", "fp8_tensor": "fp8_block", "fp8_channel": "fp8",
+             "int4_pack": "int4", "int4_gptq": "int4"}
 # Tensors read beside a quantized weight, per layout (by name suffix).
 COMPANIONS = {
     "fp8_tensor": (".weight_scale",),
     "fp8_channel": (".weight_scale",),
     "int4_pack": (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx"),
+    "int4_gptq": (".scales", ".qzeros", ".g_idx"),
 }
-PACKED_SUFFIX = ".weight_packed"
+PACKED_SUFFIX = ".weight_packed"  # compressed-tensors pack-quantized: X.weight_packed holds X.weight
+GPTQ_SUFFIX = ".qweight"  # GPTQ: X.qweight holds X.weight
 
 
 @dataclass(frozen=True)
 class CheckpointQuant:
     """What a checkpoint's `quantization_config` says, checked."""
 
-    layout: str  # fp8_block | fp8_tensor | fp8_channel | int4_pack
+    layout: str  # fp8_block | fp8_tensor | fp8_channel | int4_pack | int4_gptq
     activation_scheme: str  # "dynamic" | "static" (then `X.input_scale` per linear) | "none" (weight-only)
     not_converted: tuple[str, ...]  # module names the checkpoint kept unquantized (informative)
     scale_suffix: str = ".weight_scale"  # the weight scale's name: X.weight -> X{scale_suffix}
     group_size: int = 0  # int4_pack: values per scale along a row (0: one scale per row)
     inexact: str = ""  # why no engine store holds the stored values as they are ("": one does)
+    gptq_zero: int = 8  # int4_gptq: the stored zero nibble that means "symmetric" (v1 stores 7)
 
     @property
     def serve_as(self) -> str:
@@ -79,9 +85,12 @@ def checkpoint_quant(path: str | Path) -> CheckpointQuant | None:
         return _hf_fp8(qc, where)
     if method == "compressed-tensors":
         return _compressed(qc, where)
+    if method == "gptq":
+        return _gptq(qc, where)
     raise ValueError(f"{where}.quant_method is {method!r}; milepost loads FP8 checkpoints (quant_method "
                      "fp8: blockwise or per-tensor), compressed-tensors FP8 (per-tensor, per-channel, "
-                     "128 x 128 blocks) and INT4 (pack-quantized, symmetric) ones, and unquantized ones: "
+                     "128 x 128 blocks) and INT4 (pack-quantized, symmetric) ones, symmetric 4-bit "
+                     "GPTQ ones, and unquantized ones: "
                      "use the bf16 checkpoint of this model (quantize it on load with --quantization)")
 
 
@@ -124,14 +133,46 @@ def _compressed(qc: dict[str, Any], where: str) -> CheckpointQuant:
         raise ValueError(f"{where}.config_groups mix weight schemes {sorted(found)}; milepost serves "
                          "one scheme per checkpoint: use the bf16 checkpoint with --quantization")
     layout, scheme, group = found.pop()
-    inexact = ""
-    if group % INT4_GROUP:  # 32, 64: four (two) scales where the store keeps one
-        inexact = (f"{where}: INT4 group_size {group}; the engines' INT4 store has one float32 "
-                   f"scale per {INT4_GROUP} values of a row, which holds multiples of "
-                   f"{INT4_GROUP} (and per-channel scales) exactly, not finer groups: serve it with "
-                   "--dequantize-checkpoint (its weights in --dtype), or --quantization int4 to "
-                   f"re-quantize them in groups of {INT4_GROUP}")
-    return CheckpointQuant(layout, scheme, tuple(qc.get("ignore") or ()), ".weight_scale", group, inexact)
+    return CheckpointQuant(layout, scheme, tuple(qc.get("ignore") or ()), ".weight_scale", group,
+                           _finer_group(group, where))
+
+
+def _finer_group(group: int, where: str) -> str:
+    """Why an INT4 group size is not held exactly ("" when it is)."""
+    if group % INT4_GROUP == 0:  # a multiple of 128, or 0: per channel
+        return ""
+    return (f"{where}: INT4 group_size {group}; the engines' INT4 store has one float32 scale "
+            f"per {INT4_GROUP} values of a row, which holds multiples of {INT4_GROUP} (and "
+            "per-channel scales) exactly, not finer groups: serve it with --dequantize-checkpoint "
+            f"(its weights in --dtype), or --quantization int4 to re-quantize them in groups of "
+            f"{INT4_GROUP}")
+
+
+def _gptq(qc: dict[str, Any], where: str) -> CheckpointQuant:
+    """GPTQ (AutoGPTQ / GPTQModel): `X.qweight` int32 [in/8, out] (eight values of a column per
+    word, element 8i+j in bits 4j, stored unsigned), `X.qzeros` int32 [groups, out/8],
+    `X.scales` [groups, out], `X.g_idx` [in]; w = scale * (q - zero). Symmetric 4-bit GPTQ has
+    every zero 8 (format v1 stores zero - 1 = 7): the INT4 store's values are q - 8."""
+    bits = qc.get("bits")
+    if bits != 4:
+        raise ValueError(f"{where}.bits is {bits!r}; the engines' INT4 store holds 4-bit GPTQ only: "
+                         "use a 4-bit checkpoint or the bf16 one")
+    if not qc.get("sym", True):
+        raise ValueError(f"{where}.sym is false: zero points; the INT4 store is symmetric (no zero "
+                         "point): use a symmetric checkpoint or the bf16 one")
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"{where}.checkpoint_format is {fmt!r}; milepost reads gptq and gptq_v2 "
+                         "(a kernel-specific repacking such as marlin is not read)")
+    if qc.get("dynamic"):
+        raise ValueError(f"{where}.dynamic sets per-module overrides; milepost reads one setting for "
+                         "every module: use the bf16 checkpoint")
+    group = qc.get("group_size", 128)
+    if not isinstance(group, int) or group == 0 or group < -1:
+        raise ValueError(f"{where}.group_size is {group!r}; expected a positive size or -1 (per channel)")
+    group = 0 if group == -1 else group
+    return CheckpointQuant("int4_gptq", "none", (), ".scales", group, _finer_group(group, where),
+                           7 if fmt == "gptq" else 8)
 
 
 def _group_layout(g: dict[str, Any], top_format: str | None, where: str) -> tuple[str, str, int]:
@@ -194,13 +235,14 @@ def unheld_weights(path: str | Path, ckpt: CheckpointQuant) -> list[str]:
     (MoE experts, projections outside q/k/v/o and gate/up/down): serving the checkpoint as stored
     is refused for them (they would be dequantized into --dtype, which rounds in bf16). Read from
     the safetensors headers alone (no torch)."""
-    if ckpt.layout not in ("fp8_channel", "int4_pack"):
+    if ckpt.layout not in ("fp8_channel", "int4_pack", "int4_gptq"):
         return []  # the blockwise store: tensors outside its recipe are dequantized (documented)
     out = []
     for f in sorted(Path(path).glob("*.safetensors")):
         for name, meta in _header(f).items():
-            if ckpt.layout == "int4_pack" and name.endswith(PACKED_SUFFIX):
-                name = name.removesuffix(PACKED_SUFFIX) + ".weight"
+            packed = {"int4_pack": PACKED_SUFFIX, "int4_gptq": GPTQ_SUFFIX}.get(ckpt.layout)
+            if packed and name.endswith(packed):
+                name = name.removesuffix(packed) + ".weight"
             elif not (name.endswith(".weight") and meta.get("dtype") == "F8_E4M3"):
                 continue
             module = name.removesuffix(".weight").rsplit(".", 1)[-1]

@@ -1,7 +1,8 @@
 """Tiny quantized checkpoints written by hand from the layouts' definitions (no milepost
 quantizer, no compressed-tensors package): per-tensor FP8 (AutoFP8's `quant_method: fp8` without
 `weight_block_size`, and compressed-tensors `strategy: tensor`), per-channel FP8
-(compressed-tensors "FP8-dynamic") and INT4 pack-quantized (compressed-tensors W4A16). Each
+(compressed-tensors "FP8-dynamic"), INT4 pack-quantized (compressed-tensors W4A16) and symmetric
+4-bit GPTQ (format v1 and v2). Each
 covered projection gets random codes and random scales; `meaning` gives the float32 weight the
 checkpoint means (codes times scales), for tests to compare the loaders against."""
 
@@ -111,6 +112,38 @@ def write_int4(src: Path, dst: Path, group: int, seed: int = 6) -> dict[str, tor
     _config(src, dst, compressed_config(
         {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False, **strategy}, None,
         "pack-quantized", ["lm_head"]))
+    return {**out, **kept}
+
+
+def write_gptq(src: Path, dst: Path, group: int, v1: bool = True, seed: int = 7) -> dict[str, torch.Tensor]:
+    """A symmetric 4-bit GPTQ checkpoint (AutoGPTQ's layout; `v1`: checkpoint_format gptq, whose
+    qzeros store zero - 1): `X.qweight` int32 [in/8, out], eight values of a column per word
+    (element 8i+j in bits 4j, stored + 8); `X.qzeros` int32 [groups, out/8] packed the same way
+    along the columns; `X.scales` fp16 [groups, out]; `X.g_idx` int32 [in]. `group` 0: per channel
+    (group_size -1). Returns the tensors written plus each weight's ints under `X.values`."""
+    dst.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    kept: dict[str, torch.Tensor] = {}
+    for n, t in load_file(src / "model.safetensors").items():
+        if not covered(n):
+            out[n] = t
+            continue
+        rows, cols = t.shape
+        base = n.removesuffix(".weight")
+        v = torch.randint(-8, 8, (rows, cols), generator=g, dtype=torch.int8)
+        width = group or cols
+        groups = -(-cols // width)
+        out[base + ".qweight"] = pack_int4_words(v).t().contiguous()  # packed along `in`
+        zero = torch.full((groups, rows), 7 if v1 else 8, dtype=torch.int8) - 8  # as values: +8 on packing
+        out[base + ".qzeros"] = pack_int4_words(zero)
+        out[base + ".scales"] = (torch.rand(groups, rows, generator=g) * 1e-2 + 1e-4).half()
+        out[base + ".g_idx"] = (torch.arange(cols) // width).to(torch.int32)
+        kept[base + ".values"] = v
+        kept[base + ".weight_scale"] = out[base + ".scales"].t()  # for `meaning`
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    _config(src, dst, {"quant_method": "gptq", "bits": 4, "group_size": group or -1, "sym": True,
+                       "desc_act": False, "checkpoint_format": "gptq" if v1 else "gptq_v2"})
     return {**out, **kept}
 
 

@@ -27,6 +27,7 @@ from milepost.testing.quant_checkpoints import (
     meaning,
     pack_int4_words,
     write_fp8,
+    write_gptq,
     write_int4,
 )
 
@@ -74,14 +75,14 @@ def test_per_tensor_fp8_is_the_blockwise_store_with_uniform_tiles(src: Path, tmp
     model, store = engine.runner.model, engine.runner.model.fp8_weights
     names = _quantized_names(out)
     assert len(names) == 14
+    trainer = load_model(tmp_path / "pt", torch.float32, "cpu")  # the FSDP trainer's load
     for n in names:
         m, j = store._part(model.weight_view(n))
         q = m.qparts[j][2]
         assert torch.equal(q.values.view(torch.uint8), out[n].view(torch.uint8)), n
         assert (q.scales == out[n.removesuffix("weight") + "weight_scale"].float()).all(), n
         assert torch.equal(dequantize(q), meaning(out, n)), n
-        assert torch.equal(load_model(tmp_path / "pt", torch.float32, "cpu").weight_view(n),
-                           meaning(out, n)) if n == names[0] else True
+        assert torch.equal(trainer.weight_view(n), meaning(out, n)), n
     # The same weights as a blockwise checkpoint whose every tile carries the tensor's scale.
     block = tmp_path / "blk"
     block.mkdir()
@@ -89,7 +90,8 @@ def test_per_tensor_fp8_is_the_blockwise_store_with_uniform_tiles(src: Path, tmp
     for n in names:
         s = t.pop(n.removesuffix("weight") + "weight_scale").float().reshape(1, 1)
         rows, cols = out[n].shape
-        t[n.removesuffix("weight") + "weight_scale_inv"] = s.expand(-(-rows // 128), -(-cols // 128)).contiguous()
+        tiles = (-(-rows // 128), -(-cols // 128))
+        t[n.removesuffix("weight") + "weight_scale_inv"] = s.expand(tiles).contiguous()
     save_file(t, block / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((tmp_path / "pt" / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
@@ -144,12 +146,16 @@ def test_per_channel_fp8_with_an_unquantized_projection_is_refused(src: Path, tm
     assert model.weight_view("model.layers.1.self_attn.q_proj.weight").dtype == torch.float32
 
 
-@pytest.mark.parametrize("group", [128, 256, 0])
-def test_int4_pack_quantized_is_the_packed_int4_store(src: Path, tmp_path: Path, group: int) -> None:
-    """Groups of 128, coarser groups (each 128-wide group takes its group's scale) and per-channel
-    scales: the packed store holds the checkpoint's values; greedy decoding equals an engine on
-    the dequantized weights (W4A16: activations stay in --dtype)."""
-    out = write_int4(src, tmp_path / "i4", group)
+@pytest.mark.parametrize(("layout", "group"), [("pack", 128), ("pack", 256), ("pack", 0),
+                                               ("gptq", 128), ("gptq_v2", 256), ("gptq", 0)])
+def test_int4_checkpoints_are_the_packed_int4_store(src: Path, tmp_path: Path, layout: str,
+                                                    group: int) -> None:
+    """compressed-tensors pack-quantized and GPTQ (v1 and v2): groups of 128, coarser groups
+    (each 128-wide group takes its group's scale) and per-channel scales: the packed store holds
+    the checkpoint's values; greedy decoding equals an engine on the dequantized weights (W4A16:
+    activations stay in --dtype)."""
+    out = (write_int4(src, tmp_path / "i4", group) if layout == "pack"
+           else write_gptq(src, tmp_path / "i4", group, v1=layout == "gptq"))
     args = _args(tmp_path / "i4")
     assert args.quantization == "int4"
     engine = build_engine(args)[0]
@@ -163,9 +169,11 @@ def test_int4_pack_quantized_is_the_packed_int4_store(src: Path, tmp_path: Path,
     assert _greedy(engine) == _greedy(plain)
 
 
-def test_int4_finer_groups_are_refused_as_stored_and_dequantized_on_request(src: Path, tmp_path: Path) -> None:
+def test_int4_finer_groups_are_refused_as_stored_and_dequantized_on_request(src: Path,
+                                                                          tmp_path: Path) -> None:
     out = write_int4(src, tmp_path / "g32", 32)
-    with pytest.raises(ValueError, match="INT4 group_size 32; the engines' INT4 store has one float32 scale per 128"):
+    with pytest.raises(ValueError, match="INT4 group_size 32; the engines' INT4 store has one "
+                                         "float32 scale per 128"):
         ServerArgs(model_path=tmp_path / "g32", device="cpu").resolved()
     model = build_engine(_args(tmp_path / "g32", dequantize_checkpoint=True))[0].runner.model
     for n in _quantized_names(out):
@@ -208,7 +216,7 @@ def test_int4_settings_the_store_cannot_hold_are_refused(src: Path, tmp_path: Pa
 @pytest.mark.parametrize(("edit", "match"), [
     ({"kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme is set"),
     ({"quantization_status": "frozen"}, "quantization_status is 'frozen'"),
-    ({"quant_method": "gptq"}, "quant_method is 'gptq'"),
+    ({"quant_method": "awq"}, "quant_method is 'awq'"),
     ({"group": {"strategy": "block", "block_structure": [64, 64]}}, r"block_structure is \[64, 64\]"),
     ({"inputs": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}},
      "per-channel FP8 weights with static input scales"),
@@ -300,3 +308,43 @@ def test_moe_experts(tmp_path: Path) -> None:
     deq = build_engine(_args(tmp_path / "i4", dequantize_checkpoint=True))[0].runner.model
     n = "model.layers.1.mlp.experts.1.up_proj.weight"
     assert torch.equal(deq.weight_view(n), meaning(out, n, 128))
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    ({"sym": False}, "sym is false: zero points"),
+    ({"bits": 8}, "bits is 8"),
+    ({"checkpoint_format": "marlin"}, "checkpoint_format is 'marlin'"),
+    ({"group_size": 32}, "INT4 group_size 32"),
+])
+def test_gptq_settings_the_store_cannot_hold_are_refused(src: Path, tmp_path: Path, edit: dict,
+                                                         match: str) -> None:
+    write_gptq(src, tmp_path / "g", 128)
+    cfg = json.loads((tmp_path / "g" / "config.json").read_text())
+    cfg["quantization_config"].update(edit)
+    (tmp_path / "g" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        ServerArgs(model_path=tmp_path / "g", device="cpu").resolved()
+
+
+@pytest.mark.parametrize("case", ["zero", "v2 read as v1", "g_idx"])
+def test_gptq_tensors_the_store_cannot_hold_are_refused(src: Path, tmp_path: Path, case: str) -> None:
+    """An asymmetric zero point, a v2 checkpoint labelled v1 (every zero off by one), or
+    columns grouped out of order (desc_act): refused naming the tensor."""
+    path = tmp_path / "g"
+    write_gptq(src, path, 128, v1=case != "v2 read as v1")
+    if case == "v2 read as v1":
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["quantization_config"]["checkpoint_format"] = "gptq"
+        (path / "config.json").write_text(json.dumps(cfg))
+    t = load_file(path / "model.safetensors")
+    base = "model.layers.1.mlp.down_proj"
+    if case == "zero":
+        t[base + ".qzeros"][0, 0] += 1  # the first column's zero 7 -> 8
+    elif case == "g_idx":
+        t[base + ".g_idx"] = t[base + ".g_idx"].flip(0).contiguous()
+    save_file(t, path / "model.safetensors", metadata={"format": "pt"})
+    match = (f"{base}.g_idx groups columns out of order" if case == "g_idx" else
+             rf"model\.layers\.\d\.\w+\.\w+_proj\.qzeros holds zero points other than 7" if case != "zero"
+             else f"{base}.qzeros holds zero points other than 7")
+    with pytest.raises(ValueError, match=match):
+        load_model(path, torch.float32, "cpu")
