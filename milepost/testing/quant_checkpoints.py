@@ -9,6 +9,7 @@ checkpoint means (codes times scales), for tests to compare the loaders against.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,10 @@ def pack_int4_words(values: torch.Tensor) -> torch.Tensor:
 
 
 def _config(src: Path, dst: Path, qc: dict[str, Any]) -> None:
+    """config.json with `qc`; the source's other files (tokenizer) copied as they are."""
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, dst / f.name)
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = qc
     (dst / "config.json").write_text(json.dumps(cfg))
@@ -87,10 +92,13 @@ def write_fp8(src: Path, dst: Path, scales: str, style: str = "compressed-tensor
     return out
 
 
-def write_int4(src: Path, dst: Path, group: int, seed: int = 6) -> dict[str, torch.Tensor]:
+def write_int4(src: Path, dst: Path, group: int, seed: int = 6,
+               amax_seven: bool = False) -> dict[str, torch.Tensor]:
     """A compressed-tensors W4A16 checkpoint (pack-quantized, symmetric, `group` values per scale
-    along a row; 0: one scale per row). Returns the tensors written, with each weight's int
-    values under `X.values` (not in the file) for `meaning`."""
+    along a row; 0: one scale per row). `amax_seven`: values -7..7 with a 7 in every group, as a
+    quantizer scaling amax to 7 makes them (milepost's INT4 quantizer gives such values back).
+    Returns the tensors written, with each weight's int values under `X.values` (not in the
+    file) for `meaning`."""
     dst.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
@@ -101,7 +109,9 @@ def write_int4(src: Path, dst: Path, group: int, seed: int = 6) -> dict[str, tor
             continue
         rows, cols = t.shape
         base = n.removesuffix(".weight")
-        v = torch.randint(-8, 8, (rows, cols), generator=g, dtype=torch.int8)
+        v = torch.randint(-7 if amax_seven else -8, 8, (rows, cols), generator=g, dtype=torch.int8)
+        if amax_seven:
+            v[:, ::group or cols] = 7
         groups = -(-cols // group) if group else 1
         out[base + ".weight_packed"] = pack_int4_words(v)
         out[base + ".weight_scale"] = (torch.rand(rows, groups, generator=g) * 1e-2 + 1e-4).bfloat16()
