@@ -9,10 +9,10 @@ import argparse
 def add_convert_command(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert", help="convert checkpoints between Hugging Face and Megatron-core (docs/megatron.md), "
-        "or to FP8 blockwise (docs/low_precision.md)",
+        "or to FP8 blockwise / INT4 W4A16 (docs/low_precision.md)",
         description="Bit-exact conversion between a Hugging Face directory and a Megatron checkpoint "
         "cut for tensor / pipeline / expert parallel sizes (Llama, Qwen3, Qwen3-MoE); hf-to-fp8 "
-        "writes an FP8 blockwise checkpoint.")
+        "writes an FP8 blockwise checkpoint, hf-to-int4 an INT4 W4A16 one (compressed-tensors).")
     kinds = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
     to_meg = kinds.add_parser("hf-to-megatron", help="Hugging Face directory -> Megatron checkpoint")
     to_meg.add_argument("source", help="Hugging Face model directory (config.json + safetensors)")
@@ -28,23 +28,31 @@ def add_convert_command(subparsers: argparse._SubParsersAction) -> None:
         description="The projection linears in FP8 128 x 128 blockwise (weight + weight_scale_inv, "
         "DeepSeek-V3 / SGLang layout), quantized by the quantizer the trainer and engines use; "
         "`milepost serve --model-path DEST` serves it as stored.")
-    to_fp8.add_argument("source", help="Hugging Face model directory (config.json + safetensors)")
-    to_fp8.add_argument("dest", help="directory to write")
-    to_fp8.add_argument("--precision-override", action="append", default=[],
-                        help="PATTERN=bf16: keep these tensors unquantized (glob or layers.A-B)")
-    to_fp8.add_argument("--precision-bf16-first-layers", type=int, default=0)
-    to_fp8.add_argument("--precision-bf16-last-layers", type=int, default=0)
+    to_int4 = kinds.add_parser(
+        "hf-to-int4", help="Hugging Face directory -> INT4 W4A16 checkpoint (docs/low_precision.md)",
+        description="The projection linears in symmetric INT4, one float32 scale per 128 values of "
+        "a row (compressed-tensors pack-quantized: weight_packed + weight_scale + weight_shape), "
+        "quantized by the quantizer the trainer and engines use; `milepost serve --model-path "
+        "DEST` serves it as stored.")
+    for sub in (to_fp8, to_int4):
+        sub.add_argument("source", help="Hugging Face model directory (config.json + safetensors)")
+        sub.add_argument("dest", help="directory to write")
+        sub.add_argument("--precision-override", action="append", default=[],
+                         help="PATTERN=bf16: keep these tensors unquantized (glob or layers.A-B)")
+        sub.add_argument("--precision-bf16-first-layers", type=int, default=0)
+        sub.add_argument("--precision-bf16-last-layers", type=int, default=0)
     parser.set_defaults(run=run)
 
 
 def run(ns: argparse.Namespace) -> int:
-    if ns.direction == "hf-to-fp8":  # the lowprec converter's own command line, same flags
-        from milepost.lowprec.convert import main as fp8_main
+    if ns.direction in ("hf-to-fp8", "hf-to-int4"):  # the lowprec converter's own command line
+        from milepost.lowprec.convert import main as lowprec_main
 
         argv = [ns.source, ns.dest, "--precision-bf16-first-layers", str(ns.precision_bf16_first_layers),
-                "--precision-bf16-last-layers", str(ns.precision_bf16_last_layers)]
+                "--precision-bf16-last-layers", str(ns.precision_bf16_last_layers),
+                "--format", "int4" if ns.direction == "hf-to-int4" else "fp8_block"]
         try:
-            fp8_main(argv + [f"--precision-override={o}" for o in ns.precision_override])
+            lowprec_main(argv + [f"--precision-override={o}" for o in ns.precision_override])
         except ValueError as err:
             print(f"milepost convert: {err}")
             return 2

@@ -193,3 +193,17 @@ def dequantize_tensors(ckpt: CheckpointQuant | None, tensors: dict[str, torch.Te
             t = dequantize_weight(read_weight(ckpt, name, t, tensors.get))
         out[name] = t
     return out
+
+
+def pack_quantized(q: QTensor) -> dict[str, torch.Tensor]:
+    """An INT4 QTensor (groups of 128, the shared quantizer's) as compressed-tensors
+    pack-quantized tensors, suffix -> tensor: `.weight_packed` (int32 [rows, ceil(cols/8)], the
+    inverse of `_int4`'s unpacking), `.weight_scale` (float32, as the quantizer made them) and
+    `.weight_shape`. `read_weight` gives `q` back bit for bit."""
+    rows, cols = q.shape
+    u = el.unpack_int4(q.values, cols).to(torch.int64) + 8  # stored unsigned: v + 8
+    u = torch.nn.functional.pad(u, (0, -cols % 8))
+    words = (u.reshape(rows, -1, 8) << (4 * torch.arange(8, device=u.device))).sum(-1)
+    signed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits
+    return {".weight_packed": signed, ".weight_scale": q.scales.float(),
+            ".weight_shape": torch.tensor([rows, cols], dtype=torch.int64)}

@@ -1,12 +1,14 @@
 """Checkpoint conversion, the contract's fourth stage: a Hugging Face checkpoint to FP8 blockwise
 in the layout SGLang and DeepSeek-V3 checkpoints use (`weight` float8_e4m3fn, `weight_scale_inv`
-float32 per 128 x 128 tile, `quantization_config` in config.json), quantized by the same
-function the trainer and the engines call. A source exported by a trainer under `--fp8-scaling
+float32 per 128 x 128 tile, `quantization_config` in config.json), or to INT4 W4A16 in
+compressed-tensors' pack-quantized layout (`weight_packed` int32, `weight_scale` float32 per 128
+values of a row, symmetric), quantized by the same function the trainer and the engines call. A source exported by a trainer under `--fp8-scaling
 delayed` holds each FP8 linear's `input_scale` (float32): they are kept and the checkpoint says
 `activation_scheme: static`, as FP8 checkpoints with calibrated activation scales do.
 
-    python -m milepost.lowprec.convert SRC_DIR DST_DIR [--precision-override layers.0-0=bf16 ...]
-        [--precision-bf16-first-layers N] [--precision-bf16-last-layers M]
+    python -m milepost.lowprec.convert SRC_DIR DST_DIR [--format fp8_block|int4]
+        [--precision-override layers.0-0=bf16 ...] [--precision-bf16-first-layers N]
+        [--precision-bf16-last-layers M]
 """
 
 from __future__ import annotations
@@ -22,19 +24,22 @@ from safetensors.torch import load_file, save_file
 from milepost.lowprec.contract import BF16, Contract, layer_overrides, parse_overrides
 from milepost.lowprec.delayed import input_scale_name
 from milepost.lowprec.engine_scales import SCALE_SUFFIX
-from milepost.lowprec.quantize import FP8_TILE, quantize
+from milepost.lowprec.quantize import FP8_TILE, INT4_GROUP, quantize
 
 
 def convert_checkpoint(src: Path, dst: Path, contract: Contract) -> list[str]:
-    """Write `dst` from `src` with the contract's covered weights in FP8 blockwise; returns the
-    quantized names. Other formats have no common checkpoint layout yet and are refused."""
-    if contract.rollout != "fp8_block":
-        raise ValueError(f"checkpoint conversion writes fp8_block (SGLang's FP8 layout); "
-                         f"{contract.rollout} has no common checkpoint layout yet")
+    """Write `dst` from `src` with the contract's covered weights in FP8 blockwise or INT4
+    (pack-quantized); returns the quantized names. MXFP8 and NVFP4 have no common checkpoint
+    layout yet and are refused."""
+    if contract.rollout not in ("fp8_block", "int4"):
+        raise ValueError(f"checkpoint conversion writes fp8_block (SGLang's FP8 layout) or int4 "
+                         f"(compressed-tensors W4A16); {contract.rollout} has no common checkpoint "
+                         "layout yet")
+    int4 = contract.rollout == "int4"
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{src} has no *.safetensors files")
-    scales = _input_scales(files, contract)
+    scales = {} if int4 else _input_scales(files, contract)  # static input scales: FP8's only
     dst.mkdir(parents=True, exist_ok=True)
     done: list[str] = []
     kept: list[str] = []  # modules of 2-d weights left unquantized: modules_to_not_convert
@@ -50,16 +55,22 @@ def convert_checkpoint(src: Path, dst: Path, contract: Contract) -> list[str]:
                 if t.dim() == 2 and name.endswith(".weight"):
                     kept.append(name.removesuffix(".weight"))
                 continue
-            q = quantize(t, "fp8_block", "weight", name=name)
-            out[name] = q.values
-            out[name.removesuffix(".weight") + ".weight_scale_inv"] = q.scales  # multiplies back
+            q = quantize(t, contract.rollout, "weight", name=name)
+            base = name.removesuffix(".weight")
+            if int4:
+                from milepost.lowprec.checkpoint_weights import pack_quantized
+
+                out.update({base + suffix: v for suffix, v in pack_quantized(q).items()})
+            else:
+                out[name] = q.values
+                out[base + ".weight_scale_inv"] = q.scales  # multiplies back
             done.append(name)
         save_file(out, dst / f.name, metadata={"format": "pt"})
     for other in src.iterdir():  # tokenizer, generation config, index...
         if other.is_file() and other.suffix != ".safetensors" and other.name != "config.json":
             shutil.copy2(other, dst / other.name)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
+    config["quantization_config"] = _int4_config(sorted(kept)) if int4 else {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if scales else "dynamic",
         "weight_block_size": [FP8_TILE, FP8_TILE],
         # Module names, as transformers and SGLang match them (prefix / suffix), so a reader
@@ -68,6 +79,17 @@ def convert_checkpoint(src: Path, dst: Path, contract: Contract) -> list[str]:
     }
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return done
+
+
+def _int4_config(kept: list[str]) -> dict[str, object]:
+    """compressed-tensors' quantization_config for symmetric W4A16 in groups of 128; `ignore`
+    lists the modules left unquantized by name, as compressed-tensors matches them."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": INT4_GROUP, "dynamic": False, "actorder": None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "quantization_status": "compressed", "kv_cache_scheme": None, "ignore": kept,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": None, "output_activations": None}}}
 
 
 def _input_scales(files: list[Path], contract: Contract) -> dict[str, float]:
@@ -104,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("src", type=Path)
     p.add_argument("dst", type=Path)
+    p.add_argument("--format", choices=("fp8_block", "int4"), default="fp8_block")
     p.add_argument("--precision-override", action="append", default=[])
     p.add_argument("--precision-bf16-first-layers", type=int, default=0)
     p.add_argument("--precision-bf16-last-layers", type=int, default=0)
@@ -116,9 +139,9 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--precision-bf16-first-layers / --precision-bf16-last-layers: {a.src} has "
                     f"{n} decoder layers; use at most {n}")
         by_layer = layer_overrides(a.precision_bf16_first_layers, a.precision_bf16_last_layers, n)
-    contract = Contract("fp8_block", "fp8_block", by_layer + parse_overrides(a.precision_override))
+    contract = Contract(a.format, a.format, by_layer + parse_overrides(a.precision_override))
     names = convert_checkpoint(a.src, a.dst, contract)
-    print(f"{len(names)} weights in fp8_block -> {a.dst}")
+    print(f"{len(names)} weights in {a.format} -> {a.dst}")
 
 
 if __name__ == "__main__":

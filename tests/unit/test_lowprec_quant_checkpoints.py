@@ -348,3 +348,29 @@ def test_gptq_tensors_the_store_cannot_hold_are_refused(src: Path, tmp_path: Pat
              else f"{base}.qzeros holds zero points other than 7")
     with pytest.raises(ValueError, match=match):
         load_model(path, torch.float32, "cpu")
+
+
+def test_convert_hf_to_int4_serves_what_quantize_on_load_serves(src: Path, tmp_path: Path) -> None:
+    """`milepost convert hf-to-int4` (compressed-tensors W4A16 from the shared quantizer) ->
+    serve (int4 detected, as stored) = the bf16 source quantized on load: the same packed bytes
+    and scales per tensor, the same greedy tokens and log-probs; layer 1 kept in bf16 (ignore)."""
+    from milepost.cli import main
+
+    dst = tmp_path / "int4"
+    assert main(["convert", "hf-to-int4", str(src), str(dst), "--precision-override", "layers.1-1=bf16"]) == 0
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized" and "model.layers.1.mlp.down_proj" in qc["ignore"]
+    args = _args(dst)
+    assert args.quantization == "int4"
+    a = build_engine(args)[0]
+    b = build_engine(_args(src, quantization="int4", precision_override="layers.1-1=bf16"))[0]
+    names = [n for n in a.runner.model.hf_weight_names() if ".layers.0." in n and n.split(".")[-2] in
+             ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
+    assert len(names) == 7
+    for n in names:
+        qa = a.runner.model.fp8_weights._part(a.runner.model.weight_view(n))
+        qb = b.runner.model.fp8_weights._part(b.runner.model.weight_view(n))
+        ta, tb = qa[0].qparts[qa[1]][2], qb[0].qparts[qb[1]][2]
+        assert torch.equal(ta.values, tb.values) and torch.equal(ta.scales, tb.scales), n
+    assert not isinstance(a.runner.model.model.layers[1].mlp.gate_up_proj, QuantizedLinear)
+    assert _greedy(a) == _greedy(b)
