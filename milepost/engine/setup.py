@@ -26,6 +26,7 @@ from milepost.models.masked_attention import needs_variant_backend
 from milepost.models.registry import load_model
 
 log = logging.getLogger(__name__)
+_LAYERWISE = ("fp8_block", "mxfp8", "nvfp4", "int4")  # quantized per HF tensor (lowprec/engine_store.py)
 
 
 def load_tokenizer(path: Path) -> object | None:
@@ -54,13 +55,20 @@ def build_engine(
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     fp8_weights = None  # a quantized checkpoint served by its store: its values and scales as stored
+    layerwise = False  # fused and quantized layer by layer while loading (lowprec/engine_load.py)
     if model is None:
         ckpt = checkpoint_quant(args.model_path)  # its store serves its values as stored
         if ckpt is not None and args.quantization == ckpt.serve_as and not ckpt.inexact:
             fp8_weights = {}
+        layerwise = args.quantization in _LAYERWISE and fp8_weights is None
         try:
-            model = load_model(args.model_path, dtype, device, backend=args.model_impl,
-                               trust_remote_code=args.trust_remote_code, fp8_weights=fp8_weights)
+            if layerwise:
+                from milepost.lowprec.engine_load import load_quantized
+
+                model = load_quantized(args, dtype, device)
+            else:
+                model = load_model(args.model_path, dtype, device, backend=args.model_impl,
+                                   trust_remote_code=args.trust_remote_code, fp8_weights=fp8_weights)
         except torch.OutOfMemoryError as e:
             raise RuntimeError(out_of_memory_message("the weights", None, args.mem_fraction_static)) from e
     if args.true_on_policy:  # refused before any request: no profile, no bitwise promise
@@ -72,14 +80,15 @@ def build_engine(
             raise ValueError("; ".join(why))
     fuse = getattr(model, "fuse_projections", None)
     # one GEMM for q/k/v and one for gate/up; HF names still address slices. Not under
-    # --true-on-policy: the re-score must run the trainer's separate projections.
-    if fuse is not None and not args.true_on_policy:
+    # --true-on-policy: the re-score must run the trainer's separate projections. (A layerwise
+    # load fused each layer as it came.)
+    if fuse is not None and not args.true_on_policy and not layerwise:
         fuse()
     native = getattr(model, "native", True)
     if args.quantization and not native:
         raise ValueError(f"--quantization {args.quantization} needs a native model; this one runs "
                          "on the transformers fallback (docs/models.md): drop --quantization")
-    if args.quantization in ("fp8_block", "mxfp8", "nvfp4", "int4"):  # per HF tensor, after fusing
+    if args.quantization in _LAYERWISE and not layerwise:  # per HF tensor, after fusing
         from milepost.lowprec.engine_setup import store_engine_precision
 
         store_engine_precision(model, args, device, fp8_weights)

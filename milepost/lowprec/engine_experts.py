@@ -13,6 +13,7 @@ weights, so values are the format's everywhere.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -176,16 +177,25 @@ class Fp8Experts:
 
 
 @torch.no_grad()
-def store_fp8_experts(model: nn.Module, quantized: callable) -> Fp8Experts | None:
+def store_fp8_experts(model: nn.Module, quantized: Callable[[str], bool]) -> Fp8Experts | None:
     """Convert the StackedExperts of `model` whose HF tensors `quantized(hf_name)` says are
     fp8_block, in place (a layer's experts all alike: a mix is refused naming the layer);
     None when no layer has FP8 experts. LoRA-adapted experts are not plain StackedExperts and
     are left alone (the adapter layer refuses quantized bases)."""
+    modules = convert_fp8_experts(model, quantized, lambda name: "model." + name[name.find("layers."):])
+    return Fp8Experts(modules) if modules else None
+
+
+@torch.no_grad()
+def convert_fp8_experts(scope: nn.Module, quantized: Callable[[str], bool],
+                        hf_prefix: Callable[[str], str]) -> list[Fp8StackedExperts]:
+    """`store_fp8_experts` for the StackedExperts inside `scope` (the whole model, or one layer as
+    it loads), `hf_prefix(module name in scope)` naming their HF tensors; the converted ones."""
     modules: list[Fp8StackedExperts] = []
-    for name, module in list(model.named_modules()):
+    for name, module in list(scope.named_modules()):
         if type(module) is not StackedExperts:
             continue
-        prefix = "model." + name[name.find("layers."):] + "."
+        prefix = hf_prefix(name) + "."
         names = [f"{prefix}{e}.{p}_proj.weight" for e in range(module.num_experts)
                  for p in ("gate", "up", "down")]
         flags = {quantized(n) for n in names}
@@ -197,9 +207,7 @@ def store_fp8_experts(model: nn.Module, quantized: callable) -> Fp8Experts | Non
                              "'*.experts.*=bf16')")
         _convert(module)
         modules.append(module)  # type: ignore[arg-type]
-    if not modules:
-        return None
-    return Fp8Experts(modules)
+    return modules
 
 
 def _convert(module: StackedExperts) -> None:

@@ -32,6 +32,18 @@ def store_engine_precision(model: nn.Module, args: object, device: torch.device,
                                getattr(args, "nvfp4_four_over_six", False))
     if fp8_weights is not None:
         contract = checkpoint_contract(contract, model.hf_weight_names(), fp8_weights)
+    warn_emulated(fmt, device)
+    store = store_quantized(model, contract, static_scales=static_scales(args), preset=fp8_weights)
+    read_input_scales(store, args)
+    return store
+
+
+def static_scales(args: object) -> bool:
+    return getattr(args, "fp8_activation_scheme", "dynamic") == "static"
+
+
+def warn_emulated(fmt: str, device: torch.device) -> None:
+    """A warning where `device` has no native GEMM for `fmt` (the values are the format's)."""
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if fmt == "int4":  # stored packed everywhere; the W4A16 kernel needs CUDA (bf16 tl.dot: 8.0+)
         if cap is None or cap < (8, 0):
@@ -42,14 +54,14 @@ def store_engine_precision(model: nn.Module, args: object, device: torch.device,
         log.warning("--quantization %s: %s has no native %s GEMM; emulated (quantize, "
                     "dequantize, GEMM in the model dtype): the format's values, not its speed",
                     fmt, f"compute capability {cap}" if cap else "the CPU", fmt)
-    static = getattr(args, "fp8_activation_scheme", "dynamic") == "static"
-    store = store_quantized(model, contract, static_scales=static, preset=fp8_weights)
+
+
+def read_input_scales(store: QuantizedWeights, args: object) -> None:
     if store.input_scales is not None:  # a checkpoint's own static scales (activation_scheme static)
         n = load_checkpoint_scales(store.input_scales, str(args.model_path))  # type: ignore[attr-defined]
         log.info("--fp8-activation-scheme static: %d linears, %d input scales read from the "
                  "checkpoint (the others scale dynamically until an update sends them)",
                  len(store.input_scales.names()), n)
-    return store
 
 
 def checkpoint_contract(contract: Contract, names: list[str], fp8_weights: dict[str, QTensor]

@@ -18,13 +18,15 @@ input with the trainer's delayed-scaling function and the scale it sent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from milepost.lowprec.contract import EXPERTS_SERVED, Contract
 from milepost.lowprec.delayed import qdq_input
-from milepost.lowprec.engine_experts import Fp8Experts, store_fp8_experts
+from milepost.lowprec.engine_experts import Fp8Experts, Fp8StackedExperts, convert_fp8_experts
 from milepost.lowprec.engine_scales import InputScales, attach_input_scales
 from milepost.lowprec.linear import quantize_activation, quantize_weight_parts
 from milepost.lowprec.quantize import INT4_GROUP, QTensor, dequantize, element_scale
@@ -173,96 +175,127 @@ def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = 
     are instead of quantizing the model's (dequantized) weights again; the weights must hold
     their dequantized values already (registry.load_native writes them), which an emulated
     linear keeps as its weight."""
-    preset = preset or {}
-    by_module: dict[int, list[tuple[int, int, str]]] = {}
-    modules: dict[int, nn.Linear] = {}
-    mod_of_param = {id(m.weight): m for m in model.modules() if type(m) is nn.Linear}
-    for name in model.hf_weight_names():
-        fmt = contract.tensor_format(name, "rollout")
-        if fmt == "bf16" or ".experts." in name:  # experts: store_fp8_experts, below
-            continue
-        view = model.weight_view(name)
-        module = next((m for m in mod_of_param.values()
-                       if m.weight.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()),
-                      None)
-        if module is None:
-            continue
-        row_bytes = module.weight.stride(0) * module.weight.element_size()
-        first = (view.data_ptr() - module.weight.data_ptr()) // row_bytes
-        by_module.setdefault(id(module), []).append((first, view.shape[0], name))
-        modules[id(module)] = module
     # The model dtype (what senders send): taken before the experts are converted.
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    experts = None
-    if contract.rollout in EXPERTS_SERVED:
-        experts = store_fp8_experts(
-            model, lambda n: contract.tensor_format(n, "rollout") == "fp8_block")
-    if not modules and experts is None:
-        raise ValueError(f"--quantization {contract.rollout}: {type(model).__name__} has no "
-                         "projection linears left to quantize (check --precision-override)")
-    store_modules: dict[int, QuantizedLinear] = {}
-    names: dict[tuple[int, int], str] = {}
-    for key, parts in by_module.items():
-        module = modules[key]
-        parts.sort()
-        covered = sum(rows for _, rows, _ in parts)
-        if covered != module.weight.shape[0]:
-            raise ValueError(f"{parts[0][2]}: its fused linear mixes quantized and bf16 tensors; "
-                             "override all tensors of one fused projection alike")
-        fmt = contract.tensor_format(parts[0][2], "rollout")
-        module.__class__ = QuantizedLinear
-        module.qformat = fmt
-        module.weight.requires_grad_(False)
-        w = module.weight
-        joint = fmt == "nvfp4" and any(n.endswith("gate_proj.weight") for _, _, n in parts)
-        module.qjoint = joint
-        module.qfour = contract.four_over_six
-        # A preset part (an FP8 checkpoint's own tensor) is stored as it is: no float copy of
-        # the loaded weights, no quantization.
-        qs = (quantize_weight_parts([w[row:row + rows].float() for row, rows, _ in parts], fmt,
-                                    contract, [n for _, _, n in parts]) if joint else
-              [_on(preset[n], w.device) if n in preset and preset[n].fmt == fmt
-               else quantize_weight_parts([w[row:row + rows].float()], fmt, contract, [n])[0]
-               for row, rows, n in parts])
-        module.qparts = [(row, rows, None) for row, rows, _ in parts]  # type: ignore[misc]
-        module.native = _native(module, fmt, parts)
-        if fmt == "int4":  # packed on every device: a quarter of bf16's bytes (plus scales)
-            n, k = module.weight.shape
-            dev = module.weight.device
-            module.weight = nn.Parameter(torch.empty(n, -(-k // 2), dtype=torch.uint8, device=dev),
-                                         requires_grad=False)
-            module.register_buffer("weight_scale", torch.empty(
-                n, -(-k // INT4_GROUP), dtype=torch.float32, device=dev))
-            if dev.type == "cuda":  # probe the W4A16 kernel now, not inside a graph capture
-                from milepost.kernels.int4_gemm import kernel_ok
+    build = StoreBuilder(contract, dtype, preset)
+    build.add(model, model, model.hf_weight_names(), lambda name: "model." + name[name.find("layers."):])
+    return build.finish(model, static_scales)
 
-                kernel_ok(dev)
-        elif module.native:  # the weight becomes its fp8 values; bytes read per step halve
-            n, k = module.weight.shape
-            module.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn,
-                                                     device=module.weight.device), requires_grad=False)
-            module.register_buffer("weight_scale", torch.empty(
-                -(-n // 128), -(-k // 128), dtype=torch.float32, device=module.weight.device))
-        for j, (q, (row, rows, n)) in enumerate(zip(qs, parts)):
-            if fmt == "fp8_block" and n in preset and not module.native:
-                module.qparts[j] = (row, rows, q)  # the loader wrote dequantize(q) there already
-            else:
-                module.put(j, q)
-        store_modules[module.weight.untyped_storage().data_ptr()] = module
-        names.update({(id(module), row): n for row, _, n in parts})
-    store = QuantizedWeights(store_modules, names, contract, dtype)
-    store.experts = experts
-    for name, q in preset.items():  # the checkpoint's FP8 experts, tensor by tensor
-        view = model.weight_view(name) if experts is not None and ".experts." in name else None
-        if view is not None and experts.owner(view) is not None:  # else: kept dequantized
-            module, parts = experts.parts(view)
-            module.put(*parts[0], _on(q, module.w13.device))
-    if static_scales:
-        store.input_scales = attach_input_scales(model, [
-            (m, [names[(id(m), row)] for row, _, _ in m.qparts])
-            for m in store_modules.values() if m.qformat == "fp8_block"])
-    model.fp8_weights = store
-    return store
+
+class StoreBuilder:
+    """`store_quantized` in steps: `add` quantizes the covered tensors of one part of the model
+    (all of it, or one decoder layer as it loads: lowprec/engine_load.py), `finish` makes the
+    store. Each HF tensor is quantized on its own, so the parts' order changes no bit."""
+
+    def __init__(self, contract: Contract, source_dtype: torch.dtype,
+                 preset: dict[str, QTensor] | None = None) -> None:
+        self.contract = contract
+        self.source_dtype = source_dtype
+        self.preset = preset or {}
+        self.modules: dict[int, QuantizedLinear] = {}
+        self.names: dict[tuple[int, int], str] = {}
+        self.experts: list[Fp8StackedExperts] = []
+
+    @torch.no_grad()
+    def add(self, model: nn.Module, scope: nn.Module, names: list[str],
+            expert_prefix: Callable[[str], str]) -> None:
+        """Quantize the linears and experts inside `scope` that hold the HF tensors `names`;
+        `expert_prefix(module name in scope)`: the HF prefix of that StackedExperts' tensors."""
+        contract = self.contract
+        by_module: dict[int, list[tuple[int, int, str]]] = {}
+        modules: dict[int, nn.Linear] = {}
+        linears = [m for m in scope.modules() if type(m) is nn.Linear]
+        for name in names:
+            fmt = contract.tensor_format(name, "rollout")
+            if fmt == "bf16" or ".experts." in name:  # experts: convert_fp8_experts, below
+                continue
+            view = model.weight_view(name)
+            module = next((m for m in linears
+                           if m.weight.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()),
+                          None)
+            if module is None:
+                continue
+            row_bytes = module.weight.stride(0) * module.weight.element_size()
+            first = (view.data_ptr() - module.weight.data_ptr()) // row_bytes
+            by_module.setdefault(id(module), []).append((first, view.shape[0], name))
+            modules[id(module)] = module
+        if contract.rollout in EXPERTS_SERVED:
+            self.experts += convert_fp8_experts(
+                scope, lambda n: contract.tensor_format(n, "rollout") == "fp8_block", expert_prefix)
+        for key, parts in by_module.items():
+            parts.sort()
+            module = _quantize_linear(modules[key], parts, contract, self.preset)
+            self.modules[module.weight.untyped_storage().data_ptr()] = module
+            self.names.update({(id(module), row): n for row, _, n in parts})
+
+    def finish(self, model: nn.Module, static_scales: bool = False) -> QuantizedWeights:
+        """The store over every part added, registered as `model.fp8_weights`."""
+        contract, experts = self.contract, (Fp8Experts(self.experts) if self.experts else None)
+        if not self.modules and experts is None:
+            raise ValueError(f"--quantization {contract.rollout}: {type(model).__name__} has no "
+                             "projection linears left to quantize (check --precision-override)")
+        store = QuantizedWeights(self.modules, self.names, contract, self.source_dtype)
+        store.experts = experts
+        for name, q in self.preset.items():  # the checkpoint's FP8 experts, tensor by tensor
+            view = model.weight_view(name) if experts is not None and ".experts." in name else None
+            if view is not None and experts.owner(view) is not None:  # else: kept dequantized
+                module, parts = experts.parts(view)
+                module.put(*parts[0], _on(q, module.w13.device))
+        if static_scales:
+            store.input_scales = attach_input_scales(model, [
+                (m, [self.names[(id(m), row)] for row, _, _ in m.qparts])
+                for m in self.modules.values() if m.qformat == "fp8_block"])
+        model.fp8_weights = store
+        return store
+
+
+def _quantize_linear(module: nn.Linear, parts: list[tuple[int, int, str]], contract: Contract,
+                     preset: dict[str, QTensor]) -> QuantizedLinear:
+    """`module` (holding the HF tensors `parts`: first row, rows, name) as a QuantizedLinear."""
+    covered = sum(rows for _, rows, _ in parts)
+    if covered != module.weight.shape[0]:
+        raise ValueError(f"{parts[0][2]}: its fused linear mixes quantized and bf16 tensors; "
+                         "override all tensors of one fused projection alike")
+    fmt = contract.tensor_format(parts[0][2], "rollout")
+    module.__class__ = QuantizedLinear
+    module.qformat = fmt
+    module.weight.requires_grad_(False)
+    w = module.weight
+    joint = fmt == "nvfp4" and any(n.endswith("gate_proj.weight") for _, _, n in parts)
+    module.qjoint = joint
+    module.qfour = contract.four_over_six
+    # A preset part (an FP8 checkpoint's own tensor) is stored as it is: no float copy of
+    # the loaded weights, no quantization.
+    qs = (quantize_weight_parts([w[row:row + rows].float() for row, rows, _ in parts], fmt,
+                                contract, [n for _, _, n in parts]) if joint else
+          [_on(preset[n], w.device) if n in preset and preset[n].fmt == fmt
+           else quantize_weight_parts([w[row:row + rows].float()], fmt, contract, [n])[0]
+           for row, rows, n in parts])
+    module.qparts = [(row, rows, None) for row, rows, _ in parts]  # type: ignore[misc]
+    module.native = _native(module, fmt, parts)
+    if fmt == "int4":  # packed on every device: a quarter of bf16's bytes (plus scales)
+        n, k = module.weight.shape
+        dev = module.weight.device
+        module.weight = nn.Parameter(torch.empty(n, -(-k // 2), dtype=torch.uint8, device=dev),
+                                     requires_grad=False)
+        module.register_buffer("weight_scale", torch.empty(
+            n, -(-k // INT4_GROUP), dtype=torch.float32, device=dev))
+        if dev.type == "cuda":  # probe the W4A16 kernel now, not inside a graph capture
+            from milepost.kernels.int4_gemm import kernel_ok
+
+            kernel_ok(dev)
+    elif module.native:  # the weight becomes its fp8 values; bytes read per step halve
+        n, k = module.weight.shape
+        module.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn,
+                                                 device=module.weight.device), requires_grad=False)
+        module.register_buffer("weight_scale", torch.empty(
+            -(-n // 128), -(-k // 128), dtype=torch.float32, device=module.weight.device))
+    for j, (q, (row, rows, n)) in enumerate(zip(qs, parts)):
+        if fmt == "fp8_block" and n in preset and not module.native:
+            module.qparts[j] = (row, rows, q)  # the loader wrote dequantize(q) there already
+        else:
+            module.put(j, q)
+    return module
 
 
 def _on(q: QTensor, device: torch.device) -> QTensor:

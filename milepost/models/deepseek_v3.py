@@ -180,10 +180,13 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
         """Engine: gate/up of the dense layers' MLPs into one GEMM (MLA's projections stay apart)."""
         if self._fused:
             return
+        for i in range(self.num_layers):
+            self.fuse_layer(i)
+
+    def fuse_layer(self, i: int) -> None:
         self.hf_weight_names()
-        for i, layer in enumerate(self.model.layers):
-            if isinstance(layer.mlp, GatedMLP):
-                self._fuse(f"model.layers.{i}.mlp", layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
+        if isinstance(self.model.layers[i].mlp, GatedMLP):
+            self._fuse(f"model.layers.{i}.mlp", self.model.layers[i].mlp, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> tuple[int, int]:
         """(MLA latent bytes per token over all layers, what standard attention with the same heads

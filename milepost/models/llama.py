@@ -112,12 +112,17 @@ class DecoderLM(nn.Module):
         """
         if self._fused:
             return
+        for i in range(self.num_layers):
+            self.fuse_layer(i)
+
+    def fuse_layer(self, i: int) -> None:
+        """`fuse_projections` for decoder layer i alone: a quantized engine start fuses and
+        quantizes each layer as it loads (lowprec/engine_load.py)."""
         self.hf_weight_names()  # the HF names are fixed before the modules change
-        for i, layer in enumerate(self.model.layers):
-            self._fuse(f"model.layers.{i}.self_attn", layer.self_attn,
-                       ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-            if isinstance(layer.mlp, GatedMLP):
-                self._fuse(f"model.layers.{i}.mlp", layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
+        layer = self.model.layers[i]
+        self._fuse(f"model.layers.{i}.self_attn", layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        if isinstance(layer.mlp, GatedMLP):
+            self._fuse(f"model.layers.{i}.mlp", layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def _fuse(self, prefix: str, module: nn.Module, parts: tuple[str, ...], fused_name: str) -> None:
         linears = [getattr(module, p) for p in parts]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Literal
@@ -60,6 +62,9 @@ MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
 # Static FP8 activation scales (`<module>.input_scale`) are not weights of the model: an engine
 # with `--fp8-activation-scheme static` reads them after quantizing (lowprec/engine_scales.py).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale")
+_LAYER_OF = re.compile(r"model\.layers\.(\d+)\.")
+# load_native's per-layer hook: (model, the layer's HF prefix "model.layers.N", the layer)
+UnitHook = Callable[[CausalLM, str, torch.nn.Module], None]
 
 
 def model_class(hf_config: object) -> type[DecoderLM]:
@@ -97,13 +102,14 @@ def checkpoint_config(path: str | Path, trust_remote_code: bool = False) -> obje
 def load_model(
     path: str | Path, dtype: torch.dtype, device: torch.device | str, *,
     backend: Backend = "auto", trust_remote_code: bool = False,
-    fp8_weights: dict[str, QTensor] | None = None,
+    fp8_weights: dict[str, QTensor] | None = None, on_layer: UnitHook | None = None,
 ) -> CausalLM:
     """The model for the Hugging Face directory `path`: native when possible, else the fallback.
 
     backend "native" refuses with the reason instead of falling back; "transformers" always
     loads the fallback (e.g. to compare against it). An FP8 blockwise checkpoint loads natively
     only, dequantized into `dtype` (`load_native`); `fp8_weights` receives its QTensors.
+    `on_layer`: `load_native`'s per-layer hook (the fallback loads whole and never calls it).
     """
     config = checkpoint_config(path, trust_remote_code)
     reason = "custom modeling code (auto_map)" if getattr(config, "auto_map", None) else native_reason(config)
@@ -121,7 +127,7 @@ def load_model(
         return load_fallback(path, dtype, device, trust_remote_code=trust_remote_code)
     if reason is not None:
         raise ValueError(f"{path}: no native path: {reason}")
-    return load_native(path, dtype, device, fp8_weights=fp8_weights)
+    return load_native(path, dtype, device, fp8_weights=fp8_weights, on_layer=on_layer)
 
 
 def _arch(config: object) -> str:
@@ -130,27 +136,53 @@ def _arch(config: object) -> str:
 
 
 def build_model(hf_config: object, dtype: torch.dtype, device: torch.device | str,
-                mtp_layers: int = 0) -> CausalLM:
+                mtp_layers: int = 0, layers_on_meta: bool = False) -> CausalLM:
     """An uninitialized model (parameters hold garbage) in `dtype` on `device`; fill it via weight_view.
 
-    mtp_layers: multi-token-prediction layers to build too (models/mtp.py; DeepSeek-V3 only)."""
+    mtp_layers: multi-token-prediction layers to build too (models/mtp.py; DeepSeek-V3 only).
+    layers_on_meta: the decoder (and MTP) layers stay on the meta device, holding no memory,
+    until `materialize` gives each its storage (`load_native`'s layer-by-layer load)."""
     cls = model_class(hf_config)
     # Build on meta so no time is spent on random init, then allocate storage once in place.
     with on_meta():
         model = cls(hf_config)
         if mtp_layers:
             model.attach_mtp(mtp_layers)
-    # Storage allocated with torch.empty, not `to_empty`: its empty_like of a meta tensor runs
-    # torch's Python reference kernel, whose first use imports sympy (~0.6 s of CPU per process).
-    model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model = model.to(dtype=dtype)
+    if layers_on_meta:
+        inside = {id(m) for _, unit in layer_units(model) for m in unit.modules()}
+        for m in model.modules():
+            if id(m) not in inside:
+                materialize(m, device, recurse=False)
+    else:
+        materialize(model, device)
     if model.tie_word_embeddings:  # new storage keeps ties only if they are re-established
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
 
 
+def materialize(module: torch.nn.Module, device: torch.device | str, recurse: bool = True) -> None:
+    """Give `module`'s meta parameters and buffers uninitialized storage on `device`."""
+    # torch.empty, not `to_empty`: its empty_like of a meta tensor runs torch's Python
+    # reference kernel, whose first use imports sympy (~0.6 s of CPU per process).
+    module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), recurse=recurse)
+
+
+def layer_units(model: CausalLM) -> list[tuple[str, torch.nn.Module]]:
+    """(HF prefix, module) of each decoder layer and then each MTP layer, in checkpoint order:
+    `model.layers.{i}` for both (an MTP layer i is checkpoint layer num_layers + i)."""
+    layers = [*model.model.layers, *getattr(model, "mtp", ())]
+    return [(f"model.layers.{i}", layer) for i, layer in enumerate(layers)]
+
+
 def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str, *,
-                fp8_weights: dict[str, QTensor] | None = None) -> CausalLM:
+                fp8_weights: dict[str, QTensor] | None = None, on_layer: UnitHook | None = None) -> CausalLM:
     """Build the native model for the Hugging Face directory `path` and load all its safetensors shards.
+
+    Tensors load layer by layer (the embeddings, final norm and head first, then each decoder
+    layer, then any MTP layer). `on_layer(model, hf_prefix, layer)`: the layers then stay on the
+    meta device until their turn, and each is handed to `on_layer` once its tensors are in (an
+    engine quantizes it there), so no more than one layer is held as loaded at a time.
 
     A quantized checkpoint (FP8 or INT4, lowprec/quant_checkpoint.py): each quantized weight is
     dequantized into its view (values times scales in float32, checkpoint_weights.dequantize_weight,
@@ -166,7 +198,8 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
     # MTP layers are built when the weights hold them (the config's count alone is no evidence:
     # transformers' DeepseekV3Config defaults it to 1); the trainer then keeps and exports them too.
     mtp = mtp_layers_in_checkpoint(path, config) if getattr(model_class(config), "supports_mtp", False) else 0
-    model = build_model(config, dtype, device, mtp_layers=mtp)
+    model = build_model(config, dtype, device, mtp_layers=mtp, layers_on_meta=on_layer is not None)
+    units = layer_units(model)
     expected = set(model.hf_weight_names())
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -175,13 +208,23 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
         handles = [stack.enter_context(safe_open(str(s), framework="pt", device="cpu")) for s in shards]
         # A weight's scales may sit in another shard: index them first (names only).
         scale_of = {n: h for h in handles for n in h.keys() if is_companion(ckpt, n)}
+        by_unit: dict[int, list[tuple[str, Path, object]]] = {}
         for shard, f in zip(shards, handles):
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (mtp and is_mtp_copy(name, config.num_hidden_layers)):
                     continue
                 if name in scale_of:
                     continue  # read with its weight
+                m = _LAYER_OF.match(name)
+                unit = int(m.group(1)) if m and int(m.group(1)) < len(units) else -1
+                by_unit.setdefault(unit, []).append((name, shard, f))
+        for i in range(-1, len(units)):  # -1: outside the layers (a name of no layer: unexpected)
+            if on_layer is not None and i >= 0:
+                materialize(units[i][1], device)
+            for name, shard, f in by_unit.get(i, ()):
                 loaded.update(_load_tensor(model, name, shard, f, scale_of, ckpt, fp8_weights, unexpected))
+            if on_layer is not None and i >= 0:
+                on_layer(model, *units[i])
     orphans = sorted(n for n in scale_of if n not in loaded)
     if orphans:
         raise ValueError(f"{path}: scales without a quantized weight: {_short(orphans)}")
