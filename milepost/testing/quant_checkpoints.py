@@ -63,10 +63,12 @@ def compressed_config(weights: dict[str, Any], inputs: dict[str, Any] | None, fm
 
 
 def write_fp8(src: Path, dst: Path, scales: str, style: str = "compressed-tensors",
-              keep: tuple[str, ...] = (), seed: int = 5) -> dict[str, torch.Tensor]:
+              keep: tuple[str, ...] = (), seed: int = 5, input_scale: float | None = None,
+              ) -> dict[str, torch.Tensor]:
     """An FP8 checkpoint with one scale per tensor (`scales="tensor"`) or per output row
     (`"channel"`); `style` "hf" writes AutoFP8's layout (per-tensor only). Modules under `keep`
-    stay in bf16 (the ignore list). Returns the tensors written."""
+    stay in bf16 (the ignore list). `input_scale`: static activation scales, this value for
+    every quantized linear (`X.input_scale`). Returns the tensors written."""
     dst.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
@@ -79,15 +81,20 @@ def write_fp8(src: Path, dst: Path, scales: str, style: str = "compressed-tensor
         s = torch.rand((rows, 1) if scales == "channel" else (1,), generator=g) * 1e-3 + 1e-5
         # compressed-tensors stores scales in the model dtype (bf16); AutoFP8 in float32, as a scalar.
         out[n.removesuffix("weight") + "weight_scale"] = s.reshape(()) if style == "hf" else s.bfloat16()
+        if input_scale is not None:
+            out[n.removesuffix("weight") + "input_scale"] = torch.tensor([input_scale])
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     ignore = ["lm_head", *keep]
     if style == "hf":
-        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ignore}
+        scheme = "static" if input_scale is not None else "dynamic"
+        qc = {"quant_method": "fp8", "activation_scheme": scheme, "ignored_layers": ignore}
     else:
+        inputs = ({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+                  if input_scale is not None else
+                  {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True})
         qc = compressed_config(
             {"num_bits": 8, "type": "float", "strategy": scales, "symmetric": True, "dynamic": False},
-            {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
-            "float-quantized", ignore)
+            inputs, "float-quantized", ignore)
     _config(src, dst, qc)
     return out
 

@@ -100,6 +100,16 @@ def test_per_tensor_fp8_is_the_blockwise_store_with_uniform_tiles(src: Path, tmp
     assert _greedy(engine) == _greedy(build_engine(_args(block))[0])
 
 
+def test_static_input_scales_of_a_per_tensor_checkpoint(src: Path, tmp_path: Path) -> None:
+    """compressed-tensors' FP8 scheme (per-tensor weights, static per-tensor inputs): the
+    static fp8_block engine with the checkpoint's input scales."""
+    write_fp8(src, tmp_path / "st", "tensor", input_scale=0.0123)
+    args = _args(tmp_path / "st")
+    assert args.quantization == "fp8_block" and args.fp8_activation_scheme == "static"
+    qkv = build_engine(args)[0].runner.model.model.layers[1].self_attn.qkv_proj
+    assert qkv.qstatic and torch.equal(qkv.input_scale, torch.full((3,), 0.0123))
+
+
 def test_the_trainer_loads_what_each_checkpoint_means(src: Path, tmp_path: Path) -> None:
     """The FSDP trainer's loader (fp32 master weights) and the Megatron reader's
     dequantize_state: the checkpoint's values times its scales, bit for bit."""
