@@ -3,8 +3,9 @@
 Both train the same checkpoint on the same random batch (samples x (prompt + response) tokens,
 N(0, 1) advantages, one optimizer step per batch): milepost's `FSDPBackend.train_step` on one
 rank (with --backend megatron|both, the Megatron backend's too; with --precision other than bf16, the
-same trainer in bf16 as well), then the transformers loop of train_hf.py. Prints tokens/s (all tokens of the batch over
-the median step time), MFU (model FLOPs / step time / device peak), peak memory and the ratio.
+same trainer in bf16 as well, --fp8-scaling delayed or not), then the transformers loop of train_hf.py.
+Prints tokens/s (all tokens of the batch over the median step time), MFU (model FLOPs / step time /
+device peak), peak memory and the ratio.
 Also runnable as `python -m milepost.bench.train` (needs no pydantic, unlike the CLI).
 """
 
@@ -80,19 +81,22 @@ def _rank(rank: int, world: int, path: str, args: TrainBenchArgs, vocab: int) ->
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     tokens, adv, batch = _batch(args, vocab)
-    sides = [("milepost", "fsdp", args.precision), ("megatron", "megatron", args.precision)]
+    sides = [("milepost", "fsdp", args.precision, args.fp8_scaling),
+             ("megatron", "megatron", args.precision, args.fp8_scaling)]
     if args.precision != "bf16":  # the same trainer unquantized, in this run: the format's speed-up
-        sides.append(("milepost_bf16", "fsdp", "bf16"))
+        sides.append(("milepost_bf16", "fsdp", "bf16", "current"))
     out = {}
-    for side, name, precision in sides:
+    for side, name, precision, fp8_scaling in sides:
         if args.backend in (name, "both"):
             settings = TrainerSettings(
                 lr=1e-6, global_batch_size=args.samples, max_tokens_per_micro_batch=args.micro_batch_tokens,
                 device=args.device, dtype="bfloat16" if cuda else "float32",
                 activation_checkpointing=args.activation_checkpointing, compile_layers=args.compile_layers,
-                fused_kernels=args.fused_kernels, precision=precision)
+                fused_kernels=args.fused_kernels, precision=precision, fp8_scaling=fp8_scaling)
             trainer = create_backend(path, settings, name)
             out[side] = _timed(trainer, batch, args.steps, device)
+            if getattr(trainer, "fp8_scaling", None) is not None:  # delayed: steps in its amax history
+                out[side]["fp8_history_steps"] = trainer.fp8_scaling.updates
             del trainer
             _release(device)
     if args.hf:
@@ -123,6 +127,7 @@ def run(args: TrainBenchArgs) -> dict:
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "activation_checkpointing": args.activation_checkpointing, "compile_layers": args.compile_layers,
               "fused_kernels": args.fused_kernels, "precision": args.precision,
+              "fp8_scaling": args.fp8_scaling,
               "micro_batch_tokens": args.micro_batch_tokens, "flops_per_step": flops}
     for side, r in res.items():
         step = statistics.median(r["step_times"])
@@ -153,7 +158,8 @@ def _print(report: dict) -> None:
     if "ratio" in report:
         print(f"  ratio     {report['ratio']:.2f}x (milepost / Hugging Face loop, same run)")
     if "precision_ratio" in report:
-        print(f"  {report['precision']:13s} {report['precision_ratio']:.2f}x the bf16 trainer's tokens/s (same run)")
+        fmt = report["precision"] + (" delayed" if report.get("fp8_scaling") == "delayed" else "")
+        print(f"  {fmt:13s} {report['precision_ratio']:.2f}x the bf16 trainer's tokens/s (same run)")
     if "megatron_ratio" in report:
         print(f"  megatron  {report['megatron_ratio']:.2f}x the FSDP backend's tokens/s (same run)")
 

@@ -41,6 +41,7 @@ class TrainBenchArgs:
     fused_kernels: bool = True
     backend: str = "fsdp"  # fsdp | megatron | both (docs/megatron.md)
     precision: str = "bf16"  # milepost's trainer format (docs/low_precision.md)
+    fp8_scaling: str = "current"  # fp8_block: per-block (current) or per-tensor delayed scales
 
     @property
     def seq_len(self) -> int:
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("bf16", "fp8_block", "mxfp8", "nvfp4", "int4"),
                    default="bf16", help="milepost's trainer format (TrainerSettings.precision; "
                    "docs/low_precision.md); the HF loop stays unquantized")
+    p.add_argument("--fp8-scaling", choices=("current", "delayed"), default="current",
+                   help="--precision fp8_block: activation and gradient scales per 1 x 128 block "
+                   "(current) or per tensor from the amax history (delayed; TrainerSettings.fp8_scaling). "
+                   "The warm-up step has no history yet; the timed steps run the per-tensor GEMMs")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the Hugging Face loop and print the ratio")
     p.add_argument("--hf-micro-batch", type=int, help="samples per HF micro-batch (default: by tokens)")
@@ -97,6 +102,10 @@ def parse_args(argv: list[str] | None) -> TrainBenchArgs:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
     if ns.compile_layers and ns.activation_checkpointing != "none":
         parser.error("--compile-layers with --activation-checkpointing layer is not supported yet: choose one")
+    if ns.fp8_scaling == "delayed" and ns.precision != "fp8_block":
+        parser.error(f"--fp8-scaling delayed needs --precision fp8_block; got --precision {ns.precision}")
+    if ns.fp8_scaling == "delayed" and ns.backend != "fsdp":
+        parser.error("--fp8-scaling delayed runs on the FSDP backend only; use --backend fsdp")
     if ns.layers is not None and ns.shape is None:
         parser.error("--layers applies to --shape only (a --model directory is trained whole)")
     if ns.model is not None and not (ns.model / "config.json").is_file():
@@ -109,7 +118,7 @@ def parse_args(argv: list[str] | None) -> TrainBenchArgs:
     return TrainBenchArgs(ns.model, ns.shape, ns.layers, ns.samples, ns.prompt, ns.response, ns.steps,
                           ns.micro_batch_tokens, ns.activation_checkpointing, ns.compile_layers, ns.hf, ns.hf_micro_batch,
                           device, ns.peak_tflops, ns.seed, ns.json_out, ns.fused_kernels, ns.backend,
-                          ns.precision)
+                          ns.precision, ns.fp8_scaling)
 
 
 def shape_config(shape: str, layers: int | None):

@@ -24,12 +24,18 @@ def test_bench_train_reports_both_sides_and_the_ratio(tmp_path: Path, capsys: py
     assert "ratio" in capsys.readouterr().out
 
 
-def test_bench_train_times_a_quantized_trainer_beside_bf16(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_bench_train_times_a_quantized_trainer_beside_bf16(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                           scaling: str) -> None:
     out = tmp_path / "r.json"
     assert main(["bench", "train", "--shape", "tiny", "--samples", "2", "--prompt", "8", "--response", "8",
-                 "--steps", "1", "--precision", "fp8_block", "--no-hf", "--json-out", str(out)]) == 0
+                 "--steps", "1", "--precision", "fp8_block", "--fp8-scaling", scaling, "--no-hf",
+                 "--json-out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert "hf" not in report and report["precision"] == "fp8_block"
+    assert "hf" not in report and report["precision"] == "fp8_block" and report["fp8_scaling"] == scaling
+    # delayed: the warm-up and the timed step each entered the amax history; bf16 has none
+    assert report["milepost"].get("fp8_history_steps") == (2 if scaling == "delayed" else None)
+    assert "fp8_history_steps" not in report["milepost_bf16"]
     assert report["precision_ratio"] == pytest.approx(
         report["milepost"]["tokens_per_s"] / report["milepost_bf16"]["tokens_per_s"])
     assert "the bf16 trainer's tokens/s" in capsys.readouterr().out
@@ -39,6 +45,9 @@ def test_bench_train_times_a_quantized_trainer_beside_bf16(tmp_path: Path, capsy
     (["--shape", "tiny", "--samples", "0"], "--samples must be >= 1"),
     (["--model", "/nonexistent"], "has no config.json"),
     (["--shape", "tiny", "--prompt", "4000", "--response", "200"], "max_position_embeddings (4096)"),
+    (["--shape", "tiny", "--fp8-scaling", "delayed"], "--fp8-scaling delayed needs --precision fp8_block"),
+    (["--shape", "tiny", "--precision", "fp8_block", "--fp8-scaling", "delayed", "--backend", "both"],
+     "FSDP backend only"),
 ])
 def test_bench_train_refuses_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     try:
