@@ -41,6 +41,12 @@ def quantize_per_tensor(t: torch.Tensor, scale: torch.Tensor, bad: torch.Tensor
     return el.to_e4m3(t.detach().float() / s), s
 
 
+def block_scales(s: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """0-d scale -> [m, k/128] block scales, all equal, M-major (stride 1 along M): the layout
+    cuBLAS's block-scaled GEMM reads, so scaled_mm_block needs no copy of the operand."""
+    return s.expand(k // TILE, m).contiguous().t()
+
+
 def _pad_tokens(q: torch.Tensor, multiple: int) -> torch.Tensor:
     """q [R, T] fp8 -> [R, T'] with T' the next multiple: zero bytes (E4M3 +0) add nothing."""
     pad = (-q.shape[1]) % multiple
@@ -146,7 +152,7 @@ class DelayedFp8NativeFn(torch.autograd.Function):
         per_tensor = state.seen(slots[0])
         if per_tensor:
             xq, s0 = quantize_per_tensor(x2, scale, bad)
-            sx = s0.expand(m, k // TILE)
+            sx = block_scales(s0, m, k)
         else:  # no history yet: its own 1 x 128 blocks (qdq_input with scale 0)
             xq, sx = quantize_input_blocks(x2, scale)
         ctx.save_for_backward(xq, sx, wv, ws)
@@ -163,7 +169,7 @@ class DelayedFp8NativeFn(torch.autograd.Function):
         gy2 = gy.reshape(-1, gy.shape[-1])
         gq, sg = quantize_per_tensor(gy2, *ctx.state.operand_scale(gy, ctx.gy_slot, True))
         # data gradient: contracts over the output features, the weight's tiles transposed
-        gx = static_block_mm(gq, sg.expand(gq.shape[0], gq.shape[1] // TILE), wv.t().contiguous(),
+        gx = static_block_mm(gq, block_scales(sg, *gq.shape), wv.t().contiguous(),
                              ws.t().contiguous(), gy.dtype, ctx.gemms[0])
         if ctx.per_tensor:  # weight gradient: contracts over the tokens, both scales scalars
             gw = tensorwise_mm(gq.t().contiguous(), sg, xq.t().contiguous(), sx[0, 0].clone(),

@@ -21,7 +21,8 @@ depend on how the batch was split, then pushed into the history and the scales r
 with no positive amax in its history yet (the first step) quantizes as current scaling does: an
 input by 1 x 128 blocks (what an engine without a scale does: the first rollout matches too), an
 output gradient by its own per-tensor amax; TE starts from scale 1, which would flush small
-gradients to zero in E4M3.
+gradients to zero in E4M3. On CUDA devices with FP8 GEMMs the linears run them natively on
+these values (milepost/kernels/fp8_delayed.py); elsewhere the GEMMs are emulated.
 """
 
 from __future__ import annotations
