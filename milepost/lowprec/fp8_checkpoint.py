@@ -11,19 +11,13 @@ from typing import TYPE_CHECKING
 
 from milepost.lowprec.quant_checkpoint import CheckpointQuant, checkpoint_quant
 
-if TYPE_CHECKING:  # detection (fp8_checkpoint, unquantized_weights) runs in the config check, without torch
+if TYPE_CHECKING:  # unquantized_weights runs in the config check, without torch
     import torch
 
     from milepost.lowprec.quantize import QTensor
 
 SCALE_INV_SUFFIX = ".weight_scale_inv"
 _BLOCK = CheckpointQuant("fp8_block", "dynamic", (), SCALE_INV_SUFFIX)
-
-
-def fp8_checkpoint(path: str | Path) -> CheckpointQuant | None:
-    """The quantized layout of the checkpoint at `path` (FP8 or INT4, quant_checkpoint.py), None
-    for an unquantized one; a layout the engines cannot hold exactly raises ValueError."""
-    return checkpoint_quant(path)
 
 
 def checkpoint_qtensor(name: str, weight: torch.Tensor, scale_inv: torch.Tensor | None) -> QTensor:
