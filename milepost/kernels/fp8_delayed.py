@@ -9,8 +9,10 @@ is the engines' computation. The weight gradient (gy^T x, summed over the tokens
 per-tensor operands: `torch._scaled_mm` with two scalar scales (row-major A, column-major B, the
 tokens zero-padded to a multiple of 16). Inputs still in 1 x 128 blocks along the features (the
 first step) cannot enter an FP8 GEMM over the tokens: that weight gradient runs dequantized in
-the model dtype, as emulated. What differs from the emulated path is the order of the sums and
-the emulated operands' rounding to the model dtype (the native GEMMs scale in fp32).
+the model dtype, as emulated. A tensor whose slot has history is quantized in one Triton pass
+that also takes its amax (fp8_quant.py `quantize_tensor_e4m3`). What differs from the emulated
+path: the order of the sums, and the emulated operands' rounding to the model dtype (the native
+GEMMs scale in fp32).
 """
 
 from __future__ import annotations
@@ -45,6 +47,28 @@ def block_scales(s: torch.Tensor, m: int, k: int) -> torch.Tensor:
     """0-d scale -> [m, k/128] block scales, all equal, M-major (stride 1 along M): the layout
     cuBLAS's block-scaled GEMM reads, so scaled_mm_block needs no copy of the operand."""
     return s.expand(k // TILE, m).contiguous().t()
+
+
+def quantize_operand(state: DelayedScaling, t2: torch.Tensor, slot: int, record: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """t2 [M, K] as `slot` quantizes it -> (float8 [M, K], float32 block scales [M, K/128],
+    whether one scale serves the tensor). With history: one Triton pass (elements, amax, NaN/Inf
+    check); a tensor holding NaN/Inf gets a NaN scale, so every product with it is NaN, as
+    emulated. The first step's tensors take the torch quantizers (inputs: their 1 x 128 blocks)."""
+    from milepost.kernels.fp8_quant import quantize_tensor_e4m3
+    from milepost.lowprec.delayed import quantize_input_blocks
+
+    m, k = t2.shape
+    if state.seen(slot):
+        q, amax, bad = quantize_tensor_e4m3(t2, state.scale[slot])
+        if record:
+            state.record(slot, amax)
+        return q, block_scales(torch.where(bad, torch.nan, state.scale[slot]), m, k), True
+    scale, bad = state.operand_scale(t2, slot, record)
+    if slot % 2 == 0:  # an input ("x" slots are even), no history: qdq_input with scale 0
+        return *quantize_input_blocks(t2, scale), False
+    q, s = quantize_per_tensor(t2, scale, bad)
+    return q, block_scales(s, m, k), True
 
 
 def _pad_tokens(q: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -144,17 +168,8 @@ class DelayedFp8NativeFn(torch.autograd.Function):
                 state: DelayedScaling, slots: tuple[int, int], record: bool,
                 gemms: Gemms) -> torch.Tensor:
         from milepost.kernels.fp8_gemm import static_block_mm
-        from milepost.lowprec.delayed import quantize_input_blocks
 
-        x2 = x.reshape(-1, x.shape[-1])
-        m, k = x2.shape
-        scale, bad = state.operand_scale(x, slots[0], record)
-        per_tensor = state.seen(slots[0])
-        if per_tensor:
-            xq, s0 = quantize_per_tensor(x2, scale, bad)
-            sx = block_scales(s0, m, k)
-        else:  # no history yet: its own 1 x 128 blocks (qdq_input with scale 0)
-            xq, sx = quantize_input_blocks(x2, scale)
+        xq, sx, per_tensor = quantize_operand(state, x.reshape(-1, x.shape[-1]), slots[0], record)
         ctx.save_for_backward(xq, sx, wv, ws)
         ctx.state, ctx.gy_slot, ctx.gemms, ctx.per_tensor = state, slots[1], gemms, per_tensor
         ctx.x_shape, ctx.w_dtype = x.shape, weight.dtype
@@ -166,15 +181,12 @@ class DelayedFp8NativeFn(torch.autograd.Function):
         from milepost.kernels.fp8_gemm import static_block_mm
 
         xq, sx, wv, ws = ctx.saved_tensors
-        gy2 = gy.reshape(-1, gy.shape[-1])
-        gq, sg = quantize_per_tensor(gy2, *ctx.state.operand_scale(gy, ctx.gy_slot, True))
+        gq, sg, _ = quantize_operand(ctx.state, gy.reshape(-1, gy.shape[-1]), ctx.gy_slot, True)
         # data gradient: contracts over the output features, the weight's tiles transposed
-        gx = static_block_mm(gq, block_scales(sg, *gq.shape), wv.t().contiguous(),
-                             ws.t().contiguous(), gy.dtype, ctx.gemms[0])
+        gx = static_block_mm(gq, sg, wv.t().contiguous(), ws.t().contiguous(), gy.dtype, ctx.gemms[0])
         if ctx.per_tensor:  # weight gradient: contracts over the tokens, both scales scalars
-            gw = tensorwise_mm(gq.t().contiguous(), sg, xq.t().contiguous(), sx[0, 0].clone(),
-                               gy.dtype, ctx.gemms[1])
+            gw = tensorwise_mm(gq.t().contiguous(), sg[0, 0].clone(), xq.t().contiguous(),
+                               sx[0, 0].clone(), gy.dtype, ctx.gemms[1])
         else:
-            g = (gq.float() * sg).to(gy.dtype)
-            gw = g.t() @ _dequantize(xq, sx, gy.dtype)
+            gw = _dequantize(gq, sg, gy.dtype).t() @ _dequantize(xq, sx, gy.dtype)
         return gx.reshape(ctx.x_shape), gw.to(ctx.w_dtype), None, None, None, None, None, None

@@ -1,7 +1,8 @@
 """The FP8 activation quantizer of the H200 GEMMs: 1x128 blocks, bit for bit what
 milepost.lowprec.quantize gives (scale = amax / 448 with IEEE division, round-to-nearest-even
 saturating E4M3, a block with NaN/Inf gets a NaN scale), so the engine's and the trainer's
-activations stay in the contract; shared by fp8_gemm.py and fp8_decode.py.
+activations stay in the contract; shared by fp8_gemm.py and fp8_decode.py. Also the delayed-scaling
+trainer's per-tensor quantizer (`quantize_tensor_e4m3`: a given scale, the amax in the same pass).
 """
 
 from __future__ import annotations
@@ -86,3 +87,33 @@ def quantize_act_1x128(x: torch.Tensor, pad_rows: int = 1,
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+@triton.jit
+def _quant_tensor_kernel(X, Q, S, AMAX, BAD, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    finite = tl.abs(x) < float("inf")  # False for NaN and +-Inf; masked lanes are 0: finite
+    tl.store(AMAX + pid, tl.max(tl.where(finite, tl.abs(x), 0.0), 0))
+    tl.store(BAD + pid, 1 - tl.min(finite.to(tl.int32), 0))
+    y = tl.math.div_rn(x, tl.load(S))
+    tl.store(Q + offs, _round_e4m3(y).to(tl.float8e4nv), mask=mask)
+
+
+def quantize_tensor_e4m3(x: torch.Tensor, scale: torch.Tensor, block: int = 4096
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (any shape) under one float32 0-d `scale` -> (float8_e4m3fn like x, float32 0-d amax of
+    its finite values, bool 0-d "holds NaN/Inf") in one pass over x: the elements are
+    `to_e4m3(x / scale)` bit for bit (IEEE division, nearest-even, saturating), the amax the
+    delayed-scaling history records. No host sync."""
+    x = x.contiguous()
+    n = x.numel()
+    parts = max(1, triton.cdiv(n, block))
+    q = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+    amax = torch.zeros(parts, dtype=torch.float32, device=x.device)
+    bad = torch.zeros(parts, dtype=torch.int32, device=x.device)
+    if n:
+        _quant_tensor_kernel[(parts,)](x, q, scale.float().contiguous(), amax, bad, n, BLOCK=block)
+    return q, amax.amax(), bad.amax() > 0

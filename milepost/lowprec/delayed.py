@@ -128,12 +128,16 @@ class DelayedScaling:
         input (its own 1 x 128 blocks) and the tensor's own amax's for an output gradient."""
         amax, bad = _amax(x)
         if record:
-            self.pending[slot] = torch.maximum(self.pending[slot], amax)
+            self.record(slot, amax)
         if self._seen[slot]:
             return self.scale[slot], bad
         if slot % 2 == 0:  # an input ("x" slots are even)
             return torch.zeros((), dtype=torch.float32, device=x.device), bad
         return self._current_scale(amax), bad
+
+    def record(self, slot: int, amax: torch.Tensor) -> None:
+        """Max a tensor's amax (float32 0-d, its finite values') into this step's slot."""
+        self.pending[slot] = torch.maximum(self.pending[slot], amax)
 
     def seen(self, slot: int) -> bool:
         """Whether `slot` has a positive amax in its history (host copy: no device sync)."""

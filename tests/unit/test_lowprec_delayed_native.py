@@ -1,5 +1,5 @@
 """The delayed-scaling linears' native FP8 path (kernels/fp8_delayed.py) against the emulated one
-on CPU: the weight gradient through torch's real `_scaled_mm` with scalar scales (the CPU build
+on CPU: the one-pass Triton quantizer under Triton's interpreter, the weight gradient through torch's real `_scaled_mm` with scalar scales (the CPU build
 has it), the block-scaled forward and data-gradient GEMMs through their emulated backend (the
 CPU build has no block scaling): the same quantized operands, the same recorded amaxes, outputs
 equal up to the sums' order and the emulated operands' rounding to the model dtype."""
@@ -15,6 +15,8 @@ from milepost.kernels.fp8_delayed import (
     runs_native,
     tensorwise_mm,
 )
+from milepost.kernels.fp8_quant import quantize_tensor_e4m3
+from milepost.lowprec import elements as el
 from milepost.lowprec.contract import Contract
 from milepost.lowprec.delayed import DelayedScaling, DelayedSettings, attach_delayed, qdq_per_tensor
 from milepost.lowprec.linear import apply_train_precision
@@ -87,6 +89,20 @@ def test_non_finite_input_gives_nan_on_both_paths() -> None:
     emulated, native = _run(m, state, x, gy, False), _run(m, state, x, gy, True)
     assert emulated[0].isnan().all() and native[0].isnan().all()  # never a wrong finite value
     assert native[2].isnan().all() and emulated[2].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_quantizer_gives_the_torch_bits_amax_and_bad_flag(dtype: torch.dtype) -> None:
+    """The Triton pass (interpreted on CPU) the native path quantizes with once a slot has history."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(37, 300, generator=g) * torch.logspace(-7, 3, 300)).to(dtype)  # subnormals..saturation
+    x[0, :3] = torch.tensor([-0.0, 2e4, -2e4])
+    scale = torch.tensor(0.3 * x.float().abs().amax().item() / 448.0)
+    q, amax, bad = quantize_tensor_e4m3(x, scale, block=1024)  # 11 100 elements: a partial block
+    assert torch.equal(q.view(torch.uint8), el.to_e4m3(x.float() / scale).view(torch.uint8))
+    assert amax == x.float().abs().amax() and not bad
+    x[5, 9] = torch.nan
+    assert quantize_tensor_e4m3(x, scale, block=1024)[2]
 
 
 def test_per_tensor_gemm_on_cpu_scaled_mm_equals_the_dequantized_product() -> None:
