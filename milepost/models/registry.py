@@ -209,15 +209,16 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
         # A weight's scales may sit in another shard: index them first (names only).
         scale_of = {n: h for h in handles for n in h.keys() if is_companion(ckpt, n)}
         by_unit: dict[int, list[tuple[str, Path, object]]] = {}
-        for shard, f in zip(shards, handles):
+        last_use = [-1] * len(handles)  # the last layer that reads each shard (its scales too)
+        for k, (shard, f) in enumerate(zip(shards, handles)):
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (mtp and is_mtp_copy(name, config.num_hidden_layers)):
                     continue
-                if name in scale_of:
-                    continue  # read with its weight
                 m = _LAYER_OF.match(name)
                 unit = int(m.group(1)) if m and int(m.group(1)) < len(units) else -1
-                by_unit.setdefault(unit, []).append((name, shard, f))
+                last_use[k] = max(last_use[k], unit)
+                if name not in scale_of:  # a scale is read with its weight
+                    by_unit.setdefault(unit, []).append((name, shard, f))
         for i in range(-1, len(units)):  # -1: outside the layers (a name of no layer: unexpected)
             if on_layer is not None and i >= 0:
                 materialize(units[i][1], device)
@@ -225,6 +226,9 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
                 loaded.update(_load_tensor(model, name, shard, f, scale_of, ckpt, fp8_weights, unexpected))
             if on_layer is not None and i >= 0:
                 on_layer(model, *units[i])
+            for k in (k for k, last in enumerate(last_use) if last == i):
+                # Unmapped once read: the pages read so far leave the process's resident set.
+                handles[k].__exit__(None, None, None)
     orphans = sorted(n for n in scale_of if n not in loaded)
     if orphans:
         raise ValueError(f"{path}: scales without a quantized weight: {_short(orphans)}")

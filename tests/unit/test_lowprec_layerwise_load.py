@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from milepost.engine.server_args import ServerArgs
@@ -19,6 +20,7 @@ from milepost.lowprec.engine_setup import store_engine_precision
 from milepost.lowprec.engine_store import QuantizedLinear
 from milepost.models.registry import load_model
 from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.random_checkpoint import write_random_checkpoint
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -119,3 +121,22 @@ def test_the_start_holds_one_layer_in_bf16_at_most(tmp_path: Path, arch: str, fm
     assert len(held) == 8 and max(held) <= served + layer
     assert served + layer < bf16 * 0.75  # the bound means something for this model
     assert held_bytes(_after_build(args)) == served
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_each_shard_is_unmapped_once_its_layers_are_read(tmp_path: Path) -> None:
+    """One shard per layer: when layer i is in, the shards of the embeddings and of layers < i are
+    no longer mapped (their pages leave the resident set), the later ones not read yet."""
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      vocab_size=256, tie_word_embeddings=True)
+    config.architectures = ["Qwen3ForCausalLM"]
+    path = write_random_checkpoint(tmp_path / "m", config)
+
+    def mapped(_: object) -> None:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        seen.append(sorted({Path(line.split()[-1]).name for line in maps if str(path) in line}))
+
+    seen: list[list[str]] = []
+    load_quantized(_args(path, "int4"), torch.bfloat16, CPU, observe=mapped)
+    assert seen == [[f"model-{k:05d}.safetensors" for k in range(i + 1, 5)] for i in range(4)]
