@@ -20,6 +20,7 @@ from milepost.lowprec.engine_setup import store_engine_precision
 from milepost.lowprec.engine_store import QuantizedLinear
 from milepost.models.registry import load_model
 from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.mtp_checkpoint import make_tiny_mtp_checkpoint
 from milepost.testing.random_checkpoint import write_random_checkpoint
 
 torch.set_num_threads(1)
@@ -95,6 +96,17 @@ def test_layerwise_start_serves_the_bits_of_quantize_after_build(ckpts: dict[str
         assert WeightLoader(m).from_named(sent.items()) == len(sent)
     assert not torch.equal(model.fp8_weights.dequantized(model.weight_view(k))[0], before)
     _assert_same(model, old)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "int4"])
+def test_deepseek_with_an_mtp_layer(tmp_path: Path, fmt: str) -> None:
+    """MLA layers, dense then MoE layers, and the MTP layer (checkpoint layer N, loaded last,
+    not fused): the same bits as quantize-after-build."""
+    args = _args(make_tiny_mtp_checkpoint(tmp_path / "ds", seed=1), fmt)
+    seen: list[int] = []
+    model = load_quantized(args, torch.bfloat16, CPU, observe=lambda m: seen.append(1))
+    assert model.num_mtp_layers == 1 and len(seen) == model.num_layers + 1
+    _assert_same(model, _after_build(args))
 
 
 def test_engine_start_takes_the_layerwise_path(ckpts: dict[str, Path], caplog) -> None:
