@@ -23,7 +23,9 @@ from milepost.lowprec.quantize import FP8_TILE, QTensor, dequantize, element_sca
 from milepost.models.qwen3_moe import StackedExperts
 
 log = logging.getLogger(__name__)
-_CHUNK = 16  # experts quantized per call at load (bounds the float32 temporaries)
+# float32 bytes of the experts quantized per call at load: bounds the quantizer's temporaries
+# (a few copies of the chunk), which sit beside the served model during a layerwise start.
+_CHUNK_BYTES = 64 * 2**20
 # Experimental, off: expert activations in FP8 too (1 x 128 per token / activation row, W8A8),
 # taken by experts converted while it is set (benchmarks/moe_fp8_gpu.py measures it); not a
 # setting, not the contract (docs/low_precision.md: experts are W8A16).
@@ -222,7 +224,7 @@ def _convert(module: StackedExperts) -> None:
     # row: quantize a chunk of experts per call then (the same bits, fewer launches).
     for src, dst, scale, rows in ((module.w13.detach(), w13, s13, inter), (module.w2.detach(), w2, s2, h)):
         per = src.shape[1] // rows  # HF tensors per expert in this parameter
-        step = _CHUNK if rows % FP8_TILE == 0 else 1
+        step = max(1, _CHUNK_BYTES // (src[0].numel() * 4)) if rows % FP8_TILE == 0 else 1
         for first in range(0, e, step):
             chunk = src[first:first + step]
             if step == 1:

@@ -152,3 +152,25 @@ def test_each_shard_is_unmapped_once_its_layers_are_read(tmp_path: Path) -> None
     seen: list[list[str]] = []
     load_quantized(_args(path, "int4"), torch.bfloat16, CPU, observe=mapped)
     assert seen == [[f"model-{k:05d}.safetensors" for k in range(i + 1, 5)] for i in range(4)]
+
+
+def test_expert_chunks_bounded_by_bytes_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts are quantized a byte budget at a time (the temporaries beside a layerwise start):
+    chunks of 2 of 5 experts give the bits of one call for all (tiles are each tensor's own)."""
+    from milepost.lowprec import engine_experts
+    from milepost.models.qwen3_moe import StackedExperts
+
+    g = torch.Generator().manual_seed(4)
+    weights = (torch.randn(5, 256, 256, generator=g) * torch.logspace(-2, 1, 5)[:, None, None],
+               torch.randn(5, 256, 128, generator=g))
+    held = []
+    for budget in (2**30, 2 * 256 * 256 * 4):  # everything at once; 2 experts of w13 per call
+        monkeypatch.setattr(engine_experts, "_CHUNK_BYTES", budget)
+        mod = StackedExperts(5, 256, 128)
+        with torch.no_grad():
+            mod.w13.copy_(weights[0])
+            mod.w2.copy_(weights[1])
+        engine_experts._convert(mod)
+        held.append([t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+                     for t in (mod.w13, mod.w2, mod.w13_scale, mod.w2_scale)])
+    assert all(torch.equal(a, b) for a, b in zip(*held))
