@@ -78,8 +78,14 @@ def test_under_a_cap_between_the_two_peaks_only_the_layerwise_start_fits(ckpt: P
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + cap) / total)
     try:
-        with pytest.raises((torch.OutOfMemoryError, RuntimeError)):
+        try:
             _start(ckpt, "fp8_block", after_build=True)
+            fitted = True
+        except (torch.OutOfMemoryError, RuntimeError):  # not bound: its frames (and tensors) go now
+            fitted = False
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert not fitted, "quantize-after-build fitted under the cap: the cap proves nothing"
         assert _start(ckpt, "fp8_block")["weights"] == fp8["weights"]
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
