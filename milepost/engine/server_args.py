@@ -425,8 +425,9 @@ class ServerArgs(BaseModel):
         if unheld:
             more = f" (and {len(unheld) - 1} more)" if len(unheld) > 1 else ""
             raise ValueError(f"{unheld[0]}{more}: a {ckpt.layout} weight that the {ckpt.serve_as} "
-                             "store does not hold (it holds the q/k/v/o and gate/up/down projections, "
-                             "no MoE experts); serve the checkpoint with --dequantize-checkpoint")
+                             "store does not hold (it holds the q/k/v/o and gate/up/down projections; "
+                             "MoE experts under int4 only); serve the checkpoint with "
+                             "--dequantize-checkpoint")
         return ckpt.serve_as
 
     def resolved(self) -> ServerArgs:

@@ -32,9 +32,12 @@ _ARRANGEMENT_OF = {t: name for name, (t, r) in ARRANGEMENTS.items() if t == r an
 # head and routers stay in bf16. MoE experts (`...mlp.experts.N.gate|up|down_proj.weight`):
 # under fp8_block the engines serve them in FP8 (128 x 128 weight tiles, activations in the model
 # dtype) while the trainer keeps them in bf16, in both fp8_block arrangements: for experts the
-# contract is bf16-train-fp8-serve. Under mxfp8 / nvfp4 / int4 experts stay bf16 on both sides.
+# contract is bf16-train-fp8-serve. Under int4 they are INT4 on both sides (the trainer's
+# fake-quant experts, lowprec/experts_int4.py; engines hold them packed). Under mxfp8 / nvfp4
+# experts stay bf16 on both sides.
 COVERED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-EXPERTS_SERVED = ("fp8_block",)  # rollout formats that quantize MoE experts (engine side only)
+EXPERTS_SERVED = ("fp8_block", "int4")  # rollout formats that quantize MoE experts
+EXPERTS_TRAINED = ("int4",)  # trainer formats that quantize them too (QAT: fake-quant forward)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _RANGE = re.compile(r"^layers\.(\d+)-(\d+)$")
 
@@ -54,7 +57,8 @@ class Contract:
         module = hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
         if base == BF16 or not hf_name.endswith(".weight") or module not in COVERED:
             return BF16
-        if ".experts." in hf_name and (side != "rollout" or base not in EXPERTS_SERVED):
+        quantized_experts = EXPERTS_SERVED if side == "rollout" else EXPERTS_TRAINED
+        if ".experts." in hf_name and base not in quantized_experts:
             return BF16
         for pattern, fmt in self.overrides:
             if _matches(pattern, hf_name):

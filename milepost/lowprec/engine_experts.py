@@ -114,14 +114,18 @@ class Fp8StackedExperts(StackedExperts):
 
 class Fp8Experts:
     """The model's FP8 experts, found from a weight view (one HF tensor, or a whole stacked
-    parameter under transformers 5's fused names): where to write, what to report."""
+    parameter under transformers 5's fused names): where to write, what to report. The INT4
+    experts' registry is this one with their stored dtype and format (lowprec/experts_int4.py)."""
+
+    stored_dtype = torch.float8_e4m3fn
+    fmt = "fp8_block"
 
     def __init__(self, modules: list[Fp8StackedExperts]) -> None:
         self._modules = modules
         self._by_storage: dict[int, tuple[Fp8StackedExperts, str]] = {}
 
     def owner(self, view: torch.Tensor) -> tuple[Fp8StackedExperts, str] | None:
-        if view.dtype != torch.float8_e4m3fn:
+        if view.dtype != self.stored_dtype:
             return None
         first = self._modules[0]
         if self._by_storage.get(first.w13.untyped_storage().data_ptr(), (None,))[0] is not first:
@@ -134,7 +138,7 @@ class Fp8Experts:
         """The (expert, which) tensors `view` covers, in its row order."""
         hit = self.owner(view)
         if hit is None:
-            raise KeyError("not a view of fp8 expert weights")
+            raise KeyError(f"not a view of {self.fmt} expert weights")
         module, param = hit
         full = getattr(module, param)
         e_bytes = full.stride(0) * full.element_size()
@@ -159,10 +163,14 @@ class Fp8Experts:
             inter = module.intermediate
             for e, which in parts:
                 part = src[e] if which == 2 else src[e, which * inter:(which + 1) * inter]
-                module.put(e, which, quantize(part, "fp8_block", "weight", name=name))
+                module.put(e, which, quantize(part, self.fmt, "weight", name=name))
             return
         e, which = parts[0]
-        module.put(e, which, quantize(src, "fp8_block", "weight", name=name))
+        module.put(e, which, quantize(src, self.fmt, "weight", name=name))
+
+    def hf_shape(self, view: torch.Tensor) -> tuple[int, ...]:
+        """The shape of the tensor(s) `view` holds as senders send them (FP8: the view's)."""
+        return tuple(view.shape)
 
     def dequantized(self, view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 values, float32 per-element scales) of the tensor(s) `view` holds."""
@@ -173,7 +181,7 @@ class Fp8Experts:
         if len(parts) == 1:
             return values[0], scales[0]
         per = len(parts) // module.num_experts  # 2: gate, up rows of each expert
-        shape = tuple(view.shape)
+        shape = self.hf_shape(view)
         return (torch.stack([torch.cat(values[i:i + per]) for i in range(0, len(values), per)]).reshape(shape),
                 torch.stack([torch.cat(scales[i:i + per]) for i in range(0, len(scales), per)]).reshape(shape))
 
@@ -190,9 +198,12 @@ def store_fp8_experts(model: nn.Module, quantized: Callable[[str], bool]) -> Fp8
 
 @torch.no_grad()
 def convert_fp8_experts(scope: nn.Module, quantized: Callable[[str], bool],
-                        hf_prefix: Callable[[str], str]) -> list[Fp8StackedExperts]:
+                        hf_prefix: Callable[[str], str],
+                        convert: Callable[[StackedExperts], None] | None = None,
+                        fmt: str = "fp8_block") -> list[Fp8StackedExperts]:
     """`store_fp8_experts` for the StackedExperts inside `scope` (the whole model, or one layer as
-    it loads), `hf_prefix(module name in scope)` naming their HF tensors; the converted ones."""
+    it loads), `hf_prefix(module name in scope)` naming their HF tensors; the converted ones.
+    `convert` / `fmt`: another format's conversion (lowprec/experts_int4.py)."""
     modules: list[Fp8StackedExperts] = []
     for name, module in list(scope.named_modules()):
         if type(module) is not StackedExperts:
@@ -204,10 +215,10 @@ def convert_fp8_experts(scope: nn.Module, quantized: Callable[[str], bool],
         if flags == {False}:
             continue
         if len(flags) > 1:
-            raise ValueError(f"{prefix}*: some of this layer's expert tensors are fp8_block and some "
+            raise ValueError(f"{prefix}*: some of this layer's expert tensors are {fmt} and some "
                              "bf16; override all experts of one layer alike ('layers.A-B=bf16' or "
                              "'*.experts.*=bf16')")
-        _convert(module)
+        (convert or _convert)(module)
         modules.append(module)  # type: ignore[arg-type]
     return modules
 

@@ -10,7 +10,8 @@ to arrive in an update waits for the other. INT4 is stored packed on every devic
 byte, uint8 [N, ceil(K/2)], and float32 group scales [N, ceil(K/128)]): its HF views are half as
 wide as the tensors sent (`hf_shape` says the sent shape), and the forward is W4A16
 (kernels/int4_gemm.py). Under fp8_block the MoE experts are stored in FP8 too
-(lowprec/engine_experts.py; the registry answers for both). Registered as `model.fp8_weights`,
+(lowprec/engine_experts.py), under int4 packed in INT4 (lowprec/experts_int4.py); the registry
+answers for them all. Registered as `model.fp8_weights`,
 the attribute the weight loader and the weight-check endpoints use. With static input scales
 (`--fp8-activation-scheme static`, lowprec/engine_scales.py) fp8_block linears quantize their
 input with the trainer's delayed-scaling function and the scale it sent.
@@ -26,10 +27,12 @@ from torch import nn
 
 from milepost.lowprec.contract import EXPERTS_SERVED, Contract
 from milepost.lowprec.delayed import qdq_input
-from milepost.lowprec.engine_experts import Fp8Experts, Fp8StackedExperts, convert_fp8_experts
+from milepost.lowprec.engine_experts import Fp8Experts, convert_fp8_experts
 from milepost.lowprec.engine_scales import InputScales, attach_input_scales
+from milepost.lowprec.experts_int4 import Int4Experts, convert_int4_experts
 from milepost.lowprec.linear import quantize_activation, quantize_weight_parts
 from milepost.lowprec.quantize import INT4_GROUP, QTensor, dequantize, element_scale
+from milepost.models.qwen3_moe import StackedExperts
 
 
 class QuantizedLinear(nn.Linear):
@@ -93,7 +96,7 @@ class QuantizedWeights:
         self._by_storage = modules
         self._names = names  # (id(module), first row) -> HF name, for messages
         self._pending: dict[int, dict[int, torch.Tensor]] = {}  # nvfp4 gate/up halves
-        self.experts: Fp8Experts | None = None  # fp8_block MoE experts (engine_experts.py)
+        self.experts: Fp8Experts | None = None  # MoE experts: fp8_block or int4 (Int4Experts)
         self.input_scales: InputScales | None = None  # --fp8-activation-scheme static
 
     def owner(self, view: torch.Tensor) -> object | None:
@@ -153,6 +156,8 @@ class QuantizedWeights:
     def hf_shape(self, view: torch.Tensor) -> tuple[int, ...]:
         """The shape of the HF tensor `view` holds, as senders send it (a packed INT4 view has
         ceil(K/2) byte columns for K values)."""
+        if self.experts is not None and self.experts.owner(view) is not None:
+            return self.experts.hf_shape(view)
         module = self._linear(view)
         if module is None or module.qformat != "int4":
             return tuple(view.shape)
@@ -160,7 +165,7 @@ class QuantizedWeights:
 
     def format_of(self, view: torch.Tensor) -> str:
         if self.experts is not None and self.experts.owner(view) is not None:
-            return "fp8_block"
+            return self.experts.fmt
         return self._part(view)[0].qformat
 
 
@@ -194,7 +199,7 @@ class StoreBuilder:
         self.preset = preset or {}
         self.modules: dict[int, QuantizedLinear] = {}
         self.names: dict[tuple[int, int], str] = {}
-        self.experts: list[Fp8StackedExperts] = []
+        self.experts: list[StackedExperts] = []
 
     @torch.no_grad()
     def add(self, model: nn.Module, scope: nn.Module, names: list[str],
@@ -220,8 +225,9 @@ class StoreBuilder:
             by_module.setdefault(id(module), []).append((first, view.shape[0], name))
             modules[id(module)] = module
         if contract.rollout in EXPERTS_SERVED:
-            self.experts += convert_fp8_experts(
-                scope, lambda n: contract.tensor_format(n, "rollout") == "fp8_block", expert_prefix)
+            convert = convert_int4_experts if contract.rollout == "int4" else convert_fp8_experts
+            self.experts += convert(
+                scope, lambda n: contract.tensor_format(n, "rollout") == contract.rollout, expert_prefix)
         for key, parts in by_module.items():
             parts.sort()
             module = _quantize_linear(modules[key], parts, contract, self.preset)
@@ -230,15 +236,17 @@ class StoreBuilder:
 
     def finish(self, model: nn.Module, static_scales: bool = False) -> QuantizedWeights:
         """The store over every part added, registered as `model.fp8_weights`."""
-        contract, experts = self.contract, (Fp8Experts(self.experts) if self.experts else None)
+        contract = self.contract
+        registry = Int4Experts if contract.rollout == "int4" else Fp8Experts
+        experts = registry(self.experts) if self.experts else None  # type: ignore[arg-type]
         if not self.modules and experts is None:
             raise ValueError(f"--quantization {contract.rollout}: {type(model).__name__} has no "
                              "projection linears left to quantize (check --precision-override)")
         store = QuantizedWeights(self.modules, self.names, contract, self.source_dtype)
         store.experts = experts
-        for name, q in self.preset.items():  # the checkpoint's FP8 experts, tensor by tensor
+        for name, q in self.preset.items():  # the checkpoint's FP8 / INT4 experts, tensor by tensor
             view = model.weight_view(name) if experts is not None and ".experts." in name else None
-            if view is not None and experts.owner(view) is not None:  # else: kept dequantized
+            if view is not None and experts.owner(view) is not None and q.fmt == experts.fmt:
                 module, parts = experts.parts(view)
                 module.put(*parts[0], _on(q, module.w13.device))
         if static_scales:

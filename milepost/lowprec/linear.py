@@ -150,10 +150,13 @@ class LowPrecLinear(nn.Linear):
 def apply_train_precision(model: nn.Module, contract: Contract, *,
                           dequantized_backward: bool = False,
                           stochastic_rounding: bool = False) -> list[str]:
-    """Swap the trainer model's covered linears (by HF name, overrides applied) for LowPrecLinear;
-    returns the names of the quantized weights. A shape the format cannot hold is refused here,
-    at start, naming the tensor."""
-    done: list[str] = []
+    """Swap the trainer model's covered linears (by HF name, overrides applied) for LowPrecLinear,
+    and its MoE experts for fake-quant ones where the contract trains them quantized (INT4:
+    lowprec/experts_int4.py); returns the names of the quantized weights. A shape the format
+    cannot hold is refused here, at start, naming the tensor."""
+    from milepost.lowprec.experts_int4 import apply_train_experts  # it imports this module
+
+    done: list[str] = apply_train_experts(model, lambda hf: contract.tensor_format(hf, "train"))
     by_name: dict[str, LowPrecLinear] = {}
     for name, module in model.named_modules():
         hf = _hf_name(name) + ".weight"

@@ -15,7 +15,8 @@ Layouts read (config.json `quantization_config`), each held exactly by one exist
   stored +8; `X.weight_scale` [out, groups]; `X.weight_shape`): the packed INT4 store (128-wide groups,
   a coarser group's scale repeated); and 4-bit symmetric GPTQ (`quant_method: gptq`, formats gptq
   and gptq_v2, `desc_act` only with groups in order: `X.qweight` packed down the columns, the
-  same values transposed). A finer group (32, 64) is read too, but no store holds it:
+  same values transposed); MoE experts' gate/up/down go to the packed INT4 expert store
+  (lowprec/experts_int4.py), the same way. A finer group (32, 64) is read too, but no store holds it:
   serving it as stored is refused naming the group size (`inexact`); `--dequantize-checkpoint`
   (and training) take its dequantized weights.
 Anything else (another method, E5M2, other block sizes, zero points, activation ordering, kv-cache
@@ -232,9 +233,10 @@ def _group_layout(g: dict[str, Any], top_format: str | None, where: str) -> tupl
 
 def unheld_weights(path: str | Path, ckpt: CheckpointQuant) -> list[str]:
     """The quantized weights of a per-channel FP8 or INT4 checkpoint that its store would not hold
-    (MoE experts, projections outside q/k/v/o and gate/up/down): serving the checkpoint as stored
-    is refused for them (they would be dequantized into --dtype, which rounds in bf16). Read from
-    the safetensors headers alone (no torch)."""
+    (projections outside q/k/v/o and gate/up/down; MoE experts of a per-channel FP8 one, whose
+    store holds linears only: INT4 experts are packed by the INT4 expert store): serving the
+    checkpoint as stored is refused for them (they would be dequantized into --dtype, which
+    rounds in bf16). Read from the safetensors headers alone (no torch)."""
     if ckpt.layout not in ("fp8_channel", "int4_pack", "int4_gptq"):
         return []  # the blockwise store: tensors outside its recipe are dequantized (documented)
     out = []
@@ -246,7 +248,7 @@ def unheld_weights(path: str | Path, ckpt: CheckpointQuant) -> list[str]:
             elif not (name.endswith(".weight") and meta.get("dtype") == "F8_E4M3"):
                 continue
             module = name.removesuffix(".weight").rsplit(".", 1)[-1]
-            if ".experts." in name or module not in COVERED:
+            if module not in COVERED or (".experts." in name and ckpt.layout == "fp8_channel"):
                 out.append(name)
     return sorted(out)
 

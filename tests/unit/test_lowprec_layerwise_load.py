@@ -77,6 +77,7 @@ def _assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
     ("qwen3", "nvfp4", {"nvfp4_four_over_six": True}),
     ("qwen3", "mxfp8", {"precision_override": "layers.1-1=bf16"}),
     ("qwen3_moe", "fp8_block", {"precision_override": "layers.2-2=bf16"}),
+    ("qwen3_moe", "int4", {"precision_override": "layers.2-2=bf16"}),
 ])
 def test_layerwise_start_serves_the_bits_of_quantize_after_build(ckpts: dict[str, Path], arch: str,
                                                                  fmt: str, kw: dict) -> None:

@@ -299,8 +299,9 @@ def test_the_launcher_and_the_disk_update(src: Path, tmp_path: Path) -> None:
 
 
 def test_moe_experts(tmp_path: Path) -> None:
-    """Per-tensor FP8 experts go to the FP8 expert store as stored; INT4 experts have no store
-    (the INT4 store holds linears): refused at start naming one, dequantized on request."""
+    """Per-tensor FP8 experts go to the FP8 expert store as stored, INT4 experts to the packed
+    INT4 expert store (lowprec/experts_int4.py) as stored; per-channel FP8 experts have no store
+    (the row-scaled store holds linears): refused at start naming one, dequantized on request."""
     moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=5, with_tokenizer=False)
     out = write_fp8(moe, tmp_path / "pt", "tensor")
     model = build_engine(_args(tmp_path / "pt"))[0].runner.model
@@ -312,12 +313,23 @@ def test_moe_experts(tmp_path: Path) -> None:
         assert torch.equal(q.values.view(torch.uint8), out[n].view(torch.uint8)), n
         assert torch.equal(dequantize(q), meaning(out, n)), n
     out = write_int4(moe, tmp_path / "i4", 128)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight \(and \d+ "
-                                         r"more\): a int4_pack weight that the int4 store does not hold"):
-        ServerArgs(model_path=tmp_path / "i4", device="cpu").resolved()
+    assert ServerArgs(model_path=tmp_path / "i4", device="cpu").resolved().quantization == "int4"
+    model = build_engine(_args(tmp_path / "i4"))[0].runner.model
+    assert type(model.model.layers[0].mlp.experts).__name__ == "Int4StackedExperts"
+    experts = [n.removesuffix("_packed") for n in out if ".experts." in n and n.endswith(".weight_packed")]
+    assert len(experts) == 2 * 8 * 3
+    for n in experts:  # every stored nibble (-8 included) and scale, as the checkpoint has them
+        view = model.weight_view(n)
+        assert model.fp8_weights.format_of(view) == "int4"
+        values, _ = model.fp8_weights.dequantized(view)
+        assert torch.equal(values, meaning(out, n, 128)), n
     deq = build_engine(_args(tmp_path / "i4", dequantize_checkpoint=True))[0].runner.model
     n = "model.layers.1.mlp.experts.1.up_proj.weight"
     assert torch.equal(deq.weight_view(n), meaning(out, n, 128))
+    write_fp8(moe, tmp_path / "ch", "channel")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight \(and \d+ "
+                                         r"more\): a fp8_channel weight that the fp8 store does not hold"):
+        ServerArgs(model_path=tmp_path / "ch", device="cpu").resolved()
 
 
 @pytest.mark.parametrize(("edit", "match"), [
