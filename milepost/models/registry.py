@@ -224,11 +224,12 @@ def load_native(path: str | Path, dtype: torch.dtype, device: torch.device | str
                 materialize(units[i][1], device)
             for name, shard, f in by_unit.get(i, ()):
                 loaded.update(_load_tensor(model, name, shard, f, scale_of, ckpt, fp8_weights, unexpected))
+            for k in (k for k, last in enumerate(last_use) if last == i):
+                # Unmapped once read (before the hook quantizes the layer): the pages read so
+                # far leave the process's resident set.
+                handles[k].__exit__(None, None, None)
             if on_layer is not None and i >= 0:
                 on_layer(model, *units[i])
-            for k in (k for k, last in enumerate(last_use) if last == i):
-                # Unmapped once read: the pages read so far leave the process's resident set.
-                handles[k].__exit__(None, None, None)
     orphans = sorted(n for n in scale_of if n not in loaded)
     if orphans:
         raise ValueError(f"{path}: scales without a quantized weight: {_short(orphans)}")
