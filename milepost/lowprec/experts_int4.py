@@ -80,22 +80,26 @@ class Int4StackedExperts(StackedExperts):
         return super().forward(x, ids, weights)
 
     def _routed_only(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Decode: each (token, slot) pair gets its own dequantized copy of its expert (a gather
-        of packed bytes, then the dequantization), and the pairs become the experts."""
         from milepost.kernels.grouped_experts import fused_config, grouped_expert_mlp
 
-        flat = ids.reshape(-1)
-        w13 = self._dequantize(self.w13.index_select(0, flat), self.w13_scale.index_select(0, flat),
-                               self.hidden)
-        w2 = self._dequantize(self.w2.index_select(0, flat), self.w2_scale.index_select(0, flat),
-                              self.intermediate)
-        pairs = torch.arange(flat.numel(), device=ids.device).reshape(ids.shape)
+        pairs, w13, w2 = self.routed_weights(ids)
         cfg = fused_config(x, pairs, w13, w2)
         if cfg is not None:
             from milepost.kernels.fused_moe import fused_expert_mlp
 
             return fused_expert_mlp(x, pairs, weights, w13, w2, cfg)
         return grouped_expert_mlp(x, pairs, weights, w13, w2)
+
+    def routed_weights(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decode: each (token, slot) pair gets its own dequantized copy of its expert (a gather
+        of packed bytes, then the dequantization) and the pairs become the experts: (pair ids
+        shaped like `ids`, w13 [T*k, 2I, H], w2 [T*k, H, I]). No host sync."""
+        flat = ids.reshape(-1)
+        w13 = self._dequantize(self.w13.index_select(0, flat), self.w13_scale.index_select(0, flat),
+                               self.hidden)
+        w2 = self._dequantize(self.w2.index_select(0, flat), self.w2_scale.index_select(0, flat),
+                              self.intermediate)
+        return torch.arange(flat.numel(), device=ids.device).reshape(ids.shape), w13, w2
 
     # -- one HF tensor: (expert, which) with which 0 = gate, 1 = up, 2 = down ------------------
 

@@ -173,3 +173,30 @@ def test_greedy_equals_an_fp32_engine_holding_the_dequantized_weights(ckpt: Path
     assert all(r for _, _, r in got)  # routed experts recorded
     assert got == want
     assert [lp for _, lp, _ in got] != [lp for _, lp, _ in plain]  # the INT4 weights are what ran
+
+
+def test_decode_gather_gives_each_pair_its_experts_weights(ckpt: Path) -> None:
+    """The CUDA decode path's operands (routed_weights), run here through the plain experts'
+    loop: each (token, slot) pair as its own expert gives the module's output (up to the CPU
+    GEMM's order of summation: one row per call instead of an expert's rows together)."""
+    from milepost.models.qwen3_moe import StackedExperts
+
+    model = load_model(ckpt, torch.float32, "cpu")
+    model.fuse_projections()
+    store_quantized(model, INT4)
+    experts = model.model.layers[1].mlp.experts
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, H, generator=g)
+    ids = torch.tensor([[7, 2], [2, 7], [0, 5]])
+    w = torch.rand(3, 2, generator=g)
+    pairs, w13, w2 = experts.routed_weights(ids)
+    assert pairs.tolist() == [[0, 1], [2, 3], [4, 5]] and w13.shape == (6, 2 * I, H)
+    full13, full2 = experts.expert_weights()
+    assert torch.equal(w13, full13[ids.reshape(-1)]) and torch.equal(w2, full2[ids.reshape(-1)])
+    per_pair = StackedExperts(6, H, I)
+    with torch.no_grad():
+        per_pair.w13.copy_(w13)
+        per_pair.w2.copy_(w2)
+        torch.testing.assert_close(per_pair(x, pairs, w), experts(x, ids, w), rtol=1e-5, atol=1e-6)
+        swapped = torch.tensor([[7, 2], [2, 7], [0, 4]])  # one expert off: visibly different
+        assert not torch.allclose(per_pair(x, pairs, w), experts(x, swapped, w), rtol=1e-3, atol=1e-4)
