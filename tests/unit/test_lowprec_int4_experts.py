@@ -200,3 +200,22 @@ def test_decode_gather_gives_each_pair_its_experts_weights(ckpt: Path) -> None:
         torch.testing.assert_close(per_pair(x, pairs, w), experts(x, ids, w), rtol=1e-5, atol=1e-6)
         swapped = torch.tensor([[7, 2], [2, 7], [0, 4]])  # one expert off: visibly different
         assert not torch.allclose(per_pair(x, pairs, w), experts(x, swapped, w), rtol=1e-3, atol=1e-4)
+
+
+def test_converted_int4_checkpoint_serves_the_experts_of_quantize_on_load(ckpt: Path, tmp_path: Path) -> None:
+    """`milepost convert hf-to-int4` packs the experts too (the fourth stage); served as stored
+    (int4 detected from the checkpoint) its experts' bytes and scales = quantize-on-load's."""
+    from milepost.cli import main
+
+    dst = tmp_path / "int4"
+    assert main(["convert", "hf-to-int4", str(ckpt), str(dst)]) == 0
+    kw = dict(device="cpu", dtype="float32", page_size=4, max_total_tokens=256)
+    served = ServerArgs(model_path=dst, **kw).resolved()
+    assert served.quantization == "int4"
+    a = build_engine(served)[0].runner.model
+    b = build_engine(ServerArgs(model_path=ckpt, quantization="int4", **kw).resolved())[0].runner.model
+    for layer in (0, 1):
+        ea, eb = a.model.layers[layer].mlp.experts, b.model.layers[layer].mlp.experts
+        assert isinstance(ea, Int4StackedExperts)
+        for p in ("w13", "w13_scale", "w2", "w2_scale"):
+            assert torch.equal(getattr(ea, p), getattr(eb, p)), (layer, p)
