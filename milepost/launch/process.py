@@ -120,13 +120,16 @@ class ManagedProcess:
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**OPENMP_DEFAULTS, **os.environ, **(env or {})},
-            preexec_fn=die_with_parent() if tied_to_parent else None,  # noqa: PLW1509 (prctl only)
-        )
+        self.proc = self._start({**OPENMP_DEFAULTS, **os.environ, **(env or {})}, tied_to_parent)
         if wait:
             self.wait_ready()
+
+    def _start(self, env: dict[str, str], tied_to_parent: bool) -> subprocess.Popen:
+        """The child process (a subclass may start it another way, with Popen's interface)."""
+        return subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            preexec_fn=die_with_parent() if tied_to_parent else None,  # noqa: PLW1509 (prctl only)
+        )
 
     def poll_ready(self) -> bool:
         """True once the health URL answered 200 (one quick check per call). Raises

@@ -37,7 +37,10 @@ def _load_per_core() -> float:
 # use. On CPU (gloo) ranks fork from a server that imported these once per calling process
 # (multiprocessing's forkserver; a tiny FSDP step then costs a rank 0.25 CPU-s, not 4.3); CUDA
 # must not be initialized in a forked child, so nccl ranks stay fresh interpreters ("spawn").
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "milepost.train.fsdp"]
+# The tests' `milepost serve` processes fork from the same server (milepost/testing/server_fork.py):
+# transformers and the engine as well.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "milepost.train.fsdp",
+           "transformers", "milepost.cli", "milepost.engine.server", "milepost.testing.server_fork"]
 
 
 def _context(backend: str) -> Any:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 from milepost.launch.process import ComponentStartError, ManagedProcess, free_port
 
 __all__ = ["ServerProcess", "free_port"]
+
+# Tests turn this on (tests/conftest.py): on CPU, servers are forked from the preloaded server of
+# `run_ranks` (milepost/testing/server_fork.py says what stays the same). Off for everyone else
+# (`milepost check-family` starts its engine through this class).
+FORK_FROM_PRELOADED = False
 
 
 class ServerProcess(ManagedProcess):
@@ -32,3 +38,12 @@ class ServerProcess(ManagedProcess):
                              env=env, timeout_s=timeout_s)
         except ComponentStartError as e:
             raise RuntimeError(f"milepost serve did not become healthy: {e}") from e
+
+    def _start(self, env: dict[str, str], tied_to_parent: bool) -> subprocess.Popen:
+        if FORK_FROM_PRELOADED and not tied_to_parent:
+            from milepost.testing.server_fork import fork_server
+
+            forked = fork_server(self.cmd, env, self.log_path)
+            if forked is not None:
+                return forked
+        return super()._start(env, tied_to_parent)
