@@ -44,8 +44,20 @@ def dequantize_packed(packed: torch.Tensor, scales: torch.Tensor, k: int,
     quantize.dequantize's float32 product, cast once (torch; no Triton import on CPU)."""
     from milepost.lowprec.elements import unpack_int4
 
-    s = scales.repeat_interleave(INT4_GROUP, -1)[..., :k]
-    return (unpack_int4(packed, k).float() * s).to(dtype)
+    def part(p: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return (unpack_int4(p, k).float() * s.repeat_interleave(INT4_GROUP, -1)[..., :k]).to(dtype)
+
+    if packed.dim() < 3:
+        return part(packed, scales)
+    # A few experts at a time: the float32 temporaries of a whole stack (~10 GB at the 30B-A3B
+    # shape) would sit beside the model; each group's product is the same either way.
+    step = _experts_per_chunk(packed[0].numel() * 2)
+    return torch.cat([part(packed[i:i + step], scales[i:i + step])
+                      for i in range(0, packed.shape[0], step)])
+
+
+def _experts_per_chunk(values_per_expert: int) -> int:
+    return max(1, _CHUNK_BYTES // (values_per_expert * 4))
 
 
 class Int4StackedExperts(StackedExperts):
@@ -151,7 +163,7 @@ def _pack(module: StackedExperts) -> None:
     for src, dst, scale in ((module.w13.detach(), w13, s13), (module.w2.detach(), w2, s2)):
         # A chunk of experts per call (groups never leave a row: the same bits as one by one),
         # bounding the quantizer's float32 temporaries beside a layerwise start.
-        step = max(1, _CHUNK_BYTES // (src[0].numel() * 4))
+        step = _experts_per_chunk(src[0].numel())
         for first in range(0, e, step):
             chunk = src[first:first + step]
             q = quantize(chunk, "int4", "weight")
@@ -174,9 +186,11 @@ def _pack(module: StackedExperts) -> None:
 
 
 def _fake_quant(w: torch.Tensor) -> torch.Tensor:
-    """The INT4 values in w's dtype, the gradient straight through to `w`."""
+    """The INT4 values in w's dtype (a few experts per quantizer call, bounding its float32
+    temporaries: the same bits, groups never leave a row), the gradient straight through to `w`."""
     with torch.no_grad():
-        q = qdq(w, "int4", "weight")
+        step = _experts_per_chunk(w[0].numel())
+        q = torch.cat([qdq(w[i:i + step], "int4", "weight") for i in range(0, w.shape[0], step)])
     return w + (q - w).detach()
 
 

@@ -25,6 +25,7 @@ from milepost.lowprec.engine_store import store_quantized
 from milepost.lowprec.experts_int4 import Int4QatExperts, Int4StackedExperts
 from milepost.lowprec.linear import apply_train_precision, qdq
 from milepost.lowprec.quantize import dequantize, error_bound, quantize
+from milepost.models.qwen3_moe import StackedExperts
 from milepost.models.registry import load_model
 from milepost.testing.checkpoints import make_tiny_checkpoint
 
@@ -179,8 +180,6 @@ def test_decode_gather_gives_each_pair_its_experts_weights(ckpt: Path) -> None:
     """The CUDA decode path's operands (routed_weights), run here through the plain experts'
     loop: each (token, slot) pair as its own expert gives the module's output (up to the CPU
     GEMM's order of summation: one row per call instead of an expert's rows together)."""
-    from milepost.models.qwen3_moe import StackedExperts
-
     model = load_model(ckpt, torch.float32, "cpu")
     model.fuse_projections()
     store_quantized(model, INT4)
@@ -219,3 +218,28 @@ def test_converted_int4_checkpoint_serves_the_experts_of_quantize_on_load(ckpt: 
         assert isinstance(ea, Int4StackedExperts)
         for p in ("w13", "w13_scale", "w2", "w2_scale"):
             assert torch.equal(getattr(ea, p), getattr(eb, p)), (layer, p)
+
+
+def test_chunked_quantization_gives_the_same_bits(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing, dequantizing and fake-quantizing a few experts per call (uneven chunks: 3, 3, 2)
+    gives the bits of one call over the whole stack."""
+    from milepost.lowprec import experts_int4
+    from milepost.lowprec.experts_int4 import _fake_quant, _pack, dequantize_packed
+
+    def packed() -> StackedExperts:
+        m = load_model(ckpt, torch.bfloat16, "cpu").model.layers[0].mlp.experts
+        _pack(m)
+        return m
+
+    whole = packed()
+    w13 = load_model(ckpt, torch.bfloat16, "cpu").model.layers[0].mlp.experts.w13.detach()
+    whole_fq = _fake_quant(w13)
+    whole_deq = dequantize_packed(whole.w2, whole.w2_scale, I, torch.bfloat16)
+    monkeypatch.setattr(experts_int4, "_CHUNK_BYTES", 3 * 2 * I * H * 4)
+    assert experts_int4._experts_per_chunk(2 * I * H) == 3
+    chunked = packed()
+    for p in ("w13", "w13_scale", "w2", "w2_scale"):
+        assert torch.equal(getattr(chunked, p), getattr(whole, p)), p
+    assert torch.equal(_fake_quant(w13), whole_fq)
+    assert torch.equal(dequantize_packed(whole.w2, whole.w2_scale, I, torch.bfloat16), whole_deq)
+    assert torch.equal(whole_fq, qdq(w13, "int4", "weight"))
