@@ -49,7 +49,8 @@ def main() -> None:
                   flush=True)
             del m
     bf16 = sum(per["bf16"]) / a.layers
-    print(f"experts {a.experts} x (hidden {a.hidden}, intermediate {a.inter}); per layer and x{a.model_layers} layers:")
+    print(f"experts {a.experts} x (hidden {a.hidden}, intermediate {a.inter}); "
+          f"per layer and x{a.model_layers} layers:")
     for fmt, counts in per.items():
         layer = sum(counts) / a.layers
         print(f"{fmt:9s} {layer / 2**20:9.1f} MiB/layer  {layer * a.model_layers / 2**30:7.2f} GiB  "

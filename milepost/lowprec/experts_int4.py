@@ -149,7 +149,8 @@ def convert_int4_experts(scope: nn.Module, quantized: Callable[[str], bool],
                          hf_prefix: Callable[[str], str]) -> list[Int4StackedExperts]:
     """The StackedExperts inside `scope` whose HF tensors `quantized(hf_name)` says are int4,
     packed in place (engine_experts.convert_fp8_experts' rules: a layer's experts all alike)."""
-    return convert_fp8_experts(scope, quantized, hf_prefix, convert=_pack, fmt="int4")  # type: ignore[return-value]
+    modules = convert_fp8_experts(scope, quantized, hf_prefix, convert=_pack, fmt="int4")
+    return modules  # type: ignore[return-value]
 
 
 def _pack(module: StackedExperts) -> None:
@@ -218,8 +219,9 @@ def apply_train_experts(model: nn.Module, train_format: Callable[[str], str]) ->
         if formats <= {"bf16"}:
             continue
         if formats != {"int4"}:
-            raise ValueError(f"{prefix}*: some of this layer's expert tensors are {' and some '.join(sorted(formats))} "
-                             "in training; override all experts of one layer alike "
+            mix = " and some ".join(sorted(formats))
+            raise ValueError(f"{prefix}*: some of this layer's expert tensors are {mix} in training; "
+                             "override all experts of one layer alike "
                              "('layers.A-B=bf16' or '*.experts.*=bf16')")
         if type(module) is not StackedExperts:
             raise ValueError(f"{prefix}*: {type(module).__name__} (LoRA on experts) under --precision int4 "
