@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from milepost.testing.moe_reference import expert_loop, routed_inputs
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 E, H, I, K = 128, 2048, 768, 8
@@ -30,24 +32,10 @@ def _configs():
     return list(dict.fromkeys(cfgs))
 
 
-def _loop(x, ids, w, w13, w2) -> torch.Tensor:
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    flat = ids.reshape(-1)
-    for e in flat.unique().tolist():
-        pairs = (flat == e).nonzero()[:, 0]
-        tok = pairs // ids.shape[1]
-        g, u = (x[tok].float() @ w13[e].T).chunk(2, dim=-1)
-        out.index_add_(0, tok, ((torch.nn.functional.silu(g) * u) @ w2[e].T)
-                       * w.reshape(-1)[pairs].float()[:, None])
-    return out
 
 
 def _inputs(t: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
-    probs = torch.softmax(torch.randn(t, E, device="cuda", generator=g), -1)
-    w, ids = torch.topk(probs, K, dim=-1)
-    return x, ids, (w / w.sum(-1, keepdim=True)).bfloat16()
+    return routed_inputs(t, H, E, K, seed)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +59,7 @@ def test_fp8_experts_match_the_dequantized_loop_at_the_30b_shape(experts, tokens
     m = experts
     x, ids, w = _inputs(tokens)
     with torch.inference_mode():
-        ref = _loop(x, ids, w, m.dequantize_w13(), m.dequantize_w2())
+        ref = expert_loop(x, ids, w, m.dequantize_w13(), m.dequantize_w2())
         for cfg in _configs():
             got = fused_expert_mlp_fp8(x, ids, w, m.w13, m.w13_scale, m.w2, m.w2_scale, cfg)
             err = ((got.float() - ref).norm() / ref.norm()).item()

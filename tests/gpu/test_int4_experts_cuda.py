@@ -18,29 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from milepost.testing.moe_reference import expert_loop, routed_inputs
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 E, H, I, K = 128, 2048, 768, 8
 
 
-def _loop(x, ids, w, w13, w2) -> torch.Tensor:
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    flat = ids.reshape(-1)
-    for e in flat.unique().tolist():
-        pairs = (flat == e).nonzero()[:, 0]
-        tok = pairs // ids.shape[1]
-        g, u = (x[tok].float() @ w13[e].float().T).chunk(2, dim=-1)
-        out.index_add_(0, tok, ((torch.nn.functional.silu(g) * u) @ w2[e].float().T)
-                       * w.reshape(-1)[pairs].float()[:, None])
-    return out
 
 
 def _inputs(t: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
-    probs = torch.softmax(torch.randn(t, E, device="cuda", generator=g), -1)
-    w, ids = torch.topk(probs, K, dim=-1)
-    return x, ids, (w / w.sum(-1, keepdim=True)).bfloat16()
+    return routed_inputs(t, H, E, K, seed)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +67,7 @@ def test_int4_experts_match_the_bf16_path_on_dequantized_weights(pair, tokens: i
     x, ids, w = _inputs(tokens)
     with torch.inference_mode():
         got, want = mod(x, ids, w), plain(x, ids, w)
-        ref = _loop(x, ids, w, plain.w13, plain.w2)
+        ref = expert_loop(x, ids, w, plain.w13, plain.w2)
         assert torch.equal(got, mod(x, ids, w))  # reproducible
         if tokens * K >= E:  # every expert dequantized, then the plain path: its bits
             assert torch.equal(got, want)
