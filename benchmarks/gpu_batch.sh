@@ -4,7 +4,7 @@
 # starts only if SECONDS fit in what is left of BUDGET_S, is killed after SECONDS, and its output is
 # appended, with its exit status and wall time, to $OUT/batch.log (the device returns at most 8
 # files, so every step shares that one log). Lines starting with # are skipped.
-#   bash benchmarks/gpu_batch.sh 560 gpu_steps/a.txt
+#   bash benchmarks/gpu_batch.sh 560 benchmarks/gpu_steps/1_engine.txt
 # It installs the carried wheels of benchmarks/gpu_wheels.sh first (carry `.whl`).
 set -uo pipefail
 budget=${1:?usage: gpu_batch.sh BUDGET_S STEPS_FILE}
