@@ -6,7 +6,6 @@ carries them and the check compares them bit for bit (one left out or off by a b
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,10 +14,9 @@ from safetensors.torch import load_file
 
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.server_process import ServerProcess
-from milepost.weights.disk_transport import DiskDeltaTransport
-from milepost.weights.p2p import P2PTransport
+from milepost.testing.transports import TRANSPORT_KINDS, make_transport
 from milepost.weights.sync import WeightSync
-from milepost.weights.transport import BroadcastTransport, TensorTransport
+from milepost.weights.transport import TensorTransport
 from milepost.weights.verify import WeightMismatchError, verify
 
 BUCKET_BYTES = 24_000  # small: gate and up of one layer land in different buckets
@@ -53,14 +51,8 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         yield request.param, srv.url, with_scales(named) if "static" in request.param else named
 
 
-def make(kind: str, url: str, store: Path):
-    return {"tensor": lambda: TensorTransport([url], timeout_s=30),
-            "broadcast": lambda: BroadcastTransport([url], "gloo", timeout_s=30),
-            "p2p": lambda: P2PTransport([url], "gloo", timeout_s=30),
-            "disk-delta": lambda: DiskDeltaTransport([url], store, timeout_s=30)}[kind]()
 
-
-@pytest.mark.parametrize("kind", ["tensor", "broadcast", "p2p", "disk-delta"])
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_every_transport_requantizes_and_passes_the_check(setup, kind, tmp_path) -> None:
     fmt, url, named = setup
     quantized = httpx.get(f"{url}/weights_quantized").json()
@@ -68,7 +60,7 @@ def test_every_transport_requantizes_and_passes_the_check(setup, kind, tmp_path)
     assert (DOWN_SCALE in [n for n, _ in named]) == (fmt == "fp8_block+static")
     # The override keeps layer 1 in bf16 on the engine, as the trainer would.
     assert (fmt == "nvfp4") != any(".layers.1." in n for n in quantized["names"])
-    sync = WeightSync(make(kind, url, tmp_path / "store"), BUCKET_BYTES, check_equal_once=True,
+    sync = WeightSync(make_transport(kind, url, tmp_path / "store"), BUCKET_BYTES, check_equal_once=True,
                       check_weight_update=True)
     try:
         assert sync.update(iter(named), f"{kind}-1").verified

@@ -16,10 +16,9 @@ from safetensors.torch import load_file
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.lowprec_runs import two_step_gaps
 from milepost.testing.server_process import ServerProcess
-from milepost.weights.disk_transport import DiskDeltaTransport
-from milepost.weights.p2p import P2PTransport
+from milepost.testing.transports import TRANSPORT_KINDS, make_transport
 from milepost.weights.sync import WeightSync
-from milepost.weights.transport import BroadcastTransport, TensorTransport
+from milepost.weights.transport import TensorTransport
 from milepost.weights.verify import WeightMismatchError, verify
 
 BUCKET_BYTES = 24_000  # small: one expert's gate and up land in different buckets
@@ -35,19 +34,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
         yield srv.url, list(load_file(b / "model.safetensors").items())
 
 
-def _make(kind: str, url: str, store: Path):
-    return {"tensor": lambda: TensorTransport([url], timeout_s=30),
-            "broadcast": lambda: BroadcastTransport([url], "gloo", timeout_s=30),
-            "p2p": lambda: P2PTransport([url], "gloo", timeout_s=30),
-            "disk-delta": lambda: DiskDeltaTransport([url], store, timeout_s=30)}[kind]()
 
-
-@pytest.mark.parametrize("kind", ["tensor", "broadcast", "p2p", "disk-delta"])
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_every_transport_repacks_experts_and_passes_the_check(setup, kind: str, tmp_path: Path) -> None:
     url, named = setup
     quantized = httpx.get(f"{url}/weights_quantized").json()
     assert quantized["format"] == "int4" and EXPERT in quantized["names"]
-    sync = WeightSync(_make(kind, url, tmp_path / "store"), BUCKET_BYTES, check_equal_once=True,
+    sync = WeightSync(make_transport(kind, url, tmp_path / "store"), BUCKET_BYTES, check_equal_once=True,
                       check_weight_update=True)
     try:
         assert sync.update(iter(named), f"{kind}-1").verified

@@ -5,7 +5,6 @@ skipped, or values off by more than the bound, fail it."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import httpx
 import pytest
@@ -13,10 +12,9 @@ from safetensors.torch import load_file
 
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.server_process import ServerProcess
-from milepost.weights.disk_transport import DiskDeltaTransport
-from milepost.weights.p2p import P2PTransport
+from milepost.testing.transports import TRANSPORT_KINDS, make_transport
 from milepost.weights.sync import WeightSync
-from milepost.weights.transport import BroadcastTransport, TensorTransport
+from milepost.weights.transport import TensorTransport
 from milepost.weights.verify import WeightMismatchError, verify
 
 BUCKET_BYTES = 48_000
@@ -33,21 +31,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
         yield srv.url, list(load_file(b / "model.safetensors").items())
 
 
-def make(kind: str, url: str, store: Path):
-    return {"tensor": lambda: TensorTransport([url], timeout_s=30),
-            "broadcast": lambda: BroadcastTransport([url], "gloo", timeout_s=30),
-            "p2p": lambda: P2PTransport([url], "gloo", timeout_s=30),
-            "disk-delta": lambda: DiskDeltaTransport([url], store, timeout_s=30)}[kind]()
 
-
-@pytest.mark.parametrize("kind", ["tensor", "broadcast", "p2p", "disk-delta"])
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_fp8_engine_passes_the_equality_check_within_the_format_bound(setup, kind,
                                                                       tmp_path) -> None:
     url, named = setup
     quantized = httpx.get(f"{url}/weights_quantized").json()
     assert quantized["format"] == "fp8_e4m3_row" and QKV in quantized["names"]
     assert "model.embed_tokens.weight" not in quantized["names"]
-    sync = WeightSync(make(kind, url, tmp_path / "store"), BUCKET_BYTES, check_equal_once=True,
+    sync = WeightSync(make_transport(kind, url, tmp_path / "store"), BUCKET_BYTES, check_equal_once=True,
                       check_weight_update=True)
     try:
         assert sync.update(iter(named), f"{kind}-1").verified
