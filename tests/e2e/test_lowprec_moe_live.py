@@ -9,14 +9,14 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from test_lowprec_engine_live import BUCKET_BYTES, make  # the transports, shared
-
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.server_process import ServerProcess
+from milepost.testing.transports import TRANSPORT_KINDS, make_transport
 from milepost.weights.sync import WeightSync
 from milepost.weights.transport import TensorTransport
 from milepost.weights.verify import WeightMismatchError, verify
 
+BUCKET_BYTES = 24_000  # small: an update spans several buckets
 DOWN = "model.layers.1.mlp.experts.5.down_proj.weight"
 
 
@@ -30,13 +30,13 @@ def moe(tmp_path_factory: pytest.TempPathFactory):
         yield srv.url, list(load_file(b / "model.safetensors").items())
 
 
-@pytest.mark.parametrize("kind", ["tensor", "broadcast", "p2p", "disk-delta"])
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_experts_requantized_over_every_transport(moe, kind, tmp_path) -> None:
     url, named = moe
     quantized = httpx.get(f"{url}/weights_quantized").json()
     assert quantized["format"] == "fp8_block" and DOWN in quantized["names"]
     assert not any(n.endswith("mlp.gate.weight") for n in quantized["names"])  # routers: bf16
-    sync = WeightSync(make(kind, url, tmp_path / "store"), BUCKET_BYTES, check_equal_once=True,
+    sync = WeightSync(make_transport(kind, url, tmp_path / "store"), BUCKET_BYTES, check_equal_once=True,
                       check_weight_update=True)
     try:
         assert sync.update(iter([(n, t * 1.25) for n, t in named]), f"{kind}-1").verified
