@@ -62,6 +62,10 @@ def precision_refusals(c: TrainConfig) -> list[str]:
     if train == BF16 and rollout == BF16:
         return p
     what = f"--precision {c.precision} (trainer {train}, engines {rollout})"
+    if train != BF16 and c.train_backend != "fsdp":  # Megatron's linears are its own, not ours
+        p.append(f"{what} with --train-backend {c.train_backend}: the quantized trainer is the "
+                 "FSDP backend's (its linears are swapped for milepost's quantized ones); use "
+                 "--train-backend fsdp, or keep the trainer bf16 (--precision bf16-train-fp8-serve)")
     if c.engine_quantization is not None:
         p.append(f"{what} with --engine-quantization {c.engine_quantization}: one weight format "
                  "for the engines; drop --engine-quantization")

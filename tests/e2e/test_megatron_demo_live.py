@@ -38,13 +38,18 @@ ROOT = Path(__file__).resolve().parents[2]
     pytest.param("pp", marks=pytest.mark.optin),
     # --use-distributed-optimizer with data parallel 2 (Adam state sharded over the two ranks): opt-in
     pytest.param("dopt", marks=pytest.mark.optin),
+    # A bf16 Megatron trainer with FP8 engines (re-quantized on every update, TIS on by default):
+    # 0.277 -> 0.527, 307 s at load ~4 beside a CI run (2026-12-05); opt-in, for the suite's time
+    pytest.param("fp8serve", marks=pytest.mark.optin),
 ])
 def test_tiny_demo_learns_with_megatron(
     demo_dir: Path, demo_train_timeout_s: Callable[[int], float], tmp_path: Path, layout: str
 ) -> None:
     flags, (key, value) = {"tp": (["--tensor-model-parallel-size", "2"], ("tp", 2)),
                            "pp": (["--pipeline-model-parallel-size", "2"], ("pp", 2)),
-                           "dopt": (["--use-distributed-optimizer"], ("use_distributed_optimizer", 1))}[layout]
+                           "dopt": (["--use-distributed-optimizer"], ("use_distributed_optimizer", 1)),
+                           "fp8serve": (["--tensor-model-parallel-size", "2", "--precision", "bf16-train-fp8-serve"],
+                                        ("tp", 2))}[layout]
     run_dir = tmp_path / "rl"
     done = subprocess.run(
         [sys.executable, "-m", "milepost", "train", str(ROOT / "recipes" / "tiny_demo.toml"),
@@ -62,7 +67,10 @@ def test_tiny_demo_learns_with_megatron(
     # the engine sampled with exactly the weights the trainer scores with (fp32: ~2e-6 seen; a step
     # behind would be the size of an update)
     gaps = [r["train/train_rollout_logprob_abs_diff"] for r in records]
-    assert max(gaps) < 1e-4, gaps
+    if layout == "fp8serve":  # FP8 engines: the format's rounding, seen 0.013-0.021 (2026-12-05)
+        assert all(1e-3 < g < 0.1 for g in gaps), gaps
+    else:
+        assert max(gaps) < 1e-4, gaps
     [ckpt] = (run_dir / "checkpoints").iterdir()
     meta = json.loads((ckpt / "milepost_checkpoint.json").read_text())
     assert meta["backend"] == "megatron" and meta["layout"][key] == value and meta["extra"]["step"] == 2

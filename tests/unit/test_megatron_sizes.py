@@ -109,6 +109,7 @@ def test_convert_command_round_trip(tmp_path, capsys):
     ({"activation_checkpointing": "layer"}, ParallelSizes(), DENSE, r"set activation_checkpointing='none'"),
     ({"use_rollout_routing_replay": True}, ParallelSizes(pp=2), MOE, r"replaying routes on pipeline stages"),
     ({"dtype": "bfloat16"}, ParallelSizes(), DENSE, r"dtype='bfloat16' on device='cpu'"),
+    ({"precision": "fp8_block"}, ParallelSizes(), DENSE, r"precision='fp8_block' with --train-backend megatron"),
     ({"use_rollout_routing_replay": True}, ParallelSizes(tp=2, ep=2), MOE, r"replaying routes under sequence par"),
 ])
 def test_backend_refuses_what_it_lacks(overrides, sizes, shape, message):
@@ -142,6 +143,9 @@ def test_run_config_refuses_bad_backend_settings(tmp_path):
         load("--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "3")
     with pytest.raises(ValueError, match=r"--lora-rank 8 is not available with --train-backend megatron"):
         load("--train-backend", "megatron", "--lora-rank", "8")
+    for precision in ("fp8", "int4"):  # the trainer would run bf16 under a quantized contract
+        with pytest.raises(ValueError, match=rf"--precision {precision} .* with --train-backend megatron"):
+            load("--train-backend", "megatron", "--precision", precision)
     if importlib.util.find_spec("megatron") is not None:
         cfg = load("--train-backend", "megatron", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2")
         assert (cfg.train_backend, cfg.tensor_model_parallel_size) == ("megatron", 2)

@@ -66,6 +66,9 @@ def refuse_unsupported(settings: TrainerSettings, sizes: ParallelSizes, shape: M
         if getattr(settings, name) != off:
             raise ValueError(f"{name}={getattr(settings, name)!r} is not available with --train-backend megatron yet "
                              f"(set {name}={off!r} or use --train-backend fsdp)")
+    if settings.precision != "bf16":  # would train bf16 while the engines expect the format
+        raise ValueError(f"precision={settings.precision!r} with --train-backend megatron: the quantized "
+                         "trainer is the FSDP backend's; use --train-backend fsdp or a bf16 trainer")
     if settings.use_rollout_routing_replay and not shape.is_moe:
         raise ValueError(f"--use-rollout-routing-replay: the model is a dense {shape.model_type} (no expert routing "
                          "to replay); turn it off or train a mixture-of-experts model")
