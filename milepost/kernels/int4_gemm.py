@@ -11,10 +11,15 @@ on CUDA one Triton kernel dequantizes the weight into a temporary in the activat
 same bits as torch's dequantization) and cuBLAS multiplies: the GEMM is compute-bound there and
 the dense bytes live for one projection. Everywhere else (CPU, a device whose probe failed) torch
 unpacks and dequantizes, then F.linear: the same values.
+
+With zero points (an AWQ or asymmetric GPTQ checkpoint served as stored: int8 [N, ceil(K/128)],
+each group's zero point - 8) every path computes (value - zero) * scale in float32: the
+difference of two small integers is exact, so the product rounds once, as without them.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import NamedTuple
 
@@ -63,11 +68,12 @@ def _nibbles(b, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "kb_per"])
-def _w4a16_kernel(X, W, S, C, M, N, K, KP, stride_x, stride_w, stride_s, stride_c, stride_p,
+def _w4a16_kernel(X, W, S, Z, C, M, N, K, KP, stride_x, stride_w, stride_s, stride_c, stride_p,
                   n_kb, kb_per, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, PARTS: tl.constexpr):
+                  IEEE: tl.constexpr, PARTS: tl.constexpr, ZERO: tl.constexpr):
     """Over this program's 128-wide K groups: unpack the [BLOCK_N, 64] bytes to [BLOCK_N, 128]
-    ints, times the group's scale (float32), rounded to X's dtype, and tl.dot with X's rows.
+    ints (minus the group's zero point where ZERO: Z is int8 laid out as S), times the group's
+    scale (float32), rounded to X's dtype, and tl.dot with X's rows.
     PARTS: the fp32 sum is part pid_k of C ([split, M, N]); else it is C, in C's dtype."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,6 +91,8 @@ def _w4a16_kernel(X, W, S, C, M, N, K, KP, stride_x, stride_w, stride_s, stride_
         bb = kb * 64 + rb
         b = tl.load(w_ptr + bb[None, :], mask=col_ok[:, None] & (bb < KP)[None, :], other=0)
         v = _nibbles(b.to(tl.int32), BLOCK_N)  # two's-complement nibbles: (n ^ 8) - 8
+        if ZERO:  # an exact float32 difference of small integers
+            v = v - tl.load(Z + rn * stride_s + kb, mask=col_ok, other=0).to(tl.float32)[:, None]
         s = tl.load(S + rn * stride_s + kb, mask=col_ok, other=0.0)
         w = (v * s[:, None]).to(X.dtype.element_ty)  # dequantize's float32 product, rounded
         if IEEE:  # fp32 activations: a true fp32 product (not tf32)
@@ -100,10 +108,12 @@ def _w4a16_kernel(X, W, S, C, M, N, K, KP, stride_x, stride_w, stride_s, stride_
 
 
 def w4a16_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: int,
-             cfg: W4Config | None = None) -> torch.Tensor:
+             cfg: W4Config | None = None, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, k] (bf16/fp16/fp32) times the INT4 weight (packed uint8 [N, ceil(k/2)], float32
-    scales [N, ceil(k/128)]) -> [M, N] in x's dtype, by the Triton kernel."""
+    scales [N, ceil(k/128)], optional int8 zero points shaped as the scales) -> [M, N] in x's
+    dtype, by the Triton kernel."""
     x = x.contiguous()
+    scales, zeros = _same_layout(scales, zeros)
     m, n = x.shape[0], packed.shape[0]
     n_kb = triton.cdiv(k, INT4_GROUP)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
@@ -115,26 +125,40 @@ def w4a16_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: int
         return out
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
-    _w4a16_kernel[grid](x, packed, scales, dst, m, n, k, packed.shape[1], x.stride(0),
-                        packed.stride(0), scales.stride(0), out.stride(0), m * n, n_kb, kb_per,
+    _w4a16_kernel[grid](x, packed, scales, zeros if zeros is not None else scales, dst, m, n, k,
+                        packed.shape[1], x.stride(0), packed.stride(0), scales.stride(0),
+                        out.stride(0), m * n, n_kb, kb_per,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                        IEEE=x.dtype == torch.float32, PARTS=split > 1,
+                        IEEE=x.dtype == torch.float32, PARTS=split > 1, ZERO=zeros is not None,
                         num_warps=cfg.warps, num_stages=cfg.stages)
     # The parts in order 0, 1, ... (a fixed-order reduction over dim 0, no atomics).
     return out if split == 1 else dst.sum(0).to(x.dtype)
 
 
+def _same_layout(scales: torch.Tensor, zeros: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernels index zero points with the scales' row stride: give both one layout."""
+    if zeros is None or zeros.stride() == scales.stride():
+        return scales, zeros
+    return scales.contiguous(), zeros.contiguous()
+
+
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, k: int,
-                    dtype: torch.dtype) -> torch.Tensor:
+                    dtype: torch.dtype, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """The [N, k] weight in `dtype`: quantize.dequantize's float32 product, cast once."""
     s = scales.repeat_interleave(INT4_GROUP, 1)[:, :k]
-    return (unpack_int4(packed, k).float() * s).to(dtype)
+    v = unpack_int4(packed, k).float()
+    if zeros is not None:
+        v = v - zeros.float().repeat_interleave(INT4_GROUP, 1)[:, :k]
+    return (v * s).to(dtype)
 
 
 @triton.jit
-def _dequant_kernel(W, S, O, N, K, KP, stride_w, stride_s, stride_o, BLOCK_N: tl.constexpr):
-    """One [BLOCK_N, 128] group column of the weight: nibbles times the group scale in float32,
-    cast to O's dtype (dequantize_int4's operations, so its bits)."""
+def _dequant_kernel(W, S, Z, O, N, K, KP, stride_w, stride_s, stride_o, BLOCK_N: tl.constexpr,
+                    ZERO: tl.constexpr):
+    """One [BLOCK_N, 128] group column of the weight: nibbles (minus the group's zero point
+    where ZERO) times the group scale in float32, cast to O's dtype (dequantize_int4's
+    operations, so its bits)."""
     pid_n, kb = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     bb = kb * 64 + tl.arange(0, 64)
@@ -143,6 +167,8 @@ def _dequant_kernel(W, S, O, N, K, KP, stride_w, stride_s, stride_o, BLOCK_N: tl
     b = tl.load(W + rn[:, None].to(tl.int64) * stride_w + bb[None, :],
                 mask=col_ok[:, None] & (bb < KP)[None, :], other=0).to(tl.int32)
     v = _nibbles(b, BLOCK_N)
+    if ZERO:
+        v = v - tl.load(Z + rn * stride_s + kb, mask=col_ok, other=0).to(tl.float32)[:, None]
     s = tl.load(S + rn * stride_s + kb, mask=col_ok, other=0.0)
     w = (v * s[:, None]).to(O.dtype.element_ty)
     tl.store(O + rn[:, None].to(tl.int64) * stride_o + kk[None, :], w,
@@ -150,29 +176,31 @@ def _dequant_kernel(W, S, O, N, K, KP, stride_w, stride_s, stride_o, BLOCK_N: tl
 
 
 def dequantize_int4_triton(packed: torch.Tensor, scales: torch.Tensor, k: int,
-                           dtype: torch.dtype) -> torch.Tensor:
+                           dtype: torch.dtype, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """dequantize_int4 in one Triton kernel (the same bits)."""
     n = packed.shape[0]
+    scales, zeros = _same_layout(scales, zeros)
     out = torch.empty((n, k), dtype=dtype, device=packed.device)
     if n:
         grid = (triton.cdiv(n, 32), triton.cdiv(k, INT4_GROUP))
-        _dequant_kernel[grid](packed, scales, out, n, k, packed.shape[1], packed.stride(0),
-                              scales.stride(0), out.stride(0), BLOCK_N=32)
+        _dequant_kernel[grid](packed, scales, zeros if zeros is not None else scales, out, n, k,
+                              packed.shape[1], packed.stride(0), scales.stride(0), out.stride(0),
+                              BLOCK_N=32, ZERO=zeros is not None)
     return out
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T (+ bias) for x [.., k]. On CUDA where the kernels passed their probe: the
-    W4A16 kernel up to INT4_DECODE_M rows, else the Triton dequantization + F.linear; elsewhere
-    torch's unpack + dequantize + F.linear."""
+                bias: torch.Tensor | None = None, zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for x [.., k] (`zeros`: the groups' zero points, or None). On CUDA
+    where the kernels passed their probe: the W4A16 kernel up to INT4_DECODE_M rows, else the
+    Triton dequantization + F.linear; elsewhere torch's unpack + dequantize + F.linear."""
     rows = x.reshape(-1, k)
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and kernel_ok(x.device):
         if rows.shape[0] <= INT4_DECODE_M:
-            y = w4a16_mm(rows, packed, scales, k).reshape(*x.shape[:-1], packed.shape[0])
+            y = w4a16_mm(rows, packed, scales, k, zeros=zeros).reshape(*x.shape[:-1], packed.shape[0])
             return y + bias if bias is not None else y
-        return F.linear(x, dequantize_int4_triton(packed, scales, k, x.dtype), bias)
-    return F.linear(x, dequantize_int4(packed, scales, k, x.dtype), bias)
+        return F.linear(x, dequantize_int4_triton(packed, scales, k, x.dtype, zeros), bias)
+    return F.linear(x, dequantize_int4(packed, scales, k, x.dtype, zeros), bias)
 
 
 def kernel_ok(device: torch.device) -> bool:
@@ -198,19 +226,25 @@ def _probe(device: torch.device) -> bool:
     w = torch.randn(n, k, generator=g) * torch.logspace(-3, 3, k // 8 + 1).repeat_interleave(8)[:k]
     q = quantize(w, "int4")
     packed, scales = q.values.to(device), q.scales.to(device)
+    # Zero points as AWQ's (zero - 8 in -8..7, asymmetric GPTQ v1's up to 8), per group.
+    offsets = torch.randint(-8, 9, tuple(q.scales.shape), generator=g, dtype=torch.int8).to(device)
     try:
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            want = dequantize_int4(packed, scales, k, dtype)
-            if not torch.equal(dequantize_int4_triton(packed, scales, k, dtype), want):
-                raise ValueError(f"the Triton dequantization differs from torch's in {dtype}")
-        for m, dtype in ((1, torch.bfloat16), (37, torch.bfloat16), (16, torch.float32)):
+        for dtype, zeros in itertools.product((torch.bfloat16, torch.float16, torch.float32),
+                                              (None, offsets)):
+            want = dequantize_int4(packed, scales, k, dtype, zeros)
+            if not torch.equal(dequantize_int4_triton(packed, scales, k, dtype, zeros), want):
+                raise ValueError(f"the Triton dequantization differs from torch's in {dtype} "
+                                 f"({'with' if zeros is not None else 'without'} zero points)")
+        for (m, dtype), zeros in itertools.product(
+                ((1, torch.bfloat16), (37, torch.bfloat16), (16, torch.float32)), (None, offsets)):
             x = torch.randn(m, k, generator=g).to(device, dtype)
-            ref = F.linear(x.float(), dequantize_int4(packed, scales, k, dtype).float())
+            ref = F.linear(x.float(), dequantize_int4(packed, scales, k, dtype, zeros).float())
             for cfg in (None, W4Config(16, 64, 3)):
-                y = w4a16_mm(x, packed, scales, k, cfg).float()
+                y = w4a16_mm(x, packed, scales, k, cfg, zeros).float()
                 tol = (1e-2 if dtype != torch.float32 else 1e-4) * ref.abs().amax(1, keepdim=True)
                 if not ((y - ref).abs() <= tol).all():
-                    raise ValueError(f"M={m} {dtype} {cfg}: off by {(y - ref).abs().max().item():.3g}")
+                    raise ValueError(f"M={m} {dtype} {cfg} zeros={zeros is not None}: off by "
+                                     f"{(y - ref).abs().max().item():.3g}")
     except Exception as e:  # noqa: BLE001 - a compile error or a wrong product: never use it
         log.warning("int4: the W4A16 kernels failed their probe on %s (%s); the engine unpacks "
                     "and dequantizes the weights with torch per GEMM instead", device, e)

@@ -11,7 +11,9 @@ trainers and the engines agree bit for bit on what the checkpoint means.
   stored +8) and packed as the engine packs them (two's complement, element 2i in the low nibble:
   a re-encoding of the same values, `elements.pack_int4`); float32 scales per 128-wide group (a
   coarser group's scale repeated), or per the checkpoint's finer group for dequantization only.
-- INT4 GPTQ (symmetric, 4-bit): the same, from its column-packed words (a transpose).
+- INT4 GPTQ (4-bit): the same, from its column-packed words (a transpose); asymmetric ones
+  (`sym: false`) keep each group's zero point beside its scale (QTensor.zeros, zero - 8).
+- INT4 AWQ (gemm): the same from row-packed words in AWQ's interleaved order, with zero points.
 Scales stored in bf16 / fp16 widen to float32 exactly.
 """
 
@@ -28,7 +30,11 @@ from milepost.lowprec.quantize import QTensor, dequantize
 from milepost.weights.fp8 import dequantize_rows
 
 Get = Callable[[str], "torch.Tensor | None"]  # a companion tensor by name (None: not in the checkpoint)
-_PACKED = {"int4_pack": PACKED_SUFFIX, "int4_gptq": GPTQ_SUFFIX}  # the stored INT4 weight's suffix
+_PACKED = {"int4_pack": PACKED_SUFFIX, "int4_gptq": GPTQ_SUFFIX, "int4_awq": GPTQ_SUFFIX}
+# AWQ's packing (AutoAWQ's gemm layout): nibble i of a word (bits 4i..4i+3) holds element
+# _AWQ_ORDER[i] of its eight; so element e sits in nibble _AWQ_NIBBLE[e].
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_AWQ_NIBBLE = tuple(_AWQ_ORDER.index(e) for e in range(8))
 
 
 def weight_name(ckpt: CheckpointQuant | None, stored: str) -> str:
@@ -61,6 +67,8 @@ def read_weight(ckpt: CheckpointQuant, name: str, stored: torch.Tensor, get: Get
         return _int4(ckpt, name, stored, scale, get)
     if ckpt.layout == "int4_gptq":
         return _gptq(ckpt, name, stored, scale, get)
+    if ckpt.layout == "int4_awq":
+        return _awq(ckpt, name, stored, scale, get)
     if stored.dim() != 2:
         raise ValueError(f"{name}: an FP8 weight of shape {list(stored.shape)}; the engines load "
                          "2-d FP8 linears (per-expert names for MoE experts), not stacked ones")
@@ -118,17 +126,21 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
     return torch.stack([(w >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(w.shape[0], -1)
 
 
-def _int4_qtensor(ckpt: CheckpointQuant, values: torch.Tensor, scales: torch.Tensor, group: int
-                  ) -> QTensor:
-    """int8 `values` [rows, cols] (-8..7) and float32 `scales` [rows, ceil(cols/group)] as the
-    INT4 store holds them: a group that is a multiple of 128 (or the row) gives each 128-wide
-    group its scale; a finer group is kept as it is (dequantization only: `inexact`)."""
+def _int4_qtensor(ckpt: CheckpointQuant, values: torch.Tensor, scales: torch.Tensor, group: int,
+                  zeros: torch.Tensor | None = None) -> QTensor:
+    """int8 `values` [rows, cols] (-8..7), float32 `scales` and int8 `zeros` (zero - 8, or None)
+    [rows, ceil(cols/group)] as the INT4 store holds them: a group that is a multiple of 128 (or
+    the row) gives each 128-wide group its scale and zero; a finer group is kept as it is
+    (dequantization only: `inexact`)."""
     rows, cols = values.shape
     if not ckpt.group_size or group % INT4_GROUP == 0:
         per = -(-group // INT4_GROUP)
         scales = scales.repeat_interleave(per, dim=1)[:, :-(-cols // INT4_GROUP)]
+        if zeros is not None:
+            zeros = zeros.repeat_interleave(per, dim=1)[:, :-(-cols // INT4_GROUP)]
         group = INT4_GROUP
-    return QTensor("int4", el.pack_int4(values), scales.contiguous(), (1, group), (rows, cols))
+    return QTensor("int4", el.pack_int4(values), scales.contiguous(), (1, group), (rows, cols),
+                   zeros=zeros.contiguous() if zeros is not None else None)
 
 
 def _gptq(ckpt: CheckpointQuant, name: str, qweight: torch.Tensor, scale: torch.Tensor | None,
@@ -149,17 +161,55 @@ def _gptq(ckpt: CheckpointQuant, name: str, qweight: torch.Tensor, scale: torch.
     _want(scale, (groups, rows), base + ".scales", f"groups of {group} in a [{rows}, {cols}] weight")
     _want(zeros, (groups, -(-rows // 8)), base + ".qzeros", f"groups of {group} of {rows} columns")
     z = _nibbles(zeros)[:, :rows]
-    if not (z == ckpt.gptq_zero).all():
+    if not ckpt.zero_points and not (z == ckpt.gptq_zero).all():
         raise ValueError(f"{base}.qzeros holds zero points other than {ckpt.gptq_zero} (symmetric "
-                         f"in this checkpoint_format); the INT4 store has no zero point: use a "
-                         "symmetric checkpoint or the bf16 one")
+                         f"in this checkpoint_format) but quantization_config.sym is true: a "
+                         "checkpoint with zero points says sym: false (or its checkpoint_format "
+                         "is wrong); fix the config or use the bf16 checkpoint")
     g_idx = get(base + ".g_idx")
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols) // group):
         raise ValueError(f"{base}.g_idx groups columns out of order (desc_act); the INT4 store's "
                          "groups are contiguous: use the bf16 checkpoint")
     # Word i of a column holds its elements 8i..8i+7 (element 8i+j in bits 4j), stored unsigned.
     u = _nibbles(qweight.t().contiguous())  # [out, in]: a column's words become a row's
-    return _int4_qtensor(ckpt, (u - 8).to(torch.int8), scale.float().t(), group)
+    # sym: false keeps the zero points; v2 stores each as it is, v1 as zero - 1 (so a stored 7
+    # is the symmetric 8 in both).
+    offsets = _zero_offsets(z.t() + 8 - ckpt.gptq_zero) if ckpt.zero_points else None
+    return _int4_qtensor(ckpt, (u - 8).to(torch.int8), scale.float().t(), group, offsets)
+
+
+def _zero_offsets(z: torch.Tensor) -> torch.Tensor:
+    """Zero points z [rows, groups] as the store keeps them: z - 8, so that with the values
+    stored as q - 8, (v - offset) = q - z exactly, and a symmetric zero (8) is 0."""
+    return (z.to(torch.int16) - 8).to(torch.int8)
+
+
+def _awq(ckpt: CheckpointQuant, name: str, qweight: torch.Tensor, scale: torch.Tensor | None,
+         get: Get) -> QTensor:
+    """AWQ's row-packed tensors (quant_checkpoint._awq) as the INT4 store's rows and zero points:
+    the nibbles put back in element order, transposed; no arithmetic on the values."""
+    base = name.removesuffix(".weight")
+    zeros = get(base + ".qzeros")
+    if scale is None or zeros is None:
+        missing = base + (".scales" if scale is None else ".qzeros")
+        raise ValueError(f"{base}{GPTQ_SUFFIX} has no {missing} in the checkpoint")
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise ValueError(f"{base}{GPTQ_SUFFIX} is {qweight.dtype} {list(qweight.shape)}; AWQ packs "
+                         "a weight into int32 [in, out/8]")
+    cols, rows = qweight.shape[0], qweight.shape[1] * 8  # in features, out features
+    group = ckpt.group_size or cols
+    groups = -(-cols // group)
+    _want(scale, (groups, rows), base + ".scales", f"groups of {group} in a [{rows}, {cols}] weight")
+    _want(zeros, (groups, rows // 8), base + ".qzeros", f"groups of {group} of {rows} outputs")
+    q = _awq_elements(qweight).t()  # [out, in], unsigned 0..15
+    z = _awq_elements(zeros).t()  # [out, groups]
+    return _int4_qtensor(ckpt, (q - 8).to(torch.int8), scale.float().t(), group, _zero_offsets(z))
+
+
+def _awq_elements(words: torch.Tensor) -> torch.Tensor:
+    """int32 [r, c] packed in AWQ's order -> the unsigned 4-bit elements [r, 8c] in order."""
+    nib = _nibbles(words)  # nibble i of word j at 8j + i
+    return nib.reshape(words.shape[0], -1, 8)[:, :, list(_AWQ_NIBBLE)].reshape(words.shape[0], -1)
 
 
 def _want(t: torch.Tensor, shape: tuple[int, int], name: str, what: str) -> None:
@@ -175,7 +225,8 @@ def dequantize_weight(q: QTensor) -> torch.Tensor:
 
 
 def on_device(q: QTensor, device: torch.device | str) -> QTensor:
-    return QTensor(q.fmt, q.values.to(device), q.scales.to(device), q.tile, q.shape, q.tensor_scale)
+    return QTensor(q.fmt, q.values.to(device), q.scales.to(device), q.tile, q.shape, q.tensor_scale,
+                   q.zeros.to(device) if q.zeros is not None else None)
 
 
 def dequantize_tensors(ckpt: CheckpointQuant | None, tensors: dict[str, torch.Tensor]

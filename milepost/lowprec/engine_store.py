@@ -29,7 +29,7 @@ from milepost.lowprec.contract import EXPERTS_SERVED, Contract
 from milepost.lowprec.delayed import qdq_input
 from milepost.lowprec.engine_experts import Fp8Experts, convert_fp8_experts
 from milepost.lowprec.engine_scales import InputScales, attach_input_scales
-from milepost.lowprec.experts_int4 import Int4Experts, convert_int4_experts
+from milepost.lowprec.experts_int4 import ZERO_EXPERTS, Int4Experts, convert_int4_experts
 from milepost.lowprec.linear import quantize_activation, quantize_weight_parts
 from milepost.lowprec.quantize import INT4_GROUP, QTensor, dequantize, element_scale
 from milepost.models.qwen3_moe import StackedExperts
@@ -39,7 +39,10 @@ class QuantizedLinear(nn.Linear):
     """nn.Linear in a low-precision format. Emulated: `weight` holds the dequantized values of
     its parts in the model dtype. Native (fp8_block on Hopper): `weight` is the float8 values
     and `weight_scale` the 128x128 tile scales; the GEMM runs in FP8 (kernels/fp8_gemm.py).
-    INT4 (every device): `weight` is the packed uint8 nibbles, `weight_scale` the group scales."""
+    INT4 (every device): `weight` is the packed uint8 nibbles, `weight_scale` the group scales,
+    and, for a checkpoint with zero points (AWQ, asymmetric GPTQ) served as stored,
+    `weight_zero` int8 [N, ceil(K/128)]: each group's zero point - 8 (QTensor.zeros), 0 once an
+    update re-quantized the part with the symmetric quantizer."""
 
     qparts: list[tuple[int, int, QTensor]]  # (first row, rows, quantized tensor) per HF tensor
     qformat: str
@@ -49,6 +52,7 @@ class QuantizedLinear(nn.Linear):
     weight_scale: torch.Tensor
     qstatic: bool = False  # fp8_block with static input scales (`input_scale`, engine_scales.py)
     input_scale: torch.Tensor  # float32 [parts], equal; 0 = none yet: 1 x 128 current blocks
+    weight_zero: torch.Tensor | None  # int4 (a buffer, None without zero points): int8 [N, ceil(K/128)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
@@ -60,7 +64,8 @@ class QuantizedLinear(nn.Linear):
         if self.qformat == "int4":  # weight-only (W4A16): activations stay in the model dtype
             from milepost.kernels.int4_gemm import int4_linear
 
-            return int4_linear(x, self.weight, self.weight_scale, self.in_features, self.bias)
+            return int4_linear(x, self.weight, self.weight_scale, self.in_features, self.bias,
+                               self.weight_zero)
         if self.qstatic:  # the trainer's delayed-scaling quantizer with the scale it sent
             return F.linear(qdq_input(x, self.input_scale[0]), self.weight, self.bias)
         return F.linear(quantize_activation(x, self.qformat, self.qfour), self.weight, self.bias)
@@ -72,8 +77,17 @@ class QuantizedLinear(nn.Linear):
         if self.qformat == "int4":  # packed rows and their group scales; the part views them
             self.weight[row:row + rows].copy_(q.values)
             self.weight_scale[row:row + rows].copy_(q.scales)
+            zeros = None
+            if self.weight_zero is not None:  # a symmetric part (an update's) has zero points 0
+                zeros = self.weight_zero[row:row + rows]
+                if q.zeros is not None:
+                    zeros.copy_(q.zeros)
+                else:
+                    zeros.zero_()
+            elif q.zeros is not None:
+                raise ValueError("an INT4 part with zero points in a linear built without them")
             q = QTensor(q.fmt, self.weight[row:row + rows], self.weight_scale[row:row + rows],
-                        q.tile, q.shape)
+                        q.tile, q.shape, zeros=zeros)
         elif self.native:
             self.weight[row:row + rows].copy_(q.values)
             tiles = slice(row // 128, row // 128 + q.scales.shape[0])
@@ -244,11 +258,16 @@ class StoreBuilder:
                              "projection linears left to quantize (check --precision-override)")
         store = QuantizedWeights(self.modules, self.names, contract, self.source_dtype)
         store.experts = experts
+        zero_experts = []
         for name, q in self.preset.items():  # the checkpoint's FP8 / INT4 experts, tensor by tensor
             view = model.weight_view(name) if experts is not None and ".experts." in name else None
-            if view is not None and experts.owner(view) is not None and q.fmt == experts.fmt:
+            if view is not None and q.zeros is not None:  # no zero points in the expert store
+                zero_experts.append(name)
+            elif view is not None and experts.owner(view) is not None and q.fmt == experts.fmt:
                 module, parts = experts.parts(view)
                 module.put(*parts[0], _on(q, module.w13.device))
+        if zero_experts:
+            raise ValueError(f"{zero_experts[0]} (and {len(zero_experts) - 1} more): {ZERO_EXPERTS}")
         if static_scales:
             store.input_scales = attach_input_scales(model, [
                 (m, [self.names[(id(m), row)] for row, _, _ in m.qparts])
@@ -288,6 +307,10 @@ def _quantize_linear(module: nn.Linear, parts: list[tuple[int, int, str]], contr
                                      requires_grad=False)
         module.register_buffer("weight_scale", torch.empty(
             n, -(-k // INT4_GROUP), dtype=torch.float32, device=dev))
+        # AWQ / asymmetric GPTQ served as stored: a zero point per group (None: symmetric).
+        module.register_buffer("weight_zero", torch.zeros(n, -(-k // INT4_GROUP), dtype=torch.int8,
+                                                          device=dev)
+                               if any(q.zeros is not None for q in qs) else None)
         if dev.type == "cuda":  # probe the W4A16 kernel now, not inside a graph capture
             from milepost.kernels.int4_gemm import kernel_ok
 
@@ -307,7 +330,8 @@ def _quantize_linear(module: nn.Linear, parts: list[tuple[int, int, str]], contr
 
 
 def _on(q: QTensor, device: torch.device) -> QTensor:
-    return QTensor(q.fmt, q.values.to(device), q.scales.to(device), q.tile, q.shape)
+    return QTensor(q.fmt, q.values.to(device), q.scales.to(device), q.tile, q.shape,
+                   zeros=q.zeros.to(device) if q.zeros is not None else None)
 
 
 def _native(module: nn.Linear, fmt: str, parts: list[tuple[int, int, str]]) -> bool:

@@ -16,12 +16,14 @@ element 2i low) with float32 scales [E, 2I, ceil(H/128)], and w2 as [E, H, ceil(
 [E, H, ceil(I/128)]: re-packed from what the sender sent on every update, every transport
 (`Int4Experts.write`, through the store the weight loader calls). The forward is W4A16: the
 weights are dequantized (nibble times scale in float32, cast once to the model dtype: the
-trainer's fake-quant bits) and the bf16 expert paths multiply them. On CUDA inference with
-fewer (token, slot) pairs than experts (decode) only the routed experts are gathered, still
-packed, and dequantized, one copy per pair, by the Triton dequantization of kernels/int4_gemm.py
-(probed at start like the dense INT4 kernels; torch's where it failed), then the fused bf16 MoE
-kernel runs: no host sync, so CUDA graphs capture it. Otherwise every expert of the layer is
-dequantized into a temporary per forward (prefill: the GEMMs dominate).
+trainer's fake-quant bits) and the bf16 expert paths multiply them. On CUDA inference up to
+fused_moe_int4.MAX_TOKENS tokens (decode) the fused W4A16 MoE kernels (kernels/fused_moe_int4.py,
+probed at start) read the packed bytes and scales and dequantize in registers: the bf16 fused
+kernel's tiles on the same weights, at a quarter of its expert bytes; no host sync, so CUDA graphs
+capture them. Where their probe failed, decode gathers the routed experts, still packed, and
+dequantizes one copy per pair (kernels/int4_gemm.py's Triton dequantization), then the bf16
+experts run. Past MAX_TOKENS (prefill: the GEMMs dominate) every expert of the layer is
+dequantized into a temporary per forward.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ from milepost.lowprec.formats import INT4_GROUP
 from milepost.lowprec.linear import qdq
 from milepost.lowprec.quantize import QTensor, quantize
 from milepost.models.qwen3_moe import StackedExperts
+
+
+ZERO_EXPERTS = ("INT4 MoE experts with zero points (an AWQ or asymmetric GPTQ checkpoint): the "
+                "INT4 expert store is symmetric and cannot hold them; serve the checkpoint with "
+                "--dequantize-checkpoint (a training run: --precision bf16, whose engines dequantize)")
 
 
 def dequantize_packed(packed: torch.Tensor, scales: torch.Tensor, k: int,
@@ -87,8 +94,16 @@ class Int4StackedExperts(StackedExperts):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from milepost.kernels.grouped_experts import grouped_available
 
-        if grouped_available(x) and ids.numel() < self.num_experts:
-            return self._routed_only(x, ids, weights)
+        if grouped_available(x):
+            from milepost.kernels import fused_moe_int4 as f4  # triton: imported on GPU only
+
+            if ids.shape[0] <= f4.MAX_TOKENS and f4.kernel_ok(x.device):
+                cfg = f4.config_for(x.shape[0], self.num_experts, self.hidden, self.intermediate,
+                                    ids.shape[1])
+                return f4.fused_expert_mlp_int4(x, ids, weights, self.w13, self.w13_scale, self.w2,
+                                                self.w2_scale, cfg)
+            if ids.numel() < self.num_experts:  # the kernels failed their probe: copies at decode
+                return self._routed_only(x, ids, weights)
         return super().forward(x, ids, weights)
 
     def _routed_only(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -103,7 +118,7 @@ class Int4StackedExperts(StackedExperts):
         return grouped_expert_mlp(x, pairs, weights, w13, w2)
 
     def routed_weights(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Decode: each (token, slot) pair gets its own dequantized copy of its expert (a gather
+        """Decode without the fused INT4 kernels: each (token, slot) pair gets its own dequantized copy of its expert (a gather
         of packed bytes, then the dequantization) and the pairs become the experts: (pair ids
         shaped like `ids`, w13 [T*k, 2I, H], w2 [T*k, H, I]). No host sync."""
         flat = ids.reshape(-1)
@@ -126,6 +141,8 @@ class Int4StackedExperts(StackedExperts):
         return QTensor("int4", values, scales, (1, INT4_GROUP), (values.shape[0], k))
 
     def put(self, e: int, which: int, q: QTensor) -> None:
+        if q.zeros is not None:  # never dropped silently: the store has no place for them
+            raise ValueError(ZERO_EXPERTS)
         dst = self.qtensor(e, which)
         dst.values.copy_(q.values)
         dst.scales.copy_(q.scales)
@@ -177,10 +194,12 @@ def _pack(module: StackedExperts) -> None:
     module.register_buffer("w2_scale", s2)
     module.compute_dtype = dtype
     module.hidden = h
-    if dev.type == "cuda":  # probe the Triton dequantization now, not inside a graph capture
+    if dev.type == "cuda":  # probe the Triton kernels now, not inside a graph capture
+        from milepost.kernels import fused_moe_int4
         from milepost.kernels.int4_gemm import kernel_ok
 
         kernel_ok(dev)
+        fused_moe_int4.kernel_ok(dev)
 
 
 # -- the trainer --------------------------------------------------------------------------------

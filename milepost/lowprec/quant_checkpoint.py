@@ -19,8 +19,13 @@ Layouts read (config.json `quantization_config`), each held exactly by one exist
   (lowprec/experts_int4.py), the same way. A finer group (32, 64) is read too, but no store holds it:
   serving it as stored is refused naming the group size (`inexact`); `--dequantize-checkpoint`
   (and training) take its dequantized weights.
-Anything else (another method, E5M2, other block sizes, zero points, activation ordering, kv-cache
-or sparsity schemes) is refused naming the setting.
+- `int4_awq`: AutoAWQ's GEMM layout (`quant_method: awq`, `version: gemm`, 4 bits, zero points:
+  `X.qweight` int32 [in, out/8] in AWQ's interleaved nibble order, `X.qzeros`, `X.scales` fp16
+  [groups, out]), and asymmetric GPTQ (`sym: false`, layout int4_gptq with `zero_points`): the
+  packed INT4 store with a per-group zero point beside each scale (w = (q - z) * s). MoE experts
+  with zero points have no store (the expert store is symmetric): refused, as unheld weights.
+Anything else (another method, E5M2, other block sizes, activation ordering, kv-cache or
+sparsity schemes, AWQ's kernel-specific versions) is refused naming the setting.
 """
 
 from __future__ import annotations
@@ -36,29 +41,31 @@ from milepost.lowprec.formats import FP8_TILE, INT4_GROUP
 
 # The store (`--quantization`) that holds each layout exactly.
 SERVED_AS = {"fp8_block": "fp8_block", "fp8_tensor": "fp8_block", "fp8_channel": "fp8",
-             "int4_pack": "int4", "int4_gptq": "int4"}
+             "int4_pack": "int4", "int4_gptq": "int4", "int4_awq": "int4"}
 # Tensors read beside a quantized weight, per layout (by name suffix).
 COMPANIONS = {
     "fp8_tensor": (".weight_scale",),
     "fp8_channel": (".weight_scale",),
     "int4_pack": (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx"),
     "int4_gptq": (".scales", ".qzeros", ".g_idx"),
+    "int4_awq": (".scales", ".qzeros"),
 }
 PACKED_SUFFIX = ".weight_packed"  # compressed-tensors pack-quantized: X.weight_packed holds X.weight
-GPTQ_SUFFIX = ".qweight"  # GPTQ: X.qweight holds X.weight
+GPTQ_SUFFIX = ".qweight"  # GPTQ and AWQ: X.qweight holds X.weight
 
 
 @dataclass(frozen=True)
 class CheckpointQuant:
     """What a checkpoint's `quantization_config` says, checked."""
 
-    layout: str  # fp8_block | fp8_tensor | fp8_channel | int4_pack | int4_gptq
+    layout: str  # fp8_block | fp8_tensor | fp8_channel | int4_pack | int4_gptq | int4_awq
     activation_scheme: str  # "dynamic" | "static" (then `X.input_scale` per linear) | "none" (weight-only)
     not_converted: tuple[str, ...]  # module names the checkpoint kept unquantized (informative)
     scale_suffix: str = ".weight_scale"  # the weight scale's name: X.weight -> X{scale_suffix}
     group_size: int = 0  # int4_pack: values per scale along a row (0: one scale per row)
     inexact: str = ""  # why no engine store holds the stored values as they are ("": one does)
     gptq_zero: int = 8  # int4_gptq: the stored zero nibble that means "symmetric" (v1 stores 7)
+    zero_points: bool = False  # int4_awq, asymmetric int4_gptq: a zero point per group (qzeros)
 
     @property
     def serve_as(self) -> str:
@@ -88,10 +95,12 @@ def checkpoint_quant(path: str | Path) -> CheckpointQuant | None:
         return _compressed(qc, where)
     if method == "gptq":
         return _gptq(qc, where)
+    if method == "awq":
+        return _awq(qc, where)
     raise ValueError(f"{where}.quant_method is {method!r}; milepost loads FP8 checkpoints (quant_method "
                      "fp8: blockwise or per-tensor), compressed-tensors FP8 (per-tensor, per-channel, "
-                     "128 x 128 blocks) and INT4 (pack-quantized, symmetric) ones, symmetric 4-bit "
-                     "GPTQ ones, and unquantized ones: "
+                     "128 x 128 blocks) and INT4 (pack-quantized, symmetric) ones, 4-bit GPTQ and "
+                     "AWQ (gemm) ones, and unquantized ones: "
                      "use the bf16 checkpoint of this model (quantize it on load with --quantization)")
 
 
@@ -153,14 +162,12 @@ def _gptq(qc: dict[str, Any], where: str) -> CheckpointQuant:
     """GPTQ (AutoGPTQ / GPTQModel): `X.qweight` int32 [in/8, out] (eight values of a column per
     word, element 8i+j in bits 4j, stored unsigned), `X.qzeros` int32 [groups, out/8],
     `X.scales` [groups, out], `X.g_idx` [in]; w = scale * (q - zero). Symmetric 4-bit GPTQ has
-    every zero 8 (format v1 stores zero - 1 = 7): the INT4 store's values are q - 8."""
+    every zero 8 (format v1 stores zero - 1 = 7): the INT4 store's values are q - 8. With
+    `sym: false` the zeros are read (v1: stored + 1) and kept beside the scales."""
     bits = qc.get("bits")
     if bits != 4:
         raise ValueError(f"{where}.bits is {bits!r}; the engines' INT4 store holds 4-bit GPTQ only: "
                          "use a 4-bit checkpoint or the bf16 one")
-    if not qc.get("sym", True):
-        raise ValueError(f"{where}.sym is false: zero points; the INT4 store is symmetric (no zero "
-                         "point): use a symmetric checkpoint or the bf16 one")
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"{where}.checkpoint_format is {fmt!r}; milepost reads gptq and gptq_v2 "
@@ -173,7 +180,42 @@ def _gptq(qc: dict[str, Any], where: str) -> CheckpointQuant:
         raise ValueError(f"{where}.group_size is {group!r}; expected a positive size or -1 (per channel)")
     group = 0 if group == -1 else group
     return CheckpointQuant("int4_gptq", "none", (), ".scales", group, _finer_group(group, where),
-                           7 if fmt == "gptq" else 8)
+                           7 if fmt == "gptq" else 8, zero_points=not qc.get("sym", True))
+
+
+def _awq(qc: dict[str, Any], where: str) -> CheckpointQuant:
+    """AWQ (AutoAWQ, transformers' AwqConfig), GEMM version: `X.qweight` int32 [in, out/8] (eight
+    values of a row per word in AWQ's interleaved order), `X.qzeros` int32 [groups, out/8] in the
+    same order, `X.scales` fp16 [groups, out]; w = (q - zero) * scale, q and zero unsigned 0..15.
+    The other versions repack the same values for one kernel (gemv, marlin, exllama, ipex) and
+    are not read; nor is llm-awq's own packing (`backend: llm-awq`)."""
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{where}.bits is {bits!r}; the engines' INT4 store holds 4-bit AWQ only: "
+                         "use a 4-bit checkpoint or the bf16 one")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"{where}.version is {version!r}; milepost reads AWQ's gemm layout "
+                         "(qweight [in, out/8]), not the kernel-specific repackings (gemv, marlin, "
+                         "exllama, ipex): use the gemm checkpoint or the bf16 one")
+    backend = qc.get("backend", "autoawq")
+    if backend != "autoawq":
+        raise ValueError(f"{where}.backend is {backend!r}; milepost reads AutoAWQ's packing "
+                         "(backend autoawq), not llm-awq's: use the bf16 checkpoint")
+    if not qc.get("zero_point", True):
+        raise ValueError(f"{where}.zero_point is false; AutoAWQ's gemm layout stores zero points "
+                         "(its packer needs them): a checkpoint without them is not one milepost "
+                         "reads: use the bf16 checkpoint")
+    for key in ("desc_act", "act_order"):
+        if qc.get(key):
+            raise ValueError(f"{where}.{key} is set: columns quantized out of order; the INT4 "
+                             "store's groups are contiguous: use the bf16 checkpoint")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or group == 0 or group < -1:
+        raise ValueError(f"{where}.group_size is {group!r}; expected a positive size or -1 (per channel)")
+    group = 0 if group == -1 else group
+    return CheckpointQuant("int4_awq", "none", tuple(qc.get("modules_to_not_convert") or ()),
+                           ".scales", group, _finer_group(group, where), zero_points=True)
 
 
 def _group_layout(g: dict[str, Any], top_format: str | None, where: str) -> tuple[str, str, int]:
@@ -236,19 +278,22 @@ def unheld_weights(path: str | Path, ckpt: CheckpointQuant) -> list[str]:
     (projections outside q/k/v/o and gate/up/down; MoE experts of a per-channel FP8 one, whose
     store holds linears only: INT4 experts are packed by the INT4 expert store): serving the
     checkpoint as stored is refused for them (they would be dequantized into --dtype, which
-    rounds in bf16). Read from the safetensors headers alone (no torch)."""
-    if ckpt.layout not in ("fp8_channel", "int4_pack", "int4_gptq"):
+    rounds in bf16); MoE experts with zero points (AWQ, asymmetric GPTQ), whose store is
+    symmetric. Read from the safetensors headers alone (no torch)."""
+    if ckpt.layout not in ("fp8_channel", "int4_pack", "int4_gptq", "int4_awq"):
         return []  # the blockwise store: tensors outside its recipe are dequantized (documented)
     out = []
     for f in sorted(Path(path).glob("*.safetensors")):
         for name, meta in _header(f).items():
-            packed = {"int4_pack": PACKED_SUFFIX, "int4_gptq": GPTQ_SUFFIX}.get(ckpt.layout)
+            packed = {"int4_pack": PACKED_SUFFIX, "int4_gptq": GPTQ_SUFFIX,
+                      "int4_awq": GPTQ_SUFFIX}.get(ckpt.layout)
             if packed and name.endswith(packed):
                 name = name.removesuffix(packed) + ".weight"
             elif not (name.endswith(".weight") and meta.get("dtype") == "F8_E4M3"):
                 continue
             module = name.removesuffix(".weight").rsplit(".", 1)[-1]
-            if module not in COVERED or (".experts." in name and ckpt.layout == "fp8_channel"):
+            experts_unheld = ckpt.layout == "fp8_channel" or ckpt.zero_points
+            if module not in COVERED or (".experts." in name and experts_unheld):
                 out.append(name)
     return sorted(out)
 

@@ -38,7 +38,10 @@ class QTensor:
     (nvfp4, two E2M1 codes a byte; int4, two's-complement nibbles, [.., ceil(K/2)]); scales:
     float32 per tile (fp8_block, int4: [rows, ceil(K/128)]), uint8 UE8M0 codes
     (mxfp8) or float8_e4m3fn (nvfp4), one per block; tensor_scale: nvfp4's float32 outer scale
-    ([] per tensor, [rows, 1] per token); tile: the block shape (rows, cols)."""
+    ([] per tensor, [rows, 1] per token); tile: the block shape (rows, cols); zeros: int4 with
+    zero points only (AWQ, asymmetric GPTQ checkpoints served as stored): int8 [rows, ceil(K/128)],
+    each group's zero point minus 8, subtracted from the signed value before scaling, so an
+    element is (v - zero) * scale (None: symmetric, every zero 0). The quantizer makes none."""
 
     fmt: str
     values: torch.Tensor
@@ -46,6 +49,7 @@ class QTensor:
     tile: tuple[int, int]
     shape: tuple[int, ...]
     tensor_scale: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
 
 
 def check_shape(fmt: str, shape: tuple[int, ...], name: str = "tensor") -> None:
@@ -151,12 +155,8 @@ def _quantize_nvfp4(t: torch.Tensor, amax: torch.Tensor, bad: torch.Tensor, role
 
 def element_scale(q: QTensor) -> torch.Tensor:
     """The float32 scale each element is multiplied by on dequantization, shaped like q."""
-    k = q.shape[-1]
     if q.fmt in ("fp8_block", "int4"):
-        tr, tc = q.tile
-        s = q.scales.repeat_interleave(tr, 0).repeat_interleave(tc, 1)
-        rows = int(torch.tensor(q.shape[:-1]).prod()) if len(q.shape) > 1 else 1
-        return s[:rows, :k].reshape(q.shape)
+        return _per_element(q.scales, q)
     block = q.tile[1]
     if q.fmt == "mxfp8":
         s = el.e8m0_decode(q.scales)
@@ -165,12 +165,23 @@ def element_scale(q: QTensor) -> torch.Tensor:
     return s.repeat_interleave(block, -1)
 
 
+def _per_element(t: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """A per-tile tensor of `q` (fp8_block / int4 scales, int4 zeros) broadcast over its tiles."""
+    tr, tc = q.tile
+    s = t.repeat_interleave(tr, 0).repeat_interleave(tc, 1)
+    rows = int(torch.tensor(q.shape[:-1]).prod()) if len(q.shape) > 1 else 1
+    return s[:rows, :q.shape[-1]].reshape(q.shape)
+
+
 def dequantize(q: QTensor) -> torch.Tensor:
-    """float32 values of `q`."""
+    """float32 values of `q` (int4 with zero points: (v - zero) * scale, the difference of two
+    small integers exact in float32, so one rounding, in the product, as without them)."""
     if q.fmt == "nvfp4":
         v = el.e2m1_decode(el.unpack_nibbles(q.values)).reshape(q.shape)
     elif q.fmt == "int4":
         v = el.unpack_int4(q.values, q.shape[-1]).float()
+        if q.zeros is not None:
+            v = v - _per_element(q.zeros.float(), q)
     else:
         v = q.values.float()
     return v * element_scale(q)

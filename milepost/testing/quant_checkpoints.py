@@ -1,8 +1,8 @@
 """Tiny quantized checkpoints written by hand from the layouts' definitions (no milepost
 quantizer, no compressed-tensors package): per-tensor FP8 (AutoFP8's `quant_method: fp8` without
 `weight_block_size`, and compressed-tensors `strategy: tensor`), per-channel FP8
-(compressed-tensors "FP8-dynamic"), INT4 pack-quantized (compressed-tensors W4A16) and symmetric
-4-bit GPTQ (format v1 and v2). Each
+(compressed-tensors "FP8-dynamic"), INT4 pack-quantized (compressed-tensors W4A16), 4-bit GPTQ
+(format v1 and v2, symmetric or with zero points) and AWQ (AutoAWQ's gemm layout). Each
 covered projection gets random codes and random scales; `meaning` gives the float32 weight the
 checkpoint means (codes times scales), for tests to compare the loaders against."""
 
@@ -132,12 +132,15 @@ def write_int4(src: Path, dst: Path, group: int, seed: int = 6,
     return {**out, **kept}
 
 
-def write_gptq(src: Path, dst: Path, group: int, v1: bool = True, seed: int = 7) -> dict[str, torch.Tensor]:
-    """A symmetric 4-bit GPTQ checkpoint (AutoGPTQ's layout; `v1`: checkpoint_format gptq, whose
+def write_gptq(src: Path, dst: Path, group: int, v1: bool = True, seed: int = 7,
+               sym: bool = True) -> dict[str, torch.Tensor]:
+    """A 4-bit GPTQ checkpoint (AutoGPTQ's layout; `v1`: checkpoint_format gptq, whose
     qzeros store zero - 1): `X.qweight` int32 [in/8, out], eight values of a column per word
-    (element 8i+j in bits 4j, stored + 8); `X.qzeros` int32 [groups, out/8] packed the same way
-    along the columns; `X.scales` fp16 [groups, out]; `X.g_idx` int32 [in]. `group` 0: per channel
-    (group_size -1). Returns the tensors written plus each weight's ints under `X.values`."""
+    (element 8i+j in bits 4j, stored unsigned q = value + 8); `X.qzeros` int32 [groups, out/8]
+    packed the same way along the columns; `X.scales` fp16 [groups, out]; `X.g_idx` int32 [in].
+    `group` 0: per channel (group_size -1). `sym` False: random zero points (`sym: false`), the
+    weight being (q - zero) * scale. Returns the tensors written plus each weight's ints
+    (q - zero) under `X.values`."""
     dst.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
@@ -152,15 +155,70 @@ def write_gptq(src: Path, dst: Path, group: int, v1: bool = True, seed: int = 7)
         width = group or cols
         groups = -(-cols // width)
         out[base + ".qweight"] = pack_int4_words(v).t().contiguous()  # packed along `in`
-        zero = torch.full((groups, rows), 7 if v1 else 8, dtype=torch.int8) - 8  # as values: +8 on packing
-        out[base + ".qzeros"] = pack_int4_words(zero)
+        stored = (torch.full((groups, rows), 7 if v1 else 8, dtype=torch.int8) if sym
+                  else torch.randint(0, 16, (groups, rows), generator=g, dtype=torch.int8))
+        out[base + ".qzeros"] = pack_int4_words(stored - 8)  # as values: +8 on packing
         out[base + ".scales"] = (torch.rand(groups, rows, generator=g) * 1e-2 + 1e-4).half()
         out[base + ".g_idx"] = (torch.arange(cols) // width).to(torch.int32)
-        kept[base + ".values"] = v
+        zero = stored.to(torch.int16) + (1 if v1 else 0)  # v1 stores zero - 1
+        # q - zero per element: q = v + 8, the zero of each element's group.
+        kept[base + ".values"] = v + 8 - zero.t().repeat_interleave(width, dim=1)[:, :cols]
         kept[base + ".weight_scale"] = out[base + ".scales"].t()  # for `meaning`
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    _config(src, dst, {"quant_method": "gptq", "bits": 4, "group_size": group or -1, "sym": True,
+    _config(src, dst, {"quant_method": "gptq", "bits": 4, "group_size": group or -1, "sym": sym,
                        "desc_act": False, "checkpoint_format": "gptq" if v1 else "gptq_v2"})
+    return {**out, **kept}
+
+
+# AutoAWQ's gemm packing, from its definition: nibble i of a word (bits 4i..4i+3) holds element
+# AWQ_ORDER[i] of the word's eight consecutive elements along the output dim.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_awq_words(q: torch.Tensor) -> torch.Tensor:
+    """unsigned 4-bit ints 0..15 [rows, cols] (cols a multiple of 8) -> int32 [rows, cols/8] in
+    AWQ's interleaved order."""
+    rows, cols = q.shape
+    eight = q.to(torch.int64).reshape(rows, cols // 8, 8)
+    words = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for nibble, element in enumerate(AWQ_ORDER):
+        words |= eight[:, :, element] << (4 * nibble)
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)  # the same 32 bits, signed
+
+
+def write_awq(src: Path, dst: Path, group: int, seed: int = 8, keep: tuple[str, ...] = (),
+              version: str = "gemm") -> dict[str, torch.Tensor]:
+    """An AWQ checkpoint (AutoAWQ's gemm layout, as transformers' AwqConfig describes it):
+    `X.qweight` int32 [in, out/8] (the weight transposed, eight outputs a word in AWQ_ORDER),
+    `X.qzeros` int32 [groups, out/8] the same way, `X.scales` fp16 [groups, out]; the weight is
+    (q - zero) * scale with q and zero unsigned 0..15. Random q, zeros and scales; `group` 0:
+    per channel (group_size -1); modules under `keep` stay unquantized (modules_to_not_convert).
+    Returns the tensors written plus each weight's ints (q - zero) under `X.values` and its
+    scales [out, groups] under `X.weight_scale`, for `meaning`."""
+    dst.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    kept: dict[str, torch.Tensor] = {}
+    for n, t in load_file(src / "model.safetensors").items():
+        if not covered(n, keep):
+            out[n] = t
+            continue
+        rows, cols = t.shape  # out, in
+        base = n.removesuffix(".weight")
+        width = group or cols
+        groups = -(-cols // width)
+        q = torch.randint(0, 16, (rows, cols), generator=g)
+        zero = torch.randint(0, 16, (rows, groups), generator=g)
+        scales = (torch.rand(groups, rows, generator=g) * 1e-2 + 1e-4).half()
+        out[base + ".qweight"] = pack_awq_words(q.t().contiguous())
+        out[base + ".qzeros"] = pack_awq_words(zero.t().contiguous())
+        out[base + ".scales"] = scales
+        kept[base + ".values"] = q - zero.repeat_interleave(width, dim=1)[:, :cols]
+        kept[base + ".weight_scale"] = scales.t()
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    _config(src, dst, {"quant_method": "awq", "bits": 4, "group_size": group or -1,
+                       "zero_point": True, "version": version,
+                       "modules_to_not_convert": list(keep) or None})
     return {**out, **kept}
 
 

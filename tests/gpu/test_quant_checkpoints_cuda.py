@@ -112,3 +112,38 @@ def test_int4_checkpoint_in_the_w4a16_store(src: Path, tmp_path: Path) -> None:
         assert torch.equal(m.weight_scale[row:row + rows].cpu(), q.scales), n
     toks, lps = _greedy(a)
     assert all(len(t) == 16 for t in toks) and all(torch.isfinite(torch.tensor(lp)).all() for lp in lps)
+
+
+def test_awq_checkpoint_in_the_w4a16_store_with_zero_points(src: Path, tmp_path: Path) -> None:
+    """AWQ (zero points) served as stored on CUDA: the packed bytes, scales and zero points are
+    the CPU reader's; the Triton dequantization gives torch's (v - zero) * scale bits, and the
+    W4A16 decode kernel multiplies those weights (within bf16 accumulation of the reference)."""
+    from milepost.kernels.int4_gemm import dequantize_int4_triton, kernel_ok, w4a16_mm
+    from milepost.lowprec.quantize import dequantize
+    from milepost.testing.quant_checkpoints import write_awq
+
+    write_awq(src, tmp_path / "awq", 128)
+    a = _engine(tmp_path / "awq")
+    assert kernel_ok(torch.device("cuda")), "the W4A16 kernels failed their probe (see the log)"
+    model = a.runner.model
+    ckpt, t = checkpoint_quant(tmp_path / "awq"), load_file(tmp_path / "awq" / "model.safetensors")
+    checked = 0
+    for n in (n for n in t if n.endswith(".qweight")):
+        name = n.removesuffix(".qweight") + ".weight"
+        q = read_weight(ckpt, name, t[n], t.get)
+        m, j = model.fp8_weights._part(model.weight_view(name))
+        row, rows, _ = m.qparts[j]
+        assert torch.equal(m.weight[row:row + rows].cpu(), q.values), name
+        assert torch.equal(m.weight_scale[row:row + rows].cpu(), q.scales), name
+        assert torch.equal(m.weight_zero[row:row + rows].cpu(), q.zeros), name
+        k = m.in_features
+        w = dequantize_int4_triton(m.weight, m.weight_scale, k, torch.bfloat16, m.weight_zero)
+        assert torch.equal(w[row:row + rows].cpu(), dequantize(q).bfloat16()), name
+        x = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        y = w4a16_mm(x, m.weight, m.weight_scale, k, zeros=m.weight_zero).float()
+        assert ((y - ref).abs() <= 1e-2 * ref.abs().amax(1, keepdim=True)).all(), name
+        checked += 1
+    assert checked == 7 * 2
+    toks, lps = _greedy(a)
+    assert all(len(t) == 16 for t in toks) and all(torch.isfinite(torch.tensor(lp)).all() for lp in lps)

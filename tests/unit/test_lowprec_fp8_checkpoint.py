@@ -216,7 +216,7 @@ def test_transformers_reads_the_same_values(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("edit", "match"), [
     ({"weight_block_size": [64, 64]}, r"weight_block_size is \[64, 64\]"),
     ({"fmt": "e5m2"}, "fmt is 'e5m2'"),
-    ({"quant_method": "awq"}, "quant_method is 'awq'"),
+    ({"quant_method": "bitsandbytes"}, "quant_method is 'bitsandbytes'"),
     ({"activation_scheme": "per_token"}, "activation_scheme is 'per_token'"),
 ])
 def test_layouts_the_engines_cannot_hold_are_refused_at_start(converted: Path, tmp_path: Path,

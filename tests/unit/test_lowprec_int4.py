@@ -100,17 +100,22 @@ from milepost.kernels.int4_gemm import _dequant_kernel, _w4a16_kernel
 
 ints = dict.fromkeys(("M N K KP stride_x stride_w stride_s stride_c stride_p n_kb kb_per").split(), "i32")
 for cc in (90,):  # the H200's; sm_80 compiles too (checked by hand, 2026-12-05)
-    for x, bm, bn, parts in (("bf16", 16, 64, False), ("fp32", 16, 64, True)):
-        sig = {"X": "*" + x, "W": "*u8", "S": "*fp32", "C": "*fp32" if parts else "*" + x, **ints,
-               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr", "PARTS": "constexpr"}
-        const = {"BLOCK_M": bm, "BLOCK_N": bn, "IEEE": x == "fp32", "PARTS": parts}
+    for x, bm, bn, parts, zero in (("bf16", 16, 64, False, False), ("fp32", 16, 64, True, False),
+                                   ("bf16", 16, 64, False, True)):
+        sig = {"X": "*" + x, "W": "*u8", "S": "*fp32", "Z": "*i8", "C": "*fp32" if parts else "*" + x,
+               **ints, "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr",
+               "PARTS": "constexpr", "ZERO": "constexpr"}
+        const = {"BLOCK_M": bm, "BLOCK_N": bn, "IEEE": x == "fp32", "PARTS": parts, "ZERO": zero}
         k = triton.compile(ASTSource(_w4a16_kernel, sig, const), target=GPUTarget("cuda", cc, 32),
                            options={"num_warps": 4 if bm * bn < 64 * 128 else 8, "num_stages": 3})
         assert k.asm["cubin"] and ("mma" in k.asm["ptx"]) == (x != "fp32"), (cc, x, bm, bn)  # ieee: FMA
-    sig = {"W": "*u8", "S": "*fp32", "O": "*bf16", "N": "i32", "K": "i32", "KP": "i32",
-           "stride_w": "i32", "stride_s": "i32", "stride_o": "i32", "BLOCK_N": "constexpr"}
-    k = triton.compile(ASTSource(_dequant_kernel, sig, {"BLOCK_N": 32}), target=GPUTarget("cuda", cc, 32))
-    assert "cvt.rn.bf16" in k.asm["ptx"]  # rounded to nearest even, as torch casts
+    sig = {"W": "*u8", "S": "*fp32", "Z": "*i8", "O": "*bf16", "N": "i32", "K": "i32", "KP": "i32",
+           "stride_w": "i32", "stride_s": "i32", "stride_o": "i32", "BLOCK_N": "constexpr",
+           "ZERO": "constexpr"}
+    for zero in (False, True):  # with zero points: AWQ / asymmetric GPTQ served as stored
+        k = triton.compile(ASTSource(_dequant_kernel, sig, {"BLOCK_N": 32, "ZERO": zero}),
+                           target=GPUTarget("cuda", cc, 32))
+        assert "cvt.rn.bf16" in k.asm["ptx"]  # rounded to nearest even, as torch casts
 """
 
 

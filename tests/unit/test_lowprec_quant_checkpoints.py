@@ -226,7 +226,7 @@ def test_int4_settings_the_store_cannot_hold_are_refused(src: Path, tmp_path: Pa
 @pytest.mark.parametrize(("edit", "match"), [
     ({"kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme is set"),
     ({"quantization_status": "frozen"}, "quantization_status is 'frozen'"),
-    ({"quant_method": "awq"}, "quant_method is 'awq'"),
+    ({"quant_method": "bitsandbytes"}, "quant_method is 'bitsandbytes'"),
     ({"group": {"strategy": "block", "block_structure": [64, 64]}}, r"block_structure is \[64, 64\]"),
     ({"inputs": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}},
      "per-channel FP8 weights with static input scales"),
@@ -333,7 +333,7 @@ def test_moe_experts(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("edit", "match"), [
-    ({"sym": False}, "sym is false: zero points"),
+    ({"dynamic": {"-:.*down_proj": {}}}, "dynamic sets per-module overrides"),
     ({"bits": 8}, "bits is 8"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format is 'marlin'"),
     ({"group_size": 32}, "INT4 group_size 32"),
