@@ -19,7 +19,6 @@ from milepost.engine.speculative_setup import (
     make_speculator,
     mtp_kv_bytes_per_token,
 )
-from milepost.lowprec.quant_checkpoint import checkpoint_quant
 from milepost.models.attention import PagedKVCache
 from milepost.models.base import CausalLM
 from milepost.models.masked_attention import needs_variant_backend
@@ -54,13 +53,10 @@ def build_engine(
         if device.index is None:  # "cuda" means the current device; pin it so allocations agree
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-    fp8_weights = None  # a quantized checkpoint served by its store: its values and scales as stored
-    layerwise = False  # fused and quantized layer by layer while loading (lowprec/engine_load.py)
+    # Loaded, fused and stored layer by layer (lowprec/engine_load.py), a quantized checkpoint's
+    # values as stored where its store holds them; a model handed in is stored whole, below.
+    layerwise = model is None and args.quantization is not None
     if model is None:
-        ckpt = checkpoint_quant(args.model_path)  # its store serves its values as stored
-        if ckpt is not None and args.quantization == ckpt.serve_as and not ckpt.inexact:
-            fp8_weights = {}
-        layerwise = args.quantization in _LAYERWISE and fp8_weights is None
         try:
             if layerwise:
                 from milepost.lowprec.engine_load import load_quantized
@@ -68,7 +64,7 @@ def build_engine(
                 model = load_quantized(args, dtype, device)
             else:
                 model = load_model(args.model_path, dtype, device, backend=args.model_impl,
-                                   trust_remote_code=args.trust_remote_code, fp8_weights=fp8_weights)
+                                   trust_remote_code=args.trust_remote_code)
         except torch.OutOfMemoryError as e:
             raise RuntimeError(out_of_memory_message("the weights", None, args.mem_fraction_static)) from e
     if args.true_on_policy:  # refused before any request: no profile, no bitwise promise
@@ -91,13 +87,11 @@ def build_engine(
     if args.quantization in _LAYERWISE and not layerwise:  # per HF tensor, after fusing
         from milepost.lowprec.engine_setup import store_engine_precision
 
-        store_engine_precision(model, args, device, fp8_weights)
-        fp8_weights = None  # stored: the host copies go
-    if args.quantization == "fp8":  # after fusing: one scale per row of the fused weights too
+        store_engine_precision(model, args, device)
+    if args.quantization == "fp8" and not layerwise:  # after fusing: one scale per row of the fused weights too
         from milepost.engine.weight_fp8 import store_fp8
 
-        store_fp8(model, fp8_weights)
-        fp8_weights = None
+        store_fp8(model)
     cfg = model.hf_config
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else getattr(torch, args.kv_cache_dtype)
     elem = torch.empty((), dtype=kv_dtype).element_size()

@@ -15,6 +15,7 @@ bound the format itself gives (milepost/weights/fp8.py: `fp8_error_bound`).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,32 +89,49 @@ def store_fp8(model: nn.Module, preset: dict[str, QTensor] | None = None) -> Fp8
     """Convert the model's projection linears to fp8 storage, in place; returns their registry,
     which is also attached to the model as `fp8_weights` (WeightLoader looks for it there).
     `preset`: a per-channel FP8 checkpoint's weights by HF name (fmt "fp8_row",
-    lowprec/checkpoint_weights.py), stored as they are instead of quantizing the loaded weights."""
-    dtype = None
-    modules: list[Fp8Linear] = []
-    for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or name.rsplit(".", 1)[-1] not in QUANTIZED_LINEARS:
-            continue
-        dtype = dtype or module.weight.dtype
-        values, scale = quantize_rows(module.weight)
-        module.weight = nn.Parameter(values, requires_grad=False)
-        module.register_buffer("weight_scale", scale)
-        module.__class__ = Fp8Linear  # same state, a forward that dequantizes
-        modules.append(module)
+    lowprec/checkpoint_weights.py), stored as they are instead of quantizing the loaded weights.
+    (A layerwise start does the same one layer at a time: lowprec/engine_load.py.)"""
+    # What senders send for these tensors: the linears' dtype before conversion.
+    dtype = next((m.weight.dtype for n, m in model.named_modules() if _projection(n, m)), None)
+    modules = fp8_linears(model)
     if not modules:
-        raise ValueError(f"--quantization fp8: {type(model).__name__} has no projection linears "
-                         f"({', '.join(sorted(QUANTIZED_LINEARS))}) to store in fp8")
-    store = Fp8Weights(modules, dtype)
+        raise no_linears(model)
+    store = Fp8Weights(modules, dtype)  # type: ignore[arg-type]
     if preset is not None:
-        _store_preset(model, store, preset)
+        store_preset(model, store, preset)
+        refuse_kept(model, store, preset.keys())
     model.fp8_weights = store
     return store
 
 
-def _store_preset(model: nn.Module, store: Fp8Weights, preset: dict[str, QTensor]) -> None:
+@torch.no_grad()
+def fp8_linears(scope: nn.Module) -> list[Fp8Linear]:
+    """The projection linears inside `scope` (the model, or one layer as it loads) converted to
+    fp8 storage in place, each row quantized on its own (so the scope changes no bit)."""
+    modules: list[Fp8Linear] = []
+    for name, module in list(scope.named_modules()):
+        if not _projection(name, module):
+            continue
+        values, scale = quantize_rows(module.weight)
+        module.weight = nn.Parameter(values, requires_grad=False)
+        module.register_buffer("weight_scale", scale)
+        module.__class__ = Fp8Linear  # same state, a forward that dequantizes
+        modules.append(module)  # type: ignore[arg-type]
+    return modules
+
+
+def _projection(name: str, module: nn.Module) -> bool:
+    return type(module) is nn.Linear and name.rsplit(".", 1)[-1] in QUANTIZED_LINEARS
+
+
+def no_linears(model: nn.Module) -> ValueError:
+    return ValueError(f"--quantization fp8: {type(model).__name__} has no projection linears "
+                      f"({', '.join(sorted(QUANTIZED_LINEARS))}) to store in fp8")
+
+
+def store_preset(model: nn.Module, store: Fp8Weights, preset: dict[str, QTensor]) -> None:
     """The checkpoint's float8 rows and row scales into their views; a tensor this store does
-    not hold (MoE experts), or a projection the checkpoint kept unquantized, is refused: the
-    store would not serve the checkpoint's values."""
+    not hold (MoE experts) is refused: the store would not serve the checkpoint's values."""
     for name, q in preset.items():
         view = model.weight_view(name)
         if store.owner(view) is None:
@@ -122,7 +140,12 @@ def _store_preset(model: nn.Module, store: Fp8Weights, preset: dict[str, QTensor
                              "the checkpoint with --dequantize-checkpoint")
         view.copy_(q.values.to(view.device))
         store.scale_of(view).copy_(q.scales.reshape(-1))
-    kept = [n for n in model.hf_weight_names() if n not in preset
+
+
+def refuse_kept(model: nn.Module, store: Fp8Weights, quantized: Collection[str]) -> None:
+    """Refuses a projection the checkpoint kept unquantized (not in `quantized`, its float8
+    weights' names): the row store quantizes every projection."""
+    kept = [n for n in model.hf_weight_names() if n not in quantized
             and store.owner(model.weight_view(n)) is not None]
     if kept:
         raise ValueError(f"{kept[0]}: stored unquantized by the checkpoint (its ignore list) but "

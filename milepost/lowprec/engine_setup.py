@@ -5,6 +5,7 @@ flags, the weights quantized, and a warning where the device has no native GEMM 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 import torch
 from torch import nn
@@ -64,12 +65,14 @@ def read_input_scales(store: QuantizedWeights, args: object) -> None:
                  len(store.input_scales.names()), n)
 
 
-def checkpoint_contract(contract: Contract, names: list[str], fp8_weights: dict[str, QTensor]
+def checkpoint_contract(contract: Contract, names: list[str], fp8_weights: Collection[str]
                         ) -> Contract:
     """`contract` with the covered tensors an FP8 checkpoint kept unquantized (its
     modules_to_not_convert, or any covered weight not stored as float8) overridden to bf16 by
     exact name, so they stay in the model dtype at load and on every update; the checkpoint's
-    float8 tensors the contract keeps in bf16 (not covered, or overridden) stay dequantized."""
+    float8 tensors the contract keeps in bf16 (not covered, or overridden) stay dequantized.
+    `fp8_weights`: the names of the checkpoint's quantized weights (a dict of their QTensors
+    will do)."""
     if not fp8_weights:
         raise ValueError("config.json has an FP8 quantization_config but no weight is float8_e4m3fn: "
                          "remove quantization_config from config.json (the weights are unquantized)")

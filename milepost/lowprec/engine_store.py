@@ -258,9 +258,21 @@ class StoreBuilder:
                              "projection linears left to quantize (check --precision-override)")
         store = QuantizedWeights(self.modules, self.names, contract, self.source_dtype)
         store.experts = experts
+        self.put_preset_experts(model, experts, list(self.preset))
+        if static_scales:
+            store.input_scales = attach_input_scales(model, [
+                (m, [self.names[(id(m), row)] for row, _, _ in m.qparts])
+                for m in self.modules.values() if m.qformat == "fp8_block"])
+        model.fp8_weights = store
+        return store
+
+    def put_preset_experts(self, model: nn.Module, experts: Fp8Experts | None, names: list[str]) -> None:
+        """The checkpoint's FP8 / INT4 experts among `names` (in `preset`) into `experts`, tensor
+        by tensor (`finish` for the whole model; a layerwise start for each layer as it loads)."""
         zero_experts = []
-        for name, q in self.preset.items():  # the checkpoint's FP8 / INT4 experts, tensor by tensor
-            view = model.weight_view(name) if experts is not None and ".experts." in name else None
+        for name in names:
+            q = self.preset.get(name)
+            view = model.weight_view(name) if q is not None and experts is not None and ".experts." in name else None
             if view is not None and q.zeros is not None:  # no zero points in the expert store
                 zero_experts.append(name)
             elif view is not None and experts.owner(view) is not None and q.fmt == experts.fmt:
@@ -268,12 +280,6 @@ class StoreBuilder:
                 module.put(*parts[0], _on(q, module.w13.device))
         if zero_experts:
             raise ValueError(f"{zero_experts[0]} (and {len(zero_experts) - 1} more): {ZERO_EXPERTS}")
-        if static_scales:
-            store.input_scales = attach_input_scales(model, [
-                (m, [self.names[(id(m), row)] for row, _, _ in m.qparts])
-                for m in self.modules.values() if m.qformat == "fp8_block"])
-        model.fp8_weights = store
-        return store
 
 
 def _quantize_linear(module: nn.Linear, parts: list[tuple[int, int, str]], contract: Contract,
