@@ -93,9 +93,10 @@ class _TensorStore:
     def __init__(self, args: object, dtype: torch.dtype, device: torch.device,
                  stored: dict[str, QTensor] | None) -> None:
         self.args = args
-        self.base = engine_contract(args.quantization, getattr(args, "precision_override", None),  # type: ignore[attr-defined]
+        fmt = args.quantization  # type: ignore[attr-defined]
+        self.base = engine_contract(fmt, getattr(args, "precision_override", None),
                                     getattr(args, "nvfp4_four_over_six", False))
-        warn_emulated(args.quantization, device)  # type: ignore[attr-defined]
+        warn_emulated(fmt, device)
         self.build = StoreBuilder(self.base, dtype)
         self.stored = stored
         self.quantized: set[str] = set()  # every stored weight's name, for the final contract
@@ -112,8 +113,8 @@ class _TensorStore:
             kept = [n for n in names if n not in stored and self.base.tensor_format(n, "rollout") != BF16]
             if kept:
                 c = self.build.contract
-                self.build.contract = Contract(c.train, c.rollout, c.overrides + tuple((n, BF16) for n in kept),
-                                               c.four_over_six)
+                overrides = c.overrides + tuple((n, BF16) for n in kept)
+                self.build.contract = Contract(c.train, c.rollout, overrides, c.four_over_six)
         first = len(self.build.experts)
         self.build.add(model, layer, names, lambda name: f"{prefix}.{name}")
         if stored and len(self.build.experts) > first:  # their host copies go with the layer's

@@ -1,6 +1,6 @@
 """The layerwise start (lowprec/engine_load.py) for the two start paths that built the whole model
 first: quantized checkpoints served as stored (FP8 blockwise / per-tensor / per-channel, INT4
-W4A16, GPTQ) and the per-row `--quantization fp8`. Against the whole-model path
+W4A16, GPTQ, AWQ) and the per-row `--quantization fp8`. Against the whole-model path
 (milepost/testing/whole_start.py): the same held bytes, greedy tokens and log-probs, before and
 after a weight update, with MoE experts and MLA + MTP layers; and one `--dtype` layer held at most."""
 
@@ -24,7 +24,7 @@ from milepost.models.registry import load_model
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.engine_greedy import greedy_outputs, random_prompts
 from milepost.testing.mtp_checkpoint import make_tiny_mtp_checkpoint
-from milepost.testing.quant_checkpoints import write_fp8, write_gptq, write_int4
+from milepost.testing.quant_checkpoints import write_awq, write_fp8, write_gptq, write_int4
 from milepost.testing.whole_start import quantize_after_build, served_args
 
 torch.set_num_threads(1)
@@ -52,8 +52,10 @@ def _checkpoint(src: Path, layout: str, dst: Path) -> Path:
         write_fp8(src, dst, layout.split("_")[1], "hf" if layout == "fp8_tensor" else "compressed-tensors")
     elif layout == "int4_pack":
         write_int4(src, dst, 128)
+    elif layout == "awq":
+        write_awq(src, dst, 128)
     else:
-        write_gptq(src, dst, 128)
+        write_gptq(src, dst, 128, sym=layout == "gptq")
     return dst
 
 
@@ -87,6 +89,8 @@ def _assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
     ("qwen3", "int4_pack", "int4"),
     ("qwen3_moe", "int4_pack", "int4"),  # INT4 experts as stored
     ("qwen3", "gptq", "int4"),
+    ("qwen3", "gptq_asym", "int4"),  # zero points
+    ("qwen3", "awq", "int4"),
     ("qwen3", "bf16", "fp8"),
     ("qwen3_moe", "bf16", "fp8"),  # experts stay in --dtype
     ("deepseek", "bf16", "fp8"),
