@@ -1,0 +1,103 @@
+"""The fused INT4 MoE kernels (kernels/fused_moe_int4.py) against the dequantize-then-bf16-kernel
+path (fused_moe.fused_expert_mlp on the dequantized weights, the same config) and the INT4 experts'
+own per-expert loop on the CPU.
+
+Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1 before importing
+triton), in fp32: its bf16 tl.dot is broken and its float32 -> bf16 cast truncates, so bf16 is
+checked on the GPU (tests/gpu/test_fused_moe_int4_cuda.py). Hidden 201 and intermediate 136: odd,
+not multiples of 128 (a partial group and a pad nibble on both GEMMs' K), nor of the tiles.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first triton import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+fm = importlib.import_module("milepost.kernels.fused_moe")
+f4 = importlib.import_module("milepost.kernels.fused_moe_int4")
+
+from milepost.lowprec.experts_int4 import Int4StackedExperts, _pack, dequantize_packed
+from milepost.models.qwen3_moe import StackedExperts
+
+torch.set_num_threads(1)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+E, H, I, K = 6, 201, 136, 3
+
+
+@pytest.fixture(scope="module")
+def experts() -> Int4StackedExperts:
+    """INT4 experts packed by the engine's store; group scales spread over six orders of magnitude
+    along H (a scale read from the wrong group or row shows)."""
+    g = torch.Generator().manual_seed(0)
+    mod = StackedExperts(E, H, I)
+    with torch.no_grad():
+        mod.w13.copy_(torch.randn(mod.w13.shape, generator=g) * torch.logspace(-3, 3, H)[None, None] * 0.02)
+        mod.w2.copy_(torch.randn(mod.w2.shape, generator=g) * 0.2)
+        _pack(mod)
+    assert isinstance(mod, Int4StackedExperts)
+    return mod
+
+
+def _inputs(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
+    ids[: t // 2, 0] = 4  # one expert with more rows than others
+    ids[: t // 2, 1:] = torch.tensor([0, 5])
+    return torch.randn(t, H, generator=g), ids, torch.rand(t, K, generator=g)
+
+
+def _args(mod: Int4StackedExperts) -> list[torch.Tensor]:
+    return [a.detach().to(DEV) for a in (mod.w13, mod.w13_scale, mod.w2, mod.w2_scale)]
+
+
+@pytest.mark.parametrize("tokens,cfg", [
+    (1, fm.MoeConfig(16, fm.GemmConfig(32, 64, swap_ab=True), fm.GemmConfig(64, 32, swap_ab=True))),
+    (7, fm.MoeConfig(16, fm.GemmConfig(64, 64), fm.GemmConfig(64, 128))),
+], ids=["1-swap", "7-noswap"])
+def test_fused_int4_equals_dequantize_then_the_bf16_kernel(experts: Int4StackedExperts, tokens: int,
+                                                           cfg: fm.MoeConfig) -> None:
+    """Bit for bit under the interpreter (fp32: the same tiles on the same products), and within
+    fp32 rounding of the module's per-expert loop. BLOCK_K 32 and 64: a group over several K
+    steps; the weight tile built transposed (swap) and not."""
+    x, ids, w = _inputs(tokens, tokens)
+    w13 = dequantize_packed(experts.w13, experts.w13_scale, H, torch.float32)
+    w2 = dequantize_packed(experts.w2, experts.w2_scale, I, torch.float32)
+    got = f4.fused_expert_mlp_int4(x.to(DEV), ids.to(DEV), w.to(DEV), *_args(experts), cfg).cpu()
+    want = fm.fused_expert_mlp(x.to(DEV), ids.to(DEV), w.to(DEV), w13.to(DEV), w2.to(DEV), cfg).cpu()
+    if DEV == "cpu":
+        assert torch.equal(got, want)
+    else:  # fp32 tl.dot runs in tf32 on a GPU
+        torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-4)
+    with torch.no_grad():
+        ref = experts(x, ids, w)  # CPU: the per-expert loop on the dequantized weights
+    tol = (1e-5 if DEV == "cpu" else 5e-3) * ref.abs().amax(1, keepdim=True)  # rows' own scale
+    assert ((got - ref).abs() <= tol).all()
+    if tokens > 1:  # the last pair on an expert its token does not use: only its row changes
+        other = ids.clone()
+        other[-1, -1] = next(e for e in range(E) if e not in ids[-1].tolist())
+        moved = f4.fused_expert_mlp_int4(x.to(DEV), other.to(DEV), w.to(DEV), *_args(experts), cfg).cpu()
+        assert not torch.allclose(moved[-1], got[-1], rtol=1e-3, atol=1e-4)
+        assert torch.equal(moved[:-1], got[:-1])
+
+
+def test_configs_fit_a_group_and_bad_operands_are_refused(experts: Int4StackedExperts) -> None:
+    cfg = f4.config_for(1, 128, 2048, 768, 8)  # the bf16 table's 30B-A3B tiles
+    assert cfg.block_m == fm.config_for(1, 128, 2048, 768, 8).block_m
+    big = fm.MoeConfig(16, fm.GemmConfig(64, 256), fm.GemmConfig(64, 96))
+    fitted = f4._fit(big)
+    assert fitted.gate_up.block_k == 128 and fitted.down.block_k == 128
+    assert f4.config_for(10_000, E, H, I, K) == f4._fit(f4._DEFAULT[-1][1])  # unknown shape, past the table
+    x, ids, w = _inputs(2, 0)
+    with pytest.raises(ValueError, match="BLOCK_K dividing 128"):
+        f4.fused_expert_mlp_int4(x.to(DEV), ids.to(DEV), w.to(DEV), *_args(experts), big)
+    w13, s13, w2, s2 = _args(experts)
+    with pytest.raises(ValueError, match="w13 .* not the packed INT4 store of hidden 200"):
+        f4.fused_expert_mlp_int4(x[:, :200].to(DEV), ids.to(DEV), w.to(DEV), w13, s13, w2, s2, fitted)
+    out = f4.fused_expert_mlp_int4(x[:0].to(DEV), ids[:0].to(DEV), w[:0].to(DEV), w13, s13, w2, s2, fitted)
+    assert out.shape == (0, H)
