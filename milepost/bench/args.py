@@ -75,6 +75,12 @@ class BenchArgs(BaseModel):
     speculative_num_draft_tokens: int = Field(
         4, ge=2, description="--speculative: tokens verified per request and step, the last "
         "sampled one included (milepost serve --speculative-num-draft-tokens).")
+    speculative_ngram_scope: str = Field(
+        "request,prompt,engine", description="--speculative ngram: comma-separated n-gram scopes "
+        "(milepost serve --speculative-ngram-scope), each run over every scenario in this run.")
+    n_samples_per_prompt: int = Field(
+        1, description="Fixed: requests per distinct prompt, submitted together as a GRPO group's "
+        "samples are (reported as scenario fixed-nN); must divide --requests.")
     quantization: Literal["fp8", "fp8_block", "mxfp8", "nvfp4", "int4"] | None = Field(
         None, description="Engine: weight storage format (milepost serve --quantization; "
         "docs/low_precision.md). Compare with a run without it.")
@@ -89,7 +95,7 @@ class BenchArgs(BaseModel):
     @field_validator("requests", "prompt_len", "output_len", "mixed_min", "mixed_max", "sessions",
                      "turns", "turn_user_len", "turn_output_len", "prefill_requests", "prefill_len",
                      "hf_batch_size", "max_running_requests", "max_total_tokens",
-                     "chunked_prefill_size", "page_size", "group_size")
+                     "chunked_prefill_size", "page_size", "group_size", "n_samples_per_prompt")
     @classmethod
     def _positive(cls, v: int | None, info: object) -> int | None:
         if v is not None and v < 1:
@@ -118,6 +124,16 @@ class BenchArgs(BaseModel):
                              "directory of the draft model")
         return v
 
+    @field_validator("speculative_ngram_scope")
+    @classmethod
+    def _scopes(cls, v: str) -> str:
+        names = [s.strip() for s in v.split(",") if s.strip()]
+        bad = [s for s in names if s not in ("request", "prompt", "engine")]
+        if bad or not names:
+            raise ValueError(f"--speculative-ngram-scope: unknown {bad or v!r}; choose from "
+                             "request, prompt, engine")
+        return ",".join(names)
+
     @model_validator(mode="after")
     def _combinations(self) -> BenchArgs:
         if (self.model is None) == (self.shape is None):
@@ -130,6 +146,9 @@ class BenchArgs(BaseModel):
         if self.sessions % self.group_size:
             raise ValueError(f"--group-size ({self.group_size}) must divide --sessions "
                              f"({self.sessions})")
+        if self.requests % self.n_samples_per_prompt:
+            raise ValueError(f"--n-samples-per-prompt ({self.n_samples_per_prompt}) must divide "
+                             f"--requests ({self.requests})")
         if self.mixed_min > self.mixed_max:
             raise ValueError(f"--mixed-min ({self.mixed_min}) exceeds --mixed-max ({self.mixed_max})")
         if not 0.0 < self.mem_fraction_static < 1.0:

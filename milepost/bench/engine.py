@@ -63,10 +63,10 @@ def run_bench(args: BenchArgs) -> dict:
     ours, pool_tokens = _engine_runs(sargs, native, loads, args, record_routed_experts=True)
     decode_bytes = {name: _decode_bytes(r, native, kv_token_bytes, weights_per_step)
                     for name, r in ours.items()}
-    if args.speculative:  # the same scenarios again, speculating, in this run
-        spec_sargs = _speculative_args(sargs, args)
-        spec, _ = _engine_runs(spec_sargs, native, _workloads(args, vocab), args,
-                               record_routed_experts=True)
+    spec_runs: dict[str, dict[str, EngineResult]] = {}  # scope (ngram) or "" -> scenario -> result
+    for scope in _spec_scopes(args):  # the same scenarios again, speculating, in this run
+        spec_runs[scope], _ = _engine_runs(_speculative_args(sargs, args, scope), native,
+                                           _workloads(args, vocab), args, record_routed_experts=True)
     unrecorded = None
     if args.routed_experts_cost and native.moe_top_k > 0:
         again = _workloads(args, vocab)[:1]  # fresh: multiturn prompts are filled in as it runs
@@ -81,9 +81,13 @@ def run_bench(args: BenchArgs) -> dict:
             _progress(f"transformers {w.name}: {r.output_tokens} new tokens in {r.seconds:.1f} s")
     peak = args.peak_bandwidth or _known_peak(device)
     rows = [_row(w, ours[w.name], theirs.get(w.name), decode_bytes[w.name], peak) for w in loads]
-    if args.speculative:
-        for row, w in zip(rows, loads):
-            row["speculative"] = _speculative_row(args.speculative, row, spec[w.name])
+    for row, w in zip(rows, loads):
+        by_scope = [_speculative_row(args.speculative or "", scope, row, spec[w.name])
+                    for scope, spec in spec_runs.items()]
+        if by_scope:  # the first scope's as before; every scope's under speculative_by_scope
+            row["speculative"] = by_scope[0]
+            if len(by_scope) > 1:
+                row["speculative_by_scope"] = by_scope
     if unrecorded is not None:
         name, off = next(iter(unrecorded.items()))
         off_row = _row(loads[0], off, None, _decode_bytes(off, native, kv_token_bytes,
@@ -131,7 +135,14 @@ def _engine_runs(sargs: ServerArgs, native: object, loads: list[workloads.Worklo
     return results, pool_tokens
 
 
-def _speculative_args(sargs: ServerArgs, args: BenchArgs) -> ServerArgs:
+def _spec_scopes(args: BenchArgs) -> list[str]:
+    """One speculative run per n-gram scope (ngram), or one run ("") for the other drafts."""
+    if not args.speculative:
+        return []
+    return args.speculative_ngram_scope.split(",") if args.speculative == "ngram" else [""]
+
+
+def _speculative_args(sargs: ServerArgs, args: BenchArgs, scope: str = "") -> ServerArgs:
     """The engine settings of the speculative run: the plain run's, plus the algorithm (the
     overlap schedule is off there: proposals need each step's tokens on the host)."""
     spec = args.speculative or ""
@@ -139,17 +150,20 @@ def _speculative_args(sargs: ServerArgs, args: BenchArgs) -> ServerArgs:
     extra = {"speculative_algorithm": algo,
              "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
              "overlap_schedule": "off"}
+    if scope:
+        extra["speculative_ngram_scope"] = scope
     if spec.startswith("draft:"):
         extra["speculative_draft_model_path"] = spec.removeprefix("draft:")
     fields = sargs.model_dump(exclude_unset=False) | extra
     return ServerArgs(**fields).resolved()
 
 
-def _speculative_row(name: str, plain: dict, spec: EngineResult) -> dict:
+def _speculative_row(name: str, scope: str, plain: dict, spec: EngineResult) -> dict:
     counted = spec.prompt_tokens if plain["counted_tokens"] == "prompt" else spec.output_tokens
     tok_s = counted / spec.seconds
     s = spec.speculative or {}
-    return {"algorithm": name, "tok_s": tok_s, "seconds": spec.seconds,
+    return {"algorithm": name + (f" ({scope} scope)" if scope else ""), "tok_s": tok_s,
+            "seconds": spec.seconds,
             "speedup": tok_s / plain["milepost_tok_s"], **s}
 
 
@@ -157,7 +171,7 @@ def _workloads(args: BenchArgs, vocab: int, seed: int | None = None) -> list[wor
     seed = args.seed if seed is None else seed
     make = {
         "fixed": lambda: workloads.fixed(args.requests, args.prompt_len, args.output_len, vocab,
-                                         seed),
+                                         seed, args.n_samples_per_prompt),
         "mixed": lambda: workloads.mixed(args.requests, args.mixed_min, args.mixed_max, vocab,
                                          seed),
         "multiturn": lambda: workloads.multiturn(args.sessions, args.turns, args.prompt_len,
@@ -274,8 +288,7 @@ def print_table(result: dict) -> None:
             fmt(r.get("decode_tok_s")),
             "-" if r.get("bandwidth_fraction") is None else f"{r['bandwidth_fraction']:.1%}",
         )
-        spec = r.get("speculative")
-        if spec:
+        for spec in r.get("speculative_by_scope") or ([r["speculative"]] if r.get("speculative") else []):
             notes.append(f"{r['scenario']} with speculative {spec['algorithm']}: "
                          f"{fmt(spec['tok_s'])} tok/s, {spec['speedup']:.2f}x the plain run; "
                          f"acceptance length {spec.get('accept_length', 0):.2f} "

@@ -35,10 +35,13 @@ def _tokens(g: torch.Generator, vocab: int, n: int) -> list[int]:
     return torch.randint(FIRST_TOKEN, vocab, (n,), generator=g).tolist()
 
 
-def fixed(requests: int, prompt_len: int, output_len: int, vocab: int, seed: int) -> Workload:
+def fixed(requests: int, prompt_len: int, output_len: int, vocab: int, seed: int,
+          n_samples: int = 1) -> Workload:
+    """n_samples > 1: each prompt repeated for n consecutive requests (a GRPO group)."""
     g = torch.Generator().manual_seed(seed)
-    return Workload("fixed", [_tokens(g, vocab, prompt_len) for _ in range(requests)],
-                    [output_len] * requests)
+    distinct = [_tokens(g, vocab, prompt_len) for _ in range(requests // n_samples)]
+    return Workload("fixed" if n_samples == 1 else f"fixed-n{n_samples}",
+                    [list(p) for p in distinct for _ in range(n_samples)], [output_len] * requests)
 
 
 def mixed(requests: int, lo: int, hi: int, vocab: int, seed: int) -> Workload:

@@ -1,70 +1,134 @@
-"""N-gram proposals: continue the sequence as it went on after the latest earlier occurrence of its tail.
+"""N-gram proposals: continue the sequence as text went on after the latest earlier occurrence of its tail.
 
-The lookup covers the request's whole sequence (prompt, so earlier turns of a conversation, and its
-output so far). Each request keeps an index from every n-gram (n in [min, max] of the match
-window) to the position after its latest occurrence, extended as tokens arrive (O(window) per
-token), so a proposal costs a few dictionary reads, not a scan of the sequence. The longest
-matching tail wins. Proposals are point masses (speculative_sampling.py accepts them exactly).
+Scope (`--speculative-ngram-scope`) says which texts are searched: `request` the request's own
+sequence (prompt, so earlier turns of a conversation, and its output so far); `prompt` also every
+other request with the same prompt, in flight or finished recently (a GRPO group's samples, and the
+same prompt in a later rollout); `engine` every request the engine saw recently. Each scope keeps
+an index from every n-gram (n in [min, max] of the match window) to (sequence, position after its
+latest occurrence), extended as tokens arrive (O(window) per token), so a proposal costs a few
+dictionary reads, never a scan. The longest matching tail wins. Shared scopes keep at most
+`capacity` indexed tokens; the oldest sequences are dropped first. Proposals are point masses
+(speculative_sampling.py accepts them exactly), so any text is a valid source: a weight update
+invalidates nothing.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
+from typing import Literal
 
 from milepost.engine.request import Request
 
+Scope = Literal["request", "prompt", "engine"]
+SCOPES: tuple[str, ...] = ("request", "prompt", "engine")
 
-class _Index:
-    __slots__ = ("after", "seq", "__weakref__")
+# n-gram -> (the sequence it occurred in, position after its latest occurrence there)
+_Table = dict[tuple[int, ...], tuple["_Seq", int]]
 
-    def __init__(self) -> None:
+
+class _Seq:
+    __slots__ = ("seq", "table", "key", "live", "__weakref__")
+
+    def __init__(self, table: _Table, key: object) -> None:
         self.seq: list[int] = []  # the request's tokens indexed so far
-        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> position after its latest occurrence
+        self.table = table  # the index its n-grams go into (its own, its prompt's or the engine's)
+        self.key = key  # the table's key in the store (None: a request-scope table of its own)
+        self.live = True  # False once dropped from the store (its n-grams are gone from the table)
 
 
 class NgramDrafter:
-    def __init__(self, min_window: int, max_window: int) -> None:
+    def __init__(self, min_window: int, max_window: int, scope: Scope = "request",
+                 capacity: int = 1 << 20) -> None:
         if not 1 <= min_window <= max_window:
             raise ValueError(f"n-gram match window must satisfy 1 <= min ({min_window}) <= max "
                              f"({max_window}); fix --speculative-ngram-min/max-match-window-size")
+        if scope not in SCOPES:
+            raise ValueError(f"--speculative-ngram-scope {scope!r}: use one of {', '.join(SCOPES)}")
+        if capacity < 1:
+            raise ValueError(f"--speculative-ngram-capacity must be >= 1; got {capacity}")
         self.min_window = min_window
         self.max_window = max_window
-        # Dropped with the request (finished, aborted): no bookkeeping on the engine's side.
-        self._indexes: weakref.WeakKeyDictionary[Request, _Index] = weakref.WeakKeyDictionary()
+        self.scope = scope
+        self.capacity = capacity
+        # request -> its sequence record; dropped with the request (finished, aborted).
+        self._seqs: weakref.WeakKeyDictionary[Request, _Seq] = weakref.WeakKeyDictionary()
+        # Shared scopes: the tables by key, and every indexed sequence oldest first (its length
+        # counts against `capacity`); finished requests' sequences stay here until dropped.
+        self._tables: dict[object, _Table] = {}
+        self._ages: OrderedDict[_Seq, int] = OrderedDict()
+        self.indexed_tokens = 0
 
     def propose(self, req: Request, k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier occurrence of the sequence's tail."""
         if k <= 0:
             return []
-        idx = self._indexes.get(req)
-        if idx is None:
-            idx = self._indexes[req] = _Index()
-        self._extend(idx, req)
-        seq = idx.seq
+        rec = self._seqs.get(req)
+        if rec is None or not rec.live:
+            rec = self._seqs[req] = self._register(req)
+        self._extend(rec, req)
+        seq, table = rec.seq, rec.table
         n_seq = len(seq)
-        for n in range(min(self.max_window, n_seq - 1), self.min_window - 1, -1):
-            pos = idx.after.get(tuple(seq[n_seq - n :]))
-            if pos is not None:
-                # Where the continuation reaches the tail it goes on repeating itself (a loop
-                # of period n_seq - pos proposes k tokens, not only the ones written so far).
-                out: list[int] = []
-                for i in range(pos, pos + k):
-                    out.append(seq[i] if i < n_seq else out[i - n_seq])
-                return out
+        # n = n_seq too: another text may hold the whole sequence (own text: nothing indexed).
+        for n in range(min(self.max_window, n_seq), self.min_window - 1, -1):
+            hit = table.get(tuple(seq[n_seq - n :]))
+            if hit is None:
+                continue
+            src, pos = hit
+            if src is not rec:  # another request's text: as far as it goes
+                return src.seq[pos : pos + k]
+            # Where the continuation reaches the tail it goes on repeating itself (a loop
+            # of period n_seq - pos proposes k tokens, not only the ones written so far).
+            out: list[int] = []
+            for i in range(pos, pos + k):
+                out.append(seq[i] if i < n_seq else out[i - n_seq])
+            return out
         return []
 
-    def _extend(self, idx: _Index, req: Request) -> None:
+    def _register(self, req: Request) -> _Seq:
+        if self.scope == "request":
+            return _Seq({}, None)
+        key = tuple(req.prompt_ids) if self.scope == "prompt" else None
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = {}
+        rec = _Seq(table, key)
+        self._ages[rec] = 0
+        return rec
+
+    def _extend(self, rec: _Seq, req: Request) -> None:
         """Append the tokens that arrived since the last call and index the n-grams that now have a
         following token (the tail itself is looked up, not indexed: nothing follows it yet)."""
-        seq = idx.seq
+        seq = rec.seq
         n_prompt = len(req.prompt_ids)
         old = len(seq)
         if old < n_prompt:
             seq.extend(req.prompt_ids[old:])
         seq.extend(req.output_ids[max(0, len(seq) - n_prompt):])
-        after = idx.after
+        table = rec.table
         lo, hi = self.min_window, self.max_window
         # Positions e whose preceding n-grams are indexed now: those with a token at e.
         for e in range(max(old, 1), len(seq)):
             for n in range(lo, min(hi, e) + 1):
-                after[tuple(seq[e - n : e])] = e
+                table[tuple(seq[e - n : e])] = (rec, e)
+        if self.scope == "request":
+            return
+        self._ages[rec] = len(seq)
+        self.indexed_tokens += len(seq) - old
+        while self.indexed_tokens > self.capacity and len(self._ages) > 1:
+            self._drop(next(iter(self._ages)))
+
+    def _drop(self, rec: _Seq) -> None:
+        """Forget the oldest sequence: its n-grams that still point at it (O(len * window))."""
+        self.indexed_tokens -= self._ages.pop(rec)
+        rec.live = False
+        table, seq = rec.table, rec.seq
+        lo, hi = self.min_window, self.max_window
+        for e in range(1, len(seq)):
+            for n in range(lo, min(hi, e) + 1):
+                gram = tuple(seq[e - n : e])
+                hit = table.get(gram)
+                if hit is not None and hit[0] is rec:
+                    del table[gram]
+        if not table:
+            self._tables.pop(rec.key, None)

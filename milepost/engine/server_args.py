@@ -193,6 +193,15 @@ class ServerArgs(BaseModel):
         2, ge=1, description="NGRAM: shortest tail of the sequence matched against its earlier tokens.")
     speculative_ngram_max_match_window_size: int = Field(
         8, ge=1, description="NGRAM: longest tail matched (the longest match wins).")
+    speculative_ngram_scope: Literal["request", "prompt", "engine"] = Field(
+        "prompt", description="NGRAM: which texts proposals come from: request = the request's own "
+        "prompt and output; prompt = also every request with the same prompt, in flight or finished "
+        "recently (a GRPO group's samples, the prompt's earlier rollouts); engine = every request "
+        "the engine saw recently. Proposals stay exact whatever their source; a weight update keeps "
+        "the texts (docs/speculative.md).")
+    speculative_ngram_capacity: int = Field(
+        1 << 20, ge=1, description="NGRAM with scope prompt or engine: most tokens the shared n-gram "
+        "store indexes (about 1 KB each at the default window); the oldest sequences are dropped first.")
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
         "default", description="Weight version reported before the first weight update."
@@ -341,7 +350,9 @@ class ServerArgs(BaseModel):
         algo, draft = self.speculative_algorithm, self.speculative_draft_model_path
         tuned = (self.speculative_num_draft_tokens != 4
                  or self.speculative_ngram_min_match_window_size != 2
-                 or self.speculative_ngram_max_match_window_size != 8)
+                 or self.speculative_ngram_max_match_window_size != 8
+                 or self.speculative_ngram_scope != "prompt"
+                 or self.speculative_ngram_capacity != 1 << 20)
         eagle = (self.speculative_num_steps, self.speculative_eagle_topk) != (None, None)
         if algo is None and (draft is not None or tuned or eagle):
             raise ValueError("--speculative-draft-model-path / --speculative-num-draft-tokens / "
@@ -425,8 +436,8 @@ class ServerArgs(BaseModel):
         if unheld:
             more = f" (and {len(unheld) - 1} more)" if len(unheld) > 1 else ""
             raise ValueError(f"{unheld[0]}{more}: a {ckpt.layout} weight that the {ckpt.serve_as} "
-                             "store does not hold (it holds the q/k/v/o and gate/up/down projections; "
-                             "MoE experts under int4 only); serve the checkpoint with "
+                             "store does not hold (it holds the q/k/v/o and gate/up/down projections "
+                             "and symmetric MoE experts); serve the checkpoint with "
                              "--dequantize-checkpoint")
         return ckpt.serve_as
 

@@ -114,7 +114,8 @@ def make_speculator(args: ServerArgs, target: CausalLM, draft: CausalLM | None, 
         return None
     if args.speculative_algorithm == "NGRAM":
         drafter: NgramDrafter | DraftModel | MtpDrafter = NgramDrafter(
-            args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
+            args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
+            args.speculative_ngram_scope, args.speculative_ngram_capacity)
     elif args.speculative_algorithm in ("NEXTN", "EAGLE"):
         drafter = MtpDrafter(target, num_blocks, args.page_size, kv_dtype, device, args.attention_backend,
                              catch_up_tokens=args.chunked_prefill_size or 512)

@@ -185,19 +185,22 @@ def test_pause_modes_keep_greedy_outputs(mode, ckpts) -> None:
     assert 0 < s.accepted < s.proposed, "a draft of other weights should be accepted only in part"
 
 
-@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+@pytest.mark.parametrize("algo", ["NGRAM", "NGRAM-prompt", "STANDALONE"])
 def test_sampled_tokens_follow_the_plain_distribution(algo, ckpts) -> None:
     """Two-sample chi-square (homogeneity) on output tokens 1-3 of 600 seeded samples of one
     prompt, plain engine vs speculative engine, 16-token vocabulary, temperature 0.7. The draft
-    model is a perturbed copy: its proposals are accepted in part, rejections use the residual."""
-    prompt = [3, 4, 5, 6] * 3 + [3, 4]
+    model is a perturbed copy: its proposals are accepted in part, rejections use the residual.
+    NGRAM looks in the request's own text (a looping prompt); NGRAM-prompt in the 600 siblings'
+    texts too (a prompt without repeats, so most proposals come from siblings)."""
+    prompt = [3, 4, 5, 6] * 3 + [3, 4] if algo == "NGRAM" else [3, 9, 4, 12, 5, 7, 6, 14]
     counts = {}
     for spec in (False, True):
         flags = {}
         if spec:
-            flags = {"speculative_algorithm": algo, "speculative_num_draft_tokens": 3}
-            if algo == "NGRAM":
+            flags = {"speculative_algorithm": algo.split("-")[0], "speculative_num_draft_tokens": 3}
+            if algo.startswith("NGRAM"):
                 flags["speculative_ngram_min_match_window_size"] = 1
+                flags["speculative_ngram_scope"] = "request" if algo == "NGRAM" else "prompt"
             else:
                 flags["speculative_draft_model_path"] = ckpts["small_noisy"]
         r = Run(make_engine(ckpts["small_vocab"], max_running_requests=256, max_total_tokens=16384,

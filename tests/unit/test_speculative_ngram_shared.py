@@ -1,0 +1,74 @@
+"""The n-gram drafter's shared scopes: proposals from other requests with the same prompt (prompt)
+or from any recent request (engine), and the bound on what the shared store keeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from milepost.engine.draft_ngram import NgramDrafter
+from milepost.engine.request import Request
+from milepost.engine.sampling import SamplingParams
+
+
+def req(prompt: list[int], output: list[int] = ()) -> Request:
+    r = Request(rid="r", prompt_ids=list(prompt), params=SamplingParams(), on_output=lambda o: None,
+                stop_ids=frozenset())
+    r.output_ids.extend(output)
+    return r
+
+
+def test_a_sibling_of_the_same_prompt_proposes_its_continuation() -> None:
+    d = NgramDrafter(2, 4, "prompt")
+    first = req([1, 2, 3], [50, 51, 52, 53, 54])
+    assert d.propose(first, 2) == []  # its own text has no repeat of its tail
+    sibling = req([1, 2, 3], [50, 51])
+    assert d.propose(sibling, 3) == [52, 53, 54]  # what the first sample wrote after "50 51"
+    other = req([7, 2, 3], [50, 51])  # another prompt: not a sibling
+    assert d.propose(other, 3) == []
+    assert NgramDrafter(2, 4, "request").propose(req([1, 2, 3], [50, 51]), 3) == []
+
+
+def test_a_finished_sibling_still_proposes_and_engine_scope_crosses_prompts() -> None:
+    d = NgramDrafter(2, 4, "prompt")
+    done = req([1, 2, 3], [60, 61, 62, 63])
+    d.propose(done, 1)
+    del done  # finished and gone from the engine: its text stays in the store
+    assert d.propose(req([1, 2, 3], [60, 61]), 2) == [62, 63]
+    e = NgramDrafter(2, 4, "engine")
+    e.propose(req([1, 2, 3], [60, 61, 62, 63]), 1)
+    assert e.propose(req([9, 9], [60, 61]), 2) == [62, 63]
+    # A proposal from another text stops where that text ends (no loop through a foreign text).
+    assert e.propose(req([8, 8], [62]), 5) == []
+    assert e.propose(req([8, 8, 61, 62]), 5) == [63]
+
+
+def test_the_store_drops_the_oldest_sequences_past_its_capacity() -> None:
+    d = NgramDrafter(2, 2, "engine", capacity=10)
+    old = req([1, 2, 3, 4, 5, 6])
+    d.propose(old, 1)
+    assert d.indexed_tokens == 6
+    assert d.propose(req([0, 0, 4, 5]), 1) == [6]
+    new = req([20, 21, 22, 23, 24])  # 6 + 4 + 5 > 10: the oldest (and then the next) go
+    d.propose(new, 1)
+    assert d.indexed_tokens <= 10
+    assert d.propose(req([1, 2]), 1) == []  # "1 2" went with the oldest
+    assert d.propose(req([21, 22]), 1) == [23]
+    # Every table entry points at a sequence still kept.
+    kept = set(d._ages)
+    assert all(src in kept for t in d._tables.values() for src, _ in t.values())
+
+
+def test_a_dropped_request_still_in_flight_is_indexed_again() -> None:
+    d = NgramDrafter(2, 2, "engine", capacity=4)
+    a = req([1, 2, 3, 1, 2])
+    assert d.propose(a, 1) == [3]
+    d.propose(req([30, 31, 32, 33]), 1)  # pushes a out of the store
+    a.output_ids.append(3)
+    assert d.propose(a, 2) == [1, 2]  # a's own text again, indexed anew
+
+
+@pytest.mark.parametrize("scope, capacity, message", [
+    ("all", 10, "--speculative-ngram-scope"), ("prompt", 0, "--speculative-ngram-capacity")])
+def test_bad_scope_or_capacity_is_refused(scope: str, capacity: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NgramDrafter(2, 4, scope, capacity)  # type: ignore[arg-type]
