@@ -4,7 +4,8 @@ Each projection (q/k/v/o, gate/up/down and their fused forms) keeps its weight a
 with one float32 scale per output row (scale = row amax / 448); activations stay in the model's
 dtype and the forward dequantizes the weight. A scale per output row keeps the HF-name views
 intact: a name that addresses a row slice of a fused weight (q_proj inside qkv_proj) owns exactly
-its rows' scales. Embeddings, norms, lm_head and MoE experts stay unquantized.
+its rows' scales. Embeddings, norms, lm_head and MoE experts stay unquantized, except the experts
+a per-channel FP8 checkpoint stores in FP8: held as stored, per row too (lowprec/experts_fp8_row.py).
 
 Weight updates quantize on arrival: every update path stages through WeightLoader, whose commit
 calls `Fp8Weights.write` for an fp8 destination (the sender sends the model's dtype, as for any
@@ -25,6 +26,7 @@ from torch import nn
 from milepost.weights.fp8 import FP8, dequantize_rows, quantize_rows
 
 if TYPE_CHECKING:
+    from milepost.lowprec.experts_fp8_row import Fp8RowExperts
     from milepost.lowprec.quantize import QTensor
 
 # Linear layers whose weights are stored in fp8 (their module names' last component).
@@ -50,10 +52,16 @@ class Fp8Weights:
         self.source_dtype = source_dtype  # what senders send for these tensors (the model dtype)
         self._modules = modules
         self._by_storage: dict[int, Fp8Linear] = {}
+        self.experts: Fp8RowExperts | None = None  # a per-channel FP8 checkpoint's MoE experts
 
-    def owner(self, view: torch.Tensor) -> Fp8Linear | None:
+    def owner(self, view: torch.Tensor) -> object | None:
+        """The fp8 linear (or the row-scaled experts) `view` belongs to; None: not stored in fp8."""
         if view.dtype != FP8:
             return None
+        hit = self.experts.owner(view) if self.experts is not None else None
+        return hit if hit is not None else self._linear(view)
+
+    def _linear(self, view: torch.Tensor) -> Fp8Linear | None:
         ptr = view.untyped_storage().data_ptr()
         module = self._by_storage.get(ptr)
         if module is None or module.weight.untyped_storage().data_ptr() != ptr:
@@ -64,7 +72,7 @@ class Fp8Weights:
 
     def scale_of(self, view: torch.Tensor) -> torch.Tensor:
         """The scales of the rows `view` (a row slice of an fp8 weight) covers."""
-        module = self.owner(view)
+        module = self._linear(view)
         if module is None:
             raise KeyError("not a view of an fp8 linear weight")
         row_bytes = module.weight.stride(0) * module.weight.element_size()
@@ -74,12 +82,17 @@ class Fp8Weights:
     @torch.no_grad()
     def write(self, view: torch.Tensor, src: torch.Tensor) -> None:
         """Quantize `src` into the fp8 rows `view` and their scales."""
+        if self.experts is not None and self.experts.owner(view) is not None:
+            self.experts.write(view, src)  # each HF tensor per row, the same quantizer
+            return
         values, scale = quantize_rows(src.to(view.device))
         view.copy_(values)
         self.scale_of(view).copy_(scale)
 
     def dequantized(self, view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 weights, float32 row scales) that `view` holds."""
+        if self.experts is not None and self.experts.owner(view) is not None:
+            return self.experts.dequantized(view)
         scale = self.scale_of(view)
         return dequantize_rows(view, scale), scale.float()
 

@@ -9,6 +9,11 @@ accumulator, so BLOCK_K must divide the 128-wide scale block. Scales, one per HF
 w13 [E, 2, ceil(I/128), ceil(H/128)] (gate's, then up's: I need not be a multiple of 128),
 w2 [E, ceil(H/128), ceil(I/128)]. Routing (align), rounding points, the slot-order combine and the
 bitwise reproducibility are the bf16 path's; the bf16 kernels are not touched.
+
+Row scales (a per-channel FP8 checkpoint's experts, lowprec/experts_fp8_row.py) run the same
+kernels: a row scale is a block scale whose tile is one row by the whole K, so the scale index
+of column n at K step k0 is (n // SCALE_N, (k0 // 128) * stride_sk) with SCALE_N = 1 and
+stride_sk = 0 (scales w13 [E, 2, I, 1], w2 [E, H, 1]); block scales have SCALE_N = 128.
 """
 
 from __future__ import annotations
@@ -86,9 +91,9 @@ def _scaled_mma(a, w, s, acc, SWAP: tl.constexpr):
 @triton.jit(do_not_specialize=["n_pairs", "num_m"])
 def _gate_up_fp8_kernel(X, W13, S13, SORTED, BLOCK_EXPERT, TOTAL, ACT, n_pairs, inter, hidden, num_m,
                         stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sh, stride_sn,
-                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        stride_sk, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                        SWAP: tl.constexpr):
+                        SWAP: tl.constexpr, SCALE_N: tl.constexpr):
     """ACT[row, n] = silu(x . deq(w13[e, n])) * (x . deq(w13[e, I + n])), fp8 weights."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(TOTAL):
@@ -104,7 +109,7 @@ def _gate_up_fp8_kernel(X, W13, S13, SORTED, BLOCK_EXPERT, TOTAL, ACT, n_pairs, 
     a_ptr = X + tokens[:, None] * stride_xt + ks[None, :]
     g_ptr = _weight_ptrs(W13, e, stride_we, cols, stride_wn, ks, SWAP)
     u_ptr = g_ptr + inter * stride_wn
-    sg_ptr = S13 + e * stride_se + (cols // 128) * stride_sn  # [BLOCK_N]: gate's tile row
+    sg_ptr = S13 + e * stride_se + (cols // SCALE_N) * stride_sn  # [BLOCK_N]: gate's tile row
     su_ptr = sg_ptr + stride_sh
     acc_g = _acc_init(BLOCK_M, BLOCK_N, SWAP)
     acc_u = _acc_init(BLOCK_M, BLOCK_N, SWAP)
@@ -114,8 +119,8 @@ def _gate_up_fp8_kernel(X, W13, S13, SORTED, BLOCK_EXPERT, TOTAL, ACT, n_pairs, 
             a = tl.load(a_ptr, mask=valid[:, None], other=0.0)
         else:
             a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        sg = tl.load(sg_ptr + k0 // 128, mask=col_ok, other=0.0)
-        su = tl.load(su_ptr + k0 // 128, mask=col_ok, other=0.0)
+        sg = tl.load(sg_ptr + (k0 // 128) * stride_sk, mask=col_ok, other=0.0)
+        su = tl.load(su_ptr + (k0 // 128) * stride_sk, mask=col_ok, other=0.0)
         wg = _load_weight(g_ptr, col_ok, k_ok, SWAP, EVEN_K).to(a.dtype)
         acc_g = _scaled_mma(a, wg, sg, acc_g, SWAP)
         wu = _load_weight(u_ptr, col_ok, k_ok, SWAP, EVEN_K).to(a.dtype)
@@ -133,9 +138,10 @@ def _gate_up_fp8_kernel(X, W13, S13, SORTED, BLOCK_EXPERT, TOTAL, ACT, n_pairs, 
 
 @triton.jit(do_not_specialize=["n_pairs", "num_m"])
 def _down_fp8_kernel(ACT, W2, S2, SORTED, BLOCK_EXPERT, TOTAL, WEIGHTS, Y, n_pairs, hidden, inter, num_m,
-                     stride_at, stride_we, stride_wn, stride_yp, stride_se, stride_sn,
+                     stride_at, stride_we, stride_wn, stride_yp, stride_se, stride_sn, stride_sk,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
+                     SCALE_N: tl.constexpr):
     """Y[pair, n] = round(ACT[row] . deq(w2[e, n])) * weight[pair], fp8 weights."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(TOTAL):
@@ -149,7 +155,7 @@ def _down_fp8_kernel(ACT, W2, S2, SORTED, BLOCK_EXPERT, TOTAL, WEIGHTS, Y, n_pai
     ks = tl.arange(0, BLOCK_K)
     a_ptr = ACT + rows[:, None].to(tl.int64) * stride_at + ks[None, :]
     b_ptr = _weight_ptrs(W2, e, stride_we, cols, stride_wn, ks, SWAP)
-    s_ptr = S2 + e * stride_se + (cols // 128) * stride_sn
+    s_ptr = S2 + e * stride_se + (cols // SCALE_N) * stride_sn
     acc = _acc_init(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = ks < inter - k0
@@ -157,7 +163,7 @@ def _down_fp8_kernel(ACT, W2, S2, SORTED, BLOCK_EXPERT, TOTAL, WEIGHTS, Y, n_pai
             a = tl.load(a_ptr)
         else:
             a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
-        s = tl.load(s_ptr + k0 // 128, mask=col_ok, other=0.0)
+        s = tl.load(s_ptr + (k0 // 128) * stride_sk, mask=col_ok, other=0.0)
         w = _load_weight(b_ptr, col_ok, k_ok, SWAP, EVEN_K).to(a.dtype)
         acc = _scaled_mma(a, w, s, acc, SWAP)
         a_ptr += BLOCK_K
@@ -264,11 +270,20 @@ def _check_k(cfg: GemmConfig) -> None:
         raise ValueError(f"FP8 expert GEMMs need BLOCK_K dividing {SCALE_BLOCK}, got {cfg.block_k}")
 
 
-def gate_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, routing: tuple, top_k: int,
-            block_m: int, cfg: GemmConfig) -> torch.Tensor:
-    """x: [T, H], w13: fp8 [E, 2I, H], s13: [E, 2, ceil(I/128), ceil(H/128)] -> silu(gate) * up:
-    [max_padded, I] in sorted-pair row order."""
+def _scale_layout(s: torch.Tensor, rows: bool, cfg: GemmConfig) -> tuple[int, int]:
+    """(SCALE_N, stride_sk) of block scales (128 x 128 tiles: BLOCK_K must stay in one) or of
+    row scales (one per row for the whole K: the K index never moves)."""
+    if rows:
+        return 1, 0
     _check_k(cfg)
+    return SCALE_BLOCK, s.stride(-1)
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, routing: tuple, top_k: int,
+            block_m: int, cfg: GemmConfig, row_scales: bool = False) -> torch.Tensor:
+    """x: [T, H], w13: fp8 [E, 2I, H], s13: [E, 2, ceil(I/128), ceil(H/128)] (`row_scales`:
+    [E, 2, I, 1]) -> silu(gate) * up: [max_padded, I] in sorted-pair row order."""
+    scale_n, stride_sk = _scale_layout(s13, row_scales, cfg)
     sorted_ids, block_expert, total = routing
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
     act = torch.empty(sorted_ids.numel(), inter, dtype=x.dtype, device=x.device)
@@ -277,17 +292,17 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, routing: tupl
     _gate_up_fp8_kernel[grid](
         x, w13, s13, sorted_ids, block_expert, total, act, x.shape[0] * top_k, inter, hidden, num_m,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), s13.stride(0), s13.stride(1),
-        s13.stride(2), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0, SWAP=cfg.swap_ab,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        s13.stride(2), stride_sk, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
+        SWAP=cfg.swap_ab, SCALE_N=scale_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return act
 
 
 def down(act: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, routing: tuple, weights: torch.Tensor,
-         block_m: int, cfg: GemmConfig) -> torch.Tensor:
-    """act: [max_padded, I], w2: fp8 [E, H, I], s2: [E, ceil(H/128), ceil(I/128)], weights: [T, k]
-    -> weighted rows [T*k, H] (pair order)."""
-    _check_k(cfg)
+         block_m: int, cfg: GemmConfig, row_scales: bool = False) -> torch.Tensor:
+    """act: [max_padded, I], w2: fp8 [E, H, I], s2: [E, ceil(H/128), ceil(I/128)] (`row_scales`:
+    [E, H, 1]), weights: [T, k] -> weighted rows [T*k, H] (pair order)."""
+    scale_n, stride_sk = _scale_layout(s2, row_scales, cfg)
     sorted_ids, block_expert, total = routing
     hidden, inter = w2.shape[1], w2.shape[2]
     flat_w = weights.reshape(-1)
@@ -297,9 +312,9 @@ def down(act: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, routing: tuple, 
     _down_fp8_kernel[grid](
         act, w2, s2, sorted_ids, block_expert, total, flat_w, y, flat_w.numel(), hidden, inter, num_m,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), s2.stride(0), s2.stride(1),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=inter % cfg.block_k == 0, SWAP=cfg.swap_ab, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        stride_sk, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=inter % cfg.block_k == 0, SWAP=cfg.swap_ab, SCALE_N=scale_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
@@ -348,10 +363,13 @@ def down_a8(act: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, routing: tupl
 
 def fused_expert_mlp_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                          s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-                         cfg: MoeConfig, act_fp8: bool = False) -> torch.Tensor:
+                         cfg: MoeConfig, act_fp8: bool = False, row_scales: bool = False) -> torch.Tensor:
     """x: [T, H], ids: [T, k] (int), weights: [T, k]; w13: fp8 [E, 2I, H] with s13, w2: fp8
-    [E, H, I] with s2 (shapes above) -> [T, H]. fused_moe.fused_expert_mlp's contract, its weights
-    the dequantized fp8 ones; inference only."""
+    [E, H, I] with s2 (shapes above; `row_scales`: one scale per row) -> [T, H].
+    fused_moe.fused_expert_mlp's contract, its weights the dequantized fp8 ones; inference only."""
+    if act_fp8 and row_scales:
+        raise ValueError("fused_expert_mlp_fp8: the experimental W8A8 kernels read 128 x 128 "
+                         "block scales only, not row scales")
     t, k = ids.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -365,6 +383,6 @@ def fused_expert_mlp_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         act = gate_up_a8(x, w13, s13, routing, k, cfg.block_m, cfg.gate_up)
         y = down_a8(act, w2, s2, routing, weights.contiguous(), cfg.block_m, cfg.down)
     else:
-        act = gate_up(x, w13, s13, routing, k, cfg.block_m, cfg.gate_up)
-        y = down(act, w2, s2, routing, weights.contiguous(), cfg.block_m, cfg.down)
+        act = gate_up(x, w13, s13, routing, k, cfg.block_m, cfg.gate_up, row_scales)
+        y = down(act, w2, s2, routing, weights.contiguous(), cfg.block_m, cfg.down, row_scales)
     return fm.combine(y, t, k)

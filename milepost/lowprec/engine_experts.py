@@ -7,7 +7,8 @@ Weights only (W8A16): expert activations stay in the model dtype; the dense line
 activation quantization does not apply here. On CUDA (bf16/fp16, inference) the fused FP8 MoE
 kernels (kernels/fused_moe_fp8.py) read the fp8 values and scales; every other path (the CPU
 loop, fp32, anything outside inference mode) runs StackedExperts' own forward on the dequantized
-weights, so values are the format's everywhere.
+weights, so values are the format's everywhere. Per-channel FP8 checkpoints' experts (one scale
+per row) are this class with row scales: lowprec/experts_fp8_row.py.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Fp8StackedExperts(StackedExperts):
     w2_scale: torch.Tensor
     compute_dtype: torch.dtype
     act_fp8: bool  # experimental W8A8 (ACT_FP8 at conversion)
+    row_scales = False  # scales per row, [E, 2, I, 1] / [E, H, 1] (experts_fp8_row.py)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized (model dtype): for the paths that do not read fp8 themselves."""
@@ -60,7 +62,7 @@ class Fp8StackedExperts(StackedExperts):
             cfg = f8.config_for(x.shape[0], self.num_experts, self.w13.shape[2], self.intermediate,
                                 ids.shape[1])
             return f8.fused_expert_mlp_fp8(x, ids, weights, self.w13, self.w13_scale, self.w2,
-                                           self.w2_scale, cfg, self.act_fp8)
+                                           self.w2_scale, cfg, self.act_fp8, self.row_scales)
         if self.act_fp8:
             return self._loop_a8(x, ids, weights)
         return super().forward(x, ids, weights)
@@ -163,10 +165,14 @@ class Fp8Experts:
             inter = module.intermediate
             for e, which in parts:
                 part = src[e] if which == 2 else src[e, which * inter:(which + 1) * inter]
-                module.put(e, which, quantize(part, self.fmt, "weight", name=name))
+                module.put(e, which, self.quantize_part(part, name))
             return
         e, which = parts[0]
-        module.put(e, which, quantize(src, self.fmt, "weight", name=name))
+        module.put(e, which, self.quantize_part(src, name))
+
+    def quantize_part(self, src: torch.Tensor, name: str) -> QTensor:
+        """One HF tensor quantized as this store holds it (the one quantizer, in `fmt`)."""
+        return quantize(src, self.fmt, "weight", name=name)
 
     def hf_shape(self, view: torch.Tensor) -> tuple[int, ...]:
         """The shape of the tensor(s) `view` holds as senders send them (FP8: the view's)."""

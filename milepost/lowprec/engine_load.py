@@ -36,6 +36,7 @@ from milepost.lowprec.engine_setup import (
     warn_emulated,
 )
 from milepost.lowprec.engine_store import QuantizedLinear, StoreBuilder
+from milepost.lowprec.experts_fp8_row import Fp8RowExperts, convert_row_experts, split_experts
 from milepost.lowprec.experts_int4 import Int4Experts
 from milepost.lowprec.quant_checkpoint import checkpoint_quant
 from milepost.lowprec.quantize import QTensor
@@ -138,6 +139,7 @@ class _RowStore:
         self.stored = stored
         self.quantized: set[str] = set()
         self.modules: list[Fp8Linear] = []
+        self.experts: list = []  # the checkpoint's per-channel FP8 experts (experts_fp8_row.py)
 
     def add(self, model: CausalLM, prefix: str, layer: nn.Module, names: list[str]) -> None:
         modules = fp8_linears(layer)
@@ -145,6 +147,8 @@ class _RowStore:
         if self.stored is not None:
             preset = {n: self.stored[n] for n in names if n in self.stored}
             self.quantized.update(preset)
+            preset, experts = split_experts(preset)
+            self.experts += convert_row_experts(model, layer, experts, lambda name: f"{prefix}.{name}")
             store_preset(model, Fp8Weights(modules, self.dtype), preset)
 
     def finish(self, model: CausalLM) -> None:
@@ -152,6 +156,7 @@ class _RowStore:
         if not self.modules:
             raise no_linears(model)
         store = Fp8Weights(self.modules, self.dtype)
+        store.experts = Fp8RowExperts(self.experts) if self.experts else None
         if self.stored is not None:
             store_preset(model, store, self.stored)  # weights outside the layers
             self.quantized.update(self.stored)

@@ -9,7 +9,8 @@ Layouts read (config.json `quantization_config`), each held exactly by one exist
   `X.weight_scale` per tensor) or compressed-tensors `strategy: tensor`: the blockwise store with
   every 128 x 128 tile given the tensor's scale.
 - `fp8_channel`: compressed-tensors `strategy: channel` (the "FP8-dynamic" releases; `X.weight_scale`
-  [out, 1]): the row-scaled `--quantization fp8` store (float8 values, a float32 scale per row).
+  [out, 1]): the row-scaled `--quantization fp8` store (float8 values, a float32 scale per row),
+  MoE experts too (lowprec/experts_fp8_row.py).
 - `int4_pack`: compressed-tensors `pack-quantized`, 4-bit symmetric ints, `strategy: group` with a
   group size that is a multiple of 128, or `channel` (`X.weight_packed` int32, eight values a word,
   stored +8; `X.weight_scale` [out, groups]; `X.weight_shape`): the packed INT4 store (128-wide groups,
@@ -275,8 +276,8 @@ def _group_layout(g: dict[str, Any], top_format: str | None, where: str) -> tupl
 
 def unheld_weights(path: str | Path, ckpt: CheckpointQuant) -> list[str]:
     """The quantized weights of a per-channel FP8 or INT4 checkpoint that its store would not hold
-    (projections outside q/k/v/o and gate/up/down; MoE experts of a per-channel FP8 one, whose
-    store holds linears only: INT4 experts are packed by the INT4 expert store): serving the
+    (projections outside q/k/v/o and gate/up/down; MoE experts go to the FP8 row-scaled and
+    packed INT4 expert stores, lowprec/experts_fp8_row.py, experts_int4.py): serving the
     checkpoint as stored is refused for them (they would be dequantized into --dtype, which
     rounds in bf16); MoE experts with zero points (AWQ, asymmetric GPTQ), whose store is
     symmetric. Read from the safetensors headers alone (no torch)."""
@@ -289,10 +290,10 @@ def unheld_weights(path: str | Path, ckpt: CheckpointQuant) -> list[str]:
                       "int4_awq": GPTQ_SUFFIX}.get(ckpt.layout)
             if packed and name.endswith(packed):
                 name = name.removesuffix(packed) + ".weight"
-            elif not (name.endswith(".weight") and meta.get("dtype") == "F8_E4M3"):
-                continue
+            elif meta.get("dtype") != "F8_E4M3":  # a float8 tensor not named X.weight (a
+                continue  # stacked expert tensor) is held by no store either
             module = name.removesuffix(".weight").rsplit(".", 1)[-1]
-            experts_unheld = ckpt.layout == "fp8_channel" or ckpt.zero_points
+            experts_unheld = ckpt.zero_points
             if module not in COVERED or (".experts." in name and experts_unheld):
                 out.append(name)
     return sorted(out)

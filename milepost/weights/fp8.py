@@ -42,4 +42,6 @@ def fp8_error_bound(sent: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     half_ulp = _FP8_INFO.eps / 2
     subnormal = _FP8_INFO.smallest_normal * _FP8_INFO.eps / 2
     x = sent.detach().float()
-    return (half_ulp * x.abs() + subnormal * scale.float()[:, None]) * (1 + 2.0**-20)
+    # scale: one per row, shaped like sent less its last dim (a stacked [E, rows, cols] expert
+    # tensor has [E, rows]).
+    return (half_ulp * x.abs() + subnormal * scale.float()[..., None]) * (1 + 2.0**-20)

@@ -300,8 +300,8 @@ def test_the_launcher_and_the_disk_update(src: Path, tmp_path: Path) -> None:
 
 def test_moe_experts(tmp_path: Path) -> None:
     """Per-tensor FP8 experts go to the FP8 expert store as stored, INT4 experts to the packed
-    INT4 expert store (lowprec/experts_int4.py) as stored; per-channel FP8 experts have no store
-    (the row-scaled store holds linears): refused at start naming one, dequantized on request."""
+    INT4 expert store (lowprec/experts_int4.py) as stored, per-channel FP8 experts to the
+    row-scaled store's (tests/unit/test_lowprec_moe_fp8_row.py)."""
     moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=5, with_tokenizer=False)
     out = write_fp8(moe, tmp_path / "pt", "tensor")
     model = build_engine(_args(tmp_path / "pt"))[0].runner.model
@@ -327,9 +327,7 @@ def test_moe_experts(tmp_path: Path) -> None:
     n = "model.layers.1.mlp.experts.1.up_proj.weight"
     assert torch.equal(deq.weight_view(n), meaning(out, n, 128))
     write_fp8(moe, tmp_path / "ch", "channel")
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight \(and \d+ "
-                                         r"more\): a fp8_channel weight that the fp8 store does not hold"):
-        ServerArgs(model_path=tmp_path / "ch", device="cpu").resolved()
+    assert ServerArgs(model_path=tmp_path / "ch", device="cpu").resolved().quantization == "fp8"
 
 
 @pytest.mark.parametrize(("edit", "match"), [
