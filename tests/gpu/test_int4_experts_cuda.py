@@ -1,6 +1,6 @@
 """INT4 MoE experts on CUDA (lowprec/experts_int4.py): at the Qwen3-30B-A3B expert shape the
-Triton dequantization gives torch's bf16 bits; the forward (decode: only the routed experts
-gathered and dequantized; larger batches: every expert) equals the bf16 expert path holding the
+Triton dequantization gives torch's bf16 bits; the forward (up to 256 tokens the fused INT4
+kernels, tests/gpu/test_fused_moe_int4_cuda.py; larger batches: every expert dequantized) equals the bf16 expert path holding the
 dequantized weights (bitwise where every expert is dequantized: the same kernel on the same
 weights) and an fp32 loop within bf16's rounding, is reproducible and captured in a CUDA graph;
 an engine with `--quantization int4` on a tiny Qwen3-MoE records every token's routed experts
@@ -69,7 +69,7 @@ def test_int4_experts_match_the_bf16_path_on_dequantized_weights(pair, tokens: i
         got, want = mod(x, ids, w), plain(x, ids, w)
         ref = expert_loop(x, ids, w, plain.w13, plain.w2)
         assert torch.equal(got, mod(x, ids, w))  # reproducible
-        if tokens * K >= E:  # every expert dequantized, then the plain path: its bits
+        if tokens * K >= E:  # the plain path's tiles on the same weights: its bits
             assert torch.equal(got, want)
         for y in (got, want):
             err = ((y.float() - ref).norm() / ref.norm()).item()
@@ -94,8 +94,8 @@ def test_decode_path_is_captured_in_a_cuda_graph(pair) -> None:
 
 
 def test_print_decode_times(pair) -> None:
-    """Not asserted (the W4A16 path dequantizes into bf16 and runs the bf16 kernel: a first
-    path, not yet faster): ms per layer call of bf16 experts and INT4 experts."""
+    """Not asserted (benchmarks/int4_moe_gpu.py times the fused INT4 kernels over several
+    layers' weights): ms per layer call of bf16 experts and INT4 experts."""
     mod, plain = pair
     for tokens in (1, 8, 32, 256):
         x, ids, w = _inputs(tokens)
