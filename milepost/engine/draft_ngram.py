@@ -39,7 +39,7 @@ class _Seq:
 
 class NgramDrafter:
     def __init__(self, min_window: int, max_window: int, scope: Scope = "request",
-                 capacity: int = 1 << 20) -> None:
+                 capacity: int = 1 << 18) -> None:
         if not 1 <= min_window <= max_window:
             raise ValueError(f"n-gram match window must satisfy 1 <= min ({min_window}) <= max "
                              f"({max_window}); fix --speculative-ngram-min/max-match-window-size")

@@ -200,8 +200,9 @@ class ServerArgs(BaseModel):
         "the engine saw recently. Proposals stay exact whatever their source; a weight update keeps "
         "the texts (docs/speculative.md).")
     speculative_ngram_capacity: int = Field(
-        1 << 20, ge=1, description="NGRAM with scope prompt or engine: most tokens the shared n-gram "
-        "store indexes (about 1 KB each at the default window); the oldest sequences are dropped first.")
+        1 << 18, ge=1, description="NGRAM with scope prompt or engine: most tokens the shared n-gram "
+        "store indexes (about 1.2 KB of host memory each at the default window 2-8, so ~320 MB); the "
+        "oldest sequences are dropped first (the newest one is kept whole even past it).")
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
         "default", description="Weight version reported before the first weight update."
@@ -352,7 +353,7 @@ class ServerArgs(BaseModel):
                  or self.speculative_ngram_min_match_window_size != 2
                  or self.speculative_ngram_max_match_window_size != 8
                  or self.speculative_ngram_scope != "prompt"
-                 or self.speculative_ngram_capacity != 1 << 20)
+                 or self.speculative_ngram_capacity != 1 << 18)
         eagle = (self.speculative_num_steps, self.speculative_eagle_topk) != (None, None)
         if algo is None and (draft is not None or tuned or eagle):
             raise ValueError("--speculative-draft-model-path / --speculative-num-draft-tokens / "

@@ -72,3 +72,15 @@ def test_a_dropped_request_still_in_flight_is_indexed_again() -> None:
 def test_bad_scope_or_capacity_is_refused(scope: str, capacity: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         NgramDrafter(2, 4, scope, capacity)  # type: ignore[arg-type]
+
+
+def test_bench_groups_prompts_and_checks_its_scope_flags() -> None:
+    from milepost.bench import workloads
+    from milepost.bench.args import BenchArgs
+
+    w = workloads.fixed(6, 5, 3, 100, seed=0, n_samples=3)
+    assert w.name == "fixed-n3" and w.prompts[0] == w.prompts[2] != w.prompts[3] == w.prompts[5]
+    with pytest.raises(ValueError, match="--n-samples-per-prompt"):
+        BenchArgs(shape="tiny", requests=10, n_samples_per_prompt=4)
+    with pytest.raises(ValueError, match="--speculative-ngram-scope"):
+        BenchArgs(shape="tiny", speculative="ngram", speculative_ngram_scope="prompt,global")
