@@ -26,6 +26,9 @@ def mtp_refusals(c: TrainConfig) -> list[str]:
     if algo is not None and c.engine_backend == "external":
         p.append(f"--engine-speculative-algorithm {algo}: --engine-backend external engines are "
                  "configured where they start; drop it and start them with --speculative-algorithm")
+    if c.engine_speculative_ngram_scope is not None and algo != "NGRAM":
+        p.append(f"--engine-speculative-ngram-scope is an NGRAM setting; the engines run "
+                 f"{algo or 'no speculation'}: add --engine-speculative-algorithm NGRAM or drop it")
     if algo == "NGRAM" and (c.engine_speculative_num_steps or c.engine_speculative_eagle_topk):
         p.append("--engine-speculative-num-steps / --engine-speculative-eagle-topk are NEXTN / EAGLE "
                  "settings; with NGRAM use --engine-speculative-num-draft-tokens")

@@ -194,6 +194,12 @@ class EngineTable(Table):
         "(milepost serve --speculative-num-draft-tokens); default num_steps + 1, or 4.",
         json_schema_extra={"flags": ["--sglang-speculative-num-draft-tokens"]},
     )
+    engine_speculative_ngram_scope: Literal["request", "prompt", "engine"] | None = Field(
+        None, description="NGRAM: which texts proposals come from (milepost serve "
+        "--speculative-ngram-scope): request, prompt (a GRPO group's other samples too; the "
+        "engine's default) or engine.",
+        json_schema_extra={"flags": ["--sglang-speculative-ngram-scope"]},
+    )
     true_on_policy: bool = Field(
         False,
         description="Engine and trainer assign bitwise-equal log-probs (report 5.3): the engines "

@@ -79,7 +79,8 @@ class LocalLauncher:
         for flag, value in (("--speculative-algorithm", cfg.engine_speculative_algorithm),
                             ("--speculative-num-steps", cfg.engine_speculative_num_steps),
                             ("--speculative-eagle-topk", cfg.engine_speculative_eagle_topk),
-                            ("--speculative-num-draft-tokens", cfg.engine_speculative_num_draft_tokens)):
+                            ("--speculative-num-draft-tokens", cfg.engine_speculative_num_draft_tokens),
+                            ("--speculative-ngram-scope", cfg.engine_speculative_ngram_scope)):
             if value is not None:  # SGLang's own flags: the embedded engine and sglang read them alike
                 common += [flag, str(value)]
         if cfg.engine_quantization:  # fp8 weight storage (milepost/engine/weight_fp8.py)

@@ -60,6 +60,7 @@ def test_a_checkpoint_without_mtp_layers_is_refused(ckpts, tmp_path, extra, matc
     (("--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-eagle-topk", "4"), "only 1"),
     (("--sglang-speculative-algorithm", "NGRAM", "--sglang-speculative-num-steps", "2"),
      "with NGRAM use --engine-speculative-num-draft-tokens"),
+    (("--sglang-speculative-ngram-scope", "engine"), "is an NGRAM setting.*no speculation"),
 ])
 def test_settings_that_cannot_work_are_refused(ckpts, tmp_path, extra, match) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -86,3 +87,10 @@ def test_the_weight_check_can_point_at_the_target_the_draft_or_both(ckpts, tmp_p
                                 "--check-weight-update-selector", "draft"))
     with pytest.raises(ConfigError, match="no effect without --check-weight-update-equal"):
         load_config(None, flags(ckpts["mtp"], tmp_path, "--check-weight-update-selector", "target"))
+
+
+def test_the_ngram_scope_reaches_the_engines(ckpts, tmp_path) -> None:
+    cfg = load_config(None, flags(ckpts["plain"], tmp_path, "--sglang-speculative-algorithm", "NGRAM",
+                                  "--sglang-speculative-ngram-scope", "engine"))
+    cmd = LocalLauncher(cfg, tmp_path)._engine_cmd(1234)
+    assert cmd[cmd.index("--speculative-ngram-scope") + 1] == "engine"
