@@ -96,7 +96,7 @@ class ServerArgs(BaseModel):
         "model's max_position_embeddings.",
     )
     chunked_prefill_size: int | None = Field(
-        None, description="Most prefill tokens per engine step; default 2048 on CUDA, 512 on CPU."
+        None, description="Most prefill tokens per engine step; default 8192 on CUDA (measured best, benchmarks/RESULTS.md), 512 on CPU."
     )
     max_running_requests: int = Field(256, description="Most requests decoding at once.")
     disable_radix_cache: bool = Field(False, description="Turn off prefix reuse across requests.")
@@ -480,7 +480,7 @@ class ServerArgs(BaseModel):
             raise ValueError(
                 f"{self.model_path / 'config.json'} has no max_position_embeddings; pass --context-length"
             )
-        chunk = self.chunked_prefill_size or (2048 if device == "cuda" else 512)
+        chunk = self.chunked_prefill_size or (8192 if device == "cuda" else 512)
         return self.model_copy(
             update={
                 "device": device,
