@@ -438,7 +438,7 @@ class ServerArgs(BaseModel):
             more = f" (and {len(unheld) - 1} more)" if len(unheld) > 1 else ""
             raise ValueError(f"{unheld[0]}{more}: a {ckpt.layout} weight that the {ckpt.serve_as} "
                              "store does not hold (it holds the q/k/v/o and gate/up/down projections "
-                             "and symmetric MoE experts); serve the checkpoint with "
+                             "and MoE experts); serve the checkpoint with "
                              "--dequantize-checkpoint")
         return ckpt.serve_as
 

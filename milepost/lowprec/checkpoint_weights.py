@@ -14,6 +14,9 @@ trainers and the engines agree bit for bit on what the checkpoint means.
 - INT4 GPTQ (4-bit): the same, from its column-packed words (a transpose); asymmetric ones
   (`sym: false`) keep each group's zero point beside its scale (QTensor.zeros, zero - 8).
 - INT4 AWQ (gemm): the same from row-packed words in AWQ's interleaved order, with zero points.
+- INT4 pack-quantized with `symmetric: false`: as symmetric, plus `X.weight_zero_point` (int32
+  [ceil(out/8), groups], eight zero points of a column per word down the output dim, element 8j+i
+  in bits 4i..4i+3, stored + 8 as the values are), kept beside the scales.
 Scales stored in bf16 / fp16 widen to float32 exactly.
 """
 
@@ -104,9 +107,14 @@ def _int4(ckpt: CheckpointQuant, name: str, packed: torch.Tensor, scale: torch.T
     if packed.dtype != torch.int32 or tuple(packed.shape) != (rows, -(-cols // 8)):
         raise ValueError(f"{base}{PACKED_SUFFIX} is {packed.dtype} {list(packed.shape)}; a "
                          f"[{rows}, {cols}] weight packs into int32 [{rows}, {-(-cols // 8)}]")
-    if get(base + ".weight_zero_point") is not None:
-        raise ValueError(f"{base}.weight_zero_point: a zero point in a symmetric checkpoint; the "
-                         "INT4 store has none: use a symmetric checkpoint or the bf16 one")
+    zp = get(base + ".weight_zero_point")
+    if zp is not None and not ckpt.zero_points:
+        raise ValueError(f"{base}.weight_zero_point: a zero point in a symmetric checkpoint "
+                         "(weights.symmetric is true): fix the config (symmetric: false) or use "
+                         "the bf16 checkpoint")
+    if zp is None and ckpt.zero_points:
+        raise ValueError(f"{base}{PACKED_SUFFIX} has no {base}.weight_zero_point in the checkpoint "
+                         "(weights.symmetric is false)")
     group = ckpt.group_size or cols  # channel: one group spanning the row
     g_idx = get(base + ".weight_g_idx")
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols) // group):
@@ -117,7 +125,17 @@ def _int4(ckpt: CheckpointQuant, name: str, packed: torch.Tensor, scale: torch.T
     # Unpack by the definition: word j of a row holds elements 8j..8j+7, element 8j+i in bits
     # 4i..4i+3, each stored as value + 8 (so -8..7 -> 0..15).
     values = (_nibbles(packed)[:, :cols] - 8).to(torch.int8)
-    return _int4_qtensor(ckpt, values, scale.float(), group)
+    offsets = None
+    if zp is not None:  # packed down the columns: word j of a column holds rows 8j..8j+7
+        groups = -(-cols // group)
+        if zp.dtype != torch.int32 or tuple(zp.shape) != (-(-rows // 8), groups):
+            raise ValueError(f"{base}.weight_zero_point is {zp.dtype} {list(zp.shape)}; zero points "
+                             f"of groups of {group} in a [{rows}, {cols}] weight pack into int32 "
+                             f"[{-(-rows // 8)}, {groups}]")
+        z = _nibbles(zp.t().contiguous())[:, :rows].t()  # [rows, groups], unsigned: zero + 8
+        # The values are stored as v (signed), so the store's offset is the signed zero itself.
+        offsets = _zero_offsets(z)
+    return _int4_qtensor(ckpt, values, scale.float(), group, offsets)
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from milepost.lowprec.contract import EXPERTS_SERVED, Contract
 from milepost.lowprec.delayed import qdq_input
 from milepost.lowprec.engine_experts import Fp8Experts, convert_fp8_experts
 from milepost.lowprec.engine_scales import InputScales, attach_input_scales
-from milepost.lowprec.experts_int4 import ZERO_EXPERTS, Int4Experts, convert_int4_experts
+from milepost.lowprec.experts_int4 import Int4Experts, convert_int4_experts
 from milepost.lowprec.linear import quantize_activation, quantize_weight_parts
 from milepost.lowprec.quantize import INT4_GROUP, QTensor, dequantize, element_scale
 from milepost.models.qwen3_moe import StackedExperts
@@ -268,18 +268,14 @@ class StoreBuilder:
 
     def put_preset_experts(self, model: nn.Module, experts: Fp8Experts | None, names: list[str]) -> None:
         """The checkpoint's FP8 / INT4 experts among `names` (in `preset`) into `experts`, tensor
-        by tensor (`finish` for the whole model; a layerwise start for each layer as it loads)."""
-        zero_experts = []
+        by tensor (`finish` for the whole model; a layerwise start for each layer as it loads).
+        INT4 zero points (AWQ, asymmetric GPTQ / compressed-tensors) go with them."""
         for name in names:
             q = self.preset.get(name)
             view = model.weight_view(name) if q is not None and experts is not None and ".experts." in name else None
-            if view is not None and q.zeros is not None:  # no zero points in the expert store
-                zero_experts.append(name)
-            elif view is not None and experts.owner(view) is not None and q.fmt == experts.fmt:
+            if view is not None and experts.owner(view) is not None and q.fmt == experts.fmt:
                 module, parts = experts.parts(view)
                 module.put(*parts[0], _on(q, module.w13.device))
-        if zero_experts:
-            raise ValueError(f"{zero_experts[0]} (and {len(zero_experts) - 1} more): {ZERO_EXPERTS}")
 
 
 def _quantize_linear(module: nn.Linear, parts: list[tuple[int, int, str]], contract: Contract,

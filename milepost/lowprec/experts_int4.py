@@ -24,6 +24,13 @@ capture them. Where their probe failed, decode gathers the routed experts, still
 dequantizes one copy per pair (kernels/int4_gemm.py's Triton dequantization), then the bf16
 experts run. Past MAX_TOKENS (prefill: the GEMMs dominate) every expert of the layer is
 dequantized into a temporary per forward.
+
+Zero points (an AWQ, asymmetric GPTQ or asymmetric compressed-tensors checkpoint served as
+stored): `w13_zero` / `w2_zero` int8, laid out as the scales (each group's zero point - 8, as the
+dense store's `weight_zero`), allocated when the first tensor with zero points is put (None
+until then: symmetric). Every path computes (value - zero) * scale in float32 (an exact
+difference, one rounding); an update re-quantizes with the symmetric quantizer and sets that
+tensor's zero points to 0, as the dense store does.
 """
 
 from __future__ import annotations
@@ -40,26 +47,26 @@ from milepost.lowprec.quantize import QTensor, quantize
 from milepost.models.qwen3_moe import StackedExperts
 
 
-ZERO_EXPERTS = ("INT4 MoE experts with zero points (an AWQ or asymmetric GPTQ checkpoint): the "
-                "INT4 expert store is symmetric and cannot hold them; serve the checkpoint with "
-                "--dequantize-checkpoint (a training run: --precision bf16, whose engines dequantize)")
-
-
-def dequantize_packed(packed: torch.Tensor, scales: torch.Tensor, k: int,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """[.., N, ceil(k/2)] packed bytes and [.., N, ceil(k/128)] scales -> [.., N, k] in `dtype`:
-    quantize.dequantize's float32 product, cast once (torch; no Triton import on CPU)."""
+def dequantize_packed(packed: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype,
+                      zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """[.., N, ceil(k/2)] packed bytes and [.., N, ceil(k/128)] scales (and int8 zero points
+    shaped as the scales, or None) -> [.., N, k] in `dtype`: quantize.dequantize's float32
+    product, (v - zero) * scale, cast once (torch; no Triton import on CPU)."""
     from milepost.lowprec.elements import unpack_int4
 
-    def part(p: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return (unpack_int4(p, k).float() * s.repeat_interleave(INT4_GROUP, -1)[..., :k]).to(dtype)
+    def part(p: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        v = unpack_int4(p, k).float()
+        if z is not None:  # an exact float32 difference of small integers
+            v = v - z.float().repeat_interleave(INT4_GROUP, -1)[..., :k]
+        return (v * s.repeat_interleave(INT4_GROUP, -1)[..., :k]).to(dtype)
 
     if packed.dim() < 3:
-        return part(packed, scales)
+        return part(packed, scales, zeros)
     # A few experts at a time: the float32 temporaries of a whole stack (~10 GB at the 30B-A3B
     # shape) would sit beside the model; each group's product is the same either way.
     step = _experts_per_chunk(packed[0].numel() * 2)
-    return torch.cat([part(packed[i:i + step], scales[i:i + step])
+    return torch.cat([part(packed[i:i + step], scales[i:i + step],
+                           zeros[i:i + step] if zeros is not None else None)
                       for i in range(0, packed.shape[0], step)])
 
 
@@ -69,27 +76,32 @@ def _experts_per_chunk(values_per_expert: int) -> int:
 
 class Int4StackedExperts(StackedExperts):
     """StackedExperts whose `w13` / `w2` are packed INT4 (class swapped in by
-    `convert_int4_experts`); `hidden`: H, `compute_dtype`: the model dtype the weights arrived in."""
+    `convert_int4_experts`); `hidden`: H, `compute_dtype`: the model dtype the weights arrived in;
+    `w13_zero` / `w2_zero`: int8 zero points shaped as the scales (None: symmetric)."""
 
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
+    w13_zero: torch.Tensor | None
+    w2_zero: torch.Tensor | None
     compute_dtype: torch.dtype
     hidden: int
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every expert dequantized (model dtype): the paths that do not read INT4 themselves."""
-        return (self._dequantize(self.w13, self.w13_scale, self.hidden),
-                self._dequantize(self.w2, self.w2_scale, self.intermediate))
+        return (self._dequantize(self.w13, self.w13_scale, self.hidden, self.w13_zero),
+                self._dequantize(self.w2, self.w2_scale, self.intermediate, self.w2_zero))
 
-    def _dequantize(self, packed: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
+    def _dequantize(self, packed: torch.Tensor, scales: torch.Tensor, k: int,
+                    zeros: torch.Tensor | None) -> torch.Tensor:
         if packed.is_cuda:
             from milepost.kernels.int4_gemm import dequantize_int4_triton, kernel_ok
 
             if kernel_ok(packed.device):  # one kernel over [E * N, K]: the same bits as torch's
                 e, n, kp = packed.shape
+                flat_z = zeros.reshape(e * n, -1) if zeros is not None else None
                 return dequantize_int4_triton(packed.reshape(e * n, kp), scales.reshape(e * n, -1),
-                                              k, self.compute_dtype).reshape(e, n, k)
-        return dequantize_packed(packed, scales, k, self.compute_dtype)
+                                              k, self.compute_dtype, flat_z).reshape(e, n, k)
+        return dequantize_packed(packed, scales, k, self.compute_dtype, zeros)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from milepost.kernels.grouped_experts import grouped_available
@@ -101,7 +113,7 @@ class Int4StackedExperts(StackedExperts):
                 cfg = f4.config_for(x.shape[0], self.num_experts, self.hidden, self.intermediate,
                                     ids.shape[1])
                 return f4.fused_expert_mlp_int4(x, ids, weights, self.w13, self.w13_scale, self.w2,
-                                                self.w2_scale, cfg)
+                                                self.w2_scale, cfg, self.w13_zero, self.w2_zero)
             if ids.numel() < self.num_experts:  # the kernels failed their probe: copies at decode
                 return self._routed_only(x, ids, weights)
         return super().forward(x, ids, weights)
@@ -122,30 +134,44 @@ class Int4StackedExperts(StackedExperts):
         of packed bytes, then the dequantization) and the pairs become the experts: (pair ids
         shaped like `ids`, w13 [T*k, 2I, H], w2 [T*k, H, I]). No host sync."""
         flat = ids.reshape(-1)
-        w13 = self._dequantize(self.w13.index_select(0, flat), self.w13_scale.index_select(0, flat),
-                               self.hidden)
-        w2 = self._dequantize(self.w2.index_select(0, flat), self.w2_scale.index_select(0, flat),
-                              self.intermediate)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t.index_select(0, flat) if t is not None else None
+
+        w13 = self._dequantize(pick(self.w13), pick(self.w13_scale), self.hidden, pick(self.w13_zero))
+        w2 = self._dequantize(pick(self.w2), pick(self.w2_scale), self.intermediate, pick(self.w2_zero))
         return torch.arange(flat.numel(), device=ids.device).reshape(ids.shape), w13, w2
 
     # -- one HF tensor: (expert, which) with which 0 = gate, 1 = up, 2 = down ------------------
 
     def qtensor(self, e: int, which: int) -> QTensor:
-        """The quantized HF tensor (views of the stored bytes and scales)."""
+        """The quantized HF tensor (views of the stored bytes, scales and zero points)."""
         inter = self.intermediate
         if which == 2:
-            values, scales, k = self.w2[e], self.w2_scale[e], inter
+            values, scales, k, zeros = self.w2[e], self.w2_scale[e], inter, self.w2_zero
+            zeros = zeros[e] if zeros is not None else None
         else:
             rows = slice(which * inter, (which + 1) * inter)
             values, scales, k = self.w13[e, rows], self.w13_scale[e, rows], self.hidden
-        return QTensor("int4", values, scales, (1, INT4_GROUP), (values.shape[0], k))
+            zeros = self.w13_zero[e, rows] if self.w13_zero is not None else None
+        return QTensor("int4", values, scales, (1, INT4_GROUP), (values.shape[0], k), zeros=zeros)
 
     def put(self, e: int, which: int, q: QTensor) -> None:
-        if q.zeros is not None:  # never dropped silently: the store has no place for them
-            raise ValueError(ZERO_EXPERTS)
+        """Write one HF tensor: a checkpoint's (with zero points or not) or an update's, which
+        the symmetric quantizer made, so its zero points become 0 (the dense store's rule)."""
+        if q.zeros is not None and self.w13_zero is None:
+            # The first tensor with zero points (a checkpoint served as stored, at load): every
+            # other tensor's zero points are 0 until its own arrive, which means symmetric.
+            self.w13_zero = torch.zeros(self.w13_scale.shape, dtype=torch.int8, device=self.w13.device)
+            self.w2_zero = torch.zeros(self.w2_scale.shape, dtype=torch.int8, device=self.w2.device)
         dst = self.qtensor(e, which)
         dst.values.copy_(q.values)
         dst.scales.copy_(q.scales)
+        if dst.zeros is not None:
+            if q.zeros is not None:
+                dst.zeros.copy_(q.zeros)
+            else:
+                dst.zeros.zero_()
 
 
 class Int4Experts(Fp8Experts):
@@ -192,6 +218,8 @@ def _pack(module: StackedExperts) -> None:
     module.w2 = nn.Parameter(w2, requires_grad=False)
     module.register_buffer("w13_scale", s13)
     module.register_buffer("w2_scale", s2)
+    module.register_buffer("w13_zero", None)  # zero points: allocated by `put` when some arrive
+    module.register_buffer("w2_zero", None)
     module.compute_dtype = dtype
     module.hidden = h
     if dev.type == "cuda":  # probe the Triton kernels now, not inside a graph capture

@@ -23,8 +23,10 @@ Layouts read (config.json `quantization_config`), each held exactly by one exist
 - `int4_awq`: AutoAWQ's GEMM layout (`quant_method: awq`, `version: gemm`, 4 bits, zero points:
   `X.qweight` int32 [in, out/8] in AWQ's interleaved nibble order, `X.qzeros`, `X.scales` fp16
   [groups, out]), and asymmetric GPTQ (`sym: false`, layout int4_gptq with `zero_points`): the
-  packed INT4 store with a per-group zero point beside each scale (w = (q - z) * s). MoE experts
-  with zero points have no store (the expert store is symmetric): refused, as unheld weights.
+  packed INT4 store with a per-group zero point beside each scale (w = (q - z) * s), MoE experts
+  too (the INT4 expert store keeps zero points the same way). compressed-tensors pack-quantized
+  with `symmetric: false` (group or channel; `X.weight_zero_point` int32 [ceil(out/8), groups],
+  packed down the output dim) is `int4_pack` with `zero_points`.
 Anything else (another method, E5M2, other block sizes, activation ordering, kv-cache or
 sparsity schemes, AWQ's kernel-specific versions) is refused naming the setting.
 """
@@ -66,7 +68,8 @@ class CheckpointQuant:
     group_size: int = 0  # int4_pack: values per scale along a row (0: one scale per row)
     inexact: str = ""  # why no engine store holds the stored values as they are ("": one does)
     gptq_zero: int = 8  # int4_gptq: the stored zero nibble that means "symmetric" (v1 stores 7)
-    zero_points: bool = False  # int4_awq, asymmetric int4_gptq: a zero point per group (qzeros)
+    # int4_awq, asymmetric int4_gptq (qzeros) and int4_pack (weight_zero_point): a zero point per group
+    zero_points: bool = False
 
     @property
     def serve_as(self) -> str:
@@ -100,7 +103,7 @@ def checkpoint_quant(path: str | Path) -> CheckpointQuant | None:
         return _awq(qc, where)
     raise ValueError(f"{where}.quant_method is {method!r}; milepost loads FP8 checkpoints (quant_method "
                      "fp8: blockwise or per-tensor), compressed-tensors FP8 (per-tensor, per-channel, "
-                     "128 x 128 blocks) and INT4 (pack-quantized, symmetric) ones, 4-bit GPTQ and "
+                     "128 x 128 blocks) and INT4 (pack-quantized) ones, 4-bit GPTQ and "
                      "AWQ (gemm) ones, and unquantized ones: "
                      "use the bf16 checkpoint of this model (quantize it on load with --quantization)")
 
@@ -143,9 +146,9 @@ def _compressed(qc: dict[str, Any], where: str) -> CheckpointQuant:
     if len(found) > 1:
         raise ValueError(f"{where}.config_groups mix weight schemes {sorted(found)}; milepost serves "
                          "one scheme per checkpoint: use the bf16 checkpoint with --quantization")
-    layout, scheme, group = found.pop()
+    layout, scheme, group, zeros = found.pop()
     return CheckpointQuant(layout, scheme, tuple(qc.get("ignore") or ()), ".weight_scale", group,
-                           _finer_group(group, where))
+                           _finer_group(group, where), zero_points=zeros)
 
 
 def _finer_group(group: int, where: str) -> str:
@@ -219,8 +222,11 @@ def _awq(qc: dict[str, Any], where: str) -> CheckpointQuant:
                            ".scales", group, _finer_group(group, where), zero_points=True)
 
 
-def _group_layout(g: dict[str, Any], top_format: str | None, where: str) -> tuple[str, str, int]:
-    """(layout, activation scheme, int4 group size) of one compressed-tensors config group."""
+def _group_layout(g: dict[str, Any], top_format: str | None, where: str
+                  ) -> tuple[str, str, int, bool]:
+    """(layout, activation scheme, int4 group size, zero points) of one compressed-tensors
+    config group. Zero points (`symmetric: false`) are read for INT4 only, where the packed
+    store keeps one per 128-wide group; the FP8 stores have none."""
     w = g.get("weights") or {}
     fmt = g.get("format") or top_format
     bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
@@ -228,29 +234,31 @@ def _group_layout(g: dict[str, Any], top_format: str | None, where: str) -> tupl
         raise ValueError(f"{where}.output_activations is set; milepost quantizes no outputs")
     if w.get("dynamic"):
         raise ValueError(f"{where}.weights.dynamic is true: no stored weight scales to serve")
-    if not w.get("symmetric", True):
-        raise ValueError(f"{where}.weights.symmetric is false: zero points; the engines' FP8 and "
-                         "INT4 stores are symmetric (no zero point): use a symmetric checkpoint or "
-                         "the bf16 one")
+    zeros = not w.get("symmetric", True)
+    if zeros and not (kind == "int" and bits == 4):
+        raise ValueError(f"{where}.weights.symmetric is false: zero points on {bits}-bit {kind!r} "
+                         "weights; the engines' FP8 stores are symmetric (zero points are read for "
+                         "INT4 pack-quantized weights only): use a symmetric checkpoint or the "
+                         "bf16 one")
     act = g.get("input_activations")
     if kind == "float" and bits == 8:
         if fmt not in ("float-quantized", "naive-quantized"):
             raise ValueError(f"{where}: format {fmt!r} for FP8 weights; expected float-quantized")
         scheme = "none" if not act else ("dynamic" if act.get("dynamic") else "static")
         if strategy == "tensor":
-            return ("fp8_tensor", scheme if scheme != "none" else "dynamic", 0)
+            return ("fp8_tensor", scheme if scheme != "none" else "dynamic", 0, False)
         if strategy == "channel":
             if scheme == "static":
                 raise ValueError(f"{where}: per-channel FP8 weights with static input scales; the "
                                  "row-scaled store (--quantization fp8) quantizes no inputs: use "
                                  "a dynamic-activation checkpoint or the bf16 one")
-            return ("fp8_channel", "none", 0)
+            return ("fp8_channel", "none", 0, False)
         if strategy == "block":
             block = list(w.get("block_structure") or [])
             if block != [FP8_TILE, FP8_TILE]:
                 raise ValueError(f"{where}.weights.block_structure is {block}; the engines' FP8 "
                                  f"tiles are [{FP8_TILE}, {FP8_TILE}]: use the bf16 checkpoint")
-            return ("fp8_block", scheme if scheme != "none" else "dynamic", 0)
+            return ("fp8_block", scheme if scheme != "none" else "dynamic", 0, False)
         raise ValueError(f"{where}.weights.strategy is {strategy!r} for FP8; milepost holds "
                          "tensor, channel and 128 x 128 block scales: use the bf16 checkpoint")
     if kind == "int" and bits == 4:
@@ -264,12 +272,12 @@ def _group_layout(g: dict[str, Any], top_format: str | None, where: str) -> tupl
                              "order (weight_g_idx); the INT4 store's groups are contiguous: use a "
                              "checkpoint quantized without actorder=group (static/weight are fine)")
         if strategy == "channel":
-            return ("int4_pack", "none", 0)
+            return ("int4_pack", "none", 0, zeros)
         size = w.get("group_size")
         if strategy != "group" or not isinstance(size, int) or size <= 0:
             raise ValueError(f"{where}.weights: strategy {strategy!r}, group_size {size!r}; "
                              "expected group (with a positive group_size) or channel")
-        return ("int4_pack", "none", size)
+        return ("int4_pack", "none", size, zeros)
     raise ValueError(f"{where}.weights: {bits}-bit {kind!r}; milepost reads 8-bit float (FP8) and "
                      "4-bit int (W4A16) compressed-tensors weights: use the bf16 checkpoint")
 
@@ -279,8 +287,7 @@ def unheld_weights(path: str | Path, ckpt: CheckpointQuant) -> list[str]:
     (projections outside q/k/v/o and gate/up/down; MoE experts go to the FP8 row-scaled and
     packed INT4 expert stores, lowprec/experts_fp8_row.py, experts_int4.py): serving the
     checkpoint as stored is refused for them (they would be dequantized into --dtype, which
-    rounds in bf16); MoE experts with zero points (AWQ, asymmetric GPTQ), whose store is
-    symmetric. Read from the safetensors headers alone (no torch)."""
+    rounds in bf16). Read from the safetensors headers alone (no torch)."""
     if ckpt.layout not in ("fp8_channel", "int4_pack", "int4_gptq", "int4_awq"):
         return []  # the blockwise store: tensors outside its recipe are dequantized (documented)
     out = []
@@ -293,8 +300,7 @@ def unheld_weights(path: str | Path, ckpt: CheckpointQuant) -> list[str]:
             elif meta.get("dtype") != "F8_E4M3":  # a float8 tensor not named X.weight (a
                 continue  # stacked expert tensor) is held by no store either
             module = name.removesuffix(".weight").rsplit(".", 1)[-1]
-            experts_unheld = ckpt.zero_points
-            if module not in COVERED or (".experts." in name and experts_unheld):
+            if module not in COVERED:
                 out.append(name)
     return sorted(out)
 

@@ -127,18 +127,19 @@ def mmas(kern, ptrs, ints, const):
 common = dict(SORTED="*i32", BLOCK_EXPERT="*i32", TOTAL="*i32")
 for swap, kinds in ((True, ("gate_up", "down")), (False, ("gate_up",))):
     c = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "EVEN_K": True, "SWAP": swap}
+    c4 = {**c, "ZERO": False}  # zero points: tests/unit/test_fused_moe_int4_zeros.py
     if "gate_up" in kinds:
         g = {**c, "TOP_K": 8}
         bf16 = mmas(_gate_up_kernel, dict(X="*bf16", W13="*bf16", **common, ACT="*bf16"),
                     "n_pairs inter hidden num_m stride_xt stride_we stride_wn stride_at", g)
-        int4 = mmas(_gate_up_w4_kernel, dict(X="*bf16", W13="*u8", S13="*fp32", **common, ACT="*bf16"),
-                    "n_pairs inter hidden num_m n_bytes stride_xt stride_we stride_wn stride_se stride_sn stride_at", g)
+        int4 = mmas(_gate_up_w4_kernel, dict(X="*bf16", W13="*u8", S13="*fp32", Z13="*fp32", **common, ACT="*bf16"),
+                    "n_pairs inter hidden num_m n_bytes stride_xt stride_we stride_wn stride_se stride_sn stride_at", {**c4, "TOP_K": 8})
         assert bf16 and bf16 == int4, ("gate_up", swap, bf16, int4)
     if "down" in kinds:
         bf16 = mmas(_down_kernel, dict(ACT="*bf16", W2="*bf16", **common, WEIGHTS="*bf16", Y="*bf16"),
                     "n_pairs hidden inter num_m stride_at stride_we stride_wn stride_yp", c)
-        int4 = mmas(_down_w4_kernel, dict(ACT="*bf16", W2="*u8", S2="*fp32", **common, WEIGHTS="*bf16", Y="*bf16"),
-                    "n_pairs hidden inter num_m n_bytes stride_at stride_we stride_wn stride_se stride_sn stride_yp", c)
+        int4 = mmas(_down_w4_kernel, dict(ACT="*bf16", W2="*u8", S2="*fp32", Z2="*fp32", **common, WEIGHTS="*bf16", Y="*bf16"),
+                    "n_pairs hidden inter num_m n_bytes stride_at stride_we stride_wn stride_se stride_sn stride_yp", c4)
         assert bf16 and bf16 == int4, ("down", swap, bf16, int4)
     assert any(("wgmma" if swap else "mma.sync") in m for m in int4), int4
 """

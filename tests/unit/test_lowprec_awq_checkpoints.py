@@ -233,19 +233,3 @@ def test_the_launcher_and_the_disk_update(src: Path, tmp_path: Path) -> None:
     plain = build_engine(_args(src))[0].runner.model
     with pytest.raises(WeightUpdateError, match="a int4_awq checkpoint; /update_weights_from_disk"):
         WeightLoader(plain).from_disk(str(tmp_path / "a"))
-
-
-def test_moe_experts_with_zero_points_are_refused(tmp_path: Path) -> None:
-    """The INT4 expert store is symmetric: AWQ experts are refused at start naming one (serve
-    with --dequantize-checkpoint, which gives their meaning); --quantization int4 given by hand
-    (a --precision int4 run's engines) is refused too, never served without the zeros."""
-    moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=5, with_tokenizer=False)
-    out = write_awq(moe, tmp_path / "a", 128)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight \(and "
-                                         r"\d+ more\): a int4_awq weight that the int4 store"):
-        ServerArgs(model_path=tmp_path / "a", device="cpu").resolved()
-    deq = build_engine(_args(tmp_path / "a", dequantize_checkpoint=True))[0].runner.model
-    n = "model.layers.1.mlp.experts.1.up_proj.weight"
-    assert torch.equal(deq.weight_view(n), meaning(out, n, 128))
-    with pytest.raises(ValueError, match="INT4 MoE experts with zero points"):
-        build_engine(_args(tmp_path / "a", quantization="int4"))

@@ -208,7 +208,6 @@ def test_int4_packing_by_definition() -> None:
 
 
 @pytest.mark.parametrize(("edit", "match"), [
-    ({"symmetric": False}, "symmetric is false: zero points"),
     ({"actorder": "group"}, "actorder is 'group'"),
     ({"num_bits": 8}, "8-bit 'int'"),
     ({"strategy": "tensor", "group_size": None}, "strategy 'tensor'"),
