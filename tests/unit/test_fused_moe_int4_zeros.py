@@ -160,7 +160,8 @@ def test_an_update_requantizes_symmetric_and_zeroes_its_zero_points(experts: Int
     down = torch.randn(E, H, I, generator=g)
     reg.write(mod.w2, down)
     assert not mod.w2_zero.any()
-    assert torch.equal(reg.dequantized(mod.w2)[0], dequantize(quantize(down.reshape(-1, I), "int4")).reshape(E, H, I))
+    want = dequantize(quantize(down.reshape(-1, I), "int4")).reshape(E, H, I)
+    assert torch.equal(reg.dequantized(mod.w2)[0], want)
     with torch.no_grad():  # the forward multiplies exactly those weights
         x, ids, w = _inputs(3, 4)
         w13, w2 = mod.expert_weights()
