@@ -222,15 +222,14 @@ def delayed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A LowPrecLinear's forward under delayed scaling (module.__dict__['_delayed'] is set);
     under --compile-layers the rest of the layer compiles around it."""
     from milepost.kernels.fp8_delayed import DelayedFp8NativeFn, runs_native
-    from milepost.lowprec.quantize import quantize
+    from milepost.lowprec.linear import native_weight
 
     state, slots, records = module.__dict__["_delayed"]
     record = records and torch.is_grad_enabled()  # scoring passes under no_grad only read
     gemms = runs_native(module.weight, x)
     if gemms is not None:  # FP8 GEMMs on the same values (kernels/fp8_delayed.py)
-        with torch.no_grad():
-            q = quantize(module.weight, "fp8_block", "weight")  # the shared quantizer's tiles
-        y = DelayedFp8NativeFn.apply(x, module.weight, q.values, q.scales, state, slots, record, gemms)
+        wv, ws, _ = native_weight(module, False)  # the shared quantizer's tiles
+        y = DelayedFp8NativeFn.apply(x, module.weight, wv, ws, state, slots, record, gemms)
     else:
         y = DelayedFp8LinearFn.apply(x, module.weight, module.quantized_weight(), state, slots, record)
     return y + module.bias if module.bias is not None else y

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from milepost.lowprec.contract import BF16, Contract
+from milepost.lowprec.fp8_options import Fp8TrainOptions
 from milepost.lowprec.quantize import (
     QTensor,
     check_shape,
@@ -103,6 +104,29 @@ def _native_fp8(m: LowPrecLinear, x: torch.Tensor) -> bool:
     return block_backend(x.device) != "emulated"
 
 
+def native_weight(m: nn.Linear, transposed: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(float8 values [N, K], float32 128 x 128 tile scales, values transposed [K, N] or None) of
+    a native FP8 linear's weight: the shared quantizer's bits, by the torch quantizer or (option
+    weight_quant "triton") in one Triton pass that also writes the transposed values."""
+    opts = getattr(m, "fp8_options", Fp8TrainOptions())
+    with torch.no_grad():
+        if opts.weight_quant == "triton":
+            from milepost.kernels.fp8_train_quant import quantize_weight_tiles
+
+            return quantize_weight_tiles(m.weight, transposed)
+        q = quantize(m.weight, "fp8_block", "weight")
+    return q.values, q.scales, None
+
+
+def set_fp8_options(model: nn.Module, opts: Fp8TrainOptions) -> int:
+    """Give every FP8 blockwise LowPrecLinear of `model` these native quantize passes; returns
+    how many (benchmarks/fp8_train_profile.py A/Bs them; the values do not change)."""
+    linears = [m for m in model.modules() if isinstance(m, LowPrecLinear) and m.qformat == "fp8_block"]
+    for m in linears:
+        m.fp8_options = opts
+    return len(linears)
+
+
 def _token_block(fmt: str) -> int:
     return {"fp8_block": 1, "mxfp8": 32, "nvfp4": 16}[fmt]
 
@@ -114,6 +138,7 @@ class LowPrecLinear(nn.Linear):
     four_over_six: bool
     dequantized_backward: bool
     stochastic_rounding: bool = False
+    fp8_options: Fp8TrainOptions = Fp8TrainOptions()  # native FP8 quantize passes (same values)
 
     def quantized_weight(self) -> torch.Tensor:
         """This weight's values as the engine holds them (dequantized, model dtype)."""
@@ -136,9 +161,8 @@ class LowPrecLinear(nn.Linear):
         if _native_fp8(self, x):
             from milepost.kernels.fp8_gemm import Fp8BlockLinearFn
 
-            with torch.no_grad():
-                q = quantize(self.weight, "fp8_block", "weight")
-            y = Fp8BlockLinearFn.apply(x, self.weight, q.values, q.scales)
+            wv, ws, wvt = native_weight(self)
+            y = Fp8BlockLinearFn.apply(x, self.weight, wv, ws, self.fp8_options, wvt)
             return y + self.bias if self.bias is not None else y
         # The weight's gradient goes straight through to the master weight (wq carries none).
         y = LowPrecLinearFn.apply(x, self.weight, self.quantized_weight(), self.qformat,

@@ -1,0 +1,92 @@
+"""The trainer's one-pass FP8 quantizers (milepost/kernels/fp8_train_quant.py) give today's bits:
+the weight tiles = the shared torch quantizer (and the transposed copy = its transpose), the strided
+1 x 128 quantizer = `quantize_act_1x128` on the padded, transposed copy the backward makes today
+and on row-major inputs with padded rows. NaN/Inf blocks: NaN scale (their bytes are not compared:
+Triton's interpreter writes another NaN code than the GPU). Runs under Triton's interpreter on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # must precede the first triton import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from milepost.kernels.fp8_quant import quantize_act_1x128  # noqa: E402
+from milepost.kernels.fp8_train_quant import quantize_blocks, quantize_weight_tiles  # noqa: E402
+from milepost.lowprec.fp8_options import Fp8TrainOptions  # noqa: E402
+from milepost.lowprec.quantize import quantize  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+torch.set_num_threads(1)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().view(torch.uint8)
+
+
+def _same(q: torch.Tensor, s: torch.Tensor, ref_q: torch.Tensor, ref_s: torch.Tensor) -> None:
+    finite = ~torch.isnan(ref_q.cpu().float())
+    assert torch.equal(_bytes(q)[finite], _bytes(ref_q)[finite])
+    assert torch.isnan(q.cpu().float()[~finite]).all() or not (~finite).any() or DEV == "cpu"
+    assert torch.equal(s.cpu().nan_to_num(-1.0), ref_s.cpu().nan_to_num(-1.0))
+
+
+def _weight() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(256, 384, generator=g) * torch.logspace(-3, 3, 384)[None, :]).bfloat16()
+    w[0, 5] = float("nan")
+    w[130, 300] = float("inf")
+    w[128:256, 0:128] = 0.0  # a tile of zeros: scale 1
+    w[5, 200] = -1e-38  # tiny: subnormal after scaling
+    return w.to(DEV)
+
+
+def test_weight_tiles_are_the_shared_quantizer_bits_and_transpose() -> None:
+    w = _weight()
+    ref = quantize(w, "fp8_block", "weight")
+    q, s, qt = quantize_weight_tiles(w, transposed=True)
+    assert q.shape == (256, 384) and s.shape == (2, 3) and qt is not None and qt.shape == (384, 256)
+    _same(q, s, ref.values, ref.scales)
+    assert torch.isnan(s[0, 0]) and torch.isnan(s[1, 2]) and s[1, 0] == 1.0
+    assert torch.equal(_bytes(qt), _bytes(q).t())
+    assert quantize_weight_tiles(w)[2] is None
+    with pytest.raises(ValueError, match="whole 128 x 128 tiles"):
+        quantize_weight_tiles(w[:200])
+
+
+@pytest.mark.parametrize("tokens,multiple", [(200, 128), (200, 512), (256, 128)])
+def test_transposed_operand_equals_the_padded_copy_then_quantize(tokens: int, multiple: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(tokens, 256, generator=g) * torch.logspace(-3, 3, tokens)[:, None]).bfloat16()
+    x[3, 7] = float("nan")
+    x = x.to(DEV)
+    q, s = quantize_blocks(x.t(), 1, multiple)
+    ref_q, ref_s = quantize_act_1x128(F.pad(x.t(), (0, (-tokens) % multiple)).contiguous())
+    assert q.shape == ref_q.shape == (256, tokens + (-tokens) % multiple)
+    assert s.stride() == ref_s.stride()  # M-major, as cuBLAS reads them
+    _same(q, s, ref_q, ref_s)
+
+
+@pytest.mark.parametrize("pad_rows", [1, 4])
+def test_tiled_rows_equal_the_one_block_kernel(pad_rows: int) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(70, 384, generator=g) * torch.logspace(-3, 3, 70)[:, None]).bfloat16()
+    x[9, 300] = -float("inf")
+    x = x.to(DEV)
+    q, s = quantize_blocks(x, pad_rows)
+    ref_q, ref_s = quantize_act_1x128(x, pad_rows)
+    assert q.shape == ref_q.shape and s.stride() == ref_s.stride()
+    _same(q, s, ref_q, ref_s)
+    with pytest.raises(ValueError, match="pad_cols"):
+        quantize_blocks(x, 1, 100)
+
+
+def test_options_default_to_the_measured_path() -> None:
+    assert Fp8TrainOptions() == Fp8TrainOptions("torch", "rows", "copy")
+    assert Fp8TrainOptions.all_fused() == Fp8TrainOptions("triton", "tiled", "fused")
