@@ -7,13 +7,13 @@ registers, so a decode step reads half a byte per expert weight instead of bf16'
 
 Each K step builds the weight tile as dequantize_packed does (nibble times its group's scale in
 float32, rounded once to the activation dtype; with zero points (nibble - zero) * scale, the
-difference exact, as int4_gemm's dense kernels compute it) and hands it to the bf16 kernels' tl.dot: the same
-products, tiles and rounding points (gate/up and down outputs in the model dtype, silu * up, the
-weighted rows, the slot-order combine) as fused_moe.fused_expert_mlp on the dequantized weights
-with the same config; only where the compiler orders an MMA's sums differently for a weight tile
-built in registers can the two differ (docs/low_precision.md says what was measured). BLOCK_K
-divides the 128-wide group, so a K step reads one scale per weight row. Routing (fused_moe.align)
-and the combine are the bf16 path's; nothing syncs with the host (CUDA graphs capture it).
+difference exact, as int4_gemm's dense kernels compute it) and hands it to the bf16 kernels'
+tl.dot: the same products, tiles and rounding points (gate/up and down outputs in the model dtype,
+silu * up, the weighted rows, the slot-order combine) as fused_moe.fused_expert_mlp on the
+dequantized weights with the same config. Bitwise, since config_for keeps 64 rows or more on the
+MMA's M side (with fewer, Hopper's compiler orders the sums of a tile built in registers
+differently; _fit says what was measured). BLOCK_K divides the 128-wide group, so a K step
+reads one scale per weight row. Routing (fused_moe.align) and the combine are the bf16 path's; nothing syncs with the host (CUDA graphs capture it).
 """
 
 from __future__ import annotations
@@ -55,11 +55,24 @@ _DEFAULT: tuple[tuple[int, MoeConfig], ...] = (
 )
 
 
+# The MMA's M side (weight rows when swap_ab, else token rows) that keeps these kernels' bits the
+# bf16 kernels' on the same config. On an H100 (2026-12-06, benchmarks/gpu_steps/diag_int4_bits.py,
+# 1 to 256 tokens, both GEMMs, every block_m x block_n x stages x swap_ab tried): bitwise wherever
+# that side had 64 rows or more, and wherever it had fewer, off by up to 3e-2 in gate/up, since
+# the compiler sums a tile built in registers in another order than one loaded from memory there.
+MMA_M_MIN = 64
+
+
 def _fit(cfg: MoeConfig) -> MoeConfig:
-    """The config with each GEMM's BLOCK_K a divisor of the 128-wide group (at most 128)."""
+    """The config with each GEMM's BLOCK_K a divisor of the 128-wide group (at most 128) and at
+    least MMA_M_MIN rows on the MMA's M side: a GEMM whose token rows (block_m) are fewer takes the
+    weight rows there (swap_ab, block_n >= MMA_M_MIN)."""
     def gemm(g: GemmConfig) -> GemmConfig:
         k = g.block_k if g.block_k <= GROUP and GROUP % g.block_k == 0 else GROUP
-        return GemmConfig(g.block_n, k, g.num_warps, g.num_stages, g.group_m, g.swap_ab)
+        swap, n = g.swap_ab, g.block_n
+        if (n if swap else cfg.block_m) < MMA_M_MIN:
+            swap, n = True, max(n, MMA_M_MIN)
+        return GemmConfig(n, k, g.num_warps, g.num_stages, g.group_m, swap)
 
     return MoeConfig(cfg.block_m, gemm(cfg.gate_up), gemm(cfg.down), cfg.hist_align)
 

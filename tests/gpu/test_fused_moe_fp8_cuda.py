@@ -95,27 +95,48 @@ def test_fp8_experts_are_captured_in_a_cuda_graph(experts) -> None:
 
 def test_engine_fp8_block_runs_fp8_experts_close_to_bf16(tmp_path: Path) -> None:
     """A tiny bf16 Qwen3-MoE (hidden 64: dense linears emulated, experts on the FP8 kernels) with
-    decode CUDA graphs: every token gets its experts, the experts are fp8, and greedy tokens equal
-    the bf16 engine's or part at a near-tie (FP8 weights move logits by a few percent)."""
-    from test_engine_gpu_paths import PROMPTS, _assert_same_or_tie, _engine, _run
+    decode CUDA graphs: every token gets its experts, the experts are fp8, the engine's greedy
+    tokens are its own model's (or part at a near-tie of that model's reference logits), and the
+    FP8 model's logits stay near bf16's. Greedy tokens of the two engines are
+    not compared: on a tiny random model FP8's error flips many near-ties (H100, session 17: a
+    parting at token 1 with a bf16 logit gap of 0.77)."""
+    from test_engine_gpu_paths import PROMPTS, _assert_same_or_tie, _engine, _full_logits, _run
 
     from milepost.lowprec.engine_experts import Fp8StackedExperts
     from milepost.testing.checkpoints import make_tiny_checkpoint
 
     make_tiny_checkpoint(tmp_path, "qwen3_moe")
-    res = {}
+    res, models = {}, {}
     for run in ("bf16", "fp8_block"):
         engine = _engine(tmp_path, "bfloat16", True, quantization=None if run == "bf16" else run)
         try:
-            res[run] = _run(engine, PROMPTS, 16, 0.0)
-            model = engine.runner.model
-            if run == "bf16":
-                ref_model = model
-            else:
-                assert isinstance(model.model.layers[0].mlp.experts, Fp8StackedExperts)
+            res[run] = [o["ids"] for o in _run(engine, PROMPTS, 16, 0.0)]
+            models[run] = engine.runner.model
+            if run == "fp8_block":
+                assert isinstance(models[run].model.layers[0].mlp.experts, Fp8StackedExperts)
                 assert engine.runner.graphs is not None, "decode CUDA graphs are off"
         finally:
             engine.close()
-    assert all(len(o["ids"]) == 16 for o in res["fp8_block"])
-    _assert_same_or_tie(ref_model, PROMPTS, [o["ids"] for o in res["fp8_block"]],
-                        [o["ids"] for o in res["bf16"]], 0.25, relative=True)
+    assert all(len(ids) == 16 for ids in res["fp8_block"])
+    _assert_same_or_tie(models["fp8_block"], PROMPTS, res["fp8_block"],
+                        [_greedy_reference(models["fp8_block"], p, 16) for p in PROMPTS], 0.25,
+                        relative=True)
+    errs = []
+    for prompt, out in zip(PROMPTS, res["bf16"]):
+        ref = _full_logits(models["bf16"], prompt + out).float()
+        got = _full_logits(models["fp8_block"], prompt + out).float()
+        errs.append(((got - ref).norm() / ref.norm()).item())
+    print(f"FP8_ENGINE logits vs bf16, relative error per prompt: {[f'{e:.3f}' for e in errs]}")
+    # H100, 2026-12-06: 0.086 to 0.210 (hidden 64: every weight in FP8 with 3 mantissa bits, the
+    # tiny model's small logits). Wrong scales or experts dropped give errors near 1.
+    assert max(errs) < 0.35, errs
+
+
+def _greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation from the model's full-sequence reference logits (no cache, no graphs)."""
+    from test_engine_gpu_paths import _full_logits
+
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(_full_logits(model, seq)[-1].argmax()))
+    return seq[len(prompt):]

@@ -1,8 +1,9 @@
 """INT4 MoE experts on CUDA (lowprec/experts_int4.py): at the Qwen3-30B-A3B expert shape the
 Triton dequantization gives torch's bf16 bits; the forward (up to 256 tokens the fused INT4
-kernels, tests/gpu/test_fused_moe_int4_cuda.py; larger batches: every expert dequantized) equals the bf16 expert path holding the
-dequantized weights (bitwise where every expert is dequantized: the same kernel on the same
-weights) and an fp32 loop within bf16's rounding, is reproducible and captured in a CUDA graph;
+kernels, tests/gpu/test_fused_moe_int4_cuda.py; larger batches: every expert dequantized) equals
+the bf16 expert path on the dequantized weights bit for bit (the fused bf16 kernels on the INT4
+config, or the plain path where every expert is dequantized) and an fp32 loop within bf16's
+rounding, is reproducible and captured in a CUDA graph;
 an engine with `--quantization int4` on a tiny Qwen3-MoE records every token's routed experts
 and gives the greedy tokens of a bf16 engine on the dequantized weights (or parts at a near-tie).
 Prints decode times (bf16 experts vs INT4 experts) per layer.
@@ -63,14 +64,20 @@ def test_triton_dequantization_gives_torchs_bf16_bits(pair) -> None:
 
 @pytest.mark.parametrize("tokens", [1, 4, 15, 16, 100, 2048])  # 15 * 8 < 128 <= 16 * 8
 def test_int4_experts_match_the_bf16_path_on_dequantized_weights(pair, tokens: int) -> None:
+    from milepost.kernels import fused_moe as fm
+    from milepost.kernels import fused_moe_int4 as f4
+
     mod, plain = pair
     x, ids, w = _inputs(tokens)
     with torch.inference_mode():
         got, want = mod(x, ids, w), plain(x, ids, w)
         ref = expert_loop(x, ids, w, plain.w13, plain.w2)
         assert torch.equal(got, mod(x, ids, w))  # reproducible
-        if tokens * K >= E:  # the plain path's tiles on the same weights: its bits
+        if tokens > f4.MAX_TOKENS:  # every expert dequantized: the plain path on the same weights
             assert torch.equal(got, want)
+        elif tokens * K >= E:  # the fused INT4 kernels: the bf16 kernels' bits on their config
+            cfg = f4.config_for(tokens, E, H, I, K)
+            assert torch.equal(got, fm.fused_expert_mlp(x, ids, w, plain.w13, plain.w2, cfg)), cfg.label()
         for y in (got, want):
             err = ((y.float() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (tokens, err)

@@ -96,6 +96,13 @@ def test_configs_fit_a_group_and_bad_operands_are_refused(experts: Int4StackedEx
     fitted = f4._fit(big)
     assert fitted.gate_up.block_k == 128 and fitted.down.block_k == 128
     assert f4.config_for(10_000, E, H, I, K) == f4._fit(f4._DEFAULT[-1][1])  # unknown shape, past the table
+    for t in (1, 16, 64, 128, 256):  # 64+ rows on each MMA's M side (the bf16 kernels' bits on Hopper)
+        c = f4.config_for(t, 128, 2048, 768, 8)
+        for g in (c.gate_up, c.down):
+            assert (g.block_n if g.swap_ab else c.block_m) >= f4.MMA_M_MIN, (t, c.label())
+    narrow = f4._fit(fm.MoeConfig(32, fm.GemmConfig(32, 128), fm.GemmConfig(64, 128, swap_ab=True)))
+    assert narrow.gate_up.swap_ab and narrow.gate_up.block_n == 64 and narrow.down.block_n == 64
+    assert f4._fit(fm.MoeConfig(64, fm.GemmConfig(32, 128), fm.GemmConfig(32, 128))).gate_up.swap_ab is False
     x, ids, w = _inputs(2, 0)
     with pytest.raises(ValueError, match="BLOCK_K dividing 128"):
         f4.fused_expert_mlp_int4(x.to(DEV), ids.to(DEV), w.to(DEV), *_args(experts), big)
