@@ -3,9 +3,9 @@
 For each Qwen3-4B projection (hidden 2560, intermediate 9728: q, k, v, o, gate, up, down) at the
 tokens of one `milepost bench train` micro-batch (16384), with CUDA events after warm-up:
 
-- forward + backward of one linear: bf16, FP8 current scaling (the trainer's native path with
-  today's quantize passes, and with the options given by --weight-quant/--act-quant/--transpose),
-  FP8 delayed scaling (history filled by one step first);
+- forward + backward of one linear: bf16, FP8 current scaling and FP8 delayed scaling (history
+  filled by one step first), each with today's quantize passes and with the options given by
+  --weight-quant/--act-quant/--transpose (default: all fused; milepost/lowprec/fp8_options.py);
 - the FP8 current-scaling time split into its parts: weight quantize (torch quantizer vs one-pass
   Triton), activation quantize (forward input, output gradient), the backward's transposed
   operands (pad + transposing copies, their quantize; or the fused strided quantize), the weight
@@ -87,11 +87,11 @@ def fp8_linear(n: int, k: int, device: torch.device, dtype: torch.dtype, opts: F
 
 
 def delayed_linear(n: int, k: int, device: torch.device, dtype: torch.dtype, x: torch.Tensor,
-                   gy: torch.Tensor) -> nn.Linear:
+                   gy: torch.Tensor, opts: Fp8TrainOptions) -> nn.Linear:
     """An FP8 linear under --fp8-scaling delayed whose history holds one step (scales in use)."""
     from milepost.lowprec.delayed import DelayedScaling, DelayedSettings
 
-    lin = fp8_linear(n, k, device, dtype, Fp8TrainOptions())
+    lin = fp8_linear(n, k, device, dtype, opts)
     state = DelayedScaling(["w"], DelayedSettings(), device)
     lin.__dict__["_delayed"] = (state, (state.slot("w", "x"), state.slot("w", "gy")), True)
     lin(x).backward(gy)
@@ -203,7 +203,9 @@ def profile_linear(name: str, n: int, k: int, args: argparse.Namespace, device: 
     row["fp8_current_ms"] = t(fwd_bwd(fp8_linear(n, k, device, dtype, Fp8TrainOptions()), x, gy))
     if opts != Fp8TrainOptions():
         row["fp8_current_options_ms"] = t(fwd_bwd(fp8_linear(n, k, device, dtype, opts), x, gy))
-    row["fp8_delayed_ms"] = t(fwd_bwd(delayed_linear(n, k, device, dtype, x, gy), x, gy))
+    row["fp8_delayed_ms"] = t(fwd_bwd(delayed_linear(n, k, device, dtype, x, gy, Fp8TrainOptions()), x, gy))
+    if opts != Fp8TrainOptions():
+        row["fp8_delayed_options_ms"] = t(fwd_bwd(delayed_linear(n, k, device, dtype, x, gy, opts), x, gy))
     with torch.no_grad():
         row["parts_ms"] = parts(n, k, x.detach(), gy, bf16.weight.detach(), device, t)
         if args.check_bits:
@@ -268,10 +270,13 @@ def profile_step(args: argparse.Namespace, device: torch.device, opts: Fp8TrainO
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'linear':6s} {'N':>6s} {'K':>6s} {'bf16':>8s} {'fp8':>8s} {'fp8 opt':>8s} {'delayed':>8s}  (fwd+bwd ms)")
+    print(f"\n{'linear':6s} {'N':>6s} {'K':>6s} {'bf16':>8s} {'fp8':>8s} {'fp8 opt':>8s} {'delayed':>8s} "
+          f"{'del. opt':>8s}  (fwd+bwd ms; opt: the options of --weight-quant/--act-quant/--transpose)")
+    nan = float("nan")
     for r in rows:
         print(f"{r['name']:6s} {r['N']:6d} {r['K']:6d} {r['bf16_ms']:8.3f} {r['fp8_current_ms']:8.3f} "
-              f"{r.get('fp8_current_options_ms', float('nan')):8.3f} {r['fp8_delayed_ms']:8.3f}")
+              f"{r.get('fp8_current_options_ms', nan):8.3f} {r['fp8_delayed_ms']:8.3f} "
+              f"{r.get('fp8_delayed_options_ms', nan):8.3f}")
     keys = [k for k, v in rows[0]["parts_ms"].items() if isinstance(v, float)]
     print(f"\nFP8 current-scaling parts (ms; GEMM backend {rows[0]['parts_ms']['backend']}, "
           f"weight gradient {rows[0]['parts_ms']['wgrad_backend']})")
@@ -322,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     _print(rows)
     total = {k: sum(r[k] for r in rows) for k in ("bf16_ms", "fp8_current_ms", "fp8_delayed_ms")}
     if opts != Fp8TrainOptions():
-        total["fp8_current_options_ms"] = sum(r["fp8_current_options_ms"] for r in rows)
+        for k in ("fp8_current_options_ms", "fp8_delayed_options_ms"):
+            total[k] = sum(r[k] for r in rows)
     report["sum_ms"] = total
     print("\nsum over the linears (one layer, fwd+bwd ms): "
           + ", ".join(f"{k.removesuffix('_ms')} {v:.3f} (x{total['bf16_ms'] / v:.2f} bf16 speed)"

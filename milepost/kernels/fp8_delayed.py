@@ -26,6 +26,7 @@ from milepost.lowprec import elements as el
 
 if TYPE_CHECKING:
     from milepost.lowprec.delayed import DelayedScaling
+    from milepost.lowprec.fp8_options import Fp8TrainOptions
 
 log = logging.getLogger(__name__)
 TILE = 128
@@ -161,18 +162,24 @@ def _dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 class DelayedFp8NativeFn(torch.autograd.Function):
     """DelayedFp8LinearFn's values through FP8 GEMMs (see the module docstring); the weight's
-    gradient goes straight through to the master weight."""
+    gradient goes straight through to the master weight. `opts` (lowprec/fp8_options.py)
+    transpose "fused": a per-tensor operand is quantized with its transposed copy in one pass
+    (`quantize_tensor_t`), the forward saving only the transposed input; `wvt`: the weight's
+    values transposed, made by the weight quantizer, kept for the data gradient. Same values."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, wv: torch.Tensor, ws: torch.Tensor,
                 state: DelayedScaling, slots: tuple[int, int], record: bool,
-                gemms: Gemms) -> torch.Tensor:
+                gemms: Gemms, opts: Fp8TrainOptions | None = None,
+                wvt: torch.Tensor | None = None) -> torch.Tensor:
         from milepost.kernels.fp8_gemm import static_block_mm
 
-        xq, sx, per_tensor = quantize_operand(state, x.reshape(-1, x.shape[-1]), slots[0], record)
-        ctx.save_for_backward(xq, sx, wv, ws)
+        fused = opts is not None and opts.transpose == "fused"
+        xq, sx, per_tensor, xqt = _operand(state, x.reshape(-1, x.shape[-1]), slots[0], record, fused)
+        ctx.save_for_backward(xq if xqt is None else xqt, sx, wv if wvt is None else wvt, ws)
         ctx.state, ctx.gy_slot, ctx.gemms, ctx.per_tensor = state, slots[1], gemms, per_tensor
-        ctx.x_shape, ctx.w_dtype = x.shape, weight.dtype
+        ctx.x_shape, ctx.w_dtype, ctx.fused = x.shape, weight.dtype, fused
+        ctx.x_t, ctx.w_t = xqt is not None, wvt is not None
         y = static_block_mm(xq, sx, wv, ws, x.dtype, gemms[0])
         return y.reshape(*x.shape[:-1], wv.shape[0])
 
@@ -180,13 +187,30 @@ class DelayedFp8NativeFn(torch.autograd.Function):
     def backward(ctx, gy: torch.Tensor):  # type: ignore[override]
         from milepost.kernels.fp8_gemm import static_block_mm
 
-        xq, sx, wv, ws = ctx.saved_tensors
-        gq, sg, _ = quantize_operand(ctx.state, gy.reshape(-1, gy.shape[-1]), ctx.gy_slot, True)
+        x_saved, sx, w_saved, ws = ctx.saved_tensors
+        gq, sg, _, gqt = _operand(ctx.state, gy.reshape(-1, gy.shape[-1]), ctx.gy_slot, True, ctx.fused)
         # data gradient: contracts over the output features, the weight's tiles transposed
-        gx = static_block_mm(gq, sg, wv.t().contiguous(), ws.t().contiguous(), gy.dtype, ctx.gemms[0])
+        wt = w_saved if ctx.w_t else w_saved.t().contiguous()
+        gx = static_block_mm(gq, sg, wt, ws.t().contiguous(), gy.dtype, ctx.gemms[0])
         if ctx.per_tensor:  # weight gradient: contracts over the tokens, both scales scalars
-            gw = tensorwise_mm(gq.t().contiguous(), sg[0, 0].clone(), xq.t().contiguous(),
-                               sx[0, 0].clone(), gy.dtype, ctx.gemms[1])
+            a = gqt if gqt is not None else gq.t().contiguous()
+            b = x_saved if ctx.x_t else x_saved.t().contiguous()
+            gw = tensorwise_mm(a, sg[0, 0].clone(), b, sx[0, 0].clone(), gy.dtype, ctx.gemms[1])
         else:
-            gw = _dequantize(gq, sg, gy.dtype).t() @ _dequantize(xq, sx, gy.dtype)
-        return gx.reshape(ctx.x_shape), gw.to(ctx.w_dtype), None, None, None, None, None, None
+            gw = _dequantize(gq, sg, gy.dtype).t() @ _dequantize(x_saved, sx, gy.dtype)
+        return gx.reshape(ctx.x_shape), gw.to(ctx.w_dtype), None, None, None, None, None, None, None, None
+
+
+def _operand(state: DelayedScaling, t2: torch.Tensor, slot: int, record: bool, fused: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]:
+    """quantize_operand's (values, block scales, per tensor), and the values transposed with the
+    tokens padded to TOKEN_ALIGN where `fused` and the slot has history (else None)."""
+    if not (fused and state.seen(slot)):
+        return *quantize_operand(state, t2, slot, record), None
+    from milepost.kernels.fp8_train_quant import quantize_tensor_t
+
+    q, qt, amax, bad = quantize_tensor_t(t2, state.scale[slot], TOKEN_ALIGN)
+    if record:
+        state.record(slot, amax)
+    m, k = t2.shape
+    return q, block_scales(torch.where(bad, torch.nan, state.scale[slot]), m, k), True, qt

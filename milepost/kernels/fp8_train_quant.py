@@ -11,8 +11,11 @@ that keeps the transposed strides) then `.contiguous()` (a second, transposing c
 - `quantize_blocks`: any strided 2-d view `a` [R, C] quantized per 1 x 128 block along C, rows
   padded to `pad_rows`, columns to `pad_cols` (zeros; a block of zeros gets scale 1), scales
   M-major as `quantize_act_1x128` lays them out. With `a = x.t()` it is the weight-gradient
-  operand without any copy; with a row-major `a` it is `quantize_act_1x128` with 32 rows a
+  operand without any copy; with a row-major `a` it is `quantize_act_1x128` with 64 rows a
   program instead of one block.
+- `quantize_tensor_t`: the delayed recipe's per-tensor quantizer (`quantize_tensor_e4m3`'s
+  elements and amax) that also writes the values transposed with the tokens padded, the
+  weight-gradient GEMM's operand, instead of a later fp8 transposing copy.
 
 Element rule (`fp8_quant._round_e4m3`): scale = amax / 448 (IEEE division; 1 where amax is 0,
 NaN where the block holds NaN/Inf), value = x / scale rounded to nearest even, saturating at 448:
@@ -27,7 +30,7 @@ import triton.language as tl
 
 from milepost.kernels.fp8_quant import TILE, _round_e4m3
 
-ROWS = 32  # rows of 1 x 128 blocks per program in quantize_blocks
+ROWS = 64  # rows of 1 x 128 blocks a program: a transposed bf16 read then spans 128-byte lines
 
 
 @triton.jit
@@ -104,6 +107,45 @@ def quantize_blocks(a: torch.Tensor, pad_rows: int = 1, pad_cols: int = TILE
         a = a.detach()
         grid = (triton.cdiv(rp, ROWS), cp // TILE)
         _blocks_kernel[grid](a, q, s, r, c, rp, a.stride(0), a.stride(1), q.stride(0), s.stride(0),
-                             s.stride(1), ROWS_PER=ROWS, BLOCK=TILE)
+                             s.stride(1), ROWS_PER=ROWS, BLOCK=TILE, num_warps=8)
     return q, s
 
+
+
+@triton.jit
+def _tensor_t_kernel(X, Q, QT, S, AMAX, BAD, R, C, RP, stride_x, stride_q, stride_qt,
+                     ROWS_PER: tl.constexpr, BLOCK: tl.constexpr):
+    pr, pc = tl.program_id(0), tl.program_id(1)
+    rr = pr * ROWS_PER + tl.arange(0, ROWS_PER)
+    cc = pc * BLOCK + tl.arange(0, BLOCK)
+    inside = (rr[:, None] < R) & (cc[None, :] < C)
+    x = tl.load(X + rr[:, None].to(tl.int64) * stride_x + cc[None, :], mask=inside, other=0.0).to(tl.float32)
+    finite = tl.abs(x) < float("inf")  # masked lanes are 0: finite, no amax
+    part = pr * tl.num_programs(1) + pc
+    tl.store(AMAX + part, tl.max(tl.max(tl.where(finite, tl.abs(x), 0.0), 1), 0))
+    tl.store(BAD + part, 1 - tl.min(tl.min(finite.to(tl.int32), 1), 0))
+    r = tl.where(inside, _round_e4m3(tl.math.div_rn(x, tl.load(S))), 0.0)  # padding: +0 bytes
+    tl.store(Q + rr[:, None].to(tl.int64) * stride_q + cc[None, :], r.to(tl.float8e4nv), mask=inside)
+    kept = (cc[:, None] < C) & (rr[None, :] < RP)
+    tl.store(QT + cc[:, None].to(tl.int64) * stride_qt + rr[None, :], tl.trans(r).to(tl.float8e4nv), mask=kept)
+
+
+def quantize_tensor_t(x: torch.Tensor, scale: torch.Tensor, pad_rows: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, C] under one float32 0-d `scale` -> (float8 [R, C], float8 [C, Rp] = the same
+    values transposed with R zero-padded to `pad_rows` (+0 bytes), float32 0-d amax of the finite
+    values, bool 0-d "holds NaN/Inf"): `fp8_quant.quantize_tensor_e4m3`'s elements and amax, and
+    the operand the per-tensor weight-gradient GEMM reads, in one pass. No host sync."""
+    r, c = x.shape
+    rp = -(-r // pad_rows) * pad_rows
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty((r, c), dtype=torch.float8_e4m3fn, device=x.device)
+    qt = torch.empty((c, rp), dtype=torch.float8_e4m3fn, device=x.device)
+    grid = (max(1, triton.cdiv(rp, ROWS)), max(1, triton.cdiv(c, TILE)))
+    amax = torch.zeros(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+    bad = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+    if rp and c:
+        _tensor_t_kernel[grid](x.detach(), q, qt, scale.float().contiguous(), amax, bad, r, c, rp,
+                               x.stride(0), q.stride(0), qt.stride(0), ROWS_PER=ROWS, BLOCK=TILE, num_warps=8)
+    return q, qt, amax.amax(), bad.amax() > 0

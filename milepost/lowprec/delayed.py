@@ -228,8 +228,10 @@ def delayed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     record = records and torch.is_grad_enabled()  # scoring passes under no_grad only read
     gemms = runs_native(module.weight, x)
     if gemms is not None:  # FP8 GEMMs on the same values (kernels/fp8_delayed.py)
-        wv, ws, _ = native_weight(module, False)  # the shared quantizer's tiles
-        y = DelayedFp8NativeFn.apply(x, module.weight, wv, ws, state, slots, record, gemms)
+        wv, ws, wvt = native_weight(module)  # the shared quantizer's tiles
+        opts = module.fp8_options
+        extra = () if opts == type(opts)() else (opts, wvt)  # today's call: no options
+        y = DelayedFp8NativeFn.apply(x, module.weight, wv, ws, state, slots, record, gemms, *extra)
     else:
         y = DelayedFp8LinearFn.apply(x, module.weight, module.quantized_weight(), state, slots, record)
     return y + module.bias if module.bias is not None else y

@@ -14,7 +14,7 @@ class Fp8TrainOptions:
     same either way; defaults are the path measured on 2026-12-05, so a GPU run can A/B them:
     benchmarks/fp8_train_profile.py). weight_quant "triton": `quantize_weight_tiles` (one pass,
     and the transposed values the data gradient reads, saved in place of the forward's);
-    act_quant "tiled": `quantize_blocks` for the forward and data-gradient inputs (32 rows of
+    act_quant "tiled": `quantize_blocks` for the forward and data-gradient inputs (64 rows of
     1 x 128 blocks a program instead of one block); transpose "fused": the weight-gradient
     operands quantized from the transposed views directly (no pad-clone and transposing copy)."""
 

@@ -24,7 +24,8 @@ def test_profile_script_runs_on_cpu(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     (row,) = report["linears"]
     assert (row["N"], row["K"], row["tokens"]) == (256, 128, 200)
-    for key in ("bf16_ms", "fp8_current_ms", "fp8_current_options_ms", "fp8_delayed_ms"):
+    for key in ("bf16_ms", "fp8_current_ms", "fp8_current_options_ms", "fp8_delayed_ms",
+                "fp8_delayed_options_ms"):
         assert row[key] > 0
     parts = row["parts_ms"]
     for key in ("weight_quant_torch", "weight_quant_triton", "transpose_quant_copy", "transpose_quant_fused",

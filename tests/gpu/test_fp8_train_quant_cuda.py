@@ -64,3 +64,25 @@ def test_fused_options_train_bitwise_like_today(tokens: int) -> None:
         outs.append((y.detach(), x.grad, lin.weight.grad))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_delayed_fused_options_train_bitwise_like_today() -> None:
+    from milepost.lowprec.delayed import DelayedScaling, DelayedSettings
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x0 = torch.randn(1000, 2560, device="cuda", generator=g, dtype=torch.bfloat16)
+    gy = torch.randn(1000, 9728, device="cuda", generator=g, dtype=torch.bfloat16) * 1e-3
+    outs = []
+    for opts in (Fp8TrainOptions(), Fp8TrainOptions.all_fused()):
+        lin = _linear(9728, 2560, opts)
+        state = DelayedScaling(["w"], DelayedSettings(), torch.device("cuda"))
+        lin.__dict__["_delayed"] = (state, (state.slot("w", "x"), state.slot("w", "gy")), True)
+        lin(x0).backward(gy)
+        state.step()  # per-tensor scales from here
+        lin.weight.grad = None
+        x = x0.clone().requires_grad_(True)
+        y = lin(x)
+        y.backward(gy)
+        outs.append((y.detach(), x.grad, lin.weight.grad, state.pending.clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -90,3 +90,86 @@ def test_tiled_rows_equal_the_one_block_kernel(pad_rows: int) -> None:
 def test_options_default_to_the_measured_path() -> None:
     assert Fp8TrainOptions() == Fp8TrainOptions("torch", "rows", "copy")
     assert Fp8TrainOptions.all_fused() == Fp8TrainOptions("triton", "tiled", "fused")
+
+
+def test_native_linear_with_fused_options_equals_todays_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fp8BlockLinearFn with every option on gives today's output and gradients bit for bit: the
+    GEMMs forced to the Triton block GEMM (the interpreter on CPU), so only the quantize passes and
+    the saved transposed weight differ between the two runs."""
+    from milepost.kernels import fp8_gemm as fg
+    from milepost.lowprec.linear import native_weight
+
+    monkeypatch.setattr(fg, "block_backend", lambda device, m=None: "triton")
+    monkeypatch.setattr(fg, "wgrad_backend", lambda device: "triton")
+    g, tokens = torch.Generator().manual_seed(3), 200  # tokens padded to whole blocks in the wgrad
+    x0 = (torch.randn(tokens, 256, generator=g) * torch.logspace(-2, 2, tokens)[:, None]).bfloat16().to(DEV)
+    gy = (torch.randn(tokens, 384, generator=g) * 1e-3).bfloat16().to(DEV)
+    lin = torch.nn.Linear(256, 384, bias=False).bfloat16().to(DEV)
+    outs = []
+    for opts in (Fp8TrainOptions(), Fp8TrainOptions.all_fused()):
+        lin.fp8_options = opts
+        wv, ws, wvt = native_weight(lin)
+        assert (wvt is None) == (opts.weight_quant == "torch")
+        x, lin.weight.grad = x0.clone().requires_grad_(True), None
+        args = () if opts == Fp8TrainOptions() else (opts, wvt)
+        y = fg.Fp8BlockLinearFn.apply(x, lin.weight, wv, ws, *args)
+        y.backward(gy)
+        outs.append((y.detach(), x.grad, lin.weight.grad))
+    for a, b in zip(*outs):
+        assert a.dtype == torch.bfloat16 and torch.isfinite(a.float()).all()
+        assert torch.equal(a, b)
+    wq = quantize(lin.weight, "fp8_block", "weight")  # and the values are the format's
+    ref = (x0.float() @ (wq.values.float() * wq.scales.repeat_interleave(128, 0).repeat_interleave(128, 1)).t())
+    assert ((outs[0][0].float() - ref).abs() <= 0.1 * ref.abs().amax(1, keepdim=True)).all()
+
+
+def test_tensor_t_equals_the_per_tensor_quantizer_and_its_padded_transpose() -> None:
+    from milepost.kernels.fp8_quant import quantize_tensor_e4m3
+    from milepost.kernels.fp8_train_quant import quantize_tensor_t
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(74, 256, generator=g) * torch.logspace(-3, 2, 256)[None, :]).bfloat16().to(DEV)
+    scale = torch.tensor(0.37, device=DEV)
+    for bad in (False, True):
+        if bad:
+            x[5, 9] = float("inf")
+        q, qt, amax, nonfinite = quantize_tensor_t(x, scale, 16)
+        ref_q, ref_amax, ref_bad = quantize_tensor_e4m3(x, scale)
+        finite = torch.isfinite(x.float()).cpu()
+        assert torch.equal(_bytes(q)[finite], _bytes(ref_q)[finite])
+        assert torch.equal(amax, ref_amax) and bool(nonfinite) == bool(ref_bad) == bad
+        assert qt.shape == (256, 80) and torch.equal(_bytes(qt)[:, :74], _bytes(q).t())
+        assert (_bytes(qt)[:, 74:] == 0).all()  # the padding tokens: +0 bytes, as F.pad gives
+
+
+def test_delayed_native_fn_with_fused_options_equals_todays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DelayedFp8NativeFn with the fused options (per-tensor operands quantized with their
+    transposes, the transposed weight from the one-pass quantizer) gives today's output and
+    gradients bit for bit; on CPU the block GEMMs are emulated and the per-tensor one is torch's
+    _scaled_mm, as in test_lowprec_delayed_native.py."""
+    from milepost.kernels.fp8_delayed import DelayedFp8NativeFn
+    from milepost.lowprec.delayed import DelayedScaling, DelayedSettings
+    from milepost.lowprec.linear import native_weight
+
+    g = torch.Generator().manual_seed(5)
+    x0 = (torch.randn(74, 256, generator=g) * torch.logspace(-2, 1, 256)).bfloat16()
+    gy = (torch.randn(74, 384, generator=g) * 1e-4).bfloat16()
+    lin = torch.nn.Linear(256, 384, bias=False).bfloat16()
+    state = DelayedScaling(["w"], DelayedSettings(history_len=4), torch.device("cpu"))
+    slots = (state.slot("w", "x"), state.slot("w", "gy"))
+    outs = []
+    for steps, opts in ((0, Fp8TrainOptions()), (1, Fp8TrainOptions()), (1, Fp8TrainOptions.all_fused())):
+        if steps and not state.seen(slots[0]):
+            state.pending.fill_(3.0)
+            state.step()  # a history: per-tensor scales from now on
+        lin.fp8_options, lin.weight.grad = opts, None
+        wv, ws, wvt = native_weight(lin)
+        x = x0.clone().requires_grad_(True)
+        extra = () if opts == Fp8TrainOptions() else (opts, wvt)
+        y = DelayedFp8NativeFn.apply(x, lin.weight, wv, ws, state, slots, True, ("emulated", "scaled_mm"), *extra)
+        y.backward(gy)
+        outs.append((y.detach(), x.grad, lin.weight.grad, state.pending.clone()))
+        state.pending.zero_()
+    for a, b in zip(outs[1], outs[2]):
+        assert torch.equal(a, b)
+    assert not torch.equal(outs[0][0], outs[1][0])  # the history changed the input's scale
