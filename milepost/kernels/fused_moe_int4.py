@@ -57,9 +57,9 @@ _DEFAULT: tuple[tuple[int, MoeConfig], ...] = (
 
 # The MMA's M side (weight rows when swap_ab, else token rows) that keeps these kernels' bits the
 # bf16 kernels' on the same config. On an H100 (2026-12-06, benchmarks/gpu_steps/diag_int4_bits.py,
-# 1 to 256 tokens, both GEMMs, every block_m x block_n x stages x swap_ab tried): bitwise wherever
-# that side had 64 rows or more, and wherever it had fewer, off by up to 3e-2 in gate/up, since
-# the compiler sums a tile built in registers in another order than one loaded from memory there.
+# 4, 100 and 256 tokens, both GEMMs, block_m x block_n x stages x swap_ab): bitwise in all 30
+# cases where that side had 64 rows or more, in none of the 42 where it had fewer (off by up to
+# 3e-2 in gate/up): the compiler sums a tile built in registers in another order there.
 MMA_M_MIN = 64
 
 
