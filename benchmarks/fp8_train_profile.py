@@ -4,7 +4,7 @@ For each Qwen3-4B projection (hidden 2560, intermediate 9728: q, k, v, o, gate, 
 tokens of one `milepost bench train` micro-batch (16384), with CUDA events after warm-up:
 
 - forward + backward of one linear: bf16, FP8 current scaling and FP8 delayed scaling (history
-  filled by one step first), each with today's quantize passes and with the options given by
+  filled by one step first), each with the unfused quantize passes (Fp8TrainOptions.unfused(), the path before 2026-12-06) and with the options given by
   --weight-quant/--act-quant/--transpose (default: all fused; milepost/lowprec/fp8_options.py);
 - the FP8 current-scaling time split into its parts: weight quantize (torch quantizer vs one-pass
   Triton), activation quantize (forward input, output gradient), the backward's transposed
@@ -14,7 +14,7 @@ tokens of one `milepost bench train` micro-batch (16384), with CUDA events after
   tensor cores give without block scales).
 
 `--profile-step` adds a train step of a small model (two Qwen3-4B-shaped layers of the seven
-projections, glue but no attention): ms per step in bf16, FP8 today and FP8 with the options, and
+projections, glue but no attention): ms per step in bf16, FP8 unfused and FP8 with the options, and
 torch.profiler's top kernels of one FP8 step each. Prints a table; `--json-out` writes it all.
 `--device cpu --small` runs tiny shapes (Triton under its interpreter; GEMMs emulated) so a test
 can check that the script runs; its numbers say nothing about a GPU.
@@ -110,7 +110,7 @@ def fwd_bwd(lin: nn.Module, x: torch.Tensor, gy: torch.Tensor) -> Callable[[], N
 
 def parts(n: int, k: int, x: torch.Tensor, gy: torch.Tensor, w: torch.Tensor, device: torch.device,
           t: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
-    """ms of each pass of the native FP8 current-scaling linear, today's and the fused kernels'."""
+    """ms of each pass of the native FP8 current-scaling linear, the unfused and the fused kernels'."""
     from milepost.kernels.fp8_train_quant import quantize_blocks, quantize_weight_tiles
     from milepost.lowprec.quantize import quantize
 
@@ -171,7 +171,7 @@ def parts(n: int, k: int, x: torch.Tensor, gy: torch.Tensor, w: torch.Tensor, de
 
 
 def check_bits(x: torch.Tensor, w: torch.Tensor) -> dict[str, bool]:
-    """The fused kernels' bytes against today's, on this device's operands (the A/B's premise)."""
+    """The fused kernels' bytes against the unfused ones', on this device's operands (the A/B's premise)."""
     from milepost.kernels.fp8_quant import quantize_act_1x128
     from milepost.kernels.fp8_train_quant import quantize_blocks, quantize_weight_tiles
     from milepost.lowprec.quantize import quantize
@@ -201,11 +201,11 @@ def profile_linear(name: str, n: int, k: int, args: argparse.Namespace, device: 
     bf16 = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
     row: dict[str, Any] = {"name": name, "N": n, "K": k, "tokens": args.tokens,
                            "bf16_ms": t(fwd_bwd(bf16, x, gy))}
-    row["fp8_current_ms"] = t(fwd_bwd(fp8_linear(n, k, device, dtype, Fp8TrainOptions()), x, gy))
-    if opts != Fp8TrainOptions():
+    row["fp8_current_ms"] = t(fwd_bwd(fp8_linear(n, k, device, dtype, Fp8TrainOptions.unfused()), x, gy))
+    if opts != Fp8TrainOptions.unfused():
         row["fp8_current_options_ms"] = t(fwd_bwd(fp8_linear(n, k, device, dtype, opts), x, gy))
-    row["fp8_delayed_ms"] = t(fwd_bwd(delayed_linear(n, k, device, dtype, x, gy, Fp8TrainOptions()), x, gy))
-    if opts != Fp8TrainOptions():
+    row["fp8_delayed_ms"] = t(fwd_bwd(delayed_linear(n, k, device, dtype, x, gy, Fp8TrainOptions.unfused()), x, gy))
+    if opts != Fp8TrainOptions.unfused():
         row["fp8_delayed_options_ms"] = t(fwd_bwd(delayed_linear(n, k, device, dtype, x, gy, opts), x, gy))
     with torch.no_grad():
         row["parts_ms"] = parts(n, k, x.detach(), gy, bf16.weight.detach(), device, t)
@@ -305,12 +305,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--weight-quant", choices=("torch", "triton"), default="triton",
-                   help="the 'fp8 opt' column's weight quantizer (today: torch)")
+                   help="the 'fp8 opt' column's weight quantizer (unfused: torch)")
     p.add_argument("--act-quant", choices=("rows", "tiled"), default="tiled",
-                   help="the 'fp8 opt' column's activation quantizer (today: rows)")
+                   help="the 'fp8 opt' column's activation quantizer (unfused: rows)")
     p.add_argument("--transpose", choices=("copy", "fused"), default="fused",
-                   help="the 'fp8 opt' column's weight-gradient operands (today: copy)")
-    p.add_argument("--check-bits", action="store_true", help="compare the fused kernels' bytes with today's")
+                   help="the 'fp8 opt' column's weight-gradient operands (unfused: copy)")
+    p.add_argument("--check-bits", action="store_true", help="compare the fused kernels' bytes with the unfused ones'")
     p.add_argument("--profile-step", action="store_true", help="torch.profiler top kernels of one train step")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json-out", type=Path, default=None)
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "linears": rows}
     _print(rows)
     total = {k: sum(r[k] for r in rows) for k in ("bf16_ms", "fp8_current_ms", "fp8_delayed_ms")}
-    if opts != Fp8TrainOptions():
+    if opts != Fp8TrainOptions.unfused():
         for k in ("fp8_current_options_ms", "fp8_delayed_options_ms"):
             total[k] = sum(r[k] for r in rows)
     report["sum_ms"] = total
@@ -342,8 +342,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       for k, v in total.items()))
     if args.profile_step:
         report["profile_step"] = {"bf16": profile_step(args, device, None),
-                                  "today": profile_step(args, device, Fp8TrainOptions())}
-        if opts != Fp8TrainOptions():
+                                  "unfused": profile_step(args, device, Fp8TrainOptions.unfused())}
+        if opts != Fp8TrainOptions.unfused():
             report["profile_step"]["options"] = profile_step(args, device, opts)
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,14 +17,20 @@ from milepost.lowprec.engine_store import QuantizedLinear
 from milepost.testing.checkpoints import make_tiny_checkpoint
 
 DEV = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+DTYPE = sys.argv[2] if len(sys.argv) > 2 else "bfloat16"
+BF16_SRC = "--bf16-src" in sys.argv
 tmp = Path(tempfile.mkdtemp())
 src = make_tiny_checkpoint(tmp / "bf16", "qwen3", seed=3, with_tokenizer=False, hidden_size=256,
                            intermediate_size=512, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+if BF16_SRC:
+    from safetensors.torch import load_file, save_file
+    shard = src / "model.safetensors"
+    save_file({n: t.to(torch.bfloat16) for n, t in load_file(shard).items()}, shard, metadata={"format": "pt"})
 convert_checkpoint(src, tmp / "fp8", Contract("fp8_block", "fp8_block"))
 
 
 def engine(path, **kw):
-    return build_engine(ServerArgs(model_path=path, device=DEV, dtype="bfloat16" if DEV == "cuda" else "float32", page_size=16,
+    return build_engine(ServerArgs(model_path=path, device=DEV, dtype=DTYPE, page_size=16,
                                    max_total_tokens=4096, **kw).resolved())[0]
 
 

@@ -229,9 +229,8 @@ def delayed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     gemms = runs_native(module.weight, x)
     if gemms is not None:  # FP8 GEMMs on the same values (kernels/fp8_delayed.py)
         wv, ws, wvt = native_weight(module)  # the shared quantizer's tiles
-        opts = module.fp8_options
-        extra = () if opts == type(opts)() else (opts, wvt)  # today's call: no options
-        y = DelayedFp8NativeFn.apply(x, module.weight, wv, ws, state, slots, record, gemms, *extra)
+        y = DelayedFp8NativeFn.apply(x, module.weight, wv, ws, state, slots, record, gemms,
+                                     module.fp8_options, wvt)
     else:
         y = DelayedFp8LinearFn.apply(x, module.weight, module.quantized_weight(), state, slots, record)
     return y + module.bias if module.bias is not None else y

@@ -162,10 +162,7 @@ class LowPrecLinear(nn.Linear):
             from milepost.kernels.fp8_gemm import Fp8BlockLinearFn
 
             wv, ws, wvt = native_weight(self)
-            if self.fp8_options == Fp8TrainOptions():  # today's call, tensors only (compile-friendly)
-                y = Fp8BlockLinearFn.apply(x, self.weight, wv, ws)
-            else:
-                y = Fp8BlockLinearFn.apply(x, self.weight, wv, ws, self.fp8_options, wvt)
+            y = Fp8BlockLinearFn.apply(x, self.weight, wv, ws, self.fp8_options, wvt)
             return y + self.bias if self.bias is not None else y
         # The weight's gradient goes straight through to the master weight (wq carries none).
         y = LowPrecLinearFn.apply(x, self.weight, self.quantized_weight(), self.qformat,

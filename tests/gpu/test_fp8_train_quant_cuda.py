@@ -57,7 +57,7 @@ def test_fused_options_train_bitwise_like_today(tokens: int) -> None:
     x0 = torch.randn(tokens, 2560, device="cuda", generator=g, dtype=torch.bfloat16)
     gy = torch.randn(tokens, 9728, device="cuda", generator=g, dtype=torch.bfloat16) * 1e-3
     outs = []
-    for opts in (Fp8TrainOptions(), Fp8TrainOptions.all_fused()):
+    for opts in (Fp8TrainOptions.unfused(), Fp8TrainOptions.all_fused()):
         lin, x = _linear(9728, 2560, opts), x0.clone().requires_grad_(True)
         y = lin(x)
         y.backward(gy)
@@ -73,7 +73,7 @@ def test_delayed_fused_options_train_bitwise_like_today() -> None:
     x0 = torch.randn(1000, 2560, device="cuda", generator=g, dtype=torch.bfloat16)
     gy = torch.randn(1000, 9728, device="cuda", generator=g, dtype=torch.bfloat16) * 1e-3
     outs = []
-    for opts in (Fp8TrainOptions(), Fp8TrainOptions.all_fused()):
+    for opts in (Fp8TrainOptions.unfused(), Fp8TrainOptions.all_fused()):
         lin = _linear(9728, 2560, opts)
         state = DelayedScaling(["w"], DelayedSettings(), torch.device("cuda"))
         lin.__dict__["_delayed"] = (state, (state.slot("w", "x"), state.slot("w", "gy")), True)

@@ -1,6 +1,6 @@
-"""The trainer's one-pass FP8 quantizers (milepost/kernels/fp8_train_quant.py) give today's bits:
+"""The trainer's one-pass FP8 quantizers (milepost/kernels/fp8_train_quant.py) give the unfused path's bits:
 the weight tiles = the shared torch quantizer (and the transposed copy = its transpose), the strided
-1 x 128 quantizer = `quantize_act_1x128` on the padded, transposed copy the backward makes today
+1 x 128 quantizer = `quantize_act_1x128` on the padded, transposed copy the unfused backward makes
 and on row-major inputs with padded rows. NaN/Inf blocks: NaN scale (their bytes are not compared:
 Triton's interpreter writes another NaN code than the GPU). Runs under Triton's interpreter on CPU.
 """
@@ -88,12 +88,12 @@ def test_tiled_rows_equal_the_one_block_kernel(pad_rows: int) -> None:
 
 
 def test_options_default_to_the_measured_path() -> None:
-    assert Fp8TrainOptions() == Fp8TrainOptions("torch", "rows", "copy")
-    assert Fp8TrainOptions.all_fused() == Fp8TrainOptions("triton", "tiled", "fused")
+    assert Fp8TrainOptions() == Fp8TrainOptions.all_fused() == Fp8TrainOptions("triton", "tiled", "fused")
+    assert Fp8TrainOptions.unfused() == Fp8TrainOptions("torch", "rows", "copy")
 
 
-def test_native_linear_with_fused_options_equals_todays_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fp8BlockLinearFn with every option on gives today's output and gradients bit for bit: the
+def test_native_linear_with_fused_options_equals_the_unfused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fp8BlockLinearFn with every option on gives the unfused path's output and gradients bit for bit: the
     GEMMs forced to the Triton block GEMM (the interpreter on CPU), so only the quantize passes and
     the saved transposed weight differ between the two runs."""
     from milepost.kernels import fp8_gemm as fg
@@ -106,12 +106,12 @@ def test_native_linear_with_fused_options_equals_todays_path(monkeypatch: pytest
     gy = (torch.randn(tokens, 384, generator=g) * 1e-3).bfloat16().to(DEV)
     lin = torch.nn.Linear(256, 384, bias=False).bfloat16().to(DEV)
     outs = []
-    for opts in (Fp8TrainOptions(), Fp8TrainOptions.all_fused()):
+    for opts in (Fp8TrainOptions.unfused(), Fp8TrainOptions.all_fused()):
         lin.fp8_options = opts
         wv, ws, wvt = native_weight(lin)
         assert (wvt is None) == (opts.weight_quant == "torch")
         x, lin.weight.grad = x0.clone().requires_grad_(True), None
-        args = () if opts == Fp8TrainOptions() else (opts, wvt)
+        args = (opts, wvt)
         y = fg.Fp8BlockLinearFn.apply(x, lin.weight, wv, ws, *args)
         y.backward(gy)
         outs.append((y.detach(), x.grad, lin.weight.grad))
@@ -142,9 +142,9 @@ def test_tensor_t_equals_the_per_tensor_quantizer_and_its_padded_transpose() -> 
         assert (_bytes(qt)[:, 74:] == 0).all()  # the padding tokens: +0 bytes, as F.pad gives
 
 
-def test_delayed_native_fn_with_fused_options_equals_todays(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_delayed_native_fn_with_fused_options_equals_the_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
     """DelayedFp8NativeFn with the fused options (per-tensor operands quantized with their
-    transposes, the transposed weight from the one-pass quantizer) gives today's output and
+    transposes, the transposed weight from the one-pass quantizer) gives the unfused path's output and
     gradients bit for bit; on CPU the block GEMMs are emulated and the per-tensor one is torch's
     _scaled_mm, as in test_lowprec_delayed_native.py."""
     from milepost.kernels.fp8_delayed import DelayedFp8NativeFn
@@ -158,14 +158,14 @@ def test_delayed_native_fn_with_fused_options_equals_todays(monkeypatch: pytest.
     state = DelayedScaling(["w"], DelayedSettings(history_len=4), torch.device("cpu"))
     slots = (state.slot("w", "x"), state.slot("w", "gy"))
     outs = []
-    for steps, opts in ((0, Fp8TrainOptions()), (1, Fp8TrainOptions()), (1, Fp8TrainOptions.all_fused())):
+    for steps, opts in ((0, Fp8TrainOptions.unfused()), (1, Fp8TrainOptions.unfused()), (1, Fp8TrainOptions.all_fused())):
         if steps and not state.seen(slots[0]):
             state.pending.fill_(3.0)
             state.step()  # a history: per-tensor scales from now on
         lin.fp8_options, lin.weight.grad = opts, None
         wv, ws, wvt = native_weight(lin)
         x = x0.clone().requires_grad_(True)
-        extra = () if opts == Fp8TrainOptions() else (opts, wvt)
+        extra = (opts, wvt)
         y = DelayedFp8NativeFn.apply(x, lin.weight, wv, ws, state, slots, True, ("emulated", "scaled_mm"), *extra)
         y.backward(gy)
         outs.append((y.detach(), x.grad, lin.weight.grad, state.pending.clone()))

@@ -85,6 +85,7 @@ def test_new_group_after_close_and_with_own_default_group(tmp_path: Path) -> Non
         with init_weight_group("127.0.0.1", port, 0, 2, f"round{round_}", "gloo", TIMEOUT_S) as group:
             group.broadcast(torch.full((3,), float(round_ + 1)))
         assert group.closed
+        (tmp_path / f"closed{round_}").touch()  # the peer joins the next round only now
     out = finish(peer)
     assert "round0 [1.0, 1.0, 1.0]" in out and "round1 [2.0, 2.0, 2.0]" in out, out
     assert "default group intact" in out, out
@@ -178,12 +179,19 @@ def _receive(port: int, out: Path, backend: str) -> None:
     torch.save([t.cpu() for t in recv], out / "received.pt")
 
 
-def _reopen(port: int) -> None:
+def _reopen(port: int, out: Path) -> None:
+    import time
+
     import torch.distributed as dist
 
     # This process has its own default group (as an FSDP trainer would); weight groups ignore it.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     for round_ in range(2):
+        # Not before rank 0 closed the last round's store: a client that reached that store
+        # while it was still up would wait on it after it closed (the race a loaded machine hit).
+        deadline = time.monotonic() + 60
+        while round_ and not (out / f"closed{round_ - 1}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         t = torch.zeros(3)
         with init_weight_group("127.0.0.1", port, 1, 2, f"round{round_}", "gloo", TIMEOUT_S) as group:
             group.broadcast(t)
@@ -202,4 +210,4 @@ if __name__ == "__main__":
     elif role == "receive_nccl":
         _receive(port_arg, out_dir, "nccl")
     elif role == "reopen":
-        _reopen(port_arg)
+        _reopen(port_arg, out_dir)
