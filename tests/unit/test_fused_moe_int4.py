@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +24,7 @@ f4 = importlib.import_module("milepost.kernels.fused_moe_int4")
 
 from milepost.lowprec.experts_int4 import Int4StackedExperts, _pack, dequantize_packed
 from milepost.models.qwen3_moe import StackedExperts
+from milepost.testing.hopper_compile import needs_ptxas, run_compiled
 
 torch.set_num_threads(1)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,56 +114,19 @@ def test_configs_fit_a_group_and_bad_operands_are_refused(experts: Int4StackedEx
 # Compiled for the H100/H200 (sm_90) with Triton's bundled ptxas, no GPU needed: in a process of its
 # own, since the interpreter (this module's mode without CUDA) patches triton.language globally.
 _COMPILE = """
-import re
-from collections import Counter
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from milepost.kernels.fused_moe import _down_kernel, _gate_up_kernel
-from milepost.kernels.fused_moe_int4 import _down_w4_kernel, _gate_up_w4_kernel
+from milepost.testing.hopper_compile import fused_moe_mmas
 
-def mmas(kern, ptrs, ints, const):
-    sig = {**ptrs, **dict.fromkeys(ints.split(), "i32"), **dict.fromkeys(const, "constexpr")}
-    k = triton.compile(ASTSource(kern, sig, const), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "num_stages": 3})
-    assert k.asm["cubin"]
-    return Counter(re.findall(r"(wgmma\\.mma_async\\S*|mma\\.sync\\S*)", k.asm["ptx"]))
-
-common = dict(SORTED="*i32", BLOCK_EXPERT="*i32", TOTAL="*i32")
 for swap, kinds in ((True, ("gate_up", "down")), (False, ("gate_up",))):
-    c = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "EVEN_K": True, "SWAP": swap}
-    c4 = {**c, "ZERO": False}  # zero points: tests/unit/test_fused_moe_int4_zeros.py
-    if "gate_up" in kinds:
-        g = {**c, "TOP_K": 8}
-        bf16 = mmas(_gate_up_kernel, dict(X="*bf16", W13="*bf16", **common, ACT="*bf16"),
-                    "n_pairs inter hidden num_m stride_xt stride_we stride_wn stride_at", g)
-        int4 = mmas(_gate_up_w4_kernel, dict(X="*bf16", W13="*u8", S13="*fp32", Z13="*fp32", **common, ACT="*bf16"),
-                    "n_pairs inter hidden num_m n_bytes stride_xt stride_we stride_wn stride_se stride_sn stride_at", {**c4, "TOP_K": 8})
-        assert bf16 and bf16 == int4, ("gate_up", swap, bf16, int4)
-    if "down" in kinds:
-        bf16 = mmas(_down_kernel, dict(ACT="*bf16", W2="*bf16", **common, WEIGHTS="*bf16", Y="*bf16"),
-                    "n_pairs hidden inter num_m stride_at stride_we stride_wn stride_yp", c)
-        int4 = mmas(_down_w4_kernel, dict(ACT="*bf16", W2="*u8", S2="*fp32", Z2="*fp32", **common, WEIGHTS="*bf16", Y="*bf16"),
-                    "n_pairs hidden inter num_m n_bytes stride_at stride_we stride_wn stride_se stride_sn stride_yp", c4)
-        assert bf16 and bf16 == int4, ("down", swap, bf16, int4)
+    for kind in kinds:  # zero points: tests/unit/test_fused_moe_int4_zeros.py
+        bf16, int4 = fused_moe_mmas(kind, swap, zero=False)
+        assert bf16 and bf16 == int4, (kind, swap, bf16, int4)
     assert any(("wgmma" if swap else "mma.sync") in m for m in int4), int4
 """
 
 
-def _ptxas() -> bool:
-    try:
-        import triton.backends.nvidia as nv
-    except ImportError:
-        return False
-    return (Path(nv.__file__).parent / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _ptxas(), reason="Triton's NVIDIA backend (bundled ptxas) is not installed")
+@needs_ptxas()
 def test_kernels_compile_for_hopper_to_the_bf16_kernels_mma_instructions() -> None:
     """The interpreter does not compile: this does (sm_90 cubins). Each INT4 kernel issues the
     bf16 kernel's MMA instructions (wgmma with the weight rows on the M side, mma.sync without),
     as many per tile: with the same weights in the same K order, the same sums on the GPU."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True,
-                       timeout=600, check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_compiled(_COMPILE)

@@ -10,8 +10,6 @@ is broken, and its float32 -> bf16 cast truncates); bf16 is checked on the GPU
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +36,7 @@ from milepost.lowprec.linear import apply_train_precision
 from milepost.lowprec.quantize import dequantize, quantize
 from milepost.models.registry import load_model
 from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.hopper_compile import needs_ptxas, run_compiled
 
 torch.set_num_threads(1)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,22 +118,11 @@ for cc in (90,):  # the H200's; sm_80 compiles too (checked by hand, 2026-12-05)
 """
 
 
-def _ptxas() -> bool:
-    try:
-        import triton.backends.nvidia as nv
-    except ImportError:
-        return False
-    return (Path(nv.__file__).parent / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _ptxas(), reason="Triton's NVIDIA backend (bundled ptxas) is not installed")
+@needs_ptxas()
 def test_kernels_compile_for_hopper_without_a_gpu() -> None:
     """The interpreter does not compile: this does (sm_90 cubins; bf16 on the tensor cores, fp32
     in IEEE FMAs, split parts)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True,
-                       timeout=600, check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_compiled(_COMPILE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
