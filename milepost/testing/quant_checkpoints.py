@@ -100,12 +100,17 @@ def write_fp8(src: Path, dst: Path, scales: str, style: str = "compressed-tensor
 
 
 def write_int4(src: Path, dst: Path, group: int, seed: int = 6,
-               amax_seven: bool = False) -> dict[str, torch.Tensor]:
-    """A compressed-tensors W4A16 checkpoint (pack-quantized, symmetric, `group` values per scale
-    along a row; 0: one scale per row). `amax_seven`: values -7..7 with a 7 in every group, as a
-    quantizer scaling amax to 7 makes them (milepost's INT4 quantizer gives such values back).
-    Returns the tensors written, with each weight's int values under `X.values` (not in the
-    file) for `meaning`."""
+               amax_seven: bool = False, sym: bool = True) -> dict[str, torch.Tensor]:
+    """A compressed-tensors W4A16 checkpoint (pack-quantized, `group` values per scale along a
+    row; 0: one scale per row). Each covered weight gets random values v in -8..7
+    (`X.weight_packed`: eight a word along the row, stored + 8), random bf16 scales [out, groups]
+    (`X.weight_scale`) and `X.weight_shape`. `amax_seven`: values -7..7 with a 7 in every group,
+    as a quantizer scaling amax to 7 makes them (milepost's INT4 quantizer gives such values
+    back). `sym` False (`symmetric: false`): random zero points z in -8..7 per row and group,
+    stored as compressed-tensors packs them: + 8, eight rows of a group column per int32 word
+    (`X.weight_zero_point` [ceil(out/8), groups], row 8j+i in bits 4i..4i+3 of word j); the
+    weight is (v - z) * scale. Returns the tensors written, with each weight's ints (v, or
+    v - z) under `X.values` (not in the file) for `meaning`."""
     dst.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
@@ -116,18 +121,24 @@ def write_int4(src: Path, dst: Path, group: int, seed: int = 6,
             continue
         rows, cols = t.shape
         base = n.removesuffix(".weight")
+        width = group or cols
+        groups = -(-cols // width)
         v = torch.randint(-7 if amax_seven else -8, 8, (rows, cols), generator=g, dtype=torch.int8)
         if amax_seven:
-            v[:, ::group or cols] = 7
-        groups = -(-cols // group) if group else 1
+            v[:, ::width] = 7
+        z = None if sym else torch.randint(-8, 8, (rows, groups), generator=g, dtype=torch.int8)
         out[base + ".weight_packed"] = pack_int4_words(v)
         out[base + ".weight_scale"] = (torch.rand(rows, groups, generator=g) * 1e-2 + 1e-4).bfloat16()
         out[base + ".weight_shape"] = torch.tensor([rows, cols])
         kept[base + ".values"] = v
+        if z is not None:
+            # Down the output dim: pack the transpose along its rows, then transpose back.
+            out[base + ".weight_zero_point"] = pack_int4_words(z.t().contiguous()).t().contiguous()
+            kept[base + ".values"] = v.to(torch.int16) - z.to(torch.int16).repeat_interleave(width, 1)[:, :cols]
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
     _config(src, dst, compressed_config(
-        {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False, **strategy}, None,
+        {"num_bits": 4, "type": "int", "symmetric": sym, "dynamic": False, **strategy}, None,
         "pack-quantized", ["lm_head"]))
     return {**out, **kept}
 
