@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from milepost.testing.moe_reference import expert_loop, routed_inputs
+from milepost.testing.int4_moe_cuda import assert_replays_in_a_cuda_graph, packed_experts, run_fused_int4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -26,25 +26,8 @@ E, H, I, K = 128, 2048, 768, 8
 @pytest.fixture(scope="module")
 def pair():
     """(INT4 experts with zero points, their dequantized bf16 weights w13 [E, 2I, H], w2 [E, H, I])."""
-    from milepost.lowprec.experts_int4 import _pack
-    from milepost.lowprec.quantize import QTensor
-    from milepost.models.qwen3_moe import StackedExperts
-
-    torch.manual_seed(1)
+    mod = packed_experts(E, H, I, zero_points=True)
     with torch.no_grad():
-        mod = StackedExperts(E, H, I).cuda().bfloat16()
-        mod.w13.normal_(0, 0.02)
-        mod.w2.normal_(0, 0.02)
-        _pack(mod)  # probes the kernels
-        g = torch.Generator(device="cuda").manual_seed(2)
-        for e in range(E):
-            for which in (0, 1, 2):
-                q = mod.qtensor(e, which)
-                z = torch.randint(-8, 8, tuple(q.scales.shape), generator=g, device="cuda",
-                                  dtype=torch.int8)
-                mod.put(e, which, QTensor("int4", q.values.clone(), q.scales.clone(), q.tile, q.shape,
-                                          zeros=z))
-        assert mod.w13_zero.any() and mod.w2_zero.any()
         return mod, mod.expert_weights()
 
 
@@ -60,41 +43,14 @@ def test_probe_passes_and_the_triton_dequantization_gives_torchs_bits(pair) -> N
 
 @pytest.mark.parametrize("tokens", [1, 4, 16, 64, 256])
 def test_fused_int4_with_zeros_equals_the_bf16_kernel_on_dequantized_weights(pair, tokens: int) -> None:
-    from milepost.kernels import fused_moe as fm
-    from milepost.kernels import fused_moe_int4 as f4
-
     mod, (w13, w2) = pair
-    x, ids, w = routed_inputs(tokens, H, E, K, seed=tokens)
-    cfg = f4.config_for(tokens, E, H, I, K)
-    with torch.inference_mode():
-        got = mod(x, ids, w)
-        assert torch.equal(got, f4.fused_expert_mlp_int4(x, ids, w, mod.w13, mod.w13_scale, mod.w2,
-                                                         mod.w2_scale, cfg, mod.w13_zero, mod.w2_zero))
-        same_tiles = fm.fused_expert_mlp(x, ids, w, w13, w2, cfg)
-        print(f"INT4_ZEROS tokens={tokens} bitwise vs bf16 kernel: {torch.equal(got, same_tiles)}")
-        assert torch.equal(got, same_tiles), cfg.label()
-        old = mod._routed_only(x, ids, w) if tokens * K < E else super(type(mod), mod).forward(x, ids, w)
-        ref = expert_loop(x, ids, w, w13, w2)
-        for y in (got, old):
-            err = ((y.float() - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, (tokens, err)
+    r = run_fused_int4(mod, w13, w2, tokens, K)
+    print(f"INT4_ZEROS tokens={tokens} bitwise vs bf16 kernel: {torch.equal(r.got, r.same_tiles)}")
+    assert torch.equal(r.got, r.same_tiles), r.cfg.label()
 
 
 def test_fused_int4_with_zeros_is_captured_in_a_cuda_graph(pair) -> None:
-    mod, _ = pair
-    x, ids, w = routed_inputs(4, H, E, K, seed=0)
-    with torch.inference_mode():
-        mod(x, ids, w)  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = mod(x, ids, w)
-        x2, ids2, w2 = routed_inputs(4, H, E, K, seed=5)
-        x.copy_(x2)
-        ids.copy_(ids2)
-        w.copy_(w2)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, mod(x2, ids2, w2))
+    assert_replays_in_a_cuda_graph(pair[0], H, E, K)
 
 
 def test_engine_serves_an_awq_moe_checkpoint_on_the_fused_kernels(tmp_path: Path) -> None:

@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from milepost.testing.int4_moe_cuda import assert_replays_in_a_cuda_graph, packed_experts
 from milepost.testing.moe_reference import expert_loop, routed_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 E, H, I, K = 128, 2048, 768, 8
-
-
 
 
 def _inputs(t: int, seed: int = 0):
@@ -35,15 +34,10 @@ def _inputs(t: int, seed: int = 0):
 @pytest.fixture(scope="module")
 def pair():
     """(INT4 experts, bf16 StackedExperts holding their dequantized weights)."""
-    from milepost.lowprec.experts_int4 import _pack
     from milepost.models.qwen3_moe import StackedExperts
 
-    torch.manual_seed(1)
+    mod = packed_experts(E, H, I)
     with torch.no_grad():
-        mod = StackedExperts(E, H, I).cuda().bfloat16()
-        mod.w13.normal_(0, 0.02)
-        mod.w2.normal_(0, 0.02)
-        _pack(mod)
         plain = StackedExperts(E, H, I).cuda().bfloat16()
         w13, w2 = mod.expert_weights()
         plain.w13.copy_(w13)
@@ -84,20 +78,7 @@ def test_int4_experts_match_the_bf16_path_on_dequantized_weights(pair, tokens: i
 
 
 def test_decode_path_is_captured_in_a_cuda_graph(pair) -> None:
-    mod, _ = pair
-    x, ids, w = _inputs(4)
-    with torch.inference_mode():
-        mod(x, ids, w)  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = mod(x, ids, w)
-        x2, ids2, w2 = _inputs(4, seed=5)
-        x.copy_(x2)
-        ids.copy_(ids2)
-        w.copy_(w2)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, mod(x2, ids2, w2))
+    assert_replays_in_a_cuda_graph(pair[0], H, E, K)
 
 
 def test_print_decode_times(pair) -> None:
