@@ -22,9 +22,13 @@ pytest.importorskip("triton")
 fm = importlib.import_module("milepost.kernels.fused_moe")
 f4 = importlib.import_module("milepost.kernels.fused_moe_int4")
 
-from milepost.lowprec.experts_int4 import Int4StackedExperts, _pack, dequantize_packed
-from milepost.models.qwen3_moe import StackedExperts
+from milepost.lowprec.experts_int4 import Int4StackedExperts
 from milepost.testing.hopper_compile import needs_ptxas, run_compiled
+from milepost.testing.int4_moe_interp import (
+    assert_fused_int4_is_the_bf16_kernel,
+    crowded_routing,
+    small_int4_experts,
+)
 
 torch.set_num_threads(1)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,22 +39,11 @@ E, H, I, K = 6, 201, 136, 3
 def experts() -> Int4StackedExperts:
     """INT4 experts packed by the engine's store; group scales spread over six orders of magnitude
     along H (a scale read from the wrong group or row shows)."""
-    g = torch.Generator().manual_seed(0)
-    mod = StackedExperts(E, H, I)
-    with torch.no_grad():
-        mod.w13.copy_(torch.randn(mod.w13.shape, generator=g) * torch.logspace(-3, 3, H)[None, None] * 0.02)
-        mod.w2.copy_(torch.randn(mod.w2.shape, generator=g) * 0.2)
-        _pack(mod)
-    assert isinstance(mod, Int4StackedExperts)
-    return mod
+    return small_int4_experts(E, H, I)
 
 
 def _inputs(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
-    ids[: t // 2, 0] = 4  # one expert with more rows than others
-    ids[: t // 2, 1:] = torch.tensor([0, 5])
-    return torch.randn(t, H, generator=g), ids, torch.rand(t, K, generator=g)
+    return crowded_routing(t, E, H, seed)
 
 
 def _args(mod: Int4StackedExperts) -> list[torch.Tensor]:
@@ -67,18 +60,7 @@ def test_fused_int4_equals_dequantize_then_the_bf16_kernel(experts: Int4StackedE
     fp32 rounding of the module's per-expert loop. BLOCK_K 32 and 64: a group over several K
     steps; the weight tile built transposed (swap) and not."""
     x, ids, w = _inputs(tokens, tokens)
-    w13 = dequantize_packed(experts.w13, experts.w13_scale, H, torch.float32)
-    w2 = dequantize_packed(experts.w2, experts.w2_scale, I, torch.float32)
-    got = f4.fused_expert_mlp_int4(x.to(DEV), ids.to(DEV), w.to(DEV), *_args(experts), cfg).cpu()
-    want = fm.fused_expert_mlp(x.to(DEV), ids.to(DEV), w.to(DEV), w13.to(DEV), w2.to(DEV), cfg).cpu()
-    if DEV == "cpu":
-        assert torch.equal(got, want)
-    else:  # fp32 tl.dot runs in tf32 on a GPU
-        torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-4)
-    with torch.no_grad():
-        ref = experts(x, ids, w)  # CPU: the per-expert loop on the dequantized weights
-    tol = (1e-5 if DEV == "cpu" else 5e-3) * ref.abs().amax(1, keepdim=True)  # rows' own scale
-    assert ((got - ref).abs() <= tol).all()
+    got = assert_fused_int4_is_the_bf16_kernel(experts, x, ids, w, cfg, DEV)
     if tokens > 1:  # the last pair on an expert its token does not use: only its row changes
         other = ids.clone()
         other[-1, -1] = next(e for e in range(E) if e not in ids[-1].tolist())

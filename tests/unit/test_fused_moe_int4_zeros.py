@@ -25,10 +25,15 @@ fm = importlib.import_module("milepost.kernels.fused_moe")
 f4 = importlib.import_module("milepost.kernels.fused_moe_int4")
 i4 = importlib.import_module("milepost.kernels.int4_gemm")
 
-from milepost.lowprec.experts_int4 import Int4Experts, Int4StackedExperts, _pack, dequantize_packed
+from milepost.lowprec.experts_int4 import Int4Experts, Int4StackedExperts, dequantize_packed
 from milepost.lowprec.quantize import QTensor, dequantize, quantize
 from milepost.models.qwen3_moe import StackedExperts
 from milepost.testing.hopper_compile import needs_ptxas, run_compiled
+from milepost.testing.int4_moe_interp import (
+    assert_fused_int4_is_the_bf16_kernel,
+    crowded_routing,
+    small_int4_experts,
+)
 
 torch.set_num_threads(1)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,13 +54,8 @@ def _zeros(shape: torch.Size, seed: int) -> torch.Tensor:
 def experts() -> Int4StackedExperts:
     """INT4 experts packed by the engine's store, then given zero points through `put` (a
     checkpoint's tensors arrive that way); scales spread over six orders of magnitude along H."""
-    g = torch.Generator().manual_seed(0)
-    mod = StackedExperts(E, H, I)
-    with torch.no_grad():
-        mod.w13.copy_(torch.randn(mod.w13.shape, generator=g) * torch.logspace(-3, 3, H)[None, None] * 0.02)
-        mod.w2.copy_(torch.randn(mod.w2.shape, generator=g) * 0.2)
-        _pack(mod)
-    assert isinstance(mod, Int4StackedExperts) and mod.w13_zero is None
+    mod = small_int4_experts(E, H, I)
+    assert mod.w13_zero is None
     z13, z2 = _zeros(mod.w13_scale.shape, 1), _zeros(mod.w2_scale.shape, 2)
     for e in range(E):
         for which in (0, 1, 2):
@@ -68,11 +68,7 @@ def experts() -> Int4StackedExperts:
 
 
 def _inputs(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)])
-    ids[: t // 2, 0] = 4  # one expert with more rows than others
-    ids[: t // 2, 1:] = torch.tensor([0, 5])
-    return torch.randn(t, H, generator=g), ids, torch.rand(t, K, generator=g)
+    return crowded_routing(t, E, H, seed)
 
 
 def _dev(*ts: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -107,21 +103,10 @@ def test_fused_int4_with_zeros_equals_dequantize_then_the_bf16_kernel(
     down both reading their zero points), within fp32 rounding of the module's per-expert loop,
     and not the product without zero points."""
     x, ids, w = _inputs(tokens, tokens)
-    w13 = dequantize_packed(experts.w13, experts.w13_scale, H, torch.float32, experts.w13_zero)
-    w2 = dequantize_packed(experts.w2, experts.w2_scale, I, torch.float32, experts.w2_zero)
+    got = assert_fused_int4_is_the_bf16_kernel(experts, x, ids, w, cfg, DEV)
     args = _dev(experts.w13, experts.w13_scale, experts.w2, experts.w2_scale)
     zeros = _dev(experts.w13_zero, experts.w2_zero)
     xs = _dev(x, ids, w)
-    got = f4.fused_expert_mlp_int4(*xs, *args, cfg, *zeros).cpu()
-    want = fm.fused_expert_mlp(*xs, w13.to(DEV), w2.to(DEV), cfg).cpu()
-    if DEV == "cpu":
-        assert torch.equal(got, want)
-    else:  # fp32 tl.dot runs in tf32 on a GPU
-        torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-4)
-    with torch.no_grad():
-        ref = experts(x, ids, w)  # CPU: the per-expert loop on the dequantized weights
-    tol = (1e-5 if DEV == "cpu" else 5e-3) * ref.abs().amax(1, keepdim=True)
-    assert ((got - ref).abs() <= tol).all()
     # Each GEMM reads its own zero points: dropping either changes the result.
     for drop in ((zeros[0], None), (None, zeros[1])):
         other = f4.fused_expert_mlp_int4(*xs, *args, cfg, *drop).cpu()
