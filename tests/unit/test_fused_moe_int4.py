@@ -24,11 +24,7 @@ f4 = importlib.import_module("milepost.kernels.fused_moe_int4")
 
 from milepost.lowprec.experts_int4 import Int4StackedExperts
 from milepost.testing.hopper_compile import needs_ptxas, run_compiled
-from milepost.testing.int4_moe_interp import (
-    assert_fused_int4_is_the_bf16_kernel,
-    crowded_routing,
-    small_int4_experts,
-)
+from milepost.testing.int4_moe_interp import assert_fused_int4_is_the_bf16_kernel, crowded_routing, small_int4_experts
 
 torch.set_num_threads(1)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

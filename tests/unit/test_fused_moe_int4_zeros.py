@@ -29,11 +29,7 @@ from milepost.lowprec.experts_int4 import Int4Experts, Int4StackedExperts, dequa
 from milepost.lowprec.quantize import QTensor, dequantize, quantize
 from milepost.models.qwen3_moe import StackedExperts
 from milepost.testing.hopper_compile import needs_ptxas, run_compiled
-from milepost.testing.int4_moe_interp import (
-    assert_fused_int4_is_the_bf16_kernel,
-    crowded_routing,
-    small_int4_experts,
-)
+from milepost.testing.int4_moe_interp import assert_fused_int4_is_the_bf16_kernel, crowded_routing, small_int4_experts
 
 torch.set_num_threads(1)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
