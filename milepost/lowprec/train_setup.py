@@ -24,12 +24,18 @@ def quantize_trainer(model: nn.Module, s: TrainerSettings, device: torch.device)
     names = apply_train_precision(model, contract, dequantized_backward=s.nvfp4_dequantized_backward,
                                   stochastic_rounding=s.nvfp4_stochastic_rounding)
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    # Emulated everywhere today (the values are the format's; native trainer GEMMs are not wired).
-    log.warning("trainer precision %s: %d linears quantized; GEMMs emulated (quantize, dequantize, "
-                "GEMM in %s)%s", s.precision, len(names), s.dtype,
-                "" if native_support(s.precision, cap) else
-                f"; {'the CPU' if cap is None else f'compute capability {cap}'} has no native "
-                f"{s.precision} GEMM")
+    if s.precision == "fp8_block" and cap is not None and cap >= (9, 0) and s.dtype != "float32":
+        # linear.py's _native_fp8: FP8 GEMMs where a linear's dims are whole 128 x 128 tiles and
+        # the GEMM probe passed; the values are the emulated path's either way.
+        log.info("trainer precision fp8_block: %d linears quantized; native FP8 GEMMs on %s where "
+                 "both dims are multiples of 128 (else emulated: quantize, dequantize, GEMM in %s)",
+                 len(names), torch.cuda.get_device_name(device), s.dtype)
+    else:
+        log.warning("trainer precision %s: %d linears quantized; GEMMs emulated (quantize, "
+                    "dequantize, GEMM in %s)%s", s.precision, len(names), s.dtype,
+                    "" if native_support(s.precision, cap) else
+                    f"; {'the CPU' if cap is None else f'compute capability {cap}'} has no native "
+                    f"{s.precision} GEMM")
     return names
 
 
