@@ -173,8 +173,9 @@ class DelayedFp8NativeFn(torch.autograd.Function):
                 gemms: Gemms, opts: Fp8TrainOptions | None = None,
                 wvt: torch.Tensor | None = None) -> torch.Tensor:
         from milepost.kernels.fp8_gemm import static_block_mm
+        from milepost.lowprec.fp8_options import Fp8TrainOptions
 
-        fused = opts is not None and opts.transpose == "fused"
+        fused = (opts or Fp8TrainOptions()).transpose == "fused"  # None: the defaults
         xq, sx, per_tensor, xqt = _operand(state, x.reshape(-1, x.shape[-1]), slots[0], record, fused)
         ctx.save_for_backward(xq if xqt is None else xqt, sx, wv if wvt is None else wvt, ws)
         ctx.state, ctx.gy_slot, ctx.gemms, ctx.per_tensor = state, slots[1], gemms, per_tensor

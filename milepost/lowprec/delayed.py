@@ -222,7 +222,7 @@ def delayed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A LowPrecLinear's forward under delayed scaling (module.__dict__['_delayed'] is set);
     under --compile-layers the rest of the layer compiles around it."""
     from milepost.kernels.fp8_delayed import DelayedFp8NativeFn, runs_native
-    from milepost.lowprec.linear import native_weight
+    from milepost.lowprec.linear import fp8_options_arg, native_weight
 
     state, slots, records = module.__dict__["_delayed"]
     record = records and torch.is_grad_enabled()  # scoring passes under no_grad only read
@@ -230,7 +230,7 @@ def delayed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if gemms is not None:  # FP8 GEMMs on the same values (kernels/fp8_delayed.py)
         wv, ws, wvt = native_weight(module)  # the shared quantizer's tiles
         y = DelayedFp8NativeFn.apply(x, module.weight, wv, ws, state, slots, record, gemms,
-                                     module.fp8_options, wvt)
+                                     fp8_options_arg(module), wvt)
     else:
         y = DelayedFp8LinearFn.apply(x, module.weight, module.quantized_weight(), state, slots, record)
     return y + module.bias if module.bias is not None else y

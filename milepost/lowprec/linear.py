@@ -118,6 +118,13 @@ def native_weight(m: nn.Linear, transposed: bool = True) -> tuple[torch.Tensor, 
     return q.values, q.scales, None
 
 
+def fp8_options_arg(m: nn.Module) -> Fp8TrainOptions | None:
+    """What the native FP8 autograd functions get: None for the defaults, so that the usual call
+    passes only tensors (torch.compile around a layer, --compile-layers, traces it as before)."""
+    opts = getattr(m, "fp8_options", Fp8TrainOptions())
+    return None if opts == Fp8TrainOptions() else opts
+
+
 def set_fp8_options(model: nn.Module, opts: Fp8TrainOptions) -> int:
     """Give every FP8 blockwise LowPrecLinear of `model` these native quantize passes; returns
     how many (benchmarks/fp8_train_profile.py A/Bs them; the values do not change)."""
@@ -162,7 +169,7 @@ class LowPrecLinear(nn.Linear):
             from milepost.kernels.fp8_gemm import Fp8BlockLinearFn
 
             wv, ws, wvt = native_weight(self)
-            y = Fp8BlockLinearFn.apply(x, self.weight, wv, ws, self.fp8_options, wvt)
+            y = Fp8BlockLinearFn.apply(x, self.weight, wv, ws, fp8_options_arg(self), wvt)
             return y + self.bias if self.bias is not None else y
         # The weight's gradient goes straight through to the master weight (wq carries none).
         y = LowPrecLinearFn.apply(x, self.weight, self.quantized_weight(), self.qformat,

@@ -90,6 +90,12 @@ def test_tiled_rows_equal_the_one_block_kernel(pad_rows: int) -> None:
 def test_options_default_to_the_measured_path() -> None:
     assert Fp8TrainOptions() == Fp8TrainOptions.all_fused() == Fp8TrainOptions("triton", "tiled", "fused")
     assert Fp8TrainOptions.unfused() == Fp8TrainOptions("torch", "rows", "copy")
+    from milepost.lowprec.linear import fp8_options_arg
+
+    lin = torch.nn.Linear(4, 4)  # the autograd functions get None (tensors only) for the defaults
+    assert fp8_options_arg(lin) is None
+    lin.fp8_options = Fp8TrainOptions.unfused()
+    assert fp8_options_arg(lin) == Fp8TrainOptions.unfused()
 
 
 def test_native_linear_with_fused_options_equals_the_unfused_path(monkeypatch: pytest.MonkeyPatch) -> None:
