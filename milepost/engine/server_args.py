@@ -81,6 +81,12 @@ class ServerArgs(BaseModel):
         "by the store that holds them (fp8_block, fp8 or int4) unless this is set: then its "
         "weights are dequantized at load (values times their scales) and served in --dtype. The "
         "trainer's launcher sets it when the engines serve bf16.")
+    fp8_weight_only: bool = Field(
+        False, description="A compressed-tensors FP8-dynamic checkpoint (per-channel FP8 weights, "
+        "dynamic per-token FP8 activations) is served W8A8 as it means: each linear's input "
+        "quantized per token (one float32 scale per row = amax / 448). Set this to keep the "
+        "activations in --dtype (W8A16, the weights still as stored). Needs the fp8 row store "
+        "(such a checkpoint, or --quantization fp8, which is weight-only anyway).")
     max_total_tokens: int | None = Field(
         None,
         description="KV pool size in tokens; default derived from --mem-fraction-static on CUDA "
@@ -322,6 +328,11 @@ class ServerArgs(BaseModel):
         if self.fp8_activation_scheme == "static" and quantization != "fp8_block":
             raise ValueError("--fp8-activation-scheme static scales the fp8_block engine's "
                              "activations; add --quantization fp8_block or drop it")
+        if self.fp8_weight_only and quantization != "fp8":
+            raise ValueError("--fp8-weight-only keeps a per-channel FP8 checkpoint's activations in "
+                             f"--dtype; the engine serves {quantization or 'no quantized store'} "
+                             "here (it needs an FP8-dynamic checkpoint served as stored, or "
+                             "--quantization fp8): drop --fp8-weight-only")
         if self.nvfp4_four_over_six and self.quantization != "nvfp4":
             raise ValueError("--nvfp4-four-over-six needs --quantization nvfp4")
         if self.precision_override:

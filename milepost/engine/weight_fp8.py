@@ -38,8 +38,15 @@ class Fp8Linear(nn.Linear):
     """nn.Linear whose `weight` is fp8 with a per-row `weight_scale` buffer (set by store_fp8)."""
 
     weight_scale: torch.Tensor
+    # An FP8-dynamic checkpoint's linears (served as stored, --fp8-weight-only unset): inputs
+    # quantized per token too, W8A8 (kernels/fp8_rowwise.py); otherwise W8A16.
+    act_per_token: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_per_token:
+            from milepost.kernels.fp8_rowwise import rowwise_linear
+
+            return rowwise_linear(x, self.weight, self.weight_scale, self.bias)
         # Dequantized in float32 then cast once: the scale keeps its 24-bit precision.
         w = dequantize_rows(self.weight, self.weight_scale).to(x.dtype)
         return F.linear(x, w, self.bias)

@@ -37,6 +37,7 @@ from milepost.lowprec.engine_setup import (
 )
 from milepost.lowprec.engine_store import QuantizedLinear, StoreBuilder
 from milepost.lowprec.experts_fp8_row import Fp8RowExperts, convert_row_experts, split_experts
+from milepost.lowprec.fp8_dynamic import quantize_inputs_per_token, token_activations
 from milepost.lowprec.experts_int4 import Int4Experts
 from milepost.lowprec.quant_checkpoint import checkpoint_quant
 from milepost.lowprec.quantize import QTensor
@@ -59,7 +60,10 @@ def load_quantized(args: object, dtype: torch.dtype, device: torch.device,
     # store holds them exactly (else the loaded weights are dequantized and quantized again).
     stored: dict[str, QTensor] | None = (
         {} if ckpt is not None and fmt == ckpt.serve_as and not ckpt.inexact else None)
-    store = _RowStore(dtype, stored) if fmt == "fp8" else _TensorStore(args, dtype, device, stored)
+    # An FP8-dynamic checkpoint served as stored: its linears quantize inputs per token (W8A8)
+    # unless --fp8-weight-only keeps them in --dtype.
+    tokens = token_activations(args, ckpt, stored is not None)
+    store = _RowStore(dtype, stored, tokens) if fmt == "fp8" else _TensorStore(args, dtype, device, stored)
     peak = [0]  # bytes held when a layer is in, before it is stored (the start's high mark)
 
     def on_layer(model: CausalLM, prefix: str, layer: nn.Module) -> None:
@@ -134,8 +138,10 @@ class _RowStore:
     """`--quantization fp8` (one scale per row, engine/weight_fp8.py) one layer at a time; with
     `stored`, a per-channel FP8 checkpoint's rows and scales as `store_fp8` takes them."""
 
-    def __init__(self, dtype: torch.dtype, stored: dict[str, QTensor] | None) -> None:
+    def __init__(self, dtype: torch.dtype, stored: dict[str, QTensor] | None,
+                 token_activations: bool = False) -> None:
         self.dtype = dtype
+        self.token_activations = token_activations  # W8A8, kernels/fp8_rowwise.py (experts: W8A16)
         self.stored = stored
         self.quantized: set[str] = set()
         self.modules: list[Fp8Linear] = []
@@ -162,6 +168,8 @@ class _RowStore:
             self.quantized.update(self.stored)
             self.stored.clear()
             refuse_kept(model, store, self.quantized)
+        if self.token_activations:
+            quantize_inputs_per_token(self.modules)
         model.fp8_weights = store
 
 

@@ -252,7 +252,16 @@ def _group_layout(g: dict[str, Any], top_format: str | None, where: str
                 raise ValueError(f"{where}: per-channel FP8 weights with static input scales; the "
                                  "row-scaled store (--quantization fp8) quantizes no inputs: use "
                                  "a dynamic-activation checkpoint or the bf16 one")
-            return ("fp8_channel", "none", 0, False)
+            if scheme == "none":
+                return ("fp8_channel", "none", 0, False)
+            if (act.get("type"), act.get("num_bits"), act.get("strategy")) != ("float", 8, "token"):
+                raise ValueError(f"{where}.input_activations: dynamic {act.get('num_bits')}-bit "
+                                 f"{act.get('type')!r} per {act.get('strategy')!r}; per-channel FP8 "
+                                 "weights are served with dynamic 8-bit float activations per "
+                                 "token (FP8-dynamic) or none: use such a checkpoint or the bf16 one")
+            # FP8-dynamic: activations per token at run time (the row store's W8A8 forward,
+            # kernels/fp8_rowwise.py) unless the engine is started with --fp8-weight-only.
+            return ("fp8_channel", "dynamic", 0, False)
         if strategy == "block":
             block = list(w.get("block_structure") or [])
             if block != [FP8_TILE, FP8_TILE]:

@@ -201,3 +201,23 @@ def error_bound(fmt: str, sent: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     else:  # E4M3: 3 mantissa bits, subnormal step 2^-9
         half_ulp, half_sub, top = 2.0**-4, 2.0**-10, el.E4M3_MAX
     return (half_ulp * x + half_sub * s + (x - top * s).clamp(min=0)) * (1 + 2.0**-20)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 activations per token (a compressed-tensors FP8-dynamic checkpoint's `strategy: token`):
+    (float8_e4m3fn values shaped like x, float32 scales [.., 1]), one scale per row = the row's
+    finite amax / 448 (1 for an all-zero row, NaN for a row holding NaN or +-Inf, as every block
+    format here marks such blocks), values saturating at +-448. The same rules as fp8_block's
+    1 x 128 blocks with the block one whole row, so bit-exact on CPU and CUDA alike."""
+    shape = tuple(x.shape)
+    t = x.detach().float().reshape(-1, 1, shape[-1])  # [rows, 1 block, K]
+    amax, bad = _block_amax(t)
+    scale = torch.where(amax > 0, _div(amax, el.E4M3_MAX), 1.0)
+    scale = torch.where(bad, torch.nan, scale)  # [rows, 1]
+    values = el.to_e4m3(t.squeeze(1) / scale)
+    return values.reshape(shape), scale.reshape(*shape[:-1], 1)
+
+
+def dequantize_fp8_per_token(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 activations of `quantize_fp8_per_token`'s (values, scales)."""
+    return values.float() * scales

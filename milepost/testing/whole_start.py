@@ -11,6 +11,7 @@ import torch
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.weight_fp8 import store_fp8
 from milepost.lowprec.engine_setup import store_engine_precision
+from milepost.lowprec.fp8_dynamic import quantize_inputs_per_token, token_activations
 from milepost.lowprec.quant_checkpoint import checkpoint_quant
 from milepost.lowprec.quantize import QTensor
 from milepost.models.base import CausalLM
@@ -25,7 +26,9 @@ def quantize_after_build(args: ServerArgs, dtype: torch.dtype, device: torch.dev
     model = load_model(args.model_path, dtype, device, fp8_weights=stored)
     model.fuse_projections()
     if args.quantization == "fp8":
-        store_fp8(model, stored)
+        store = store_fp8(model, stored)
+        if token_activations(args, ckpt, stored is not None):  # FP8-dynamic: W8A8
+            quantize_inputs_per_token(store._modules)
     else:
         store_engine_precision(model, args, device, stored)
     return model
@@ -36,5 +39,6 @@ def served_args(args: ServerArgs) -> ServerArgs:
     `--quantization` (the model holds its store; `build_engine` would store it again)."""
     quantized = checkpoint_quant(args.model_path) is not None
     return ServerArgs(**{**args.model_dump(exclude={"quantization", "precision_override",
-                                                     "nvfp4_four_over_six", "fp8_activation_scheme"}),
+                                                     "nvfp4_four_over_six", "fp8_activation_scheme",
+                                                     "fp8_weight_only"}),
                          "dequantize_checkpoint": quantized}).resolved()

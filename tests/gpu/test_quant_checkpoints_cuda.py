@@ -85,7 +85,7 @@ def test_per_tensor_fp8_on_native_gemms(src: Path, tmp_path: Path) -> None:
 
 def test_per_channel_fp8_is_its_dequantized_weights(src: Path, tmp_path: Path) -> None:
     write_fp8(src, tmp_path / "pc", "channel")
-    a = _engine(tmp_path / "pc")
+    a = _engine(tmp_path / "pc", fp8_weight_only=True)  # W8A16; W8A8: test_fp8_rowwise_cuda.py
     model = a.runner.model
     for n, q in _stored(tmp_path / "pc").items():
         view = model.weight_view(n)
