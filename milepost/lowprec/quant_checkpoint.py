@@ -10,7 +10,8 @@ Layouts read (config.json `quantization_config`), each held exactly by one exist
   every 128 x 128 tile given the tensor's scale.
 - `fp8_channel`: compressed-tensors `strategy: channel` (the "FP8-dynamic" releases; `X.weight_scale`
   [out, 1]): the row-scaled `--quantization fp8` store (float8 values, a float32 scale per row),
-  MoE experts too (lowprec/experts_fp8_row.py).
+  MoE experts too (lowprec/experts_fp8_row.py); dynamic per-token FP8 activations make
+  `activation_scheme` "dynamic" (the dense linears W8A8, lowprec/fp8_dynamic.py), none "none".
 - `int4_pack`: compressed-tensors `pack-quantized`, 4-bit symmetric ints, `strategy: group` with a
   group size that is a multiple of 128, or `channel` (`X.weight_packed` int32, eight values a word,
   stored +8; `X.weight_scale` [out, groups]; `X.weight_shape`): the packed INT4 store (128-wide groups,
