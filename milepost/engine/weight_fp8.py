@@ -4,8 +4,8 @@ Each projection (q/k/v/o, gate/up/down and their fused forms) keeps its weight a
 with one float32 scale per output row (scale = row amax / 448); activations stay in the model's
 dtype and the forward dequantizes the weight, except for a compressed-tensors FP8-dynamic
 checkpoint served as stored (`act_per_token`, lowprec/fp8_dynamic.py): its inputs are quantized
-per token too (W8A8, kernels/fp8_rowwise.py) unless --fp8-weight-only. A scale per output row keeps the HF-name views
-intact: a name that addresses a row slice of a fused weight (q_proj inside qkv_proj) owns exactly
+per token too (W8A8, kernels/fp8_rowwise.py) unless --fp8-weight-only. A scale per output row
+keeps the HF-name views intact: a name that addresses a row slice of a fused weight (q_proj inside qkv_proj) owns exactly
 its rows' scales. Embeddings, norms, lm_head and MoE experts stay unquantized, except the experts
 a per-channel FP8 checkpoint stores in FP8: held as stored, per row too (lowprec/experts_fp8_row.py).
 
