@@ -1,13 +1,13 @@
 """fp8 weight storage for the engine's linear layers (`--quantization fp8`).
 
-Each projection (q/k/v/o, gate/up/down and their fused forms) keeps its weight as float8_e4m3fn
-with one float32 scale per output row (scale = row amax / 448); activations stay in the model's
-dtype and the forward dequantizes the weight, except for a compressed-tensors FP8-dynamic
-checkpoint served as stored (`act_per_token`, lowprec/fp8_dynamic.py): its inputs are quantized
-per token too (W8A8, kernels/fp8_rowwise.py) unless --fp8-weight-only. A scale per output row
-keeps the HF-name views intact: a name that addresses a row slice of a fused weight (q_proj inside qkv_proj) owns exactly
-its rows' scales. Embeddings, norms, lm_head and MoE experts stay unquantized, except the experts
-a per-channel FP8 checkpoint stores in FP8: held as stored, per row too (lowprec/experts_fp8_row.py).
+Each projection (q/k/v/o, gate/up/down and their fused forms) keeps its weight as float8_e4m3fn with
+one float32 scale per output row (scale = row amax / 448); activations stay in the model's dtype and
+the forward dequantizes the weight, except for a compressed-tensors FP8-dynamic checkpoint served as
+stored (`act_per_token`, lowprec/fp8_dynamic.py): its inputs are quantized per token too (W8A8,
+kernels/fp8_rowwise.py) unless --fp8-weight-only. A scale per output row keeps the HF-name views
+intact: a name that addresses a row slice of a fused weight (q_proj inside qkv_proj) owns exactly
+its rows' scales. Embeddings, norms, lm_head and MoE experts stay unquantized, except the experts a
+per-channel FP8 checkpoint stores in FP8: held as stored, per row too (lowprec/experts_fp8_row.py).
 
 Weight updates quantize on arrival: every update path stages through WeightLoader, whose commit
 calls `Fp8Weights.write` for an fp8 destination (the sender sends the model's dtype, as for any
