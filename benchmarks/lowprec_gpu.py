@@ -31,12 +31,6 @@ from milepost.bench.engine_side import EngineBench
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
 
-bench_models.SHAPES.setdefault("qwen3-4b", ("Qwen3Config", "Qwen3ForCausalLM", dict(
-    bench_models._QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    tie_word_embeddings=True)))
-
-
 def cuda_ms(fn, reps: int = 50) -> float:
     for _ in range(5):
         fn()

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Shape = Literal["qwen3-0.6b", "qwen3-30b-a3b", "tiny"]
+Shape = Literal["qwen3-0.6b", "qwen3-4b", "qwen3-30b-a3b", "tiny"]
 SCENARIOS = ("fixed", "mixed", "multiturn", "prefill")
 
 # Peak memory bandwidth (bytes/s) of devices the bound is computed for, matched on the name.
@@ -20,7 +20,7 @@ class BenchArgs(BaseModel):
     model: Path | None = Field(None, description="Hugging Face model directory to benchmark.")
     shape: Shape | None = Field(
         None, description="Instead of --model: a real architecture shape with random weights built "
-        "in memory (qwen3-0.6b, qwen3-30b-a3b) or a tiny Qwen3 for CPU runs.")
+        "in memory (qwen3-0.6b, qwen3-4b, qwen3-30b-a3b) or a tiny Qwen3 for CPU runs.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and KV dtype; auto = bfloat16 on CUDA, float32 on CPU.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")

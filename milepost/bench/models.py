@@ -27,6 +27,10 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
         _QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
         tie_word_embeddings=True)),
+    "qwen3-4b": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        _QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=True)),
     "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         _QWEN3, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,

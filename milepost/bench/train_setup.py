@@ -122,18 +122,12 @@ def parse_args(argv: list[str] | None) -> TrainBenchArgs:
 
 
 def shape_config(shape: str, layers: int | None):
-    """The transformers config of a shape (qwen3-4b added to the engine bench's shapes)."""
+    """The transformers config of one of the engine bench's shapes, `layers` deep if given."""
     import transformers
 
     from milepost.bench.models import SHAPES
 
-    if shape == "qwen3-4b":
-        _, _, base = SHAPES["qwen3-0.6b"]
-        kwargs = dict(base, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-        config_cls, arch = "Qwen3Config", "Qwen3ForCausalLM"
-    else:
-        config_cls, arch, kwargs = SHAPES[shape]
+    config_cls, arch, kwargs = SHAPES[shape]
     if layers is not None:
         kwargs = dict(kwargs, num_hidden_layers=layers)
     config = getattr(transformers, config_cls)(**kwargs)

@@ -1,0 +1,73 @@
+"""Decode attention kernel variants on benchmark (a)'s shapes: tensor-core scores (today's default)
+against CUDA-core scores (`use_dot=False`), over block size, warps, stages and splits.
+
+Qwen3 heads (16 q / 8 kv, head dim 128), bf16, 16-token pages placed at random; median of
+`triton.testing.do_bench`; every variant is checked against the default's output.
+
+Usage: python benchmarks/decode_attention_sweep.py [--shapes 256x256,256x384,64x1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+
+from milepost.kernels import paged_attention as K
+
+H, HKV, D, PAGE = 16, 8, 128, 16
+
+
+def sweep(batch: int, ctx: int, top: int) -> None:
+    nb = batch * (-(-ctx // PAGE))
+    kc = torch.randn(nb * PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(nb, device="cuda", dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    gb = 2 * batch * ctx * HKV * D * 2 / 1e9
+    splits = K.decode_splits(batch, HKV, torch.cuda.get_device_properties(0).multi_processor_count)
+    ref = K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, splits)
+    configs = [(True, splits, 64, None, None)]
+    configs += [(True, s, bn, w, st) for s, bn, w, st in
+                itertools.product({splits, 2 * splits}, (32, 64, 128), (2, 4), (2, 3))]
+    configs += [(False, s, bn, w, st) for s, bn, w, st in
+                itertools.product({splits, 2 * splits}, (16, 32, 64), (1, 2, 4), (1, 2))]
+    rows = []
+    for use_dot, s, bn, w, st in configs:
+        def run() -> torch.Tensor:
+            return K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, s, block_n=bn,
+                                  num_warps=w, num_stages=st, use_dot=use_dot)
+        try:
+            err = (run().float() - ref.float()).abs().max().item()
+            ms = triton.testing.do_bench(run, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+            print(f"  dot={use_dot} splits={s} BN={bn} w={w} st={st}: failed {e!r:.120}")
+            continue
+        rows.append((ms, use_dot, s, bn, w, st, err))
+    default = rows[0]
+    print(f"B={batch} ctx={ctx}: KV {gb:.3f} GB; default (dot, splits={splits}) "
+          f"{default[0] * 1e3:.1f} us = {gb / default[0]:.2f} TB/s")
+    for ms, use_dot, s, bn, w, st, err in sorted(rows)[:top]:
+        print(f"  {'dot' if use_dot else 'vec'} splits={s} BN={bn} w={w} st={st}: {ms * 1e3:.1f} us "
+              f"= {gb / ms:.2f} TB/s, x{default[0] / ms:.2f} default, max|diff| {err:.1e}")
+    best_vec = min((r for r in rows if not r[1]), default=None)
+    if best_vec:
+        print(f"  best vec: {best_vec[0] * 1e3:.1f} us (x{default[0] / best_vec[0]:.2f})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default="256x256,256x384,64x1024")
+    ap.add_argument("--top", type=int, default=8)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    for shape in a.shapes.split(","):
+        b, c = (int(x) for x in shape.split("x"))
+        sweep(b, c, a.top)
+
+
+if __name__ == "__main__":
+    main()
