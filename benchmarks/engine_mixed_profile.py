@@ -224,15 +224,17 @@ def profile_steps(engine: object, shape: str, budgets: list[int]) -> None:
         sample(runner.forward(dec), params, gens, banned, 0, fused=engine.cfg.fused_sampler)
 
     seen: dict[str, torch.Tensor] = {}
-    for fuse, raw in ((False, False), (True, False), (True, True)) if not runner.model.moe_top_k else ():
+    switches = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
+    for fuse, raw, rope in switches if not runner.model.moe_top_k else ():
         DecoderLayer.fuse_residual_norm = fuse
         DecodeGraphs.raw_logits = raw
+        att.fuse_rope_store = rope
         runner.capture_cuda_graphs()
         g = _gpu_ms(step)
         g2 = _time(runner, mixed)[2]
         same = _same(seen, "decode", runner.forward(dec).float()) and _same(seen, "mixed", runner.forward(mixed))
         print(f"  residual add + norm {'fused' if fuse else 'apart'}, graph logits "
-              f"{'bf16' if raw else 'fp32'}: decode step 256 x 201 keys (graph + sampler) gpu {g:.3f} ms; "
+              f"{'bf16' if raw else 'fp32'}, q/k RoPE + KV store {'one kernel' if rope else 'apart'}: decode step 256 x 201 keys (graph + sampler) gpu {g:.3f} ms; "
               f"mixed 2048 gpu {g2:.2f} ms; logits bitwise equal to the first: {same}", flush=True)
     router_ab(runner)
     from torch.autograd import DeviceType

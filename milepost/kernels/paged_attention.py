@@ -48,6 +48,91 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 @triton.jit
+def _norm_rope_rows(X, W, c, s, hh, hmask, i, eps, stride_xh, HALF: tl.constexpr,
+                    HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
+    """RoPE(RMSNorm_per_head(x)) of one token's head rows at X, rounded as fused_ops.norm_rope."""
+    base = X + hh[:, None] * stride_xh + i[None, :]
+    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        ms = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+        rstd = (1.0 / tl.sqrt(ms + eps))[:, None]
+        w1 = tl.load(W + i).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + i).to(tl.float32)[None, :]
+        x1 = ((x1 * rstd).to(DTYPE).to(tl.float32) * w1).to(DTYPE).to(tl.float32)
+        x2 = ((x2 * rstd).to(DTYPE).to(tl.float32) * w2).to(DTYPE).to(tl.float32)
+    return (x1 * c - x2 * s).to(DTYPE), (x2 * c + x1 * s).to(DTYPE)
+
+
+@triton.jit
+def _rope_store_kernel(QKV, QW, KW, COS, SIN, QO, KC, VC, slots, stride_t, stride_qt, stride_ct,
+                       stride_cos, n_q, n_kv, eps, HALF: tl.constexpr, HQ: tl.constexpr,
+                       HKV: tl.constexpr, HAS_NORM: tl.constexpr, SATURATE: tl.constexpr):
+    """One token of a fused q|k|v row: q normed and rotated into QO, k normed and rotated and v
+    copied into cache slot slots[t] (slot < 0 = padding: nothing stored)."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, HALF)
+    dtype = QO.dtype.element_ty
+    c = tl.load(COS + t * stride_cos + i).to(tl.float32)[None, :]  # cos/sin rows: cat(f, f)
+    s = tl.load(SIN + t * stride_cos + i).to(tl.float32)[None, :]
+    row = QKV + t * stride_t
+    hq = tl.arange(0, HQ)
+    qmask = (hq < n_q)[:, None]
+    q1, q2 = _norm_rope_rows(row, QW, c, s, hq, qmask, i, eps, 2 * HALF, HALF, HAS_NORM, dtype)
+    out = QO + t * stride_qt + hq[:, None] * (2 * HALF) + i[None, :]
+    tl.store(out, q1, mask=qmask)
+    tl.store(out + HALF, q2, mask=qmask)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        hk = tl.arange(0, HKV)
+        kmask = (hk < n_kv)[:, None]
+        k1, k2 = _norm_rope_rows(row + n_q * 2 * HALF, KW, c, s, hk, kmask, i, eps, 2 * HALF, HALF,
+                                 HAS_NORM, dtype)
+        v_row = row + (n_q + n_kv) * 2 * HALF + hk[:, None] * (2 * HALF) + i[None, :]
+        v1 = tl.load(v_row, mask=kmask, other=0.0)
+        v2 = tl.load(v_row + HALF, mask=kmask, other=0.0)
+        if SATURATE:  # an fp8 pool: clamp to +-448 as _store_kv_kernel does
+            k1 = tl.minimum(tl.maximum(k1.to(tl.float32), -448.0), 448.0)
+            k2 = tl.minimum(tl.maximum(k2.to(tl.float32), -448.0), 448.0)
+            v1 = tl.minimum(tl.maximum(v1.to(tl.float32), -448.0), 448.0)
+            v2 = tl.minimum(tl.maximum(v2.to(tl.float32), -448.0), 448.0)
+        off = slot * stride_ct + hk[:, None] * (2 * HALF) + i[None, :]
+        tl.store(KC + off, k1.to(KC.dtype.element_ty), mask=kmask)
+        tl.store(KC + off + HALF, k2.to(KC.dtype.element_ty), mask=kmask)
+        tl.store(VC + off, v1.to(VC.dtype.element_ty), mask=kmask)
+        tl.store(VC + off + HALF, v2.to(VC.dtype.element_ty), mask=kmask)
+
+
+def rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor | None,
+               k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """qkv: [T, (H + 2 Hkv) D] (a fused q|k|v projection's rows) -> q [T, H, D] normed and rotated;
+    k normed and rotated and v go straight into the cache rows `slots`: one launch for what
+    fused_ops.norm_rope (twice) and store_kv do in three, with the same bits."""
+    t = qkv.shape[0]
+    dim = k_cache.shape[-1]
+    q = torch.empty((t, num_heads, dim), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("rope_store normalizes both q and k or neither")
+    if k_cache.stride(1) != dim or k_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("rope_store needs cache rows of [Hkv, D] contiguous per slot")
+    _rope_store_kernel[(t,)](
+        qkv, q_weight if q_weight is not None else qkv, k_weight if k_weight is not None else qkv,
+        cos, sin, q, k_cache, v_cache, slots, qkv.stride(0), q.stride(0), k_cache.stride(0),
+        cos.stride(0), num_heads, num_kv_heads, eps, HALF=dim // 2,
+        HQ=triton.next_power_of_2(num_heads), HKV=triton.next_power_of_2(num_kv_heads),
+        HAS_NORM=q_weight is not None, SATURATE=k_cache.dtype == torch.float8_e4m3fn,
+    )
+    return q
+
+
+@triton.jit
 def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale,
                          stride_qt, stride_qh, stride_ct, stride_ch, stride_tb,
                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh,

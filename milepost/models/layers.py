@@ -164,6 +164,15 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         t = x.shape[0]
+        plain = self.window is None and self.softcap is None and self.sinks is None
+        if (self.qkv_proj is not None and plain and self.fused_norm_rope and gpu_inference(x)
+                and getattr(ctx.attention, "can_attend_qkv", bool)()):
+            # GPU engine: q/k norm + RoPE and the KV store in one kernel, then attention.
+            qw, kw = (n.weight if n is not None else None for n in (self.q_norm, self.k_norm))
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            out = ctx.attention.attend_qkv(self.layer_id, self.qkv_proj(x), self.num_heads,
+                                           self.num_kv_heads, qw, kw, eps, cos, sin, self.scale)
+            return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self._qkv_sizes, dim=-1)  # row-strided views
         else:
@@ -187,7 +196,7 @@ class SelfAttention(nn.Module):
 
                 rotate = train_fused.apply_rotary
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if self.window is None and self.softcap is None and self.sinks is None:
+        if plain:
             out = ctx.attention.attend(self.layer_id, q, k, v, self.scale)  # [T, H, D]
         else:  # windowed / soft-capped / sink layers: torch reference path over the same backend
             var = Variant(window=self.window, softcap=self.softcap, sinks=self.sinks)

@@ -45,6 +45,9 @@ class TritonPagedAttention:
         self.split_mixed_decodes = True
         self._mixed_decodes = 0
         self._mixed_splits = 1
+        # q/k norm + RoPE and the KV store in one launch (attend_qkv) instead of three: a
+        # switch only so benchmarks can measure both.
+        self.fuse_rope_store = True
 
     def prepare(self, batch: PagedBatch) -> None:
         q_lens = batch.query_lens_cpu
@@ -89,14 +92,38 @@ class TritonPagedAttention:
         kc, vc = self.cache.k[layer_id], self.cache.v[layer_id]
         # k/v may be row-strided views of a fused qkv GEMM's output: store_kv reads rows by stride.
         self.kernels.store_kv(kc, vc, k, v, batch.slot_mapping)
+        if self._fresh_bounds is not None:
+            q = q if kc.element_size() == 1 else q.to(kc.dtype)
+            return _sdpa_fresh(q, k.to(q.dtype), v.to(q.dtype), scale, self._fresh_bounds)
+        return self._attend_stored(layer_id, q, scale)
+
+    def can_attend_qkv(self) -> bool:
+        """Whether attend_qkv serves this batch (fresh-prompt SDPA needs k and v as tensors)."""
+        return self.fuse_rope_store and self._fresh_bounds is None
+
+    def attend_qkv(self, layer_id: int, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                   cos: torch.Tensor, sin: torch.Tensor, scale: float) -> torch.Tensor:
+        """qkv: [T, (H + 2 Hkv) D], a fused projection's rows -> [T, H, D]: per-head RMSNorm of q
+        and k (weights None: none), RoPE, the KV store, then attention; same values as attend."""
+        batch = self._batch
+        if batch is None:
+            raise RuntimeError("TritonPagedAttention.attend_qkv called before prepare(batch)")
+        q = self.kernels.rope_store(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin,
+                                    self.cache.k[layer_id], self.cache.v[layer_id],
+                                    batch.slot_mapping)
+        return self._attend_stored(layer_id, q, scale)
+
+    def _attend_stored(self, layer_id: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of q [T, H, D] over the cache, which already holds the new tokens' K/V."""
+        batch = self._batch
+        kc, vc = self.cache.k[layer_id], self.cache.v[layer_id]
         # An fp8 pool: queries stay in the model dtype, the kernels widen K/V as they load them.
         q = (q if kc.element_size() == 1 else q.to(kc.dtype)).contiguous()
         page = self.cache.block_size
         if self._decode:
             return self.kernels.paged_decode(q, kc, vc, batch.block_tables, batch.seq_lens, scale,
                                              page, self._splits)
-        if self._fresh_bounds is not None:
-            return _sdpa_fresh(q, k.to(q.dtype), v.to(q.dtype), scale, self._fresh_bounds)
         tile_seq, tile_m0 = self._tiles
         out = None
         n = self._mixed_decodes

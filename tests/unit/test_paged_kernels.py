@@ -129,3 +129,29 @@ def test_decode_splits_fill_the_gpu_and_stay_powers_of_two() -> None:
     assert kernels.decode_splits(1, 8, 132) == 32
     s = kernels.decode_splits(8, 8, 132)
     assert s & (s - 1) == 0 and 8 * 8 * s >= 2 * 132
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_rope_store_equals_norm_rope_then_store_kv(dtype: torch.dtype, with_norm: bool) -> None:
+    """One launch (q/k norm + RoPE, the KV store) gives the bits of the three it replaces."""
+    fused = importlib.import_module("milepost.kernels.fused_ops")
+    g = torch.Generator().manual_seed(5)
+    t, h, hkv, slots = 5, 6, 3, 24  # 6 / 3 heads: not powers of two (masked head rows)
+    qkv = (torch.randn(t, (h + 2 * hkv) * D, generator=g) * 40).to(torch.bfloat16).to(DEV)
+    freqs = torch.rand(t, D // 2, generator=g) * 6
+    cos, sin = (torch.cat([f, f], -1).to(torch.bfloat16).to(DEV) for f in (freqs.cos(), freqs.sin()))
+    qw, kw = ((torch.rand(D, generator=g) + 0.5).to(torch.bfloat16).to(DEV) if with_norm else None
+              for _ in range(2))
+    slot_ids = torch.tensor([7, -1, 0, 23, 12], device=DEV)  # -1: a padding row, stores nothing
+    want_k, want_v = (torch.zeros(slots, hkv, D, device=DEV).to(dtype) for _ in range(2))
+    got_k, got_v = want_k.clone(), want_v.clone()
+    q, k, v = qkv.split([h * D, hkv * D, hkv * D], dim=-1)
+    want_q = fused.norm_rope(q.view(t, h, D), qw, 1e-6, cos, sin)
+    kernels.store_kv(want_k, want_v, fused.norm_rope(k.view(t, hkv, D), kw, 1e-6, cos, sin),
+                     v.view(t, hkv, D), slot_ids)
+    got_q = kernels.rope_store(qkv, h, hkv, qw, kw, 1e-6, cos, sin, got_k, got_v, slot_ids)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+    assert got_k.view(torch.uint8)[1:7].eq(0).all()  # slots no row names stay untouched
