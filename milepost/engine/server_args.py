@@ -7,17 +7,17 @@ ours without renaming. Deviations: no hub names (model and tokenizer are local d
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from milepost.engine.server_args_checks import check_combinations
+from milepost.engine.server_args_resolve import kv_pool_tokens, resolve
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-
-_GIB = 1 << 30
 
 
 class ServerArgs(BaseModel):
@@ -307,91 +307,8 @@ class ServerArgs(BaseModel):
 
     @model_validator(mode="after")
     def _combinations(self) -> ServerArgs:
-        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise ValueError(
-                f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page of "
-                f"--page-size ({self.page_size}) tokens; raise --max-total-tokens or lower --page-size"
-            )
-        if not self.trust_remote_code and has_custom_code(self.model_path):
-            raise ValueError(
-                f"{self.model_path / 'config.json'} has auto_map: the model runs its own modeling code; "
-                "review it, then pass --trust-remote-code"
-            )
-        if (self.lora_paths or self.max_loras_per_batch != 8 or self.lora_target_modules != "all-linear"
-                or self.max_lora_rank != 16) and not self.enable_lora:
-            raise ValueError("--lora-paths / --max-lora-rank / --lora-target-modules / "
-                             "--max-loras-per-batch need --enable-lora")
-        quantization = self._checkpoint_quantization()
-        if (self.precision_override or self.nvfp4_four_over_six) and quantization in (None, "fp8"):
-            raise ValueError("--precision-override / --nvfp4-four-over-six need --quantization "
-                             "fp8_block, mxfp8 or nvfp4")
-        if self.fp8_activation_scheme == "static" and quantization != "fp8_block":
-            raise ValueError("--fp8-activation-scheme static scales the fp8_block engine's "
-                             "activations; add --quantization fp8_block or drop it")
-        if self.fp8_weight_only and quantization != "fp8":
-            raise ValueError("--fp8-weight-only keeps a per-channel FP8 checkpoint's activations in "
-                             f"--dtype; the engine serves {quantization or 'no quantized store'} "
-                             "here (it needs an FP8-dynamic checkpoint served as stored, or "
-                             "--quantization fp8): drop --fp8-weight-only")
-        if self.nvfp4_four_over_six and self.quantization != "nvfp4":
-            raise ValueError("--nvfp4-four-over-six needs --quantization nvfp4")
-        if self.precision_override:
-            from milepost.lowprec.contract import parse_overrides
-
-            parse_overrides(self.precision_override.split(","))
-        if self.true_on_policy and (quantization or self.enable_lora):
-            raise ValueError("--true-on-policy re-scores with the trainer's unquantized, adapter-free "
-                             "computation: drop --quantization / --enable-lora" + (
-                                 " (an FP8 checkpoint: add --dequantize-checkpoint)"
-                                 if quantization and not self.quantization else ""))
-        self._check_speculative()
-        specs = self.lora_paths.split(",") if self.lora_paths else []
-        bad = [p for p in specs if "=" not in p or not p.split("=", 1)[0]]
-        if bad:
-            raise ValueError(f"--lora-paths {bad}: give each adapter as NAME=PATH")
-        model_max = model_max_positions(self.model_path)
-        if self.context_length is not None and model_max is not None and self.context_length > model_max:
-            raise ValueError(
-                f"--context-length {self.context_length} exceeds the model's max_position_embeddings "
-                f"({model_max}) in {self.model_path / 'config.json'}; pass --context-length <= {model_max}"
-            )
+        check_combinations(self)  # server_args_checks.py: settings valid alone, not together
         return self
-
-    def _check_speculative(self) -> None:
-        """Speculative settings need their algorithm, and a draft its own vocabulary's match."""
-        algo, draft = self.speculative_algorithm, self.speculative_draft_model_path
-        tuned = (self.speculative_num_draft_tokens != 4
-                 or self.speculative_ngram_min_match_window_size != 2
-                 or self.speculative_ngram_max_match_window_size != 8
-                 or self.speculative_ngram_scope != "prompt"
-                 or self.speculative_ngram_capacity != 1 << 18)
-        eagle = (self.speculative_num_steps, self.speculative_eagle_topk) != (None, None)
-        if algo is None and (draft is not None or tuned or eagle):
-            raise ValueError("--speculative-draft-model-path / --speculative-num-draft-tokens / "
-                             "--speculative-num-steps / --speculative-eagle-topk / --speculative-ngram-* "
-                             "need --speculative-algorithm NGRAM, STANDALONE or NEXTN")
-        if algo in ("NEXTN", "EAGLE"):
-            self._check_nextn()
-        elif eagle:
-            raise ValueError(f"--speculative-num-steps / --speculative-eagle-topk are NEXTN / EAGLE "
-                             f"settings; with --speculative-algorithm {algo} use "
-                             "--speculative-num-draft-tokens")
-        if algo == "STANDALONE" and draft is None:
-            raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path "
-                             "DIR (a small model with the target's vocabulary)")
-        if algo == "NGRAM" and draft is not None:
-            raise ValueError("--speculative-algorithm NGRAM uses no draft model: drop "
-                             "--speculative-draft-model-path or use STANDALONE")
-        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
-            raise ValueError("--speculative-ngram-min-match-window-size exceeds "
-                             "--speculative-ngram-max-match-window-size")
-        if algo is not None and self.overlap_schedule == "on":
-            raise ValueError("--speculative-algorithm needs each step's tokens on the host to propose "
-                             "the next ones: drop --overlap-schedule on (auto turns it off)")
-        if draft is not None:
-            from milepost.engine.speculative_setup import check_draft_dir
-
-            check_draft_dir(self.model_path, draft)
 
     def verified_tokens(self) -> int:
         """Tokens verified per request and step: --speculative-num-draft-tokens, or
@@ -400,157 +317,14 @@ class ServerArgs(BaseModel):
             return self.speculative_num_steps + 1
         return self.speculative_num_draft_tokens
 
-    def _check_nextn(self) -> None:
-        """NEXTN / EAGLE draft with the target checkpoint's own MTP layers: they must be there."""
-        algo = self.speculative_algorithm
-        draft = self.speculative_draft_model_path
-        if draft is not None and Path(draft).resolve() != Path(self.model_path).resolve():
-            raise ValueError(f"--speculative-algorithm {algo} drafts with the target's own multi-token-"
-                             "prediction layers; a separate EAGLE head (--speculative-draft-model-path "
-                             f"{draft}) is not supported: drop the path, or use STANDALONE for a draft model")
-        if self.model_impl == "transformers":
-            raise ValueError(f"--speculative-algorithm {algo} runs the native model's MTP layers; "
-                             "--model-impl transformers has none: use auto or native")
-        if self.speculative_eagle_topk not in (None, 1):
-            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: only 1 (a chain of "
-                             "proposals) is implemented; pass --speculative-eagle-topk 1")
-        steps = self.speculative_num_steps
-        if steps is not None and "speculative_num_draft_tokens" in self.model_fields_set:
-            if self.speculative_num_draft_tokens != steps + 1:
-                raise ValueError(f"--speculative-num-steps {steps} with --speculative-eagle-topk 1 verifies "
-                                 f"{steps + 1} tokens, but --speculative-num-draft-tokens is "
-                                 f"{self.speculative_num_draft_tokens}: pass {steps + 1} or drop one of them")
-        from milepost.engine.speculative_setup import check_mtp_checkpoint
-
-        check_mtp_checkpoint(self.model_path, algo)
-
-    def _checkpoint_quantization(self) -> str | None:
-        """--quantization as the checkpoint makes it: a quantized checkpoint (FP8 blockwise or
-        per-tensor: fp8_block; FP8 per-channel: fp8; INT4 pack-quantized: int4) is served by the
-        store that holds its values as stored unless --dequantize-checkpoint (as SGLang, which
-        takes the method from the checkpoint's quantization_config); a layout the engines cannot
-        hold is refused here, at start."""
-        from milepost.lowprec.quant_checkpoint import checkpoint_quant, unheld_weights
-
-        ckpt = checkpoint_quant(self.model_path)
-        if self.dequantize_checkpoint and ckpt is None:
-            raise ValueError(f"--dequantize-checkpoint: {self.model_path / 'config.json'} has no "
-                             "quantization_config; drop the flag")
-        if self.dequantize_checkpoint and self.quantization:
-            raise ValueError(f"--dequantize-checkpoint with --quantization {self.quantization}: "
-                             "serving the dequantized weights quantized again; drop one (a quantized "
-                             "checkpoint without either is served from its own values)")
-        if ckpt is None or self.dequantize_checkpoint or self.quantization:
-            return self.quantization  # other formats: re-quantized from the dequantized weights
-        if ckpt.inexact:
-            raise ValueError(ckpt.inexact)
-        unheld = unheld_weights(self.model_path, ckpt)
-        if unheld:
-            more = f" (and {len(unheld) - 1} more)" if len(unheld) > 1 else ""
-            raise ValueError(f"{unheld[0]}{more}: a {ckpt.layout} weight that the {ckpt.serve_as} "
-                             "store does not hold (it holds the q/k/v/o and gate/up/down projections "
-                             "and MoE experts); serve the checkpoint with "
-                             "--dequantize-checkpoint")
-        return ckpt.serve_as
-
     def resolved(self) -> ServerArgs:
-        """A copy where device, dtype, tokenizer path, context length and prefill chunk are concrete.
-
-        Reads CUDA availability, so call it in the server process at start, not at import.
-        `max_total_tokens` stays None unless given: only the engine knows its KV bytes per token
-        (see `kv_pool_tokens`).
-        """
-        import torch  # deferred: parsing flags should not pay for importing torch
-
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        elif device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda was given but CUDA is not available; use --device cpu or auto")
-        if device == "cuda" and self.attention_backend == "torch" and not self.disable_cuda_graph:
-            raise ValueError(
-                "--attention-backend torch (the reference path) cannot be captured in CUDA graphs; "
-                "add --disable-cuda-graph or use --attention-backend auto/triton"
-            )
-        if device == "cpu" and self.sampling_backend == "triton":
-            raise ValueError("--sampling-backend triton runs a GPU kernel but the device is cpu; "
-                             "use --sampling-backend auto or pytorch on CPU")
-        if self.true_on_policy and self.sampling_backend == "triton":
-            raise ValueError("--true-on-policy needs the engine's log-probs computed as the trainer's; "
-                             "the fused sampler sums in another order: use --sampling-backend auto "
-                             "or pytorch")
-        if device == "cpu" and self.attention_backend == "triton":
-            raise ValueError(
-                "--attention-backend triton runs GPU kernels but the device is cpu; "
-                "use --attention-backend auto or torch on CPU"
-            )
-        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-        kv_cache_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        context_length = self.context_length or model_max_positions(self.model_path)
-        if context_length is None:
-            raise ValueError(
-                f"{self.model_path / 'config.json'} has no max_position_embeddings; pass --context-length"
-            )
-        chunk = self.chunked_prefill_size or (8192 if device == "cuda" else 512)
-        return self.model_copy(
-            update={
-                "device": device,
-                "dtype": dtype,
-                "kv_cache_dtype": kv_cache_dtype,
-                "tokenizer_path": self.tokenizer_path or self.model_path,
-                "context_length": context_length,
-                "chunked_prefill_size": chunk,
-                "sampling_backend": self.sampling_backend if self.sampling_backend != "auto"
-                else ("triton" if device == "cuda" and not self.true_on_policy else "pytorch"),
-                "overlap_schedule": self.overlap_schedule if self.overlap_schedule != "auto"
-                else ("on" if device == "cuda" and self.speculative_algorithm is None else "off"),
-                **self._checkpoint_precision(),
-            }
-        )
-
-    def _checkpoint_precision(self) -> dict[str, str]:
-        """A quantized checkpoint's settings: its store, and its static input scales
-        (`activation_scheme: static`) unless --fp8-activation-scheme was given."""
-        from milepost.lowprec.quant_checkpoint import checkpoint_quant
-
-        quantization = self._checkpoint_quantization()
-        out = {"quantization": quantization} if quantization != self.quantization else {}
-        ckpt = checkpoint_quant(self.model_path)
-        if (ckpt is not None and ckpt.activation_scheme == "static" and quantization == "fp8_block"
-                and "fp8_activation_scheme" not in self.model_fields_set):
-            out["fp8_activation_scheme"] = "static"
-        return out
+        """A copy where device, dtype, tokenizer path, context length and prefill chunk are concrete
+        (server_args_resolve.resolve); call it in the server process at start, not at import."""
+        return resolve(self)
 
     def kv_pool_tokens(self, kv_bytes_per_token: int, cuda_kv_budget_bytes: int | None = None) -> int:
-        """KV pool size in tokens, a whole number of pages.
-
-        `kv_bytes_per_token` is the bytes one token takes over all layers (K and V). On CUDA the
-        caller passes `cuda_kv_budget_bytes` from kv_budget.cuda_kv_budget_bytes (free memory after
-        the weights minus (1 - --mem-fraction-static) * total); on CPU the budget is
-        --cpu-kv-cache-gb. --max-total-tokens wins.
-        """
-        if self.max_total_tokens is not None:
-            tokens = self.max_total_tokens
-        else:
-            if kv_bytes_per_token < 1:
-                raise ValueError(f"kv_bytes_per_token must be >= 1; got {kv_bytes_per_token}")
-            if self.device == "auto":
-                raise ValueError("kv_pool_tokens needs a concrete device; call resolved() first")
-            if self.device == "cuda":
-                if cuda_kv_budget_bytes is None:
-                    raise ValueError("kv_pool_tokens on CUDA needs cuda_kv_budget_bytes")
-                budget = cuda_kv_budget_bytes
-            else:
-                budget = int(self.cpu_kv_cache_gb * _GIB)
-            tokens = budget // kv_bytes_per_token
-        tokens -= tokens % self.page_size
-        if tokens < self.page_size:
-            hint = "--mem-fraction-static" if self.device == "cuda" else "--cpu-kv-cache-gb"
-            raise ValueError(
-                f"the KV pool holds {tokens} tokens, less than one page of {self.page_size}; "
-                f"raise {hint} or --max-total-tokens"
-            )
-        return tokens
+        """KV pool size in tokens, a whole number of pages (server_args_resolve.kv_pool_tokens)."""
+        return kv_pool_tokens(self, kv_bytes_per_token, cuda_kv_budget_bytes)
 
     def torch_dtype(self) -> Any:
         """The torch dtype of a resolved `dtype` (returned as `torch.dtype`)."""
@@ -559,26 +333,3 @@ class ServerArgs(BaseModel):
         if self.dtype == "auto":
             raise ValueError("dtype is still 'auto'; call resolved() first")
         return getattr(torch, self.dtype)
-
-
-def has_custom_code(model_path: Path) -> bool:
-    """config.json names custom modeling code (auto_map), which runs only when trusted."""
-    path = Path(model_path) / "config.json"
-    try:
-        return path.is_file() and bool(json.loads(path.read_text()).get("auto_map"))
-    except json.JSONDecodeError:
-        return False  # model_max_positions reports the broken file
-
-
-def model_max_positions(model_path: Path) -> int | None:
-    """`max_position_embeddings` from a model directory's config.json (or its text_config)."""
-    path = Path(model_path) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--model-path: {path} is not valid JSON ({e}); re-save the checkpoint") from e
-    for section in (config, config.get("text_config") or {}):
-        value = section.get("max_position_embeddings")
-        if isinstance(value, int):
-            return value
-    return None

@@ -221,7 +221,7 @@ def engine_precision_flags(cfg: TrainConfig) -> list[str]:
     """`milepost serve` flags for the engines' side of `cfg`'s contract."""
     contract = run_contract(cfg)
     if contract.rollout == BF16:
-        # A quantized checkpoint would otherwise be served by its store (server_args.py).
+        # A quantized checkpoint would otherwise be served by its store (engine/server_args_precision.py).
         quantized = cfg.engine_quantization is None and checkpoint_quant(cfg.hf_checkpoint) is not None
         return ["--dequantize-checkpoint"] if quantized else []
     flags = ["--quantization", contract.rollout]
