@@ -1,22 +1,28 @@
-"""One pass over the logits for the common sampling case: temperature only, no truncation.
+"""One read of the logits for the common sampling case: temperature only, no truncation.
 
 The torch sampler (milepost/engine/sampling.py) runs log_softmax, exp, an Exp(1) fill of a
 [B, V] tensor, a division and an argmax: five full passes over fp32 [B, V] (0.74 ms of GPU time
-a step for 256 rows of Qwen3's 151,936 logits on an H200). Here each row is read once, in SPLITS parts
-per row (one program each) and a merge per row:
+a step for 256 rows of Qwen3's 151,936 logits on an H200). Two methods here, both giving the
+reported log-prob `logits[tok] / T - lse`, the distribution the trainer recomputes, and taking
+the first maximum for greedy rows (temperature < GREEDY_EPS; log-prob at T = 1, as the torch
+sampler does):
 
-- the log-sum-exp of `logits / T` (online max and sum), for the reported log-prob
-  `logits[tok] / T - lse`, the distribution the trainer recomputes;
-- the exponential race `argmax(p / q)`, q = -log u, u ~ U(0, 1) from Philox keyed by the row's
-  seed and the token index (Gumbel-max: an exact sample of softmax(logits / T), the race torch's
-  sampler runs too). The draw depends on the row's seed, not on the batch or the device's
-  scheduling (the split changes only the rounding of near-tied keys);
-- greedy rows (temperature < GREEDY_EPS) take the first maximum and report the log-prob at T = 1,
-  as the torch sampler does.
+- "cdf" (default, fused_sampler_cdf.py): inverse-CDF sampling with two uniforms a row. Pass 1
+  reads each 2048-token chunk once (max, sum of exp); a second kernel per row picks a chunk by the
+  chunks' masses and then a token of that chunk by its cumulative sum (fp64 sums, 53-bit
+  uniforms), reading only that chunk again. One exp a token, no random number a token.
+- "race": the exponential race `argmax(p / q)`, q = -log u, u ~ U(0, 1) from Philox keyed by the
+  row's seed and the token index (Gumbel-max, the race torch's sampler runs too). It needs a
+  Philox draw and a log per token (183-187 us for 256 x 151,936 fp32 logits on an H200), and
+  since u is an fp32 number (steps of 2^-24 below 1), q is never below ~6e-8: a token whose
+  probability is far below that (the long tail of a 151,936-token softmax) is almost never drawn.
+  The cdf method has no such floor (see fused_sampler_cdf.py); the race stays for A/B runs.
 
-Seeds come from each request's generator (one device-side draw per step), so a seeded request is
-reproducible run to run; its tokens differ from the torch sampler's, which consumes its
-generator differently (same distribution: tests/gpu/test_fused_sampler_cuda.py, chi-square).
+The draws depend on the row's seed and logits only, not on the batch or the device's
+scheduling; `splits` and `num_warps` change the work layout only (the same tokens up to the
+rounding of near-tied sums or keys). Seeds come from each request's generator (one device-side
+draw per step), so a seeded request is reproducible run to run; its tokens differ from the torch
+sampler's, and between the two methods (same distribution: tests/gpu/test_fused_sampler_cuda.py).
 """
 
 from __future__ import annotations
@@ -25,8 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from milepost.kernels.fused_sampler_cdf import CHUNK, cdf_sample
+
 BLOCK = 2048
-SPLITS = 32  # parts per row; with 4 warps the fastest measured layout (H200, 64 and 256 rows)
+SPLITS = 32  # race: parts per row; with 4 warps the fastest measured layout (H200, 64 and 256 rows)
+METHODS = ("cdf", "race")
+METHOD = "cdf"  # the default; benchmarks/sampler_gpu.py times both
 
 
 @triton.jit
@@ -108,12 +118,28 @@ def _merge(Z, TEMP, M, S, KEY, IDX, TOK, LOGP, stride_z, SPLITS: tl.constexpr):
 
 
 def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
-                 seeds: torch.Tensor, splits: int = SPLITS,
-                 num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                 seeds: torch.Tensor, splits: int = SPLITS, num_warps: int = 4,
+                 method: str | None = None, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (fp32 or bf16, CUDA), temperatures [B] fp32 (greedy rows: 1.0), greedy [B]
     int8, seeds [B] int64 -> (tokens [B] int64, log-probs [B] fp32 of logits / T at the token).
-    splits (a power of two) and num_warps change the work layout only: the same tokens (up to the
-    rounding of near-tied keys), log-probs to the last bits (the summation order)."""
+
+    method: "cdf" | "race" (None: METHOD). splits (programs per row, a power of two) and
+    num_warps change the work layout only: the same tokens (up to the rounding of near-tied sums
+    or keys), log-probs to the last bits (the summation order). chunk (cdf only, a power of two)
+    is the unit of the first pick: another chunk draws other tokens from the same distribution."""
+    method = METHOD if method is None else method
+    if method not in METHODS:
+        raise ValueError(f"fused_sample: method={method!r} is not one of {METHODS}")
+    if logits.stride(-1) != 1:
+        raise ValueError("fused_sample: logits must have contiguous rows (stride 1 along the "
+                         "vocabulary); pass logits.contiguous()")
+    if method == "cdf":
+        return cdf_sample(logits, temperatures, greedy, seeds, splits, num_warps, chunk)
+    return _race_sample(logits, temperatures, greedy, seeds, splits, num_warps)
+
+
+def _race_sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
+                 seeds: torch.Tensor, splits: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     b, v = logits.shape
     dev = logits.device
     per_split = triton.cdiv(triton.cdiv(v, splits), BLOCK) * BLOCK

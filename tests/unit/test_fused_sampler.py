@@ -1,8 +1,10 @@
-"""The fused temperature-only sampler (milepost/kernels/fused_sampler.py), run on CPU through
-Triton's interpreter (TRITON_INTERPRET, set before triton is imported): greedy rows take the first
-maximum, log-probs are log_softmax(logits / T) at the token, two work layouts (splits) draw
-the same tokens here (log-probs differ in the last bits), a seed reproduces its draws, a -inf logit is
-never drawn, and draws follow softmax(logits / T) (chi-square). The same checks at scale on CUDA:
+"""The fused temperature-only sampler (milepost/kernels/fused_sampler.py), both methods (the
+exponential race and the inverse CDF), run on CPU through Triton's interpreter (TRITON_INTERPRET,
+set before triton is imported): greedy rows take the first maximum, log-probs are
+log_softmax(logits / T) at the token, two work layouts (splits) draw the same tokens here
+(log-probs differ in the last bits), a seed reproduces its draws, a -inf logit is never drawn,
+and draws follow softmax(logits / T) (chi-square). The cdf method's exactness is checked
+draw by draw in tests/unit/test_fused_sampler_cdf.py. The same checks at scale on CUDA:
 tests/gpu/test_fused_sampler_cuda.py. The --sampling-backend refusals need no kernel."""
 
 from __future__ import annotations
@@ -21,9 +23,15 @@ if not torch.cuda.is_available():  # must precede the first triton import (conft
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    from milepost.kernels.fused_sampler import fused_sample
+@pytest.fixture(scope="module", params=["race", "cdf"])
+def interpreted(request: pytest.FixtureRequest) -> dict:
+    from milepost.kernels.fused_sampler import fused_sample as fused
+
+    # cdf: 16-token chunks, so 37 logits are 3 chunks (the last one partial)
+    opts = {"method": request.param} | ({"chunk": 16} if request.param == "cdf" else {})
+
+    def fused_sample(*args: object, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused(*args, **kw, **opts)
 
     torch.manual_seed(0)
     out: dict = {}
@@ -44,6 +52,8 @@ def interpreted() -> dict:
     out["layout_logprob_diff"] = max(float((r[1] - lp).abs().max()) for r in runs)
     out["greedy_is_argmax"] = torch.equal(tok[:4], logits[:4].argmax(1)) and int(tok[0]) == 5
     out["logprob_err"] = float((lp - ref.gather(1, tok[:, None]).squeeze(1)).abs().max())
+    ref64 = torch.log_softmax(logits.double() / temps.double()[:, None], -1)
+    out["logprob_err64"] = float((lp - ref64.gather(1, tok[:, None]).squeeze(1)).abs().max())
     out["never_inf"] = bool((tok != 3).all())
     out["seed_repeats"] = torch.equal(fused_sample(logits, temps, greedy, seeds, splits=1)[0], tok)
     other = fused_sample(logits, temps, greedy, seeds + 1, splits=1)[0]
@@ -64,6 +74,7 @@ def test_layout_greedy_logprobs_and_seeds(interpreted: dict) -> None:
     assert interpreted["layout_logprob_diff"] < 1e-5
     assert interpreted["greedy_is_argmax"]
     assert interpreted["logprob_err"] < 1e-5
+    assert interpreted["logprob_err64"] < 1e-5
     assert interpreted["never_inf"]
     assert interpreted["seed_repeats"] and interpreted["other_seed_differs"]
 
@@ -82,6 +93,19 @@ def test_draws_follow_softmax(interpreted: dict) -> None:
     assert chi_square_p(counts[:4], expected[:4]) > 1e-4, (counts, expected)
     # the test can fail: the same counts against a uniform guess
     assert chi_square_p(counts[:4], [sum(counts) / 4] * 4) < 1e-4
+
+
+def test_method_refusals() -> None:
+    from milepost.kernels.fused_sampler import fused_sample
+
+    x, t, g, s = torch.zeros(2, 8, device=DEV), torch.ones(2, device=DEV), \
+        torch.zeros(2, dtype=torch.int8, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="method='gumbel' is not one of"):
+        fused_sample(x, t, g, s, method="gumbel")
+    with pytest.raises(ValueError, match="chunk=24 must be a power of two"):
+        fused_sample(x, t, g, s, method="cdf", chunk=24)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        fused_sample(torch.zeros(8, 2, device=DEV).t(), t, g, s)
 
 
 def test_sampling_backend_refusals(tmp_path: Path) -> None:
