@@ -21,13 +21,14 @@ from milepost.config import TrainConfig
 from milepost.data.accounting import PromptLedger
 from milepost.data.buffer import BufferClosed, BufferSettings, GroupBuffer
 from milepost.driver.preflight import RunError, load_fully_async_plugins
-from milepost.driver.runtime import Runtime, _default
+from milepost.driver.runtime import Runtime
+from milepost.driver.sampling_settings import eval_sampling, rollout_sampling
 from milepost.eval.dedicated import DedicatedFleet
 from milepost.eval.external import ExternalEvaluator, load_backend
 from milepost.lora.multi_data import adapter_metrics
 from milepost.lora.settings import POLICY_ADAPTER
 from milepost.rollout.client import SyncEngineClient
-from milepost.rollout.generate import RolloutResult, SamplingSettings, rollout_metrics
+from milepost.rollout.generate import RolloutResult, rollout_metrics
 from milepost.rollout.scheduler import RolloutWorker, WorkerSettings
 from milepost.types import Group
 
@@ -51,10 +52,7 @@ class FullyAsyncRuntime(Runtime):
             capacity=int(cfg.buffer_capacity_factor * cfg.rollout_batch_size),
             max_staleness=cfg.max_staleness, stale_policy=cfg.stale_group_policy,
             aborted_policy=cfg.aborted_group_policy, group_filter=group_filter), self.ledger.drop)
-        sampling = SamplingSettings(
-            temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
-            max_new_tokens=cfg.rollout_max_response_len, stop=tuple(cfg.rollout_stop or ()),
-            stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()))
+        sampling = rollout_sampling(cfg, seed=None)
         # Agentic runs (issue 6): each trajectory goes through the run's generate / agent fn.
         trajectory_fn, reward_fn = (self.agentic.for_worker(self.reward_fn)
                                     if self.agentic is not None else (None, self.reward_fn))
@@ -77,12 +75,7 @@ class FullyAsyncRuntime(Runtime):
 
     def _start_eval_fleet(self) -> DedicatedFleet:
         cfg = self.cfg
-        sampling = SamplingSettings(
-            temperature=_default(cfg.eval_temperature, cfg.rollout_temperature),
-            top_p=_default(cfg.eval_top_p, cfg.rollout_top_p), top_k=cfg.rollout_top_k,
-            max_new_tokens=_default(cfg.eval_max_response_len, cfg.rollout_max_response_len),
-            stop=tuple(cfg.rollout_stop or ()),
-            stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()))
+        sampling = eval_sampling(cfg, seed=None)
         return DedicatedFleet(cfg.hf_checkpoint, cfg.eval_num_engines,
                               Path(cfg.run_dir) / "logs", self.eval_items,
                               cfg.n_samples_per_eval_prompt, sampling, self.reward_fn,

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-import httpx
 import torch.distributed as dist
 
 from milepost.config import TrainConfig
@@ -31,8 +30,10 @@ from milepost.driver.preflight import (
     model_fingerprint,
     resume_checkpoint,
 )
+from milepost.driver.engine_health import wait_for_engines
+from milepost.driver.sampling_settings import eval_sampling, rollout_sampling
+from milepost.driver.trainer_settings import trainer_settings
 from milepost.eval.shared import evaluate_on_engines
-from milepost.http_tls import tls_context
 from milepost.lora.engines import load_policy_adapter
 from milepost.lora.multi_data import (
     AdapterPrompts,
@@ -60,7 +61,6 @@ from milepost.rollout.teacher import ServedTeachers, TeacherError, teachers_of_r
 from milepost.train.backend import create_backend
 from milepost.train.checkpoint import checkpoint_path
 from milepost.train.megatron.preflight import sizes_of as megatron_sizes
-from milepost.train.settings import TrainerSettings
 from milepost.types import Group
 from milepost.weights.factory import make_weight_sync
 from milepost.weights.sync import WeightSync
@@ -68,7 +68,6 @@ from milepost.weights.sync import WeightSync
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-V = TypeVar("V")
 
 # Consecutive rollouts that yield no trainable group before the run stops (engines gone, say).
 MAX_EMPTY_ROLLOUTS = 3
@@ -238,12 +237,7 @@ class Runtime:
         return step_result.groups
 
     def _sampling(self) -> SamplingSettings:
-        cfg = self.cfg
-        return SamplingSettings(
-            temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
-            max_new_tokens=cfg.rollout_max_response_len, stop=tuple(cfg.rollout_stop or ()),
-            stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()),
-            seed=cfg.seed if cfg.deterministic else None)
+        return rollout_sampling(self.cfg, self.cfg.seed if self.cfg.deterministic else None)
 
     async def _rollout(self, items: list, group_index_start: int) -> RolloutResult:
         cfg = self.cfg
@@ -316,13 +310,7 @@ class Runtime:
             return
         cfg = self.cfg
         t0 = time.perf_counter()
-        sampling = SamplingSettings(
-            temperature=_default(cfg.eval_temperature, cfg.rollout_temperature),
-            top_p=_default(cfg.eval_top_p, cfg.rollout_top_p), top_k=cfg.rollout_top_k,
-            max_new_tokens=_default(cfg.eval_max_response_len, cfg.rollout_max_response_len),
-            stop=tuple(cfg.rollout_stop or ()),
-            stop_token_ids=tuple(cfg.rollout_stop_token_ids or ()),
-            seed=cfg.seed + 1 if cfg.deterministic else None)  # not the rollouts' seeds
+        sampling = eval_sampling(cfg, cfg.seed + 1 if cfg.deterministic else None)  # not the rollouts' seeds
         # Multi-LoRA: each adapter's prompts (their requests name it), metrics eval/<adapter>/...
         sets = ({f"eval/{n}/": items for n, items in self.adapter_eval_items.items()}
                 if self.adapter_eval_items else {"eval/": self.eval_items})
@@ -400,86 +388,3 @@ class Runtime:
             self.progress.close()
         if self.weights is not None:
             self.weights.close()
-
-
-def wait_for_engines(urls: list[str], timeout_s: float = 900.0) -> None:
-    """Block until every engine answers /health: the launcher may start the trainer ranks while
-    engines still load. (The launcher stops the run if one fails to start; this bound is a
-    backstop for launchers that do not.)"""
-    deadline = time.monotonic() + timeout_s
-    for url in urls:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5, verify=tls_context()).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RunError(f"engine {url} did not answer /health within {timeout_s:.0f} s")
-            time.sleep(0.2)
-
-
-def _default(value: V | None, fallback: V) -> V:
-    return fallback if value is None else value
-
-
-def trainer_settings(cfg: TrainConfig) -> TrainerSettings:
-    """The run config's trainer fields, one to one."""
-    return TrainerSettings(
-        lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_iters=cfg.lr_warmup_iters,
-        lr_decay_style=cfg.lr_decay_style,
-        num_steps_total=cfg.num_rollout * cfg.optimizer_steps_per_rollout,
-        weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
-        adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, global_batch_size=cfg.global_batch_size,
-        max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-        activation_checkpointing=cfg.activation_checkpointing, compile_layers=cfg.compile_layers,
-        fused_kernels=cfg.fused_kernels,
-        separate_old_logprob_pass=cfg.separate_old_logprob_pass, eps_clip=cfg.eps_clip,
-        enable_mtp_training=cfg.enable_mtp_training, mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
-        eps_clip_high=cfg.eps_clip_high, use_kl_loss=cfg.use_kl_loss,
-        kl_loss_coef=cfg.kl_loss_coef, kl_loss_type=cfg.kl_loss_type,
-        entropy_coef=cfg.entropy_coef, temperature=cfg.rollout_temperature, seed=cfg.seed,
-        offload_destination=cfg.offload_train_destination,
-        offload_dir=None if cfg.offload_train_dir is None else str(cfg.offload_train_dir),
-        offload_staging_bytes=cfg.offload_staging_bytes,
-        actor_critic_turns=bool(cfg.offload_actor_for_critic),
-        optimizer_state_dir=(str(cfg.optimizer_state_dir)
-                             if cfg.stream_optimizer_state_to_disk else None),
-        optimizer_bucket_bytes=cfg.optimizer_state_bucket_bytes,
-        optimizer_moment_dtype=cfg.optimizer_moment_dtype,
-        use_distributed_optimizer=cfg.use_distributed_optimizer,
-        dtype=cfg.dtype, device=cfg.device, true_on_policy=cfg.true_on_policy,
-        opd_teacher_checkpoint=(None if cfg.opd_teacher_checkpoint is None
-                                else str(cfg.opd_teacher_checkpoint)),
-        lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-        lora_target_modules=cfg.lora_target_modules,
-        lora_adapters=tuple((a["name"], float(a.get("lr", cfg.lr))) for a in cfg.adapters or []),
-        **objective_settings(cfg), **precision_settings(cfg),
-    )
-
-
-def precision_settings(cfg: TrainConfig) -> dict:
-    """The trainer's side of the precision contract (milepost/lowprec/)."""
-    from milepost.lowprec.rules import run_contract
-
-    contract = run_contract(cfg)
-    return dict(precision=contract.train, precision_overrides=contract.overrides,
-                nvfp4_four_over_six=cfg.nvfp4_four_over_six,
-                nvfp4_dequantized_backward=cfg.nvfp4_dequantized_backward,
-                nvfp4_stochastic_rounding=cfg.nvfp4_stochastic_rounding,
-                fp8_scaling=cfg.fp8_scaling, fp8_amax_history_len=cfg.fp8_amax_history_len,
-                fp8_amax_compute_algo=cfg.fp8_amax_compute_algo, fp8_margin=cfg.fp8_margin)
-
-
-def objective_settings(cfg: TrainConfig) -> dict:
-    """The objective's trainer fields (issue 7: estimators, losses, corrections, critic, R3)."""
-    return dict(
-        kl_in_reward=cfg.kl_coef > 0, loss_type=cfg.loss_type,
-        custom_loss_function_path=cfg.custom_loss_function_path,
-        loss_aggregation=cfg.loss_aggregation,
-        ratio_level="sequence" if cfg.advantage_estimator == "gspo" else "token",
-        ratio_correction=cfg.ratio_correction, tis_clip_low=cfg.tis_clip_low, tis_clip=cfg.tis_clip,
-        critic_lr=cfg.critic_lr, value_clip=cfg.value_clip,
-        critic_hf_checkpoint=None if cfg.critic_hf_checkpoint is None else str(cfg.critic_hf_checkpoint),
-        use_rollout_routing_replay=cfg.use_rollout_routing_replay,
-    )

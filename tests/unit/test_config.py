@@ -419,7 +419,7 @@ def test_cli_train_refuses_and_prints(
 
 
 def test_trainer_speed_settings_reach_the_trainer(base: list[str]) -> None:
-    from milepost.driver.runtime import trainer_settings
+    from milepost.driver.trainer_settings import trainer_settings
 
     default = trainer_settings(load_config(None, base))
     assert (default.activation_checkpointing, default.compile_layers, default.separate_old_logprob_pass) == (

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from milepost.config import ConfigError, load_config
-from milepost.driver.runtime import trainer_settings
+from milepost.driver.trainer_settings import trainer_settings
 from milepost.launch.local import LocalLauncher
 from milepost.testing.run_args import stub_run_args
 

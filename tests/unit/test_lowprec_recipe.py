@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from milepost.config import ConfigError, load_config
-from milepost.driver.runtime import trainer_settings
+from milepost.driver.trainer_settings import trainer_settings
 from milepost.engine.weight_update import WeightLoader
 from milepost.launch.local import LocalLauncher
 from milepost.lowprec.contract import Contract

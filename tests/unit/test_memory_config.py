@@ -10,7 +10,7 @@ import pytest
 
 from milepost import config_rules
 from milepost.config import ConfigError, load_config
-from milepost.driver.runtime import trainer_settings
+from milepost.driver.trainer_settings import trainer_settings
 
 
 @pytest.fixture

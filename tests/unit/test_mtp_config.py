@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from milepost.config import ConfigError, load_config
-from milepost.driver.runtime import trainer_settings
+from milepost.driver.trainer_settings import trainer_settings
 from milepost.launch.local import LocalLauncher
 from milepost.testing.hf_archs import make_tiny_hf_checkpoint
 from milepost.testing.mtp_checkpoint import make_tiny_mtp_checkpoint

@@ -119,7 +119,7 @@ def test_gspo_trains_and_clips_whole_sequences(ranks: dict[int, list[dict]]) -> 
 def rank_batch_worker(rank: int, world: int, cfg_path: str) -> dict:
     from milepost.config import load_config
     from milepost.driver.objective import rank_batch
-    from milepost.driver.runtime import trainer_settings
+    from milepost.driver.trainer_settings import trainer_settings
 
     cfg = load_config(cfg_path)
     backend = FSDPBackend.create(cfg.hf_checkpoint, trainer_settings(cfg))

@@ -14,7 +14,7 @@ import pytest
 
 import milepost.config_rules as rules
 from milepost.config import load_config
-from milepost.driver.runtime import trainer_settings
+from milepost.driver.trainer_settings import trainer_settings
 from milepost.testing.run_args import stub_run_args
 from milepost.train.settings import TrainerSettings
 

@@ -139,7 +139,7 @@ def _config_base(tmp_path: Path, architecture: str) -> list[str]:
 
 def test_run_config_passes_the_flag_and_refuses_at_start(tmp_path: Path) -> None:
     from milepost.config import ConfigError, load_config
-    from milepost.driver.runtime import trainer_settings
+    from milepost.driver.trainer_settings import trainer_settings
     from milepost.launch.local import LocalLauncher
 
     base = _config_base(tmp_path / "dense", "Qwen3ForCausalLM")
