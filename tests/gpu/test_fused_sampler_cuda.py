@@ -1,7 +1,10 @@
-"""The fused temperature-only sampler on CUDA (milepost/kernels/fused_sampler.py): draws follow
-softmax(logits / T) (chi-square, a small and a full Qwen3-size vocabulary), greedy rows equal
-argmax, log-probs equal log_softmax at the token, and an engine with --sampling-backend triton
-gives the pytorch sampler's greedy tokens and seeded runs that repeat.
+"""The fused temperature-only sampler on CUDA (milepost/kernels/fused_sampler.py), both methods
+("race" and "cdf"): draws follow softmax(logits / T) (chi-square, a small and a full Qwen3-size
+vocabulary), greedy rows equal argmax, log-probs equal log_softmax at the token, bf16 logits draw
+what their fp32 values draw, the cdf method draws the long tail at its true rate (a token of
+probability 1e-8, below fp32's 2^-24 uniform step; the race's count is printed beside it), and an
+engine with --sampling-backend triton gives the pytorch sampler's greedy tokens and seeded runs
+that repeat. The CPU tests of tests/unit/test_fused_sampler*.py also run here, on the GPU's kernels.
 
 Run on the accelerator machine: `python -m pytest -q -m gpu tests/gpu/test_fused_sampler_cuda.py`.
 """
@@ -32,32 +35,38 @@ def chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor((len(c) - 1) / 2, dtype=torch.float64), stat / 2))
 
 
-def draw(logits_row: torch.Tensor, n: int, temperature: float) -> torch.Tensor:
+METHODS = ["race", "cdf"]
+
+
+def draw(logits_row: torch.Tensor, n: int, temperature: float, method: str) -> torch.Tensor:
     from milepost.kernels.fused_sampler import fused_sample
 
     seeds = torch.randint(0, 2**62, (n,), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    tok, _ = fused_sample(logits_row.repeat(n, 1), torch.full((n,), temperature, device="cuda"),
-                          torch.zeros(n, dtype=torch.int8, device="cuda"), seeds)
+    # n rows that all read the one row (row stride 0): no n x V copy (400,000 x 151,936 x 4 bytes)
+    tok, _ = fused_sample(logits_row.expand(n, -1), torch.full((n,), temperature, device="cuda"),
+                          torch.zeros(n, dtype=torch.int8, device="cuda"), seeds, method=method)
     return tok
 
 
-def test_small_vocab_draws_follow_softmax() -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_small_vocab_draws_follow_softmax(method: str) -> None:
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, float("-inf"), 1.5], device="cuda")
     n = 200_000
-    counts = torch.bincount(draw(row, n, 0.8), minlength=8)
+    counts = torch.bincount(draw(row, n, 0.8, method), minlength=8)
     assert counts[6] == 0
     expected = torch.softmax(row / 0.8, 0) * n
     keep = expected > 0
     assert chi_square_p(counts[keep], expected[keep]) > 1e-4, (counts, expected)
 
 
-def test_full_vocab_draws_follow_softmax() -> None:
-    """151,936 logits (8 splits of 2048-wide blocks, a partial last block): the 30 likeliest
-    tokens and the rest as one bucket."""
+@pytest.mark.parametrize("method", METHODS)
+def test_full_vocab_draws_follow_softmax(method: str) -> None:
+    """151,936 logits (75 blocks of 2048, a partial last block): the 30 likeliest tokens and the
+    rest as one bucket."""
     g = torch.Generator("cuda").manual_seed(0)
     row = torch.randn(151_936, device="cuda", generator=g) * 3
     n = 100_000
-    tok = draw(row, n, 1.0)
+    tok = draw(row, n, 1.0, method)
     p = torch.softmax(row, 0)
     top = p.topk(30).indices
     counts = torch.cat([(tok[:, None] == top[None, :]).sum(0), ((tok[:, None] != top[None, :]).all(1)).sum()[None]])
@@ -65,7 +74,40 @@ def test_full_vocab_draws_follow_softmax() -> None:
     assert chi_square_p(counts, expected) > 1e-4
 
 
-def test_greedy_and_logprobs_on_real_sizes() -> None:
+def test_tail_drawn_at_its_rate() -> None:
+    """Token 0 at logit 0, the other 151,935 at -18.4 (probability 1.0e-8 each, 1.55e-3 in all):
+    400,000 draws must hit the tail ~620 times. The cdf method's picks resolve such masses; the
+    race cannot (q = -log u with u in fp32 is never below 2^-24 = 6e-8), so its count is only
+    printed (benchmarks/race_tail_sim.py, its arithmetic simulated on the CPU: ~6 of 400,000)."""
+    row = torch.full((151_936,), -18.4, device="cuda")
+    row[0] = 0.0
+    p_tail = float(1 - torch.softmax(row.double(), 0)[0])
+    n = 400_000
+    counts = {m: int((draw(row, n, 1.0, m) != 0).sum()) for m in METHODS}
+    print(f"tail draws of {n}: expected {p_tail * n:.0f}, cdf {counts['cdf']}, race {counts['race']}")
+    sd = (n * p_tail * (1 - p_tail)) ** 0.5
+    assert abs(counts["cdf"] - n * p_tail) < 5 * sd, (counts, p_tail * n)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bf16_logits_draw_what_their_fp32_values_draw(method: str) -> None:
+    from milepost.kernels.fused_sampler import fused_sample
+
+    g = torch.Generator("cuda").manual_seed(4)
+    logits = (torch.randn(64, 151_936, device="cuda", generator=g) * 3).bfloat16()
+    temps = torch.full((64,), 0.9, device="cuda")
+    greedy = torch.zeros(64, dtype=torch.int8, device="cuda")
+    greedy[::8] = 1
+    temps[::8] = 1.0
+    seeds = torch.randint(0, 2**62, (64,), device="cuda", generator=g)
+    tok, lp = fused_sample(logits, temps, greedy, seeds, method=method)
+    tok32, lp32 = fused_sample(logits.float(), temps, greedy, seeds, method=method)
+    assert torch.equal(tok, tok32)
+    assert (lp - lp32).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_and_logprobs_on_real_sizes(method: str) -> None:
     from milepost.kernels.fused_sampler import fused_sample
 
     g = torch.Generator("cuda").manual_seed(2)
@@ -75,12 +117,16 @@ def test_greedy_and_logprobs_on_real_sizes() -> None:
     greedy = torch.zeros(256, dtype=torch.int8, device="cuda")
     greedy[:64] = 1
     seeds = torch.randint(0, 2**62, (256,), device="cuda", generator=g)
-    tok, lp = fused_sample(logits, temps, greedy, seeds)
+    tok, lp = fused_sample(logits, temps, greedy, seeds, method=method)
     assert torch.equal(tok[:64], logits[:64].argmax(1))
     ref = torch.log_softmax(logits / temps[:, None], -1).gather(1, tok[:, None]).squeeze(1)
     assert (lp - ref).abs().max() < 1e-4
-    tok2, _ = fused_sample(logits, temps, greedy, seeds, splits=2, num_warps=4)
-    assert torch.equal(tok, tok2)  # another layout, the same draws (no near-ties here)
+    # another layout, the same draws (race: no near-ties here; cdf: a chunk's sums do not
+    # depend on the split)
+    tok2, _ = fused_sample(logits, temps, greedy, seeds, splits=2, num_warps=4, method=method)
+    assert torch.equal(tok, tok2)
+    tok3, _ = fused_sample(logits, temps, greedy, seeds, method=method)
+    assert torch.equal(tok, tok3)  # run to run
 
 
 @pytest.fixture(scope="module")

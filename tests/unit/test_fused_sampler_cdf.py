@@ -163,6 +163,20 @@ def test_edge_rows() -> None:
     assert one[0].tolist() == [0, 0, 0] and one[1].abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("method", ["race", "cdf"])
+def test_bf16_logits_draw_what_their_fp32_values_draw(method: str) -> None:
+    """The engine's decode graphs hand the sampler bf16 logits; the kernels read them as fp32."""
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(8, 37, generator=g) * 3).bfloat16()
+    temps, greedy = torch.full((8,), 0.8), torch.zeros(8, dtype=torch.int8)
+    temps[0], greedy[0] = 1.0, 1
+    seeds = torch.randint(0, 2**62, (8,), generator=g)
+    args = [t.to(DEV) for t in (temps, greedy, seeds)]
+    tok, lp = fused_sample(logits.to(DEV), *args, method=method, chunk=CHUNK)
+    tok32, lp32 = fused_sample(logits.float().to(DEV), *args, method=method, chunk=CHUNK)
+    assert torch.equal(tok, tok32) and torch.equal(lp, lp32)
+
+
 def test_draws_follow_softmax_across_chunks() -> None:
     """600 draws (one row each) of 40 logits in 3 chunks (the last one partial), T = 0.9."""
     from tests.unit.test_fused_sampler import chi_square_p
@@ -171,7 +185,8 @@ def test_draws_follow_softmax_across_chunks() -> None:
     base = torch.full((40,), -1.0)
     base[[2, 5, 17, 20, 33, 39]] = torch.tensor([1.0, 0.2, 0.8, -0.2, 1.2, 0.0])
     base[10] = float("-inf")
-    tok = fused_sample(base.repeat(n, 1).to(DEV), torch.full((n,), 0.9, device=DEV),
+    # expand: n rows reading one row (stride 0), as the GPU test's 400,000-row draws do
+    tok = fused_sample(base.to(DEV).expand(n, -1), torch.full((n,), 0.9, device=DEV),
                        torch.zeros(n, dtype=torch.int8, device=DEV),
                        torch.randint(0, 2**62, (n,), generator=torch.Generator().manual_seed(5)).to(DEV),
                        splits=4, method="cdf", chunk=CHUNK)[0].cpu()
