@@ -9,7 +9,13 @@ projection against bf16 cuBLAS and the FP8 decode GEMM (and at M = 4096 the dequ
 cuBLAS path against bf16), from CUDA graphs over weight copies that
 overflow L2 (benchmarks/fp8_gemm_sweep.py's timing), each config checked against the fp32
 product of the dequantized weights first; `--modes bf16,int4 --parts engine` gives engine decode
-tok/s and weight bytes of the two in one process:
+tok/s and weight bytes of the two in one process. bf16, FP8 with each linear quantizing its own
+input, and FP8 with the norms and SiLU * up making the FP8 activations, in one process (issue 23):
+
+    PYTHONPATH=$PWD python benchmarks/lowprec_gpu.py --parts engine --shapes qwen3-0.6b,qwen3-4b \
+        --modes bf16,fp8_block_unfused,fp8_block --json-out fp8_act.json
+
+INT4:
 
     PYTHONPATH=$PWD python benchmarks/lowprec_gpu.py --parts int4,engine --modes bf16,fp8_block,int4 \
         --json-out int4.json
@@ -74,7 +80,11 @@ def gemms(shape: str) -> list[dict]:
 
 
 MODES = {"bf16": (None, "auto"), "fp8_block": ("fp8_block", "auto"),
+         "fp8_block_unfused": ("fp8_block", "auto"),
          "fp8_block+fp8_kv": ("fp8_block", "fp8_e4m3"), "int4": ("int4", "auto")}
+# fp8_block_unfused: each FP8 linear quantizes its own input (a launch per linear), as before the
+# norms and SiLU * up made the FP8 activations themselves (QuantizedLinear.fuse_act_quant off).
+UNFUSED_ACT = ("fp8_block_unfused",)
 
 
 def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -> list[dict]:
@@ -155,13 +165,19 @@ def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -
 
 def engine_decode(shape: str, requests: int, prompt: int, output: int,
                   device: str = "cuda", modes: tuple[str, ...] = tuple(MODES)) -> dict:
-    """Decode tok/s of bf16, fp8_block weights, and fp8_block weights + an FP8 KV pool, one
-    engine at a time in this process (each closed and its pool freed before the next starts);
-    the pool is sized by --mem-fraction-static, so kv_pool_tokens shows what fits."""
+    """Decode tok/s of bf16, fp8_block weights (the FP8 activations made by the norms and
+    SiLU * up, and, fp8_block_unfused, quantized by each linear's own launch), and fp8_block
+    weights + an FP8 KV pool, one engine at a time in this process (each closed and its pool
+    freed before the next starts); the pool is sized by --mem-fraction-static, so
+    kv_pool_tokens shows what fits."""
+    from milepost.lowprec.engine_store import QuantizedLinear
+
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out = {"shape": shape, "requests": requests, "prompt": prompt, "output": output}
     for mode in modes:  # a fresh model (same seed) each: fp8 converts it in place
         quant, kv = MODES[mode]
+        # read when the decode graphs are captured (engine start) and by every eager forward
+        QuantizedLinear.fuse_act_quant = mode not in UNFUSED_ACT
         native, config_dir = bench_models.native_model(None, shape, dtype, torch.device(device), 0)
         vocab = native.vocab_size
         sargs = ServerArgs(model_path=config_dir, device=device, dtype=str(dtype)[6:],
@@ -185,6 +201,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
                 out[mode]["fp8_gemm_by_m"] = dict(fp8_gemm._SMALL.get(torch.cuda.current_device(), {}))
         finally:
             engine.close()
+            QuantizedLinear.fuse_act_quant = True
         # The engine and everything that refers to it go before the next one sizes its pool.
         del engine, bench, native
         gc.collect()
@@ -192,9 +209,12 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
             torch.cuda.empty_cache()
         print(json.dumps(out), flush=True)
     if "bf16" in out:
-        for mode in ("fp8_block", "fp8_block+fp8_kv", "int4"):
+        for mode in ("fp8_block", "fp8_block_unfused", "fp8_block+fp8_kv", "int4"):
             if mode in out:
                 out[f"{mode}_over_bf16_decode"] = out[mode]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
+    if "fp8_block" in out and "fp8_block_unfused" in out:
+        out["fp8_fused_act_over_unfused_decode"] = (out["fp8_block"]["decode_tok_s"]
+                                                    / out["fp8_block_unfused"]["decode_tok_s"])
     if "fp8_block" in out and "fp8_block+fp8_kv" in out:
         out["fp8_kv_over_bf16_kv_tokens"] = (out["fp8_block+fp8_kv"]["kv_pool_tokens"]
                                              / out["fp8_block"]["kv_pool_tokens"])

@@ -170,29 +170,53 @@ def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtyp
     [N/128, K/128] -> [M, N] out_dtype; N a multiple of 128. The activation values are
     quantize_act_1x128's (fused or not, per `cfg`; decode_config's when None)."""
     m, k = x.shape
-    n, n_kb = w.shape[0], k // TILE
-    cfg = cfg or decode_config(m, n, k, _sm_count(x.device))
-    if n % cfg.block_n:  # 256-wide blocks need N a multiple of 256
-        cfg = cfg._replace(block_n=TILE)
-    pdl = cfg.pdl and _HAS_GDC and x.device.type == "cuda"
+    cfg = _shaped(cfg or decode_config(m, w.shape[0], k, _sm_count(x.device)), w)
     if cfg.fused:
-        xa, sx, s_strides = x, x, (0, 0)
-    else:
-        xa, sx = quantize_act_1x128(x, pdl=pdl)
-        s_strides = (sx.stride(0), sx.stride(1))
+        return _launch(x, x, (0, 0), m, w, sw, out_dtype, cfg)
+    xa, sx = quantize_act_1x128(x, pdl=_pdl(cfg, x))
+    return _launch(xa, sx, (sx.stride(0), sx.stride(1)), m, w, sw, out_dtype, cfg)
+
+
+def decode_block_mm_quantized(xq: torch.Tensor, sx: torch.Tensor, m: int, w: torch.Tensor,
+                              sw: torch.Tensor, out_dtype: torch.dtype,
+                              cfg: DecodeConfig | None = None) -> torch.Tensor:
+    """decode_block_mm of an activation already quantized: xq [>= m, K] fp8 with its 1x128
+    scales sx [>= m, K/128] (any strides; quantize_act_1x128's bits, made by the kernel that
+    made the activation: kernels/fused_fp8_act.py) -> [m, N]. The config's own quantization is
+    dropped (the values are the same bits); the rest of it is the table's for this M."""
+    cfg = _shaped(cfg or decode_config(m, w.shape[0], xq.shape[1], _sm_count(xq.device)), w)
+    return _launch(xq, sx, (sx.stride(0), sx.stride(1)), m, w, sw, out_dtype,
+                   cfg._replace(fused=False))
+
+
+def _shaped(cfg: DecodeConfig, w: torch.Tensor) -> DecodeConfig:
+    """256-wide weight blocks need N a multiple of 256: 128 otherwise."""
+    return cfg._replace(block_n=TILE) if w.shape[0] % cfg.block_n else cfg
+
+
+def _pdl(cfg: DecodeConfig, x: torch.Tensor) -> bool:
+    return cfg.pdl and _HAS_GDC and x.device.type == "cuda"
+
+
+def _launch(xa: torch.Tensor, sx: torch.Tensor, s_strides: tuple[int, int], m: int, w: torch.Tensor,
+            sw: torch.Tensor, out_dtype: torch.dtype, cfg: DecodeConfig) -> torch.Tensor:
+    """The GEMM kernel (and the parts' sum) over the first m rows of xa: bf16 quantized inside
+    (cfg.fused), else fp8 with scales sx."""
+    n, n_kb = w.shape[0], xa.shape[1] // TILE
+    pdl = _pdl(cfg, xa)
     kb_per = triton.cdiv(n_kb, cfg.split)
     split = triton.cdiv(n_kb, kb_per)  # no program without K blocks
     grid = (triton.cdiv(m, cfg.block_m), n // cfg.block_n, split)
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=xa.device)
     if m == 0:
         return out
-    failed = _FAILED.get(x.device.index or 0, set())
+    failed = _FAILED.get(xa.device.index or 0, set())
     ticket = cfg.ticket and grid[0] * grid[1] <= _TICKET_SLOTS and "ticket" not in failed
     mode = 0 if split == 1 else (2 if ticket else 1)
     narrow = cfg.fused and cfg.narrow and m < cfg.block_m and "narrow" not in failed
     qrows = triton.next_power_of_2(m) if narrow else cfg.block_m
-    part = out if mode == 0 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    cnt = _tickets(x.device) if mode == 2 else part
+    part = out if mode == 0 else torch.empty((split, m, n), dtype=torch.float32, device=xa.device)
+    cnt = _tickets(xa.device) if mode == 2 else part
     _decode_kernel[grid](xa, sx, w, sw, out, part, cnt, m, xa.stride(0), *s_strides, w.stride(0),
                          sw.stride(0), sw.stride(1), n, m * n, n_kb, kb_per, split,
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FUSED=cfg.fused, MODE=mode,

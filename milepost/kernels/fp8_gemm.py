@@ -8,7 +8,8 @@ whose scales differ by orders of magnitude gives the emulated product, else a Tr
 scales, accumulated in fp32), else emulated with a warning. At decode batch sizes (M <=
 DECODE_M) a third one competes, `decode_block_mm` (fp8_decode.py: a split-K FP8 GEMM with
 configs measured per shape); per M bucket the fastest correct GEMM is used, timed once from CUDA
-graphs.
+graphs. An activation already quantized by the kernel that made it (an Fp8Act: the norms and
+SiLU * up of kernels/fused_fp8_act.py) takes `fp8_act_linear`: the same GEMMs, no quantize launch.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from milepost.kernels.fp8_decode import (  # noqa: F401 - DECODE_* and DecodeCon
     DECODE_TABLE,
     DecodeConfig,
     decode_block_mm,
+    decode_block_mm_quantized,
     decode_config,
 )
 from milepost.kernels.fp8_quant import TILE, _round_e4m3, _sm_count, quantize_act_1x128  # noqa: F401
 from milepost.kernels.fp8_train_quant import quantize_blocks
+from milepost.lowprec.fp8_act import Fp8Act
 from milepost.lowprec.fp8_options import Fp8TrainOptions
 
 log = logging.getLogger(__name__)
@@ -310,6 +313,23 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
     fn = {"scaled_mm": scaled_mm_block, "triton": triton_block_mm,
           "emulated": emulated_block_mm}[backend]
     return fn(xq, sx, w, sw, x.dtype)[:m].reshape(*shape[:-1], w.shape[0])
+
+
+def fp8_act_linear(a: Fp8Act, w: torch.Tensor, sw: torch.Tensor,
+                   backend: str | None = None) -> torch.Tensor:
+    """fp8_block_linear of an activation quantized where it was made (an Fp8Act: the bits
+    quantize_act_1x128(x, 4) gives, rows padded to 4) -> [a.rows, N] in a.dtype: the same GEMM
+    for the same M and the same values, without the quantize launch."""
+    m, dev = a.rows, a.values.device
+    backend = backend or block_backend(dev, m)
+    if backend == "decode" and w.shape[0] % TILE == 0:
+        return decode_block_mm_quantized(a.values, a.scales, m, w, sw, a.dtype)
+    if backend == "decode":  # N not whole tiles: the GEMM for any M
+        backend = block_backend(dev)
+    if backend == "scaled_mm":  # takes the padded rows as they are (M-major scales, Mp % 4 == 0)
+        return scaled_mm_block(a.values, a.scales, w, sw, a.dtype)[:m]
+    fn = {"triton": triton_block_mm, "emulated": emulated_block_mm}[backend]
+    return fn(a.values[:m], a.scales[:m], w, sw, a.dtype)
 
 
 def fp8_static_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,

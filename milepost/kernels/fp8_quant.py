@@ -66,6 +66,19 @@ def _quant_act_kernel(X, Q, S, stride_x, stride_q, stride_sm, stride_sk, BLOCK: 
     tl.store(S + row * stride_sm + g * stride_sk, scale)
 
 
+@triton.jit
+def quant_blocks_1x128(x):
+    """x: float32 [R, 128], one 1x128 block a row -> (float8e4nv [R, 128], float32 scales [R]):
+    _quant_act_kernel's operations on R blocks at once (so the same bits), for the kernels that
+    quantize an activation they just made (fused_fp8_act.py)."""
+    finite = tl.abs(x) < float("inf")  # False for NaN and +-Inf
+    amax = tl.max(tl.where(finite, tl.abs(x), 0.0), 1)
+    bad = tl.min(finite.to(tl.int32), 1) == 0
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    scale = tl.where(bad, float("nan"), scale)
+    return _round_e4m3(tl.math.div_rn(x, scale[:, None])).to(tl.float8e4nv), scale
+
+
 def quantize_act_1x128(x: torch.Tensor, pad_rows: int = 1,
                        pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] (K % 128 == 0) -> (float8_e4m3fn [Mp, K], float32 scales [Mp, K/128]) with Mp =

@@ -4,7 +4,9 @@ Each covered projection keeps, per Hugging Face tensor it holds (q/k/v inside a 
 gate/up inside gate_up_proj), that tensor's quantized values and scales (a QTensor from the one
 quantizer), quantized from what the sender sent on every update: a tensor's blocks never straddle
 another's rows. The forward quantizes its input per token in the same format and multiplies the
-dequantized operands (emulated GEMM; the H200 path is `linear.fp8_block_mm` where it runs).
+dequantized operands (emulated GEMM; the H200 path is `linear.fp8_block_mm` where it runs);
+native fp8_block linears also take their input already quantized by the kernel that made
+it (an Fp8Act, lowprec/fp8_act.py).
 NVFP4 quantizes gate and up together (one outer scale for the fused GEMM): the first of the two
 to arrive in an update waits for the other. INT4 is stored packed on every device (two values a
 byte, uint8 [N, ceil(K/2)], and float32 group scales [N, ceil(K/128)]): its HF views are half as
@@ -20,6 +22,7 @@ input with the trainer's delayed-scaling function and the scale it sent.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +33,7 @@ from milepost.lowprec.delayed import qdq_input
 from milepost.lowprec.engine_experts import Fp8Experts, convert_fp8_experts
 from milepost.lowprec.engine_scales import InputScales, attach_input_scales
 from milepost.lowprec.experts_int4 import Int4Experts, convert_int4_experts
+from milepost.lowprec.fp8_act import Fp8Act
 from milepost.lowprec.linear import quantize_activation, quantize_weight_parts
 from milepost.lowprec.quantize import INT4_GROUP, QTensor, dequantize, element_scale
 from milepost.models.qwen3_moe import StackedExperts
@@ -53,8 +57,22 @@ class QuantizedLinear(nn.Linear):
     qstatic: bool = False  # fp8_block with static input scales (`input_scale`, engine_scales.py)
     input_scale: torch.Tensor  # float32 [parts], equal; 0 = none yet: 1 x 128 current blocks
     weight_zero: torch.Tensor | None  # int4 (a buffer, None without zero points): int8 [N, ceil(K/128)]
+    # Native fp8_block: the kernel that makes this linear's input quantizes it too, handing an
+    # Fp8Act (lowprec/fp8_act.py). A class switch only so benchmarks can measure both.
+    fuse_act_quant: ClassVar[bool] = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_act(self) -> bool:
+        """Whether its input may come as an Fp8Act: native dynamic fp8_block, the fusion on, and
+        no hooks (an adapter's, say) that read the input tensor."""
+        return (self.native and not self.qstatic and self.fuse_act_quant
+                and not self._forward_hooks and not self._forward_pre_hooks)
+
+    def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
+        if isinstance(x, Fp8Act):  # quantized by the kernel that made it (takes_fp8_act)
+            from milepost.kernels.fp8_gemm import fp8_act_linear
+
+            y = fp8_act_linear(x, self.weight, self.weight_scale)
+            return y + self.bias if self.bias is not None else y
         if self.native:
             from milepost.kernels.fp8_gemm import fp8_block_linear, fp8_static_linear
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from milepost.lowprec.fp8_act import Fp8Act, takes_fp8_act
 from milepost.models.base import ForwardContext
 from milepost.models.masked_attention import Variant, attend_variant
 from milepost.models.meta import on_meta
@@ -70,6 +71,29 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def norm_for(norm: nn.Module, x: torch.Tensor, consumer: nn.Module | None) -> torch.Tensor | Fp8Act:
+    """norm(x); on the GPU inference path, for a `consumer` linear that takes FP8 activations
+    (lowprec/fp8_act.py), quantized inside the norm's kernel instead: one launch, not two."""
+    if type(norm) is RMSNorm and x.dim() == 2 and takes_fp8_act(consumer) and gpu_inference(x):
+        from milepost.kernels.fused_fp8_act import rms_norm_fp8
+
+        return rms_norm_fp8(x, norm.weight, norm.eps)
+    return norm(x)
+
+
+def add_norm_for(x: torch.Tensor, r: torch.Tensor, norm: RMSNorm, consumer: nn.Module | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | Fp8Act]:
+    """GPU inference: fused_ops.add_rms_norm(x, r, ...) = (x + r, norm(x + r)), the normed rows
+    quantized inside the same kernel for a `consumer` that takes FP8 activations."""
+    if takes_fp8_act(consumer):
+        from milepost.kernels.fused_fp8_act import add_rms_norm_fp8
+
+        return add_rms_norm_fp8(x, r, norm.weight, norm.eps)
+    from milepost.kernels.fused_ops import add_rms_norm
+
+    return add_rms_norm(x, r, norm.weight, norm.eps)
+
+
 def check_silu(config: object) -> None:
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
@@ -105,12 +129,17 @@ class GatedMLP(nn.Module):
         self.gate_up_proj: nn.Linear | None = None
         self.fused_train = False  # set_fused_training
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Act, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """x: [T, hidden], or an Fp8Act where gate_up_proj takes one (the norm made it)."""
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # row-strided views, no copy
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if gpu_inference(x):
+        if gpu_inference(gate):
+            if gate.dim() == 2 and takes_fp8_act(self.down_proj):  # its input quantized here
+                from milepost.kernels.fused_fp8_act import silu_mul_fp8
+
+                return self.down_proj(silu_mul_fp8(gate, up))
             from milepost.kernels.fused_ops import silu_mul
 
             return self.down_proj(silu_mul(gate, up))
@@ -160,12 +189,13 @@ class SelfAttention(nn.Module):
         self._qkv_sizes = [q_out, kv_out, kv_out]
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+        self, x: torch.Tensor | Fp8Act, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
-        t = x.shape[0]
+        """x: [T, hidden] (or an Fp8Act where qkv_proj takes one: the norm made it) -> [T, hidden]."""
+        t = x.rows if isinstance(x, Fp8Act) else x.shape[0]
+        on_gpu = gpu_inference(x.values if isinstance(x, Fp8Act) else x)
         plain = self.window is None and self.softcap is None and self.sinks is None
-        if (self.qkv_proj is not None and plain and self.fused_norm_rope and gpu_inference(x)
+        if (self.qkv_proj is not None and plain and self.fused_norm_rope and on_gpu
                 and getattr(ctx.attention, "can_attend_qkv", bool)()):
             # GPU engine: q/k norm + RoPE and the KV store in one kernel, then attention.
             qw, kw = (n.weight if n is not None else None for n in (self.q_norm, self.k_norm))
@@ -180,7 +210,7 @@ class SelfAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if gpu_inference(x) and self.fused_norm_rope:  # one fused kernel each for q and k, not ~17
+        if on_gpu and self.fused_norm_rope:  # one fused kernel each for q and k, not ~17
             from milepost.kernels.fused_ops import norm_rope
 
             qw, kw = (n.weight if n is not None else None for n in (self.q_norm, self.k_norm))
@@ -221,30 +251,35 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def attn_input(self) -> nn.Module | None:
+        """The linear that alone reads the input norm's output (None: several do)."""
+        return self.self_attn.qkv_proj if type(self.self_attn) is SelfAttention else None
+
+    def mlp_input(self) -> nn.Module | None:
+        """The linear that alone reads the post-attention norm's output (None: not a GatedMLP,
+        or gate and up apart)."""
+        return self.mlp.gate_up_proj if type(self.mlp) is GatedMLP else None
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        attn = self.self_attn(norm_for(self.input_layernorm, x, self.attn_input()), cos, sin, ctx)
         norm = self.post_attention_layernorm
         if self.fuse_residual_norm and gpu_inference(x) and type(norm) is RMSNorm and x.dim() == 2:
-            from milepost.kernels.fused_ops import add_rms_norm
-
-            h, normed = add_rms_norm(x, attn, norm.weight, norm.eps)  # same values, one launch
+            h, normed = add_norm_for(x, attn, norm, self.mlp_input())  # same values, one launch
             return h + self.mlp(normed, ctx)
         h = x + attn
-        return h + self.mlp(norm(h), ctx)
+        return h + self.mlp(norm_for(norm, h, self.mlp_input()), ctx)
 
     def forward_parts(
-        self, x: torch.Tensor, normed_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self, x: torch.Tensor, normed_x: torch.Tensor | Fp8Act, cos: torch.Tensor, sin: torch.Tensor,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """GPU inference with x's input norm already computed (fused_residuals): (h, mlp_out),
-        the layer's output being h + mlp_out, an add the caller fuses into the next norm."""
-        from milepost.kernels.fused_ops import add_rms_norm
-
+        """GPU inference with x's input norm already computed (fused_residuals; an Fp8Act where
+        attn_input takes one): (h, mlp_out), the layer's output being h + mlp_out, an add the
+        caller fuses into the next norm."""
         attn = self.self_attn(normed_x, cos, sin, ctx)
-        norm = self.post_attention_layernorm
-        h, normed = add_rms_norm(x, attn, norm.weight, norm.eps)
+        h, normed = add_norm_for(x, attn, self.post_attention_layernorm, self.mlp_input())
         return h, self.mlp(normed, ctx)
 
 

@@ -19,9 +19,11 @@ from milepost.models.layers import (
     GatedMLP,
     RMSNorm,
     RotaryEmbedding,
+    add_norm_for,
     check_silu,
     fuse_linears,
     fused_residuals,
+    norm_for,
 )
 
 
@@ -89,14 +91,14 @@ class DecoderLM(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)  # computed once, shared by every layer
         layers = self.model.layers
         if fused_residuals(layers, self.model.norm, h):
-            # GPU inference: each residual add inside the next RMSNorm's kernel (same values).
-            from milepost.kernels.fused_ops import add_rms_norm  # triton: GPU path only
-
-            normed = layers[0].input_layernorm(h)
+            # GPU inference: each residual add inside the next RMSNorm's kernel (same values);
+            # a norm feeding an FP8 linear quantizes its output there too (lowprec/fp8_act.py).
+            normed = norm_for(layers[0].input_layernorm, h, layers[0].attn_input())
             for i, layer in enumerate(layers):
                 h, out = layer.forward_parts(h, normed, cos, sin, ctx)
-                nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-                h, normed = add_rms_norm(h, out, nxt.weight, nxt.eps)
+                last = i + 1 == len(layers)
+                nxt = self.model.norm if last else layers[i + 1].input_layernorm
+                h, normed = add_norm_for(h, out, nxt, None if last else layers[i + 1].attn_input())
             return normed
         for layer in layers:
             h = layer(h, cos, sin, ctx)

@@ -1,0 +1,174 @@
+"""FP8 activations made inside the kernels that make them (milepost/kernels/fused_fp8_act.py): the
+fused RMSNorm, residual-add + RMSNorm and SiLU * up give the bytes and scales of the bf16 kernel
+followed by `quantize_act_1x128(y, 4)`, and an fp8_block engine (native FP8 linears forced on the
+CPU, the GPU inference path's kernels under Triton's interpreter) decodes the same greedy tokens
+and log-probs with the fusion on as off, while actually skipping the quantize launches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first triton import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from milepost.kernels import fused_ops  # noqa: E402
+from milepost.kernels.fp8_quant import quantize_act_1x128  # noqa: E402
+from milepost.kernels.fused_fp8_act import add_rms_norm_fp8, rms_norm_fp8, silu_mul_fp8  # noqa: E402
+from milepost.lowprec.fp8_act import Fp8Act  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu of large |gate|
+torch.set_num_threads(1)
+SHAPES = [(1, 640), (7, 1280), (64, 256), (299, 128)]  # rows, K: padding to 4, one to ten blocks
+
+
+def _rows(t: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows over eight orders of magnitude with columns over two (block scales differ), a zero
+    row (amax 0: scale 1) and, with 3+ rows, an Inf (its block: a NaN scale)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g) * torch.logspace(-4, 4, t)[:, None]
+    x = x * torch.logspace(-1, 1, k)[None, :]
+    if t >= 3:
+        x[1] = 0.0
+        x[2, k // 2] = math.inf
+    return x.to(dtype).to(DEV)
+
+
+def _same_bits(a: Fp8Act, y: torch.Tensor) -> None:
+    """a is quantize_act_1x128(y, 4) bit for bit: values, scales (NaN ones too), layout."""
+    q, s = quantize_act_1x128(y, 4)
+    assert a.rows == y.shape[0] and a.dtype == y.dtype
+    assert a.values.shape == q.shape and a.scales.shape == s.shape and a.scales.stride() == s.stride()
+    assert torch.equal(a.values.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(a.scales.view(torch.int32), s.view(torch.int32))
+
+
+@pytest.mark.parametrize("t,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_fp8_gives_the_norm_then_quantize_bits(t: int, k: int, dtype: torch.dtype) -> None:
+    if dtype == torch.float32 and t > 64:
+        pytest.skip("one long shape is enough (interpreter time)")
+    x = _rows(t, k, dtype, 0)
+    w = torch.logspace(-1, 1, k).to(dtype).to(DEV)
+    a = rms_norm_fp8(x, w, 1e-6)
+    _same_bits(a, fused_ops.rms_norm(x, w, 1e-6))
+    if t >= 3:
+        assert torch.isnan(a.scales[2]).any() and (a.scales[1] == 1).all()
+
+
+@pytest.mark.parametrize("t,k", SHAPES)
+def test_add_rms_norm_fp8_gives_the_sum_and_the_quantized_norm(t: int, k: int) -> None:
+    x, r = _rows(t, k, torch.bfloat16, 1), _rows(t, k, torch.bfloat16, 2).flip(0)
+    w = torch.logspace(1, -1, k).to(torch.bfloat16).to(DEV)
+    h, a = add_rms_norm_fp8(x, r, w, 1e-5)
+    h_ref, y_ref = fused_ops.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(h.view(torch.int16), h_ref.view(torch.int16))
+    _same_bits(a, y_ref)
+
+
+@pytest.mark.parametrize("t,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_fp8_gives_silu_mul_then_quantize_bits(t: int, k: int, dtype: torch.dtype) -> None:
+    if dtype == torch.float32 and t > 64:
+        pytest.skip("one long shape is enough (interpreter time)")
+    gate_up = torch.cat([_rows(t, k, dtype, 3) * 1e-2, _rows(t, k, dtype, 4)], dim=1)
+    gate, up = gate_up.chunk(2, dim=-1)  # row stride 2K, as gate_up_proj's halves
+    _same_bits(silu_mul_fp8(gate, up), fused_ops.silu_mul(gate, up))
+
+
+def test_k_not_whole_blocks_is_refused() -> None:
+    x = torch.randn(3, 192, device=DEV)
+    with pytest.raises(ValueError, match="K % 128"):
+        rms_norm_fp8(x, torch.ones(192, device=DEV), 1e-6)
+
+
+@pytest.mark.parametrize("backend", ["decode", "triton", "emulated"])
+def test_fp8_act_linear_equals_the_linear_that_quantizes_itself(backend: str) -> None:
+    """The same product from the Fp8Act (its padding rows never reach the output) as from the
+    bf16 activation quantized inside fp8_block_linear, for each GEMM; N = 384 > one tile."""
+    from milepost.kernels.fp8_gemm import fp8_act_linear, fp8_block_linear
+    from milepost.lowprec.quantize import quantize
+
+    x = _rows(5, 256, torch.bfloat16, 5)
+    w = torch.logspace(-1, 1, 256).to(torch.bfloat16).to(DEV)
+    g = torch.Generator().manual_seed(6)
+    q = quantize(torch.randn(384, 256, generator=g) * torch.logspace(-2, 0, 256), "fp8_block")
+    wv, ws = q.values.to(DEV), q.scales.to(DEV)
+    got = fp8_act_linear(rms_norm_fp8(x, w, 1e-6), wv, ws, backend)
+    want = fp8_block_linear(fused_ops.rms_norm(x, w, 1e-6), wv, ws, backend)
+    assert got.shape == (5, 384) and got.dtype == torch.bfloat16
+    assert torch.equal(got.isnan(), want.isnan()) and torch.isnan(got[2]).all()
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+CASES = [("decode", False, True), ("decode", True, True), ("emulated", False, False)]
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="CPU forcing of the native path (tests/gpu runs the real one)")
+@pytest.mark.parametrize("backend,cfg_fused,residual_fused", CASES)
+def test_engine_decodes_the_same_with_the_fusion_on_and_off(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, backend: str, cfg_fused: bool,
+        residual_fused: bool) -> None:
+    """Greedy tokens and log-probs of an fp8_block engine (every projection tile-aligned, native
+    FP8 linears forced on the CPU) equal with QuantizedLinear.fuse_act_quant on and off. Cases:
+    the decode GEMM with its own quantize launch, the decode GEMM quantizing inside itself
+    (a fused table config: the Fp8Act path runs it on the given bits instead), the emulated
+    GEMM; with the residual adds inside the norms (DecoderLM.forward) and apart
+    (DecoderLayer.forward). Only o_proj's quantize launches are left when the fusion is on."""
+    from milepost.engine.server_args import ServerArgs
+    from milepost.engine.setup import build_engine
+    from milepost.kernels import fp8_decode, fp8_gemm
+    from milepost.lowprec import engine_store
+    from milepost.lowprec.engine_store import QuantizedLinear
+    from milepost.models import layers
+    from milepost.testing.checkpoints import make_tiny_checkpoint
+    from milepost.testing.engine_greedy import greedy_outputs, random_prompts
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3, with_tokenizer=False,
+                                hidden_size=128, intermediate_size=256, head_dim=64,
+                                num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setattr(engine_store, "_native", lambda m, fmt, parts: fmt == "fp8_block" and all(
+        r % 128 == 0 and n % 128 == 0 for r, n, _ in parts))
+    monkeypatch.setattr(fp8_gemm, "block_backend", lambda dev, m=None: backend)
+    monkeypatch.setattr(layers, "gpu_inference", lambda x: True)
+    monkeypatch.setattr(layers.DecoderLayer, "fuse_residual_norm", residual_fused)
+    if cfg_fused:
+        rule = fp8_decode.decode_config
+        monkeypatch.setattr(fp8_decode, "decode_config",
+                            lambda *a: rule(*a)._replace(fused=True, split=2))
+    launches = {"quantize": 0, "prequantized": 0}
+
+    def counted(fn, key):
+        def call(*a, **kw):
+            launches[key] += 1
+            return fn(*a, **kw)
+        return call
+
+    monkeypatch.setattr(fp8_decode, "quantize_act_1x128", counted(fp8_decode.quantize_act_1x128, "quantize"))
+    monkeypatch.setattr(fp8_gemm, "quantize_act_1x128", counted(fp8_gemm.quantize_act_1x128, "quantize"))
+    monkeypatch.setattr(fp8_gemm, "fp8_act_linear", counted(fp8_gemm.fp8_act_linear, "prequantized"))
+    out, counts = {}, {}
+    for fused in (False, True):
+        monkeypatch.setattr(QuantizedLinear, "fuse_act_quant", fused)
+        launches.update(quantize=0, prequantized=0)
+        args = ServerArgs(model_path=ckpt, device="cpu", dtype="float32", page_size=4,
+                          quantization="fp8_block", cpu_kv_cache_gb=0.001).resolved()
+        engine = build_engine(args)[0]
+        try:
+            assert all(m.native for m in engine.runner.model.modules() if isinstance(m, QuantizedLinear))
+            out[fused] = greedy_outputs(engine, random_prompts((7, 3), seed=1, high=500), 4)
+        finally:
+            engine.close()
+        counts[fused] = dict(launches)
+    assert out[True] == out[False]
+    assert len(out[True][0][0]) == 4
+    # 4 forwards (a prefill, 3 decode steps) x 2 layers: q/k/v, gate/up, down and o_proj
+    quantizing = 0 if backend == "decode" and cfg_fused else 1  # a fused config quantizes inside
+    assert counts[False] == {"quantize": 8 * 4 * quantizing, "prequantized": 0}
+    assert counts[True] == {"quantize": 8 * quantizing, "prequantized": 8 * 3}
