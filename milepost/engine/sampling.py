@@ -123,28 +123,41 @@ def _temperature_only(p: SamplingParams, vocab: int) -> bool:
 
 def _fused(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> SampleResult:
+    """Per-row settings as the kernel's tensors, then one call. The host loops stay few and
+    read plain fields: at 256 rows they are a visible part of the call next to the kernel."""
     from milepost.kernels.fused_sampler import fused_sample  # triton: CUDA only
 
     dev = logits.device
+    n = len(params)
+    first = generators[0]
+    if all(g is first for g in generators):  # unseeded rows share one generator: one draw
+        seeds = torch.randint(0, 2**62, (n,), generator=first, device=dev)
+    else:
+        seeds = _row_seeds(generators, dev)
+    temps = [p.temperature for p in params]
+    greedy = [t < GREEDY_EPS for t in temps]  # SamplingParams.greedy, without a property call a row
+    if all(t == temps[0] for t in temps):  # the usual batch: fills, no copies
+        t = torch.full((n,), 1.0 if greedy[0] else float(temps[0]), dtype=torch.float32, device=dev)
+        g = torch.full((n,), int(greedy[0]), dtype=torch.int8, device=dev)
+    else:
+        t = _on_device([1.0 if gr else float(x) for x, gr in zip(temps, greedy)], dev).float()
+        g = _on_device([int(gr) for gr in greedy], dev).to(torch.int8)
+    tokens, logprobs = fused_sample(logits, t, g, seeds)
+    return SampleResult(tokens, logprobs, None, None)
+
+
+def _row_seeds(generators: list[torch.Generator | None], dev: torch.device) -> torch.Tensor:
+    """One kernel seed a row from its own generator (one device-side draw per generator: no host
+    sync), so a seeded request's draws do not depend on the rest of the batch."""
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for j, g in enumerate(generators):
         groups.setdefault(id(g), (g, []))[1].append(j)
     draws = [torch.randint(0, 2**62, (len(rows),), generator=g, device=dev)
-             for g, rows in groups.values()]  # one device-side draw per generator: no host sync
-    seeds = draws[0]
-    if len(draws) > 1:  # back to row order
-        order = [j for _, rows in groups.values() for j in rows]
-        seeds = torch.empty(len(params), dtype=torch.int64, device=dev)
-        seeds[_on_device(order, dev)] = torch.cat(draws)
-    temps = [1.0 if p.greedy else float(p.temperature) for p in params]
-    greedy = [int(p.greedy) for p in params]
-    if len(set(temps)) == 1 and len(set(greedy)) == 1:  # the usual batch: fills, no copies
-        t = torch.full((len(params),), temps[0], dtype=torch.float32, device=dev)
-        g = torch.full((len(params),), greedy[0], dtype=torch.int8, device=dev)
-    else:
-        t, g = _on_device(temps, dev).float(), _on_device(greedy, dev).to(torch.int8)
-    tokens, logprobs = fused_sample(logits, t, g, seeds)
-    return SampleResult(tokens, logprobs, None, None)
+             for g, rows in groups.values()]
+    order = [j for _, rows in groups.values() for j in rows]
+    seeds = torch.empty(len(generators), dtype=torch.int64, device=dev)
+    seeds[_on_device(order, dev)] = torch.cat(draws)  # back to row order
+    return seeds
 
 
 # Nucleus candidates looked at first; a row whose nucleus is wider falls back to a full sort.

@@ -95,6 +95,36 @@ def test_draws_follow_softmax(interpreted: dict) -> None:
     assert chi_square_p(counts[:4], [sum(counts) / 4] * 4) < 1e-4
 
 
+def test_fused_call_site_seeds_rows_by_their_own_generator() -> None:
+    """sampling._fused (what sample(fused=True) runs on CUDA) on the interpreter: a seeded row
+    draws the same token alone or in a mixed batch (its kernel seed comes from its own generator
+    only), greedy rows take argmax, a batch of one shared generator repeats under the same seed,
+    and the log-probs are log_softmax(logits / T) at the token."""
+    from milepost.engine.sampling import SamplingParams, _fused
+
+    torch.manual_seed(1)
+    logits = (torch.randn(6, 37) * 2).to(DEV)
+    temps = [0.9, 1.0, 0.0, 0.6, 1.0, 1.3]  # row 2 greedy
+
+    def gen(seed: int) -> torch.Generator:
+        return torch.Generator(DEV).manual_seed(seed)
+
+    shared = gen(99)
+    gens = [gen(7), shared, shared, gen(8), shared, shared]
+    params = [SamplingParams(temperature=t) for t in temps]
+    batch = _fused(logits, params, gens)
+    alone = [_fused(logits[i:i + 1], params[i:i + 1], [gen(s)]).tokens for i, s in ((0, 7), (3, 8))]
+    assert [int(batch.tokens[0]), int(batch.tokens[3])] == [int(a) for a in alone]
+    assert int(batch.tokens[2]) == int(logits[2].argmax())
+    t = torch.tensor([1.0 if x == 0 else x for x in temps], device=DEV)
+    ref = torch.log_softmax(logits / t[:, None], -1).gather(1, batch.tokens[:, None]).squeeze(1)
+    assert (batch.logprobs - ref).abs().max() < 1e-5
+    same = [SamplingParams(temperature=0.8)] * 6
+    runs = [_fused(logits, same, [gen(5)] * 6).tokens for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], _fused(logits, same, [gen(6)] * 6).tokens)
+
+
 def test_method_refusals() -> None:
     from milepost.kernels.fused_sampler import fused_sample
 
