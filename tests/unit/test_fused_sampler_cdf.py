@@ -7,13 +7,17 @@ fp64 inverse CDF of softmax(logits / T) gives for them: chunk by chunk masses, t
 chunk's cumulative sum. The pick itself resolves masses far below fp32's 2^-24 (a token of mass
 1e-9 next to one of mass 1 is drawn exactly where its interval lies). Plus edge cases (one token
 with all the mass, -inf logits and a whole -inf chunk, T = 1e-4 and 1e3, greedy rows mixed in, a
-vocabulary that is not a multiple of the chunk) and a chi-square over several chunks.
+vocabulary that is not a multiple of the chunk) and a chi-square over several chunks; and both
+kernels compile for sm_90 (fp32 and bf16 logits) with Triton's bundled ptxas, no GPU needed.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,3 +207,38 @@ def test_draws_follow_softmax_across_chunks() -> None:
     p2 = torch.softmax(base.double() / 2.0, 0)
     assert chi_square_p(got, (torch.cat([p2[big], p2[rest].sum()[None]]) * n).tolist()) < 1e-4
     assert math.isclose(sum(want), n)
+
+
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from milepost.kernels import fused_sampler_cdf as C
+common = {"TEMP": "*fp32", "GREEDY": "*i8", "M": "*fp32", "S": "*fp32", "ARG": "*i32",
+          "n_vocab": "i32", "n_chunks": "i32", "stride_z": "i32", "stride_c": "i32"}
+for dt in ("*fp32", "*bf16"):
+    for fn, extra, const in (
+            (C._chunk_stats, {}, {"SPLITS": 32, "CHUNK": 2048}),
+            (C._select, {"SEED": "*i64", "TOK": "*i64", "LOGP": "*fp32"}, {"NCP": 128, "CHUNK": 2048})):
+        names = fn.arg_names
+        types = {"Z": dt, **common, **extra, **{k: "constexpr" for k in const}}
+        src = ASTSource(fn=fn, signature={n: types[n] for n in names}, constexprs=const)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert k.asm["cubin"], fn
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    """The GPU is not here: compile the kernels ahead of time for an H100/H200 (sm_90), in a
+    process without the interpreter, so a type or lowering error (fp64 scans, the if/else
+    branches' values) shows on the CPU first."""
+    import triton as tr
+
+    if not (Path(tr.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
+           "TRITON_DEFAULT_FP_FUSION": "1"}
+    out = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
