@@ -123,10 +123,11 @@ def fused_sample(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch
     """logits [B, V] (fp32 or bf16, CUDA), temperatures [B] fp32 (greedy rows: 1.0), greedy [B]
     int8, seeds [B] int64 -> (tokens [B] int64, log-probs [B] fp32 of logits / T at the token).
 
-    method: "cdf" | "race" (None: METHOD). splits (programs per row, a power of two) and
-    num_warps change the work layout only: the same tokens (up to the rounding of near-tied sums
-    or keys), log-probs to the last bits (the summation order). chunk (cdf only, a power of two)
-    is the unit of the first pick: another chunk draws other tokens from the same distribution."""
+    method: "cdf" | "race" (None: METHOD). splits (programs per row; race: a power of two) and
+    num_warps change the work layout only: the same tokens (cdf: whatever the splits; otherwise
+    up to the rounding of near-tied sums or keys), log-probs to the last bits (the summation
+    order). chunk (cdf only, a power of two) is the unit of the first pick: another chunk draws
+    other tokens from the same distribution."""
     method = METHOD if method is None else method
     if method not in METHODS:
         raise ValueError(f"fused_sample: method={method!r} is not one of {METHODS}")
