@@ -128,8 +128,9 @@ class ServerArgs(BaseModel):
     sampling_backend: Literal["auto", "pytorch", "triton"] = Field(
         "auto",
         description="Sampler for batches that ask only for a temperature (no top-k/top-p/min-p, "
-        "penalties, grammar or extra log-probs): triton = one fused pass over the logits "
-        "(Gumbel-max, exact distribution; other draws than pytorch's for the same seed), "
+        "penalties, grammar or extra log-probs): triton = one fused read of the logits "
+        "(inverse-CDF sampling with 53-bit uniforms and fp64 picks, exact distribution; other "
+        "draws than pytorch's for the same seed), "
         "pytorch = the batched torch sampler for everything; auto = triton on CUDA unless "
         "--true-on-policy.",
     )
