@@ -19,17 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from milepost.lora.multi_train import AdapterSteps
 from milepost.train import checkpoint as ckpt
 from milepost.train import micro
 from milepost.train.batch import TrainBatch, adapters_of, split_for_rank
-from milepost.train.corrections import (
-    CORRECTION_SUMS,
-    CorrectionSettings,
-    sample_weights,
-)
+from milepost.train.corrections import CorrectionSettings
 from milepost.train.critic import Critic
 from milepost.train.export import write_hf_directory
 from milepost.train.finite import check_after_steps
@@ -39,10 +34,18 @@ from milepost.train.fsdp_setup import (
     seed_everything,
     shard_model,
 )
+from milepost.train.fsdp_step import (
+    behaviour_logprobs,
+    clip_gradients,
+    correction_weights,
+    policy_micro_step,
+    step_metrics,
+    train_critic,
+)
 from milepost.train.fsdp_weights import export_adapters, hf_weights
 from milepost.train.logprobs import TokenScorer, plan_micro_batches
-from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss, value_loss
-from milepost.train.mtp import mtp_loss, mtp_params
+from milepost.train.losses import METRIC_SUMS, LossSettings, get_loss
+from milepost.train.mtp import mtp_params
 from milepost.train.offload import MoveStats as OffloadStats
 from milepost.train.offload import StateEvictor
 from milepost.train.optim import build_optimizer, optimizer_step
@@ -239,31 +242,13 @@ class FSDPBackend:
         # The critic trains first: it is on the device already (it gave the values), so with
         # --offload-actor-for-critic a step moves each model in once. Actor and critic updates are
         # independent, so the order changes no number.
-        critic_sums = self._train_critic(batch, steps, plans, denoms) if batch.returns is not None else None
+        critic_sums = train_critic(self, batch, steps, plans, denoms) if batch.returns is not None else None
         self.residency.use("actor")
-        old = batch.old_logprobs
-        # One optimizer step: the policy before it is the policy of the training forward itself,
-        # so its detached log-probs are the old ones (no separate scoring pass).
-        in_forward = (old is None and self.settings.loss_type != "sft_loss" and len(steps) == 1
-                      and not self.settings.separate_old_logprob_pass)
-        if old is None and self.settings.loss_type != "sft_loss" and not in_forward:
-            # behaviour policy = the weights before this rollout's first optimizer step
-            old = [torch.empty(0)] * len(batch)
-            for step, plan in zip(steps, plans):
-                sub = self._score(self.policy, batch.select(step), plan)
-                for i, lp in zip(step, sub):
-                    old[i] = lp
+        old, in_forward = behaviour_logprobs(self, batch, steps, plans)
         ref = batch.ref_logprobs
         if ref is None and self.reference is not None:
             ref = self.compute_logprobs_of(batch, self.reference)
-        if in_forward:
-            weights, correction_sums = None, [0.0] * len(CORRECTION_SUMS)
-            if self.correction.kind != "none" and batch.rollout_logprobs is None:
-                sample_weights(None, None, batch.loss_masks, self.correction)  # raises, naming the setting
-        else:
-            weights, correction_sums = sample_weights(old, batch.rollout_logprobs, batch.loss_masks, self.correction)
-        # In-forward old log-probs: correction sums and |old - rollout| accumulate per micro-batch.
-        fused_acc = torch.zeros(len(CORRECTION_SUMS) + 1, dtype=torch.float64, device=self.device) if in_forward else None
+        weights, correction_sums, fused_acc = correction_weights(self, batch, old, in_forward)
 
         # Per-rank sums on the device (one host sync per optimizer step, for the grad norm).
         acc = torch.zeros(len(METRIC_SUMS) + 3, dtype=torch.float64, device=self.device)  # sums, loss, value sums
@@ -276,14 +261,14 @@ class FSDPBackend:
                 loss_tokens += denom[0]
                 for local in plan:
                     mb = [step[j] for j in local]
-                    acc[:-2] += self._micro_step(batch, mb, old, ref, weights, denom, probe, fused_acc)
+                    acc[:-2] += policy_micro_step(self, batch, mb, old, ref, weights, denom, probe, fused_acc)
                 if self.adapter_steps is not None:  # adapters without samples in this step keep still
                     self.adapter_steps.before_step(batch.adapters, step, self._all_reduce)
                 # The MTP layer is clipped on its own: the policy's update is the one it gets
                 # without --enable-mtp-training (grad_norm reports the policy's).
-                grad_norms.append(self._clip_gradients(mtp_params(self.policy, False), self.settings.clip_grad))
+                grad_norms.append(clip_gradients(mtp_params(self.policy, False), self.settings.clip_grad))
                 if self.settings.enable_mtp_training:
-                    self._clip_gradients(mtp_params(self.policy, True), self.settings.clip_grad)
+                    clip_gradients(mtp_params(self.policy, True), self.settings.clip_grad)
                 lr = self.optimizer.param_groups[0]["lr"]
                 nonfinite += optimizer_step(self.optimizer, self.scheduler, grad_norms[-1])
                 if self.fp8_scaling is not None:  # the step's amaxes, max-reduced over the ranks
@@ -291,123 +276,14 @@ class FSDPBackend:
         check_after_steps(self.policy.parameters(), nonfinite, lr, self._all_reduce)  # no NaN to engines
         if critic_sums is not None:
             acc[-2:] = critic_sums
-
-        abs_diff = 0.0
-        if fused_acc is not None:
-            fused = fused_acc.tolist()
-            if self.correction.kind != "none":
-                correction_sums = fused[:-1]
-            abs_diff = fused[-1]
-        elif batch.rollout_logprobs is not None and old is not None:
-            for o, r, m in zip(old, batch.rollout_logprobs, batch.loss_masks):
-                abs_diff += float((o - r).abs()[m > 0].sum())
-        n_tokens = float(sum(t.numel() for t in batch.tokens))
-        r3 = [probe.tokens, probe.tokens_differing] if probe is not None else [0.0, 0.0]
-        reduced = self._all_reduce(acc.tolist() + correction_sums + r3 + [abs_diff, n_tokens])
-        per_token = max(loss_tokens, 1.0)
-        n = len(METRIC_SUMS)
-        metrics = {k: v / per_token for k, v in zip(METRIC_SUMS, reduced)}
-        if self.settings.loss_type != "sft_loss":  # an RL run has no supervised term to report
-            metrics.pop("sft_loss")
-        metrics.update(
-            loss=reduced[n] / len(steps),
-            grad_norm=sum(grad_norms) / len(steps),
-            lr=lr,
-            tokens=reduced[-1],
-            loss_tokens=loss_tokens,
-            optimizer_steps=float(len(steps)),
-            skipped_steps=float(nonfinite),
-        )
-        if batch.returns is not None:
-            metrics.update(value_loss=reduced[n + 1] / per_token, value_clipfrac=reduced[n + 2] / per_token)
-        if self.correction.kind != "none":
-            metrics.update({k: v / per_token for k, v in zip(CORRECTION_SUMS, reduced[n + 3 : n + 3 + len(CORRECTION_SUMS)])})
-        if self.settings.enable_mtp_training:  # the MTP layer's mean cross-entropy (nats)
-            ce, rows = self._all_reduce(self._mtp_acc.tolist())
-            metrics["mtp_loss"] = ce / max(rows, 1.0)
-        if probe is not None:
-            tokens, differing = reduced[-4], reduced[-3]
-            metrics["r3_routing_mismatch_frac"] = differing / max(tokens, 1.0)
-        if batch.rollout_logprobs is not None and (old is not None or in_forward):
-            metrics["train_rollout_logprob_abs_diff"] = reduced[-2] / per_token
-        return metrics
-
-    def _micro_step(self, batch: TrainBatch, mb: list[int], old, ref, weights, denoms, probe,
-                    fused_acc: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward + backward of one micro-batch; returns [metric sums..., loss] (float64, detached).
-
-        fused_acc set: the old log-probs are this forward's (detached); [correction sums...,
-        sum |old - rollout|] over loss tokens are added to it.
-        """
-        forced, valid = self._forced(batch, mb)
-        if probe is not None:
-            probe.set_valid(valid)
-        packed = micro.packed(batch, mb, self.device)
-        self._route_adapters(batch, mb, packed)
-        try:
-            logp, entropy = self.policy.score(packed, forced)
-            old_flat = weights_flat = None
-            if fused_acc is not None:
-                old_flat = logp.detach()
-                weights_flat = micro.in_forward_old_metrics(batch, mb, old_flat, fused_acc, self.correction, self.device)
-            lb = micro.loss_batch(batch, mb, logp, entropy, denoms, self.device, old=old, ref=ref, weights=weights,
-                                  old_flat=old_flat, weights_flat=weights_flat)
-            loss, sums = self.loss_fn(lb, self.loss_settings)
-            unknown = set(sums) - set(METRIC_SUMS)
-            if unknown:
-                raise ValueError(f"the loss returned metric sums {sorted(unknown)}; allowed: {METRIC_SUMS}")
-            if self.policy.mtp_out is not None:  # --enable-mtp-training: the MTP layer's own term,
-                out, self.policy.mtp_out = self.policy.mtp_out, None  # not in the reported loss
-                mask = micro.cat(batch.loss_masks, mb, self.device)
-                (loss + mtp_loss(out, mask, denoms[0], self.settings.mtp_loss_scaling_factor,
-                                 self._mtp_acc)).backward()
-            else:
-                loss.backward()
-        except torch.OutOfMemoryError as err:
-            raise torch.OutOfMemoryError(
-                f"a micro-batch of {packed.num_tokens} tokens ({len(mb)} samples) ran out of device memory: "
-                f"lower max_tokens_per_micro_batch (now {self.settings.max_tokens_per_micro_batch}) or set "
-                f"activation_checkpointing='layer' (now {self.settings.activation_checkpointing!r}). {err}"
-            ) from err
-        if probe is not None:
-            probe.flush()
-        zero = torch.zeros((), device=self.device)
-        return torch.stack([*(sums.get(k, zero).detach().to(self.device) for k in METRIC_SUMS), loss.detach()]).double()
-
-    def _train_critic(self, batch: TrainBatch, steps: list[list[int]], plans: list[list[list[int]]],
-                      denoms: list[list[float]]) -> torch.Tensor:
-        """The critic's optimizer steps over the batch; returns [value_loss sum, value_clipfrac sum]."""
-        self.residency.use("critic")
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for step, plan, denom in zip(steps, plans, denoms):
-            for local in plan:
-                sums += self._critic_micro_step(batch, [step[j] for j in local], denom)
-            norm = self._clip_gradients(self.critic.model.parameters(), self.settings.clip_grad)
-            optimizer_step(self.critic.optimizer, self.critic.scheduler, norm)
-        return sums
-
-    def _critic_micro_step(self, batch: TrainBatch, mb: list[int], denoms) -> torch.Tensor:
-        """Critic forward + backward of one micro-batch; returns [value_loss sum, value_clipfrac sum]."""
-        forced, _ = self._forced(batch, mb)
-        values = self.critic.model.values(micro.packed(batch, mb, self.device), forced)
-        lb = micro.loss_batch(batch, mb, values, values, denoms, self.device, old=None, ref=None, weights=None)
-        old_values, returns = micro.cat(batch.values, mb, self.device), micro.cat(batch.returns, mb, self.device)
-        loss, sums = value_loss(values, old_values, returns, lb, self.loss_settings)
-        loss.backward()
-        return torch.stack([sums["value_loss"], sums["value_clipfrac"]]).double()
+        return step_metrics(self, batch, acc=acc, correction_sums=correction_sums, fused_acc=fused_acc,
+                            old=old, in_forward=in_forward, probe=probe, loss_tokens=loss_tokens,
+                            grad_norms=grad_norms, lr=lr, nonfinite=nonfinite, num_steps=len(steps))
 
     def compute_logprobs_of(self, batch: TrainBatch, module: TokenScorer) -> list[torch.Tensor]:
         """Log-probs of a TrainBatch's responses under `module` (policy or reference), per sample on CPU."""
         self.residency.use("actor")
         return self._score(module, batch, self._aligned_plan([t.numel() for t in batch.tokens]))
-
-    def _clip_gradients(self, parameters, clip: float) -> float:
-        params = [p for p in parameters if p.grad is not None]
-        max_norm = clip if clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm)
 
     # --- weights, checkpoints, export ------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Building the FSDP2 backend's models and checking a batch before a step: the parts of
-`FSDPBackend` that need no backend state (fsdp.py keeps the step itself)."""
+`FSDPBackend` that need no backend state (fsdp.py and fsdp_step.py keep the step itself)."""
 
 from __future__ import annotations
 
