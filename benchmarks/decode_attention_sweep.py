@@ -1,10 +1,10 @@
-"""Decode attention kernel variants on benchmark (a)'s shapes: tensor-core scores (today's default)
-against CUDA-core scores (`use_dot=False`), over block size, warps, stages and splits.
+"""Decode attention kernel configs on benchmark (a)'s shapes and smaller batches: block size,
+warps, stages and splits (the KV of a sequence split over 1, 2 or 4 times the default's programs).
 
 Qwen3 heads (16 q / 8 kv, head dim 128), bf16, 16-token pages placed at random; median of
 `triton.testing.do_bench`; every variant is checked against the default's output.
 
-Usage: python benchmarks/decode_attention_sweep.py [--shapes 256x256,256x384,64x1024]
+Usage: python benchmarks/decode_attention_sweep.py [--shapes 256x256,256x384,64x256,64x1024]
 """
 
 from __future__ import annotations
@@ -30,37 +30,35 @@ def sweep(batch: int, ctx: int, top: int) -> None:
     gb = 2 * batch * ctx * HKV * D * 2 / 1e9
     splits = K.decode_splits(batch, HKV, torch.cuda.get_device_properties(0).multi_processor_count)
     ref = K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, splits)
-    configs = [(True, splits, 64, None, None)]
-    configs += [(True, s, bn, w, st) for s, bn, w, st in
-                itertools.product({splits, 2 * splits}, (32, 64, 128), (2, 4), (2, 3))]
-    configs += [(False, s, bn, w, st) for s, bn, w, st in
-                itertools.product({splits, 2 * splits}, (16, 32, 64), (1, 2, 4), (1, 2))]
+    configs = [(splits, 64, None, None)]
+    configs += list(itertools.product(sorted({splits, 2 * splits, 4 * splits, 8 * splits}),
+                                      (32, 64, 128), (2, 4), (2, 3)))
     rows = []
-    for use_dot, s, bn, w, st in configs:
+    for s, bn, w, st in configs:
         def run() -> torch.Tensor:
             return K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, s, block_n=bn,
-                                  num_warps=w, num_stages=st, use_dot=use_dot)
+                                  num_warps=w, num_stages=st)
         try:
             err = (run().float() - ref.float()).abs().max().item()
             ms = triton.testing.do_bench(run, return_mode="median")
         except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
-            print(f"  dot={use_dot} splits={s} BN={bn} w={w} st={st}: failed {e!r:.120}")
+            print(f"  splits={s} BN={bn} w={w} st={st}: failed {e!r:.120}")
             continue
-        rows.append((ms, use_dot, s, bn, w, st, err))
+        rows.append((ms, s, bn, w, st, err))
     default = rows[0]
-    print(f"B={batch} ctx={ctx}: KV {gb:.3f} GB; default (dot, splits={splits}) "
+    print(f"B={batch} ctx={ctx}: KV {gb:.3f} GB; default (splits={splits}) "
           f"{default[0] * 1e3:.1f} us = {gb / default[0]:.2f} TB/s")
-    for ms, use_dot, s, bn, w, st, err in sorted(rows)[:top]:
-        print(f"  {'dot' if use_dot else 'vec'} splits={s} BN={bn} w={w} st={st}: {ms * 1e3:.1f} us "
-              f"= {gb / ms:.2f} TB/s, x{default[0] / ms:.2f} default, max|diff| {err:.1e}")
-    best_vec = min((r for r in rows if not r[1]), default=None)
-    if best_vec:
-        print(f"  best vec: {best_vec[0] * 1e3:.1f} us (x{default[0] / best_vec[0]:.2f})")
+    for ms, s, bn, w, st, err in sorted(rows, key=lambda r: r[0])[:top]:
+        print(f"  splits={s} BN={bn} w={w} st={st}: {ms * 1e3:.1f} us = {gb / ms:.2f} TB/s, "
+              f"x{default[0] / ms:.2f} default, max|diff| {err:.1e}")
+    for s in sorted({r[1] for r in rows}):
+        best = min((r for r in rows if r[1] == s), key=lambda r: r[0])
+        print(f"  best at splits={s}: {best[0] * 1e3:.1f} us (x{default[0] / best[0]:.2f})")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shapes", default="256x256,256x384,64x1024")
+    ap.add_argument("--shapes", default="256x256,256x384,64x256,64x1024")
     ap.add_argument("--top", type=int, default=8)
     a = ap.parse_args()
     torch.manual_seed(0)

@@ -138,7 +138,7 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         IEEE: tl.constexpr, USE_DOT: tl.constexpr):
+                         IEEE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -165,9 +165,7 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
         slot = blk * PAGE + pos % PAGE
         kv_off = slot[:, None] * stride_ct + kvh * stride_ch + d[None, :]
         k = tl.load(KC + kv_off, mask=pmask[:, None], other=0.0).to(q.dtype)
-        if not USE_DOT:  # CUDA cores: q and the scores stay fp32, no tensor-core padding rows
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-        elif IEEE:
+        if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
@@ -177,9 +175,7 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VC + kv_off, mask=pmask[:, None], other=0.0).to(q.dtype)
-        if not USE_DOT:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-        elif IEEE:
+        if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -223,15 +219,15 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, page: int,
                  num_splits: int, block_n: int = 64, num_warps: int | None = None,
-                 num_stages: int | None = None, out: torch.Tensor | None = None,
-                 use_dot: bool = True) -> torch.Tensor:
+                 num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D] (one query per sequence) -> [B, H, D]; seq_lens[b] = 0 gives zeros.
     out: [B, H, D] rows to write (e.g. the decode rows of a mixed batch's output); new if None.
 
     Unsplit batches run 2 warps and 3 stages: on the H200 (2026-12-04, Qwen3-0.6B heads, bf16)
     78-80 us vs 82.5 us at 256 x 256 keys, 141 vs 150 us at 256 x 512, 76.5 vs 79 us at 64 x 1024
-    (benchmarks/engine_gpu_profile.py kernels); split batches keep 4 warps, 2 stages.
-    use_dot=False scores on CUDA cores in fp32 (no 16-row tensor-core tile for a GQA group of 2)."""
+    (benchmarks/engine_gpu_profile.py kernels); split batches keep 4 warps, 2 stages. Scoring on
+    CUDA cores instead (no 16-row tensor-core tile for a GQA group of 2) ran no faster on an H100
+    (2026-12-06, benchmarks/decode_attention_sweep.py: 107.1 vs 108.5 us at 256 x 256 keys)."""
     if num_warps is None:
         num_warps = 2 if num_splits == 1 else 4
     if num_stages is None:
@@ -251,9 +247,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_H=triton.next_power_of_2(group) if not use_dot else
-        max(16, triton.next_power_of_2(group)), D=dim, PAGE=page, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, USE_DOT=use_dot, num_warps=num_warps,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=num_warps,
         num_stages=num_stages,
     )
     if num_splits == 1:
