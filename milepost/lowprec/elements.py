@@ -4,6 +4,10 @@ NaN or infinity) and UE8M0 (an 8-bit power of two, 0xFF = NaN, the MX shared sca
 Rounding is to nearest, ties to even, saturating at the largest finite value (what the OCP MX
 spec prescribes for element conversion; our block quantizers never feed an out-of-range value).
 NaN stays NaN where the format has one; E2M1 has none, so its callers handle NaN at block level.
+
+No function here makes a tensor from host data (a table copied to the device): the engine's
+forward runs them under CUDA graphs, where a host-to-device copy fails the capture. Code tables
+are computed on the values' device from the bits instead (integer arithmetic: exact anywhere).
 """
 
 from __future__ import annotations
@@ -42,9 +46,12 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """`x` as float8_e4m3fn, saturating at +-448 (torch's cast alone is not specified there)."""
+    """`x` as float8_e4m3fn, saturating at +-448 (torch's cast alone is not specified there).
+    Every NaN becomes the one code 0x7F: a NaN's sign bit is not portable (x86 division passes
+    a NaN operand through with its sign, CUDA returns a canonical +NaN; a CPU cast of NaN to
+    bfloat16 sets the sign), and the shared quantizer must give the same bytes on every device."""
     x = x.float()
-    return torch.where(torch.isnan(x), x, x.clamp(-E4M3_MAX, E4M3_MAX)).to(E4M3)
+    return torch.where(torch.isnan(x), math.nan, x.clamp(-E4M3_MAX, E4M3_MAX)).to(E4M3)
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -54,18 +61,31 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (uint8, 0..15) of E2M1-representable float32 `values` (NaN -> +0)."""
-    table = torch.tensor(E2M1_VALUES, device=values.device)
+    """4-bit codes (uint8, 0..15) of E2M1-representable float32 `values` (NaN -> +0). The index
+    of a magnitude is how many E2M1 values lie below it (a sorted-table search, counted with
+    scalar compares so no table reaches the device)."""
     mag = torch.nan_to_num(values.abs(), nan=0.0)
-    index = torch.searchsorted(table, mag.contiguous())
+    index = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
+    for v in E2M1_VALUES:
+        index += mag > v
     sign = (torch.signbit(values) & (mag > 0)).to(torch.uint8) << 3
-    return index.to(torch.uint8) | sign
+    return index | sign
+
+
+def e2m1_magnitude(index: torch.Tensor) -> torch.Tensor:
+    """float32 magnitudes of E2M1 indices 0..7 (E2M1_VALUES[index]): index i >= 2 is
+    (2 + (i & 1)) * 2^(i >> 1) / 4 (1, 1.5, 2, 3, 4, 6), i < 2 is i / 2 (0, 0.5); small
+    integers and a power-of-two factor, so exact."""
+    i = index.to(torch.int32)
+    normal = ((2 + (i & 1)) << (i >> 1)).float() * 0.25
+    return torch.where(i < 2, i.float() * 0.5, normal)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """float32 values of 4-bit E2M1 `codes`."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=codes.device)
-    return table[codes.long() & 15]
+    """float32 values of 4-bit E2M1 `codes` (code 8 is -0.0)."""
+    c = codes.to(torch.int32)
+    mag = e2m1_magnitude(c & 7)
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -92,11 +112,15 @@ def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
     return ((n ^ 8) - 8).to(torch.int8)
 
 
-# UE8M0: code c means 2^(c - 127); the table is exact (Python's ldexp, float32 holds 2^-127).
-_E8M0_TABLE = torch.tensor([math.ldexp(1.0, c - E8M0_BIAS) for c in range(255)] + [math.nan],
-                           dtype=torch.float32)
+_F32_QNAN_BITS = 0x7FC00000  # float32 quiet NaN, the bits of math.nan as float32
+_F32_2_POW_M127_BITS = 0x00400000  # 2^-127: a float32 subnormal (mantissa bit 22)
 
 
 def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
-    """float32 scales of UE8M0 `codes` (uint8); 255 is NaN."""
-    return _E8M0_TABLE.to(codes.device)[codes.long()]
+    """float32 scales of UE8M0 `codes` (uint8); 255 is NaN. Code c means 2^(c - 127): float32
+    shares the bias 127, so for c in 1..254 the float's bits are c << 23 (exponent field c,
+    mantissa 0); code 0 is the subnormal 2^-127. Built from the bits: exact on every device."""
+    c = codes.to(torch.int32)
+    bits = torch.where(c == 0, _F32_2_POW_M127_BITS, c << 23)
+    bits = torch.where(c == E8M0_NAN, _F32_QNAN_BITS, bits)
+    return bits.view(torch.float32)

@@ -11,6 +11,7 @@ is NaN), never to a silently wrong finite value.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -169,7 +170,7 @@ def _per_element(t: torch.Tensor, q: QTensor) -> torch.Tensor:
     """A per-tile tensor of `q` (fp8_block / int4 scales, int4 zeros) broadcast over its tiles."""
     tr, tc = q.tile
     s = t.repeat_interleave(tr, 0).repeat_interleave(tc, 1)
-    rows = int(torch.tensor(q.shape[:-1]).prod()) if len(q.shape) > 1 else 1
+    rows = math.prod(q.shape[:-1])  # 1 for a vector
     return s[:rows, :q.shape[-1]].reshape(q.shape)
 
 

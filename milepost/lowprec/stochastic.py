@@ -17,16 +17,17 @@ import torch
 from milepost.lowprec import elements as el
 from milepost.lowprec.quantize import element_scale, quantize
 
-_GRID = torch.tensor(el.E2M1_VALUES)
-
 
 def round_e2m1_stochastic(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """float32 `v` (|v| <= 6 after the block scale) rounded to E2M1 up or down, up where the
     uniform draw `u` in [0, 1) falls below the fractional distance to the lower grid point."""
-    grid = _GRID.to(v.device)
     a = v.abs().clamp(max=el.E2M1_MAX)
-    i = torch.searchsorted(grid, a.contiguous(), right=True).clamp(1, len(grid) - 1) - 1
-    lo, hi = grid[i], grid[(i + 1).clamp(max=len(grid) - 1)]
+    # Index of the grid point lo <= a: the nonzero grid values a reaches, counted with scalar
+    # compares (no table copied to the device: elements.py); a = 6 stays in [4, 6] (up: 6).
+    below = torch.zeros(a.shape, dtype=torch.int32, device=a.device)
+    for g in el.E2M1_VALUES[1:-1]:
+        below += a >= g
+    lo, hi = el.e2m1_magnitude(below), el.e2m1_magnitude(below + 1)
     span = torch.where(hi > lo, hi - lo, 1.0)
     up = u < (a - lo) / span
     return torch.copysign(torch.where(up, hi, lo), v)

@@ -17,6 +17,7 @@ from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
 from milepost.engine.weight_fp8 import Fp8Linear
 from milepost.kernels.fp8_rowwise import emulated_rowwise_linear, rowwise_linear
+from milepost.lowprec import elements as el
 from milepost.lowprec.quantize import quantize_fp8_per_token
 from milepost.testing.checkpoints import make_tiny_checkpoint
 from milepost.testing.engine_greedy import greedy_outputs, random_prompts
@@ -67,10 +68,20 @@ def _cases() -> list[torch.Tensor]:
     x[3, 11] = float("inf")
     x[4, :5] = torch.tensor([448.0, -448.0, 1e-12, -1e-12, 0.5])  # amax row and subnormals
     ties = torch.tensor([1.0625, 1.1875, 0.0009765625 * 3, 300.0, 448.0])  # halfway values
-    return [x, x.bfloat16(), torch.cat([ties, torch.zeros(195)]).reshape(1, 200)]
+    # The CUDA test's input (tests/gpu/test_fp8_rowwise_cuda.py): row scales 1e-8 .. 1e8, a zero
+    # row, a NaN, which as bfloat16 on the CPU carries the sign bit (CUDA's division returns +NaN).
+    wide = torch.randn(64, 1000, generator=g) * torch.logspace(-8, 8, 64)[:, None]
+    wide[3] = 0.0
+    wide[5, 9] = float("nan")
+    wide[7, 3] = -float("nan")
+    # A scale of 2^-30 (amax 448 * 2^-30) and every E4M3 subnormal k * 2^-9 and the halfway
+    # points between them (odd k of 2^-10): exact quotients, so ties to even are exercised.
+    sub = torch.cat([torch.tensor([448.0]), torch.arange(-40, 41) * 2.0**-10]) * 2.0**-30
+    return [x, x.bfloat16(), torch.cat([ties, torch.zeros(195)]).reshape(1, 200), wide,
+            wide.bfloat16(), sub.reshape(1, -1)]
 
 
-@pytest.mark.parametrize("i", range(3))
+@pytest.mark.parametrize("i", range(6))
 def test_per_token_quantizer_is_the_definition(i: int) -> None:
     x = _cases()[i]
     values, scales = quantize_fp8_per_token(x)
@@ -79,9 +90,18 @@ def test_per_token_quantizer_is_the_definition(i: int) -> None:
     assert scales.shape == (x.shape[0], 1)
     assert torch.equal(scales.isnan(), ref_scales.isnan())
     assert torch.equal(scales.nan_to_num(-1.0), ref_scales.nan_to_num(-1.0))
-    assert torch.equal(values.view(torch.uint8).reshape(codes.shape) & 0x7F == 0x7F, codes & 0x7F == 0x7F)
-    ok = ~torch.isnan(ref_scales).expand_as(codes)  # NaN rows: every value NaN (either sign)
-    assert torch.equal(values.view(torch.uint8)[ok], codes[ok])
+    # Every byte, NaN rows included: one NaN code (0x7F) whatever the NaN's sign, so the bytes
+    # are the same on every device.
+    assert torch.equal(values.view(torch.uint8).reshape(codes.shape), codes)
+
+
+def test_a_nan_of_either_sign_is_code_0x7f() -> None:
+    nan = torch.tensor([float("nan")] * 3)
+    nan[1:] = -nan[1:]  # sign bit set
+    assert torch.signbit(nan).tolist() == [False, True, True]
+    x = torch.cat([nan, torch.tensor([1.0])])
+    assert el.to_e4m3(x).view(torch.uint8).tolist() == [0x7F, 0x7F, 0x7F, 0x38]
+    assert el.to_e4m3(x.bfloat16().float()).view(torch.uint8)[:3].tolist() == [0x7F] * 3
 
 
 def test_per_token_quantizer_keeps_leading_dims_and_rows_apart() -> None:
