@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from milepost.lowprec.elements import to_e4m3
+
 FP8 = torch.float8_e4m3fn
 FORMAT = "fp8_e4m3_row"  # how /weights_checksum names the format of a quantized tensor
 _FP8_INFO = torch.finfo(FP8)
@@ -22,7 +24,7 @@ def quantize_rows(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
     # An all-zero row gets the smallest scale: its values quantize to exact zeros.
     scale = (amax / _FP8_INFO.max).clamp(min=torch.finfo(torch.float32).tiny)
-    values = (x / scale[:, None]).clamp(-_FP8_INFO.max, _FP8_INFO.max).to(FP8)
+    values = to_e4m3(x / scale[:, None])  # saturating; one NaN code on every device
     return values, scale
 
 
