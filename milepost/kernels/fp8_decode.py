@@ -53,6 +53,12 @@ DECODE_TABLE: dict[tuple[int, int, int], DecodeConfig] = {
 _TICKETS: dict[int, torch.Tensor] = {}  # device -> int32 counters, zero between kernels
 _FAILED: dict[int, set[str]] = {}  # device -> options ("ticket", "narrow") that failed the probe
 _TICKET_SLOTS = 1 << 16
+# How split parts are summed, over every config: None keeps each config's `ticket`; True sums by
+# ticket, False by the second kernel (the same bits either way: an A/B switch for whole-engine
+# runs, read when a launch is made, so at CUDA-graph capture). The table's M = 64 configs were
+# timed on the H200 with the quantize as its own launch, where the second kernel was no slower;
+# on the H100 that kernel is 2.3 us a call, 108 calls a 4B decode step (issue 23).
+TICKET: bool | None = None
 
 
 def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
@@ -211,7 +217,8 @@ def _launch(xa: torch.Tensor, sx: torch.Tensor, s_strides: tuple[int, int], m: i
     if m == 0:
         return out
     failed = _FAILED.get(xa.device.index or 0, set())
-    ticket = cfg.ticket and grid[0] * grid[1] <= _TICKET_SLOTS and "ticket" not in failed
+    ticket = (cfg.ticket if TICKET is None else TICKET) and grid[0] * grid[1] <= _TICKET_SLOTS \
+        and "ticket" not in failed
     mode = 0 if split == 1 else (2 if ticket else 1)
     narrow = cfg.fused and cfg.narrow and m < cfg.block_m and "narrow" not in failed
     qrows = triton.next_power_of_2(m) if narrow else cfg.block_m

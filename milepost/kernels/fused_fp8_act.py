@@ -3,11 +3,11 @@ or after the residual add) and SiLU-and-mul that also write their output's 1 x 1
 values and scales, bit for bit `quantize_act_1x128(y, 4)` of the output y the bf16 kernels give,
 so the FP8 linear after them (milepost/lowprec/fp8_act.py) runs without a quantize launch.
 
-The norms are fused_ops.py's kernels, called unchanged inside these ones; each program then reads
-back the row it stored (after a CTA barrier: its other threads' stores are visible) and quantizes
-it with fp8_quant.py's operations. Reading back through memory keeps the norm's reduction exactly
-the bf16 kernel's (its register layout is not bent by the quantizer's [blocks, 128] shape), so
-the normalized values, and from them the FP8 bits, are the unfused path's. SiLU * up has no
+The norms reduce each row's sum of squares exactly as fused_ops.py's kernels do (the same 1-D
+shape, layout and so order), then normalize and quantize this program's 1 x 128 blocks straight
+from registers: nothing is stored and read back, and the normalized row itself is never stored
+(the linear reads only the FP8 bytes). A row may be split over programs
+(each redoes the row's reduction) so that 64 decode rows fill the SMs. SiLU * up has no
 reduction: it is computed straight in the quantizer's shape. Rows past the activation's (padding
 to a multiple of 4, which cuBLAS takes) get zeros and scale 1, as quantize_act_1x128 pads.
 """
@@ -18,22 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from milepost.kernels.fp8_quant import TILE, quant_blocks_1x128
-from milepost.kernels.fused_ops import _add_rms_norm_kernel, _rms_norm_kernel
+from milepost.kernels.fp8_quant import TILE, _sm_count, quant_blocks_1x128
 from milepost.lowprec.fp8_act import PAD_ROWS, Fp8Act
-
-
-@triton.jit
-def _quant_row(Y, Q, S, row, stride_y, stride_q, stride_sm, stride_sk, n_groups,
-               GROUPS: tl.constexpr):
-    """Row `row` of Y (just stored by this program) -> its fp8 values in Q and scales in S."""
-    g = tl.arange(0, GROUPS)
-    ok = g < n_groups
-    offs = g[:, None] * 128 + tl.arange(0, 128)[None, :]
-    y = tl.load(Y + row * stride_y + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-    q, scale = quant_blocks_1x128(y)
-    tl.store(Q + row * stride_q + offs, q, mask=ok[:, None])
-    tl.store(S + row * stride_sm + g * stride_sk, scale, mask=ok)
 
 
 @triton.jit
@@ -47,28 +33,43 @@ def _pad_row(Q, S, row, g, stride_q, stride_sm, stride_sk, n_groups, GROUPS: tl.
 
 
 @triton.jit
-def _rms_norm_fp8_kernel(X, W, Y, Q, S, stride_x, stride_y, stride_q, stride_sm, stride_sk,
-                         n_rows, n_cols, n_groups, eps, BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+def _norm_fp8_kernel(X, R, W, H, Q, S, stride_x, stride_r, stride_h, stride_q, stride_sm,
+                     stride_sk, n_rows, n_cols, n_groups, eps, ADD: tl.constexpr,
+                     BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+    """Blocks [pid1 * GROUPS, + GROUPS) of row pid0 of RMSNorm(x) (ADD: of h = x + r, also
+    stored), quantized per 1 x 128 block. Two passes over the row, both from the same loads'
+    addresses (the second one hits the cache):
+    1. the whole row in fused_ops' 1-D shape and operations: its sum of squares is reduced in
+       the bf16 kernel's layout (BLOCK values, the same warps), so in its order: the same rstd;
+    2. this program's blocks in the quantizer's [GROUPS, 128] shape: the norm's elementwise
+       operations (the same bits in any layout) and the quantizer straight from registers.
+    Every program of a row redoes pass 1 (it is a few KB from L2): a row split over programs
+    keeps SMs busy at 64 rows without splitting the reduction (another order)."""
     row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     if row < n_rows:
-        _rms_norm_kernel(X, W, Y, stride_x, stride_y, n_cols, eps, BLOCK)
-        tl.debug_barrier()
-        _quant_row(Y, Q, S, row, stride_y, stride_q, stride_sm, stride_sk, n_groups, GROUPS)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        xf = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if ADD:  # fused_ops._add_rms_norm_kernel's h, rounded to the model dtype
+            rf = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            xf = (xf + rf).to(H.dtype.element_ty).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+        ok = (g < n_groups)[:, None]
+        offs = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+        x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+        if ADD:
+            h = (x + tl.load(R + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
+                 ).to(H.dtype.element_ty)
+            tl.store(H + row * stride_h + offs, h, mask=ok)
+            x = h.to(tl.float32)
+        w = tl.load(W + offs, mask=ok, other=0.0)
+        y = (x * rstd).to(W.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
+        q, scale = quant_blocks_1x128(y.to(X.dtype.element_ty).to(tl.float32))  # the stored y
+        tl.store(Q + row * stride_q + offs, q, mask=ok)
+        tl.store(S + row * stride_sm + g * stride_sk, scale, mask=g < n_groups)
     else:
-        _pad_row(Q, S, row, tl.arange(0, GROUPS), stride_q, stride_sm, stride_sk, n_groups, GROUPS)
-
-
-@triton.jit
-def _add_rms_norm_fp8_kernel(X, R, W, H, Y, Q, S, stride_x, stride_r, stride_h, stride_y, stride_q,
-                             stride_sm, stride_sk, n_rows, n_cols, n_groups, eps,
-                             BLOCK: tl.constexpr, GROUPS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    if row < n_rows:
-        _add_rms_norm_kernel(X, R, W, H, Y, stride_x, stride_r, stride_h, stride_y, n_cols, eps, BLOCK)
-        tl.debug_barrier()
-        _quant_row(Y, Q, S, row, stride_y, stride_q, stride_sm, stride_sk, n_groups, GROUPS)
-    else:
-        _pad_row(Q, S, row, tl.arange(0, GROUPS), stride_q, stride_sm, stride_sk, n_groups, GROUPS)
+        _pad_row(Q, S, row, g, stride_q, stride_sm, stride_sk, n_groups, GROUPS)
 
 
 @triton.jit
@@ -104,40 +105,52 @@ def _outputs(t: int, k: int, what: str, device: torch.device) -> tuple[torch.Ten
     return q, s, mp
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Act:
-    """x: [T, K] -> fused_ops.rms_norm(x, weight, eps) quantized per 1x128 block, in one launch."""
+GROUPS_PER_PROGRAM: int | None = None  # the norms' blocks a program (a power of two); None: the rule
+
+
+def _norm_groups(rows: int, n_groups: int, device: torch.device) -> int:
+    """Blocks a norm program quantizes: the whole row, halved (down to 4 blocks, 512 columns)
+    while the programs do not fill the SMs once (64 decode rows on 132 SMs: a row in 3 parts at
+    the 4B's 20 blocks, 2 at the 0.6B's 8)."""
+    if GROUPS_PER_PROGRAM is not None:
+        return GROUPS_PER_PROGRAM
+    gp = triton.next_power_of_2(n_groups)
+    while gp > 4 and rows * triton.cdiv(n_groups, gp) < _sm_count(device):
+        gp //= 2
+    return gp
+
+
+def _norm(x: torch.Tensor, r: torch.Tensor | None, h: torch.Tensor | None, weight: torch.Tensor,
+          eps: float, what: str) -> Fp8Act:
+    """The norm kernel's launch: r and h (x + r's output) both given or both None."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if r is not None and r.stride(-1) != 1:
+        r = r.contiguous()
     t, k = x.shape
-    q, s, mp = _outputs(t, k, "rms_norm_fp8", x.device)
-    y = torch.empty((t, k), dtype=x.dtype, device=x.device)  # the normalized rows, read back
+    q, s, mp = _outputs(t, k, what, x.device)
     if mp:
-        _rms_norm_fp8_kernel[(mp,)](x, weight, y, q, s, x.stride(0), y.stride(0), q.stride(0),
-                                    s.stride(0), s.stride(1), t, k, k // TILE, eps,
-                                    BLOCK=triton.next_power_of_2(k),
-                                    GROUPS=triton.next_power_of_2(k // TILE))
+        n_groups = k // TILE
+        gp = _norm_groups(mp, n_groups, x.device)
+        rr, hh = (r, h) if r is not None else (x, x)  # unread and unwritten without ADD
+        _norm_fp8_kernel[(mp, triton.cdiv(n_groups, gp))](
+            x, rr, weight, hh, q, s, x.stride(0), rr.stride(0), hh.stride(0), q.stride(0),
+            s.stride(0), s.stride(1), t, k, n_groups, eps, ADD=r is not None,
+            BLOCK=triton.next_power_of_2(k), GROUPS=gp)
     return Fp8Act(q, s, t, x.dtype)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Act:
+    """x: [T, K] -> fused_ops.rms_norm(x, weight, eps) quantized per 1x128 block, in one launch."""
+    return _norm(x, None, None, weight, eps, "rms_norm_fp8")
 
 
 def add_rms_norm_fp8(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, Fp8Act]:
     """x, r: [T, K] -> (x + r, rms_norm(x + r) quantized per 1x128 block): fused_ops.add_rms_norm's
     values, in one launch."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if r.stride(-1) != 1:
-        r = r.contiguous()
-    t, k = x.shape
-    q, s, mp = _outputs(t, k, "add_rms_norm_fp8", x.device)
-    h = torch.empty((t, k), dtype=x.dtype, device=x.device)
-    y = torch.empty((t, k), dtype=x.dtype, device=x.device)
-    if mp:
-        _add_rms_norm_fp8_kernel[(mp,)](x, r, weight, h, y, q, s, x.stride(0), r.stride(0),
-                                        h.stride(0), y.stride(0), q.stride(0), s.stride(0),
-                                        s.stride(1), t, k, k // TILE, eps,
-                                        BLOCK=triton.next_power_of_2(k),
-                                        GROUPS=triton.next_power_of_2(k // TILE))
-    return h, Fp8Act(q, s, t, x.dtype)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return h, _norm(x, r, h, weight, eps, "add_rms_norm_fp8")
 
 
 def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> Fp8Act:

@@ -21,6 +21,7 @@ from milepost.kernels import fused_ops  # noqa: E402
 from milepost.kernels.fp8_quant import quantize_act_1x128  # noqa: E402
 from milepost.kernels.fused_fp8_act import add_rms_norm_fp8, rms_norm_fp8, silu_mul_fp8  # noqa: E402
 from milepost.lowprec.fp8_act import Fp8Act  # noqa: E402
+from milepost.testing.hopper_compile import needs_ptxas, run_compiled  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu of large |gate|
@@ -80,6 +81,77 @@ def test_silu_mul_fp8_gives_silu_mul_then_quantize_bits(t: int, k: int, dtype: t
     gate_up = torch.cat([_rows(t, k, dtype, 3) * 1e-2, _rows(t, k, dtype, 4)], dim=1)
     gate, up = gate_up.chunk(2, dim=-1)  # row stride 2K, as gate_up_proj's halves
     _same_bits(silu_mul_fp8(gate, up), fused_ops.silu_mul(gate, up))
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("t,k", [(7, 640), (64, 1280)])
+def test_norms_split_over_programs_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, t: int, k: int,
+                                                      groups: int) -> None:
+    """A row split over programs (each redoing the row's reduction; the last one's blocks partly
+    past K, e.g. 5 blocks in parts of 2) gives the unsplit bits, h included."""
+    from milepost.kernels import fused_fp8_act
+
+    monkeypatch.setattr(fused_fp8_act, "GROUPS_PER_PROGRAM", groups)
+    x, r = _rows(t, k, torch.bfloat16, 7), _rows(t, k, torch.bfloat16, 8).flip(0)
+    w = torch.logspace(-1, 1, k).to(torch.bfloat16).to(DEV)
+    _same_bits(rms_norm_fp8(x, w, 1e-6), fused_ops.rms_norm(x, w, 1e-6))
+    h, a = add_rms_norm_fp8(x, r, w, 1e-6)
+    h_ref, y_ref = fused_ops.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(h.view(torch.int16), h_ref.view(torch.int16))
+    _same_bits(a, y_ref)
+
+
+def test_norm_groups_rule_fills_the_sms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule splits a row until the programs fill the SMs once, to 4 blocks at least."""
+    from milepost.kernels import fused_fp8_act
+
+    monkeypatch.setattr(fused_fp8_act, "_sm_count", lambda dev: 132)
+    cpu = torch.device("cpu")
+    assert fused_fp8_act._norm_groups(64, 20, cpu) == 8  # 4B hidden at 64 rows: 3 programs a row
+    assert fused_fp8_act._norm_groups(64, 8, cpu) == 4  # 0.6B hidden: 2 a row
+    assert fused_fp8_act._norm_groups(256, 20, cpu) == 32  # enough rows: the whole row
+    assert fused_fp8_act._norm_groups(4, 2, cpu) == 2  # never more than the row
+
+
+_LAYOUTS = """
+import inspect, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from milepost.kernels.fused_ops import _add_rms_norm_kernel, _rms_norm_kernel
+from milepost.kernels.fused_fp8_act import _norm_fp8_kernel
+
+def reduced(kern, dtype, const):
+    names = list(inspect.signature(kern.fn).parameters)
+    ptrs = {n: ("*fp8e4nv" if n == "Q" else "*fp32" if n == "S" else dtype) for n in "XRWHYQS"}
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "eps" else "i32")
+           for n in names}
+    div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)  # as a launch specializes
+           if n in ptrs or n in ("stride_x", "stride_r", "stride_h", "stride_y", "stride_q", "n_cols")}
+    ttgir = triton.compile(ASTSource(kern, sig, const, div), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4}).asm["ttgir"]
+    layouts = dict(re.findall(r"^(#blocked\\d*) = (.*)$", ttgir, re.M))
+    sums = re.findall(r"\\}\\) : \\(tensor<(\\d+)xf32, (#blocked\\d*)>\\) -> f32", ttgir)
+    assert len(sums) == 1, sums  # the sum of squares: the one full reduction to a scalar
+    return sums[0][0], layouts[sums[0][1]]
+
+for dtype in ("*bf16", "*fp32"):
+    for k in (1024, 2560, 4096):
+        block = triton.next_power_of_2(k)
+        for ref, add in ((_rms_norm_kernel, False), (_add_rms_norm_kernel, True)):
+            want = reduced(ref, dtype, {"BLOCK": block})
+            got = reduced(_norm_fp8_kernel, dtype, {"ADD": add, "BLOCK": block, "GROUPS": 8})
+            assert got == want, (dtype, k, add, got, want)
+print("ok")
+"""
+
+
+@needs_ptxas()
+def test_norm_sum_of_squares_reduces_in_the_bf16_kernels_layout() -> None:
+    """On the H100 (sm_90) the fused norms' sum of squares is reduced over the same tensor in
+    the same register layout as fused_ops' kernels (so in the same order: the same rstd bits),
+    though the rest of the kernel works in the quantizer's [blocks, 128] shape."""
+    run_compiled(_LAYOUTS)
 
 
 def test_k_not_whole_blocks_is_refused() -> None:

@@ -86,6 +86,40 @@ def test_split_sums_are_the_same_by_ticket_or_second_kernel() -> None:
     assert not fp8_decode._tickets(torch.device(DEV)).any()
 
 
+@pytest.mark.parametrize("override", [True, False])
+def test_ticket_switch_overrides_every_config_with_the_same_bits(monkeypatch: pytest.MonkeyPatch,
+                                                                 override: bool) -> None:
+    """fp8_decode.TICKET sums every split config's parts its way (True: no second kernel is
+    launched; False: one is, for a ticket config too), for the bf16 and the prequantized entry
+    points, and the output bits are the config's own way's."""
+    from milepost.kernels import fp8_decode
+    from milepost.kernels.fp8_quant import quantize_act_1x128
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(24, 640, generator=g).to(torch.bfloat16).to(DEV)
+    w = quantize(torch.randn(384, 640, generator=g), "fp8_block")
+    wv, ws = w.values.to(DEV), w.scales.to(DEV)
+    cfg = DecodeConfig(16, 32, 4, 4, 2, False, not override)  # the opposite of the switch
+    want = decode_block_mm(x, wv, ws, torch.bfloat16, cfg)
+    launches = []
+    second = fp8_decode._sum_parts_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return second[grid]
+
+    monkeypatch.setattr(fp8_decode, "_sum_parts_kernel", Counted())
+    monkeypatch.setattr(fp8_decode, "TICKET", override)
+    xq, sx = quantize_act_1x128(x, 4)
+    got = [decode_block_mm(x, wv, ws, torch.bfloat16, cfg),
+           fp8_decode.decode_block_mm_quantized(xq, sx, 24, wv, ws, torch.bfloat16, cfg)]
+    assert len(launches) == (0 if override else 2)
+    for y in got:
+        assert torch.equal(y, want)
+    assert not fp8_decode._tickets(torch.device(DEV)).any()
+
+
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_narrow_quantization_gives_the_same_rows(m: int) -> None:
     """Quantizing only M's power of two rows (repeated to the 16 the dot needs) gives the
