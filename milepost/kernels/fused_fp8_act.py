@@ -105,7 +105,10 @@ def _outputs(t: int, k: int, what: str, device: torch.device) -> tuple[torch.Ten
     return q, s, mp
 
 
-GROUPS_PER_PROGRAM: int | None = None  # the norms' blocks a program (a power of two); None: the rule
+# Blocks a program (powers of two; None: the rules below), settable for the kernel sweep
+# (benchmarks/fp8_act_sweep.py): the bits are the same for any value (tests/unit).
+GROUPS_PER_PROGRAM: int | None = None  # the norms'
+SILU_GROUPS_PER_PROGRAM: int | None = None  # silu_mul_fp8's
 
 
 def _norm_groups(rows: int, n_groups: int, device: torch.device) -> int:
@@ -160,7 +163,8 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> Fp8Act:
     if gate.stride(-1) != 1 or up.stride(-1) != 1:
         raise ValueError("silu_mul_fp8: gate and up must have contiguous rows")
     q, s, mp = _outputs(t, n, "silu_mul_fp8", gate.device)
-    groups = min(8, triton.next_power_of_2(n // TILE))  # 1024 values a program, as silu_mul
+    groups = SILU_GROUPS_PER_PROGRAM or min(8, triton.next_power_of_2(n // TILE))  # 1024 values
+    # a program by default, as silu_mul
     if mp:
         _silu_mul_fp8_kernel[(mp, triton.cdiv(n // TILE, groups))](
             gate, up, q, s, gate.stride(0), up.stride(0), q.stride(0), s.stride(0), s.stride(1),

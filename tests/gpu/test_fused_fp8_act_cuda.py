@@ -47,6 +47,25 @@ def test_norms_give_the_unfused_bits(t: int, k: int) -> None:
     _same_bits(a, y_ref)
 
 
+@pytest.mark.parametrize("groups", [1, 2, 4, 8, 32])
+@pytest.mark.parametrize("k", [1024, 2560, 4096])
+def test_norms_split_over_programs_give_the_unfused_bits(monkeypatch: pytest.MonkeyPatch, k: int,
+                                                         groups: int) -> None:
+    """Any blocks a program (a row split over programs, each redoing the row's reduction in
+    fused_ops' layout) gives the unfused bits on the GPU, where layouts decide the sum's order."""
+    from milepost.kernels import fused_fp8_act, fused_ops
+
+    monkeypatch.setattr(fused_fp8_act, "GROUPS_PER_PROGRAM", groups)
+    for t in (64, 256):
+        x, r = _x(t, k, 5), _x(t, k, 6).flip(0)
+        w = torch.logspace(1, -1, k).to(torch.bfloat16).cuda()
+        _same_bits(fused_fp8_act.rms_norm_fp8(x, w, 1e-5), fused_ops.rms_norm(x, w, 1e-5))
+        h, a = fused_fp8_act.add_rms_norm_fp8(x, r, w, 1e-5)
+        h_ref, y_ref = fused_ops.add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(h, h_ref)
+        _same_bits(a, y_ref)
+
+
 @pytest.mark.parametrize("n", [3072, 9728])  # Qwen3-0.6B / 4B intermediate
 @pytest.mark.parametrize("t", ROWS)
 def test_silu_mul_gives_the_unfused_bits(t: int, n: int) -> None:
@@ -76,15 +95,22 @@ def test_every_probed_gemm_gives_the_same_product_from_the_fp8_act(t: int) -> No
         assert torch.equal(got, fp8_gemm.fp8_block_linear(y, q.values, q.scales, backend)), backend
 
 
-def test_engine_greedy_is_the_same_with_the_fusion_on_and_off(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("ticket", [None, True])
+def test_engine_greedy_is_the_same_with_the_fusion_on_and_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              ticket: bool | None) -> None:
+    """ticket True: the decode GEMMs split K in two (the tiny shapes split nothing by the rule)
+    and sum the parts by ticket (fp8_decode.TICKET)."""
     from milepost.engine.server_args import ServerArgs
     from milepost.engine.setup import build_engine
-    from milepost.kernels import fp8_gemm
+    from milepost.kernels import fp8_decode, fp8_gemm
     from milepost.lowprec.engine_store import QuantizedLinear
     from milepost.testing.checkpoints import make_tiny_checkpoint
     from milepost.testing.engine_greedy import greedy_outputs, random_prompts
 
+    monkeypatch.setattr(fp8_decode, "TICKET", ticket)
+    if ticket:
+        rule = fp8_decode.decode_config
+        monkeypatch.setattr(fp8_decode, "decode_config", lambda *a: rule(*a)._replace(split=2))
     ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3, with_tokenizer=False,
                                 hidden_size=256, intermediate_size=512, head_dim=64,
                                 num_attention_heads=4, num_key_value_heads=2)

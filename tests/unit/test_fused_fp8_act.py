@@ -101,6 +101,17 @@ def test_norms_split_over_programs_give_the_same_bits(monkeypatch: pytest.Monkey
     _same_bits(a, y_ref)
 
 
+@pytest.mark.parametrize("groups", [1, 4])
+def test_silu_mul_fp8_blocks_a_program_give_the_same_bits(monkeypatch: pytest.MonkeyPatch,
+                                                          groups: int) -> None:
+    from milepost.kernels import fused_fp8_act
+
+    monkeypatch.setattr(fused_fp8_act, "SILU_GROUPS_PER_PROGRAM", groups)
+    gate, up = torch.cat([_rows(7, 640, torch.bfloat16, 9) * 1e-2, _rows(7, 640, torch.bfloat16, 10)],
+                         dim=1).chunk(2, dim=-1)
+    _same_bits(silu_mul_fp8(gate, up), fused_ops.silu_mul(gate, up))
+
+
 def test_norm_groups_rule_fills_the_sms(monkeypatch: pytest.MonkeyPatch) -> None:
     """The rule splits a row until the programs fill the SMs once, to 4 blocks at least."""
     from milepost.kernels import fused_fp8_act
