@@ -4,7 +4,9 @@
 * `--parts act`: the residual-add RMSNorm and SiLU * up at the Qwen3-4B / 0.6B widths and decode
   rows, the bf16 kernel followed by `quantize_act_1x128` against the fused kernel
   (milepost/kernels/fused_fp8_act.py) at each blocks-a-program setting (`GROUPS_PER_PROGRAM`,
-  `SILU_GROUPS_PER_PROGRAM`; "rule" is the default's choice), each checked bit for bit first;
+  `SILU_GROUPS_PER_PROGRAM`; "rule" is the default's choice), and o_proj's input quantizer
+  `quantize_act_1x128` against `quantize_rows_fp8` (8 blocks a program), each checked bit for bit
+  first;
 * `--parts gemm`: the decode FP8 GEMM (`decode_block_mm_quantized`, the call the engine makes
   on an Fp8Act) over benchmarks/fp8_gemm_sweep.py's focus grid, ticket and second-kernel sums,
   no programmatic dependent launch (the norm kernels do not trigger one), with the activation
@@ -34,7 +36,8 @@ from milepost.kernels import fp8_decode, fused_fp8_act, fused_ops  # noqa: E402
 from milepost.kernels.fp8_decode import DecodeConfig  # noqa: E402
 from milepost.kernels.fp8_quant import quantize_act_1x128  # noqa: E402
 
-WIDTHS = {"qwen3-4b": (2560, 9728), "qwen3-0.6b": (1024, 3072)}  # hidden, intermediate
+WIDTHS = {"qwen3-4b": (2560, 9728, 4096), "qwen3-0.6b": (1024, 3072, 2048)}  # hidden, intermediate,
+# attention output (o_proj's input: quantized on its own)
 CALLS = 32  # launches a graph: the per-call time includes the gap between kernels
 
 
@@ -54,13 +57,14 @@ def _settings(groups: int) -> list[int | None]:
 
 def act_rows(shape: str, m: int, dev: str = "cuda", timer=graph_us) -> list[dict]:
     """One row per kernel and setting: us per call (`timer`), the unfused pair's first."""
-    hidden, inter = WIDTHS[shape]
+    hidden, inter, attn = WIDTHS[shape]
     g = torch.Generator(device=dev).manual_seed(m)
     x = torch.randn(m, hidden, device=dev, generator=g).bfloat16()
     r = torch.randn(m, hidden, device=dev, generator=g).bfloat16()
     w = (1 + 0.1 * torch.randn(hidden, device=dev, generator=g)).bfloat16()
     gate_up = torch.randn(m, 2 * inter, device=dev, generator=g).bfloat16()
     gate, up = gate_up.chunk(2, dim=-1)
+    o = torch.randn(m, attn, device=dev, generator=g).bfloat16()
     rows = []
 
     def pair_norm():
@@ -90,6 +94,17 @@ def act_rows(shape: str, m: int, dev: str = "cuda", timer=graph_us) -> list[dict
         finally:
             fused_fp8_act.SILU_GROUPS_PER_PROGRAM = None
         rows.append({**base, "kernel": "silu_mul_fp8", "setting": gp or "rule", "us": us})
+    q_o, s_o = quantize_act_1x128(o, 4)
+    rows.append({**base, "kernel": "quantize_act_1x128 (o_proj)", "setting": "-",
+                 "us": timer(lambda: quantize_act_1x128(o, 4))})
+    for gp in _settings(attn // 128):
+        fused_fp8_act.QUANT_GROUPS_PER_PROGRAM = gp
+        try:
+            ok = _bits(fused_fp8_act.quantize_rows_fp8(o), q_o, s_o)
+            us = timer(lambda: fused_fp8_act.quantize_rows_fp8(o)) if ok else "wrong bits"
+        finally:
+            fused_fp8_act.QUANT_GROUPS_PER_PROGRAM = None
+        rows.append({**base, "kernel": "quantize_rows_fp8", "setting": gp or "rule", "us": us})
     return rows
 
 
@@ -142,7 +157,7 @@ def main() -> None:
             for m in ms:
                 for row in act_rows(shape, m):
                     out["act"].append(row)
-                    print(f"{shape:10} M={m:<4} {row['kernel']:26} {str(row['setting']):>5} | "
+                    print(f"{shape:10} M={m:<4} {row['kernel']:28} {str(row['setting']):>5} | "
                           f"{fmt(row['us'])}", flush=True)
     if "gemm" in parts:
         sweep.precompile(shapes, ms, sms, a.workers, focus=True)

@@ -21,6 +21,7 @@ from milepost.kernels.fp8_quant import (
     gdc_wait,
     quantize_act_1x128,
 )
+from milepost.kernels.fused_fp8_act import quantize_rows_fp8
 from milepost.lowprec import fp8_decode_table
 
 # At decode M (a few to a few hundred rows) the weight's bytes dominate: each program reads its
@@ -59,6 +60,11 @@ _TICKET_SLOTS = 1 << 16
 # timed on the H200 with the quantize as its own launch, where the second kernel was no slower;
 # on the H100 that kernel is 2.3 us a call, 108 calls a 4B decode step (issue 23).
 TICKET: bool | None = None
+# The separate activation quantize (o_proj's input, made by the attention kernel) by
+# fused_fp8_act.quantize_rows_fp8 (8 blocks a program, the same bits) instead of
+# quantize_act_1x128 (one block a program); not with programmatic dependent launch. An A/B
+# switch until benchmarks/fp8_act_sweep.py has timed both on the GPU.
+QUANT_ROWS = False
 
 
 def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
@@ -179,6 +185,10 @@ def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtyp
     cfg = _shaped(cfg or decode_config(m, w.shape[0], k, _sm_count(x.device)), w)
     if cfg.fused:
         return _launch(x, x, (0, 0), m, w, sw, out_dtype, cfg)
+    if QUANT_ROWS and not _pdl(cfg, x):
+        a = quantize_rows_fp8(x)
+        return _launch(a.values, a.scales, (a.scales.stride(0), a.scales.stride(1)), m, w, sw,
+                       out_dtype, cfg)
     xa, sx = quantize_act_1x128(x, pdl=_pdl(cfg, x))
     return _launch(xa, sx, (sx.stride(0), sx.stride(1)), m, w, sw, out_dtype, cfg)
 

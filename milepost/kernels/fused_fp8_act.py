@@ -94,6 +94,24 @@ def _silu_mul_fp8_kernel(G, U, Q, S, stride_g, stride_u, stride_q, stride_sm, st
         _pad_row(Q, S, row, g, stride_q, stride_sm, stride_sk, n_groups, GROUPS)
 
 
+@triton.jit
+def _quant_rows_kernel(X, Q, S, stride_x, stride_q, stride_sm, stride_sk, n_rows, n_groups,
+                       GROUPS: tl.constexpr):
+    """GROUPS 1x128 blocks of one row quantized (_quant_act_kernel's operations, a warp per block
+    row: no cross-warp reduction), or of a padding row filled."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    if row < n_rows:
+        ok = (g < n_groups)[:, None]
+        offs = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+        q, scale = quant_blocks_1x128(tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
+                                      .to(tl.float32))
+        tl.store(Q + row * stride_q + offs, q, mask=ok)
+        tl.store(S + row * stride_sm + g * stride_sk, scale, mask=g < n_groups)
+    else:
+        _pad_row(Q, S, row, g, stride_q, stride_sm, stride_sk, n_groups, GROUPS)
+
+
 def _outputs(t: int, k: int, what: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(fp8 values [Mp, K], M-major scales [Mp, K/128], Mp) as quantize_act_1x128 lays them out."""
     if k % TILE:
@@ -109,6 +127,7 @@ def _outputs(t: int, k: int, what: str, device: torch.device) -> tuple[torch.Ten
 # (benchmarks/fp8_act_sweep.py): the bits are the same for any value (tests/unit).
 GROUPS_PER_PROGRAM: int | None = None  # the norms'
 SILU_GROUPS_PER_PROGRAM: int | None = None  # silu_mul_fp8's
+QUANT_GROUPS_PER_PROGRAM: int | None = None  # quantize_rows_fp8's
 
 
 def _norm_groups(rows: int, n_groups: int, device: torch.device) -> int:
@@ -170,3 +189,19 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> Fp8Act:
             gate, up, q, s, gate.stride(0), up.stride(0), q.stride(0), s.stride(0), s.stride(1),
             t, n // TILE, GROUPS=groups)
     return Fp8Act(q, s, t, gate.dtype)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> Fp8Act:
+    """x: [T, K] (contiguous rows) -> `quantize_act_1x128(x, 4)`'s bits as an Fp8Act in one
+    launch, padding rows included: a program quantizes 8 blocks of a row (1024 values) where
+    _quant_act_kernel quantizes one with 4 warps. For an activation no fused kernel makes (the
+    attention output before o_proj); benchmarks/fp8_act_sweep.py times the two."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t, k = x.shape
+    q, s, mp = _outputs(t, k, "quantize_rows_fp8", x.device)
+    groups = QUANT_GROUPS_PER_PROGRAM or min(8, triton.next_power_of_2(k // TILE))
+    if mp:
+        _quant_rows_kernel[(mp, triton.cdiv(k // TILE, groups))](
+            x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1), t, k // TILE, GROUPS=groups)
+    return Fp8Act(q, s, t, x.dtype)

@@ -66,6 +66,15 @@ def test_norms_split_over_programs_give_the_unfused_bits(monkeypatch: pytest.Mon
         _same_bits(a, y_ref)
 
 
+@pytest.mark.parametrize("k", [2048, 4096])  # o_proj's input, Qwen3-0.6B / 4B
+@pytest.mark.parametrize("t", ROWS)
+def test_quantize_rows_gives_quantize_act_bits(t: int, k: int) -> None:
+    from milepost.kernels.fused_fp8_act import quantize_rows_fp8
+
+    x = _x(t, k, 7)
+    _same_bits(quantize_rows_fp8(x), x)
+
+
 @pytest.mark.parametrize("n", [3072, 9728])  # Qwen3-0.6B / 4B intermediate
 @pytest.mark.parametrize("t", ROWS)
 def test_silu_mul_gives_the_unfused_bits(t: int, n: int) -> None:

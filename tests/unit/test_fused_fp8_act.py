@@ -112,6 +112,18 @@ def test_silu_mul_fp8_blocks_a_program_give_the_same_bits(monkeypatch: pytest.Mo
     _same_bits(silu_mul_fp8(gate, up), fused_ops.silu_mul(gate, up))
 
 
+@pytest.mark.parametrize("groups", [None, 1, 4])
+@pytest.mark.parametrize("t,k,dtype", [(7, 640, torch.bfloat16), (64, 1280, torch.bfloat16),
+                                       (5, 384, torch.float32)])
+def test_quantize_rows_fp8_gives_quantize_act_bits(monkeypatch: pytest.MonkeyPatch, t: int, k: int,
+                                                   dtype: torch.dtype, groups: int | None) -> None:
+    from milepost.kernels import fused_fp8_act
+
+    monkeypatch.setattr(fused_fp8_act, "QUANT_GROUPS_PER_PROGRAM", groups)
+    x = _rows(t, k, dtype, 11)
+    _same_bits(fused_fp8_act.quantize_rows_fp8(x), x)
+
+
 def test_norm_groups_rule_fills_the_sms(monkeypatch: pytest.MonkeyPatch) -> None:
     """The rule splits a row until the programs fill the SMs once, to 4 blocks at least."""
     from milepost.kernels import fused_fp8_act

@@ -120,6 +120,28 @@ def test_ticket_switch_overrides_every_config_with_the_same_bits(monkeypatch: py
     assert not fp8_decode._tickets(torch.device(DEV)).any()
 
 
+def test_quant_rows_switch_gives_the_same_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_decode.QUANT_ROWS: the activation quantized by quantize_rows_fp8 (8 blocks a
+    program, rows padded to 4) instead of quantize_act_1x128: the same output bits."""
+    from milepost.kernels import fp8_decode
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 1280, generator=g) * torch.logspace(-3, 3, 6)[:, None]).to(torch.bfloat16)
+    x[2, 7] = math.inf
+    x = x.to(DEV)
+    w = quantize(torch.randn(256, 1280, generator=g), "fp8_block")
+    wv, ws = w.values.to(DEV), w.scales.to(DEV)
+    cfg = DecodeConfig(16, 64, 3, 4, 2, False)
+    want = decode_block_mm(x, wv, ws, torch.bfloat16, cfg)
+    calls = []
+    monkeypatch.setattr(fp8_decode, "quantize_act_1x128", lambda *a, **kw: calls.append(a))
+    monkeypatch.setattr(fp8_decode, "QUANT_ROWS", True)
+    got = decode_block_mm(x, wv, ws, torch.bfloat16, cfg)
+    assert not calls  # the row quantizer ran instead
+    assert torch.equal(got.isnan(), want.isnan()) and got[2].isnan().all()
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_narrow_quantization_gives_the_same_rows(m: int) -> None:
     """Quantizing only M's power of two rows (repeated to the 16 the dot needs) gives the
