@@ -115,7 +115,7 @@ def gemm_row(case: sweep.Case, m: int, sms: int, deadline: float) -> dict:
     xq, sx = quantize_act_1x128(x, 4)
     table = fp8_decode.decode_config(m, case.n, case.k, sms)
     grid: dict[str, float | str] = {}
-    for cfg in sorted({c._replace(pdl=False) for c in sweep.focus_grid(m, case.n, case.k, sms)}):
+    for cfg in focus_configs(m, case.n, case.k, sms):
         if time.time() > deadline:
             grid[str(tuple(cfg))] = "skipped: time budget"
             continue
@@ -131,6 +131,29 @@ def gemm_row(case: sweep.Case, m: int, sms: int, deadline: float) -> dict:
             "best": list(best[0]) if best else None, "best_us": best[1] if best else None,
             "best_split_second_kernel_us": by_ticket[False], "best_split_ticket_us": by_ticket[True],
             "grid": grid}
+
+
+def focus_configs(m: int, n: int, k: int, sms: int) -> list[DecodeConfig]:
+    """fp8_gemm_sweep's focus grid without programmatic dependent launch, the table's config in it."""
+    return sorted({c._replace(pdl=False) for c in sweep.focus_grid(m, n, k, sms)})
+
+
+def precompile(shapes: list[str], ms: list[int], sms: int, workers: int, timeout: float = 120) -> None:
+    """Every kernel variant the GEMM part times, compiled in `workers` processes into Triton's
+    disk cache first (what is left after `timeout` compiles on first use)."""
+    import multiprocessing as mp
+
+    keys = sorted({sweep.compile_key(c, m, k) for shape in shapes for n, k in sweep.LINEARS[shape].values()
+                   for m in ms for c in focus_configs(m, n, k, sms)})
+    t = time.time()
+    try:
+        with mp.get_context("spawn").Pool(workers) as pool:
+            failed = sum(pool.map_async(sweep._compile_variants, [keys[i::workers] for i in range(workers)])
+                         .get(timeout))
+        print(f"compiled {len(keys)} variants in {time.time() - t:.1f} s ({failed} did not compile)",
+              flush=True)
+    except Exception as e:  # noqa: BLE001 - the rest compile on first use
+        print(f"parallel compile stopped after {time.time() - t:.1f} s ({e!r:.200})", flush=True)
 
 
 def fmt(t) -> str:
@@ -160,10 +183,10 @@ def main() -> None:
                     print(f"{shape:10} M={m:<4} {row['kernel']:28} {str(row['setting']):>5} | "
                           f"{fmt(row['us'])}", flush=True)
     if "gemm" in parts:
-        sweep.precompile(shapes, ms, sms, a.workers, focus=True)
+        precompile(shapes, ms, sms, a.workers)
         deadline = t0 + a.budget_s
-        print("gemm     M    | us/call: table  best  best-split(2nd kernel)  best-split(ticket) | best config",
-              flush=True)
+        print("gemm     M    | us/call: table  best  best-split(2nd kernel)  best-split(ticket) "
+              "| best config", flush=True)
         for shape in shapes:
             for name, (n, k) in sweep.LINEARS[shape].items():
                 case = sweep.Case(n, k, torch.device("cuda"))
