@@ -62,9 +62,10 @@ _TICKET_SLOTS = 1 << 16
 TICKET: bool | None = None
 # The separate activation quantize (o_proj's input, made by the attention kernel) by
 # fused_fp8_act.quantize_rows_fp8 (8 blocks a program, the same bits) instead of
-# quantize_act_1x128 (one block a program); not with programmatic dependent launch. An A/B
-# switch until benchmarks/fp8_act_sweep.py has timed both on the GPU.
-QUANT_ROWS = False
+# quantize_act_1x128 (one block a program); not with programmatic dependent launch. On an H100
+# (benchmarks/fp8_act_sweep.py, 2026-12-06) 2.31 vs 2.71 us at 64 rows of the 4B, 3.57 vs 6.65
+# at 256, 2.10 vs 2.11 / 2.63 vs 3.99 on the 0.6B.
+QUANT_ROWS = True
 
 
 def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:

@@ -131,15 +131,13 @@ QUANT_GROUPS_PER_PROGRAM: int | None = None  # quantize_rows_fp8's
 
 
 def _norm_groups(rows: int, n_groups: int, device: torch.device) -> int:
-    """Blocks a norm program quantizes: the whole row, halved (down to 4 blocks, 512 columns)
-    while the programs do not fill the SMs once (64 decode rows on 132 SMs: a row in 3 parts at
-    the 4B's 20 blocks, 2 at the 0.6B's 8)."""
+    """Blocks a norm program quantizes: 4 (512 columns), each program redoing its row's sum of
+    squares. Fastest or tied of 1-32 at 64 and 256 rows of the 0.6B and 4B widths on an H100
+    (benchmarks/fp8_act_sweep.py, 2026-12-06: 2.88 vs 3.62 us for the former fill-the-SMs rule
+    at 64 rows of the 4B, 5.10 vs 7.37 at 256)."""
     if GROUPS_PER_PROGRAM is not None:
         return GROUPS_PER_PROGRAM
-    gp = triton.next_power_of_2(n_groups)
-    while gp > 4 and rows * triton.cdiv(n_groups, gp) < _sm_count(device):
-        gp //= 2
-    return gp
+    return min(4, triton.next_power_of_2(n_groups))
 
 
 def _norm(x: torch.Tensor, r: torch.Tensor | None, h: torch.Tensor | None, weight: torch.Tensor,
@@ -182,8 +180,9 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> Fp8Act:
     if gate.stride(-1) != 1 or up.stride(-1) != 1:
         raise ValueError("silu_mul_fp8: gate and up must have contiguous rows")
     q, s, mp = _outputs(t, n, "silu_mul_fp8", gate.device)
-    groups = SILU_GROUPS_PER_PROGRAM or min(8, triton.next_power_of_2(n // TILE))  # 1024 values
-    # a program by default, as silu_mul
+    # 4 blocks a program: fastest or tied on an H100 (fp8_act_sweep.py: 3.09 vs 3.89 us for 8 at
+    # 64 rows of the 4B)
+    groups = SILU_GROUPS_PER_PROGRAM or min(4, triton.next_power_of_2(n // TILE))
     if mp:
         _silu_mul_fp8_kernel[(mp, triton.cdiv(n // TILE, groups))](
             gate, up, q, s, gate.stride(0), up.stride(0), q.stride(0), s.stride(0), s.stride(1),

@@ -132,6 +132,7 @@ def test_quant_rows_switch_gives_the_same_product(monkeypatch: pytest.MonkeyPatc
     w = quantize(torch.randn(256, 1280, generator=g), "fp8_block")
     wv, ws = w.values.to(DEV), w.scales.to(DEV)
     cfg = DecodeConfig(16, 64, 3, 4, 2, False)
+    monkeypatch.setattr(fp8_decode, "QUANT_ROWS", False)
     want = decode_block_mm(x, wv, ws, torch.bfloat16, cfg)
     calls = []
     monkeypatch.setattr(fp8_decode, "quantize_act_1x128", lambda *a, **kw: calls.append(a))
