@@ -76,6 +76,24 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def norm_rope_rows(X, W, c, s, hh, hmask, i, eps, stride_xh, HALF: tl.constexpr,
+                    HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
+    """RoPE(RMSNorm_per_head(x)) of one token's head rows at X (norm skipped without HAS_NORM):
+    the two halves in DTYPE, each step rounded as transformers' RMSNorm and rotary do."""
+    base = X + hh[:, None] * stride_xh + i[None, :]
+    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        ms = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+        rstd = (1.0 / tl.sqrt(ms + eps))[:, None]
+        w1 = tl.load(W + i).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + i).to(tl.float32)[None, :]
+        x1 = ((x1 * rstd).to(DTYPE).to(tl.float32) * w1).to(DTYPE).to(tl.float32)
+        x2 = ((x2 * rstd).to(DTYPE).to(tl.float32) * w2).to(DTYPE).to(tl.float32)
+    return (x1 * c - x2 * s).to(DTYPE), (x2 * c + x1 * s).to(DTYPE)
+
+
+@triton.jit
 def _norm_rope_kernel(X, W, COS, SIN, Y, stride_xt, stride_xh, stride_yt, stride_yh, stride_ct,
                       n_heads, eps, HALF: tl.constexpr, HEADS: tl.constexpr,
                       HAS_NORM: tl.constexpr):
@@ -84,22 +102,14 @@ def _norm_rope_kernel(X, W, COS, SIN, Y, stride_xt, stride_xh, stride_yt, stride
     hh = tl.arange(0, HEADS)
     hmask = (hh < n_heads)[:, None]
     i = tl.arange(0, HALF)
-    base = X + t * stride_xt + hh[:, None] * stride_xh + i[None, :]
-    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        ms = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
-        rstd = (1.0 / tl.sqrt(ms + eps))[:, None]
-        w1 = tl.load(W + i).to(tl.float32)[None, :]
-        w2 = tl.load(W + HALF + i).to(tl.float32)[None, :]
-        x1 = ((x1 * rstd).to(Y.dtype.element_ty).to(tl.float32) * w1).to(Y.dtype.element_ty).to(tl.float32)
-        x2 = ((x2 * rstd).to(Y.dtype.element_ty).to(tl.float32) * w2).to(Y.dtype.element_ty).to(tl.float32)
     # cos/sin rows are cat(freqs, freqs): the two halves share one table entry.
     c = tl.load(COS + t * stride_ct + i).to(tl.float32)[None, :]
     s = tl.load(SIN + t * stride_ct + i).to(tl.float32)[None, :]
+    y1, y2 = norm_rope_rows(X + t * stride_xt, W, c, s, hh, hmask, i, eps, stride_xh, HALF,
+                             HAS_NORM, Y.dtype.element_ty)
     out = Y + t * stride_yt + hh[:, None] * stride_yh + i[None, :]
-    tl.store(out, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=hmask)
-    tl.store(out + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=hmask)
+    tl.store(out, y1, mask=hmask)
+    tl.store(out + HALF, y2, mask=hmask)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from milepost.kernels.fused_ops import norm_rope_rows
+
 
 @triton.jit
 def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_ct, ROW: tl.constexpr,
@@ -48,23 +50,6 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 @triton.jit
-def _norm_rope_rows(X, W, c, s, hh, hmask, i, eps, stride_xh, HALF: tl.constexpr,
-                    HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
-    """RoPE(RMSNorm_per_head(x)) of one token's head rows at X, rounded as fused_ops.norm_rope."""
-    base = X + hh[:, None] * stride_xh + i[None, :]
-    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        ms = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
-        rstd = (1.0 / tl.sqrt(ms + eps))[:, None]
-        w1 = tl.load(W + i).to(tl.float32)[None, :]
-        w2 = tl.load(W + HALF + i).to(tl.float32)[None, :]
-        x1 = ((x1 * rstd).to(DTYPE).to(tl.float32) * w1).to(DTYPE).to(tl.float32)
-        x2 = ((x2 * rstd).to(DTYPE).to(tl.float32) * w2).to(DTYPE).to(tl.float32)
-    return (x1 * c - x2 * s).to(DTYPE), (x2 * c + x1 * s).to(DTYPE)
-
-
-@triton.jit
 def _rope_store_kernel(QKV, QW, KW, COS, SIN, QO, KC, VC, slots, stride_t, stride_qt, stride_ct,
                        stride_cos, n_q, n_kv, eps, HALF: tl.constexpr, HQ: tl.constexpr,
                        HKV: tl.constexpr, HAS_NORM: tl.constexpr, SATURATE: tl.constexpr):
@@ -78,7 +63,7 @@ def _rope_store_kernel(QKV, QW, KW, COS, SIN, QO, KC, VC, slots, stride_t, strid
     row = QKV + t * stride_t
     hq = tl.arange(0, HQ)
     qmask = (hq < n_q)[:, None]
-    q1, q2 = _norm_rope_rows(row, QW, c, s, hq, qmask, i, eps, 2 * HALF, HALF, HAS_NORM, dtype)
+    q1, q2 = norm_rope_rows(row, QW, c, s, hq, qmask, i, eps, 2 * HALF, HALF, HAS_NORM, dtype)
     out = QO + t * stride_qt + hq[:, None] * (2 * HALF) + i[None, :]
     tl.store(out, q1, mask=qmask)
     tl.store(out + HALF, q2, mask=qmask)
@@ -86,7 +71,7 @@ def _rope_store_kernel(QKV, QW, KW, COS, SIN, QO, KC, VC, slots, stride_t, strid
     if slot >= 0:
         hk = tl.arange(0, HKV)
         kmask = (hk < n_kv)[:, None]
-        k1, k2 = _norm_rope_rows(row + n_q * 2 * HALF, KW, c, s, hk, kmask, i, eps, 2 * HALF, HALF,
+        k1, k2 = norm_rope_rows(row + n_q * 2 * HALF, KW, c, s, hk, kmask, i, eps, 2 * HALF, HALF,
                                  HAS_NORM, dtype)
         v_row = row + (n_q + n_kv) * 2 * HALF + hk[:, None] * (2 * HALF) + i[None, :]
         v1 = tl.load(v_row, mask=kmask, other=0.0)
