@@ -155,3 +155,35 @@ def test_rope_store_equals_norm_rope_then_store_kv(dtype: torch.dtype, with_norm
     assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
     assert got_k.view(torch.uint8)[1:7].eq(0).all()  # slots no row names stay untouched
+
+
+_COMPILE_ROPE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from milepost.kernels import fused_ops, paged_attention
+const = {"HALF": 64, "HAS_NORM": True}
+kernels = (
+    (fused_ops._norm_rope_kernel, {"X": "*bf16", "W": "*bf16", "COS": "*bf16", "SIN": "*bf16",
+                                   "Y": "*bf16"}, {**const, "HEADS": 16}),
+    (paged_attention._rope_store_kernel, {"QKV": "*bf16", "QW": "*bf16", "KW": "*bf16",
+                                          "COS": "*bf16", "SIN": "*bf16", "QO": "*bf16",
+                                          "KC": "*bf16", "VC": "*bf16", "slots": "*i64"},
+     {**const, "HQ": 16, "HKV": 8, "SATURATE": False}),
+)
+for fn, ptrs, c in kernels:
+    sig = {n: ptrs.get(n, "constexpr" if n in c else ("fp32" if n == "eps" else "i32"))
+           for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert k.asm["cubin"], fn
+print("compiled")
+"""
+
+
+def test_rope_kernels_compile_for_sm90() -> None:
+    """norm_rope and rope_store share one jit helper: both still compile for an H100/H200."""
+    from milepost.testing.hopper_compile import ptxas_available, run_compiled
+
+    if not ptxas_available():
+        pytest.skip("this Triton has no bundled ptxas")
+    run_compiled(_COMPILE_ROPE)
