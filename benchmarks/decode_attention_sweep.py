@@ -1,10 +1,13 @@
 """Decode attention kernel configs on benchmark (a)'s shapes and smaller batches: block size,
 warps, stages and splits (the KV of a sequence split over 1, 2 or 4 times the default's programs).
 
-Qwen3 heads (16 q / 8 kv, head dim 128), bf16, 16-token pages placed at random; median of
-`triton.testing.do_bench`; every variant is checked against the default's output.
+Qwen3 heads (16 q / 8 kv, head dim 128), bf16 queries, 16-token pages placed at random; median of
+`triton.testing.do_bench`; every variant is checked against the default's output. `--kv-dtype
+fp8_e4m3`: an fp8 pool, and the default config also with the dots in the query's dtype (bf16, as
+before `paged_attention.FP8_POOL_FP16_DOTS`) beside the fp16 dots.
 
 Usage: python benchmarks/decode_attention_sweep.py [--shapes 256x256,256x384,64x256,64x1024]
+       [--kv-dtype fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ from milepost.kernels import paged_attention as K
 H, HKV, D, PAGE = 16, 8, 128, 16
 
 
-def sweep(batch: int, ctx: int, top: int) -> None:
+def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype) -> None:
     nb = batch * (-(-ctx // PAGE))
-    kc = torch.randn(nb * PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
+    kc = torch.randn(nb * PAGE, HKV, D, device="cuda").to(kv_dtype)
+    vc = torch.randn(nb * PAGE, HKV, D, device="cuda").to(kv_dtype)
     q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
     tables = torch.randperm(nb, device="cuda", dtype=torch.int32).view(batch, -1)
     lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-    gb = 2 * batch * ctx * HKV * D * 2 / 1e9
+    gb = 2 * batch * ctx * HKV * D * kc.element_size() / 1e9
     splits = K.decode_splits(batch, HKV, torch.cuda.get_device_properties(0).multi_processor_count)
     ref = K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, splits)
     configs = [(splits, 64, None, None)]
@@ -46,8 +49,18 @@ def sweep(batch: int, ctx: int, top: int) -> None:
             continue
         rows.append((ms, s, bn, w, st, err))
     default = rows[0]
-    print(f"B={batch} ctx={ctx}: KV {gb:.3f} GB; default (splits={splits}) "
+    print(f"B={batch} ctx={ctx}: KV {gb:.3f} GB ({kc.dtype}); default (splits={splits}) "
           f"{default[0] * 1e3:.1f} us = {gb / default[0]:.2f} TB/s")
+    if kc.dtype == torch.float8_e4m3fn:  # the same config with the dots in bf16, as before
+        K.FP8_POOL_FP16_DOTS = False
+        try:
+            ms = triton.testing.do_bench(
+                lambda: K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, splits),
+                return_mode="median")
+        finally:
+            K.FP8_POOL_FP16_DOTS = True
+        print(f"  default with bf16 dots: {ms * 1e3:.1f} us = {gb / ms:.2f} TB/s "
+              f"(fp16 dots x{ms / default[0]:.2f})")
     for ms, s, bn, w, st, err in sorted(rows, key=lambda r: r[0])[:top]:
         print(f"  splits={s} BN={bn} w={w} st={st}: {ms * 1e3:.1f} us = {gb / ms:.2f} TB/s, "
               f"x{default[0] / ms:.2f} default, max|diff| {err:.1e}")
@@ -60,11 +73,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default="256x256,256x384,64x256,64x1024")
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3"])
     a = ap.parse_args()
     torch.manual_seed(0)
+    kv_dtype = torch.float8_e4m3fn if a.kv_dtype == "fp8_e4m3" else torch.bfloat16
     for shape in a.shapes.split(","):
         b, c = (int(x) for x in shape.split("x"))
-        sweep(b, c, a.top)
+        sweep(b, c, a.top, kv_dtype)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ from the kernel trace: the run's GPU-busy time against its wall span (the idle p
 the GPU waited for), and the kernels by total time, grouped into families.
 
 Usage: python benchmarks/engine_run_profile.py [--shape qwen3-0.6b] [--requests 256]
-       [--prompt 128] [--output 256] [--quantization fp8_block] [--trace-out FILE]
+       [--prompt 128] [--output 256] [--quantization fp8_block] [--kv-cache-dtype fp8_e4m3]
+       [--trace-out FILE]
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="fp8_e4m3: the FP8 KV pool")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--trace-out", default=None, help="also keep the chrome trace here")
     ap.add_argument("--device", default="cuda", help="cpu profiles operators (a smoke run)")
@@ -115,7 +117,7 @@ def main() -> None:
     vocab = native.vocab_size
     sargs = ServerArgs(model_path=config_dir, device=dev.type, dtype=str(dtype)[6:],
                        max_running_requests=a.requests, random_seed=0,
-                       quantization=a.quantization).resolved()
+                       quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype).resolved()
     engine, _, _ = build_engine(sargs, model=native)
     engine.start()
     try:
@@ -132,7 +134,7 @@ def main() -> None:
             path = Path(a.trace_out or Path(tmp) / "trace.json")
             prof.export_chrome_trace(str(path))
             trace = json.loads(path.read_text())
-        report(f"{a.shape} {a.quantization or 'bf16'} {a.requests} x {a.prompt} -> {a.output}",
+        report(f"{a.shape} {a.quantization or 'bf16'} KV {a.kv_cache_dtype} {a.requests} x {a.prompt} -> {a.output}",
                analyze(trace, a.top), seconds, r.output_tokens)
     finally:
         engine.close()
