@@ -1,10 +1,10 @@
 """Decode attention kernel configs on benchmark (a)'s shapes and smaller batches: block size,
-warps, stages and splits (the KV of a sequence split over 1, 2 or 4 times the default's programs).
+warps, stages (1: no software pipelining, the loads straight to registers) and splits (the KV of
+a sequence split over 1, 2 or 4 times the default's programs).
 
 Qwen3 heads (16 q / 8 kv, head dim 128), bf16 queries, 16-token pages placed at random; median of
 `triton.testing.do_bench`; every variant is checked against the default's output. `--kv-dtype
-fp8_e4m3`: an fp8 pool, and the default config also with the dots in the query's dtype (bf16, as
-before `paged_attention.FP8_POOL_FP16_DOTS`) beside the fp16 dots.
+fp8_e4m3`: over an fp8 pool.
 
 Usage: python benchmarks/decode_attention_sweep.py [--shapes 256x256,256x384,64x256,64x1024]
        [--kv-dtype fp8_e4m3]
@@ -35,7 +35,7 @@ def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype) -> None:
     ref = K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, splits)
     configs = [(splits, 64, None, None)]
     configs += list(itertools.product(sorted({splits, 2 * splits, 4 * splits, 8 * splits}),
-                                      (32, 64, 128), (2, 4), (2, 3)))
+                                      (32, 64, 128), (2, 4), (1, 2, 3)))
     rows = []
     for s, bn, w, st in configs:
         def run() -> torch.Tensor:
@@ -51,16 +51,6 @@ def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype) -> None:
     default = rows[0]
     print(f"B={batch} ctx={ctx}: KV {gb:.3f} GB ({kc.dtype}); default (splits={splits}) "
           f"{default[0] * 1e3:.1f} us = {gb / default[0]:.2f} TB/s")
-    if kc.dtype == torch.float8_e4m3fn:  # the same config with the dots in bf16, as before
-        K.FP8_POOL_FP16_DOTS = False
-        try:
-            ms = triton.testing.do_bench(
-                lambda: K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, splits),
-                return_mode="median")
-        finally:
-            K.FP8_POOL_FP16_DOTS = True
-        print(f"  default with bf16 dots: {ms * 1e3:.1f} us = {gb / ms:.2f} TB/s "
-              f"(fp16 dots x{ms / default[0]:.2f})")
     for ms, s, bn, w, st, err in sorted(rows, key=lambda r: r[0])[:top]:
         print(f"  splits={s} BN={bn} w={w} st={st}: {ms * 1e3:.1f} us = {gb / ms:.2f} TB/s, "
               f"x{default[0] / ms:.2f} default, max|diff| {err:.1e}")

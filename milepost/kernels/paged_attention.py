@@ -17,31 +17,6 @@ import triton.language as tl
 from milepost.kernels.fused_ops import norm_rope_rows
 
 
-# Over an fp8 pool, run the attention dots in fp16 (_pool_query); False: in the query's dtype, as
-# before (a module switch only so benchmarks/decode_attention_sweep.py can time both).
-FP8_POOL_FP16_DOTS = True
-
-
-def _f16_dots(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (FP8_POOL_FP16_DOTS and k_cache.dtype == torch.float8_e4m3fn
-            and q.dtype != torch.float32)
-
-
-@triton.jit
-def _pool_query(q, F16: tl.constexpr):
-    """The query as the attention dots take it. F16 (an fp8 pool, a 16-bit query): widened to
-    fp16, and the keys and values with it: e4m3 widens to fp16 two values an instruction (exact),
-    while to bf16 it takes a second conversion per value, and those conversions, not the pool's
-    bytes, bounded the decode kernel (an H100, 2026-12-06: 74 us a call at 256 x 256 keys, 54% of
-    the fp8 pool's bandwidth). Products stay exact (a bf16 query and an e4m3 key are exact in
-    fp16); the probabilities are rounded to fp16 (3 more mantissa bits than bf16) for the
-    P.V dot. A query beyond fp16's +-65504 is clamped there (no such score leaves the softmax
-    anything but one-hot); one below 6.1e-5 loses bits as an fp16 subnormal."""
-    if F16:
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    return q
-
-
 @triton.jit
 def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_ct, ROW: tl.constexpr,
                      BLOCK: tl.constexpr, SATURATE: tl.constexpr):
@@ -148,7 +123,7 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         IEEE: tl.constexpr, F16: tl.constexpr = False):
+                         IEEE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -162,8 +137,8 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
     hmask = hh < GROUP
     heads = kvh * GROUP + hh
     d = tl.arange(0, D)
-    q = _pool_query(tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                            mask=hmask[:, None], other=0.0), F16)
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hmask[:, None],
+                other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
@@ -258,8 +233,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        F16=_f16_dots(q, k_cache), num_warps=num_warps,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=num_warps,
         num_stages=num_stages,
     )
     if num_splits == 1:
@@ -313,8 +287,7 @@ def _attend_tile(q, KC, VC, table, n0, kvh, d, qpos, kv_end, m_i, l_i, acc, scal
 def _prefill_kernel(Q, KC, VC, O, tables, seq_lens, cu_q, tile_seq, tile_m0, scale,
                     stride_qt, stride_qh, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,
                     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                    F16: tl.constexpr = False):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -330,7 +303,7 @@ def _prefill_kernel(Q, KC, VC, O, tables, seq_lens, cu_q, tile_seq, tile_m0, sca
     qpos = ctx + rows
     d = tl.arange(0, D)
     q_off = (q_beg + rows).to(tl.int64)[:, None] * stride_qt + h * stride_qh + d[None, :]
-    q = _pool_query(tl.load(Q + q_off, mask=rmask[:, None], other=0.0), F16)
+    q = tl.load(Q + q_off, mask=rmask[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -400,6 +373,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, D=dim, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee,
-        F16=_f16_dots(q, k_cache), num_warps=8 if block_m >= 128 else 4, num_stages=2,
+        num_warps=8 if block_m >= 128 else 4, num_stages=2,
     )
     return out

@@ -113,16 +113,15 @@ def test_mixed_batch_decode_rows_through_the_decode_kernel(splits: int) -> None:
 
 
 def _fp8_pool(q_lens: list[int], seq_lens: list[int], seed: int):
-    """An fp8 pool and bf16 queries, with the fp32 reference over the pool's values."""
+    """An fp8 pool, with the fp32 reference over the pool's values (fp32 queries: Triton's
+    interpreter widens e4m3 to fp32 exactly; its bf16 widening is not what a GPU computes)."""
     from milepost.models.attention import to_cache
 
     cache, batch, q, k, v = _setup(q_lens, seq_lens, 4, 2, seed=seed)
-    q = (q * 3).to(torch.bfloat16)
-    q[0, 0, 0] = 1e5  # beyond fp16: clamped for the fp16 dots, never inf or NaN
     for part in (cache.k[0], cache.v[0]):  # the prior tokens as the fp8 pool holds them
-        part.copy_(to_cache(part, FP8).float())
-    k8, v8 = to_cache(k, FP8), to_cache(v, FP8)
-    ref = _reference(cache, batch, q.float(), k8.float(), v8.float())
+        part.copy_(to_cache(part * 3, FP8).float())
+    k8, v8 = to_cache(k * 3, FP8), to_cache(v * 3, FP8)
+    ref = _reference(cache, batch, q, k8.float(), v8.float())
     pool = PagedKVCache(1, cache.num_blocks, PAGE, 2, D, FP8, DEV)
     for part, prior, new in ((pool.k[0], cache.k[0], k8), (pool.v[0], cache.v[0], v8)):
         part.copy_(prior.to(FP8))
@@ -134,20 +133,14 @@ FP8 = torch.float8_e4m3fn
 
 
 @pytest.mark.parametrize("splits", [1, 2])
-def test_decode_over_an_fp8_pool_matches_its_values(splits: int) -> None:
-    # The dots run in fp16 over an fp8 pool (products exact, probabilities rounded to fp16):
-    # within fp16 rounding of attention over the pool's values in fp32. Row 0's 1e5 query entry
-    # (clamped to fp16's 65504) only sharpens its softmax; nothing overflows.
-    seq_lens = [1, 7, 33, 70]
-    pool, batch, q, ref = _fp8_pool([1] * 4, seq_lens, seed=5)
+def test_decode_over_an_fp8_pool_is_attention_over_its_values(splits: int) -> None:
+    pool, batch, q, ref = _fp8_pool([1] * 4, [1, 7, 33, 70], seed=5)
     out = kernels.paged_decode(q, pool.k[0], pool.v[0], batch.block_tables, batch.seq_lens,
                                D**-0.5, PAGE, splits, block_n=16)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    torch.testing.assert_close(out[1:].float(), ref[1:], atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(out[0, 2:].float(), ref[0, 2:], atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_prefill_over_an_fp8_pool_matches_its_values() -> None:
+def test_prefill_over_an_fp8_pool_is_attention_over_its_values() -> None:
     q_lens, seq_lens = [9, 1, 5], [9, 14, 5]
     pool, batch, q, ref = _fp8_pool(q_lens, seq_lens, seed=6)
     seqs, starts = kernels.prefill_tiles(q_lens, block_m=16)
@@ -156,8 +149,7 @@ def test_prefill_over_an_fp8_pool_matches_its_values() -> None:
         torch.tensor(seqs, dtype=torch.int32, device=DEV),
         torch.tensor(starts, dtype=torch.int32, device=DEV), D**-0.5, PAGE, block_m=16, block_n=16,
     )
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out[1:].float(), ref[1:], atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_leading_decodes_counts_only_the_front() -> None:
