@@ -89,7 +89,7 @@ UNFUSED_ACT = ("fp8_block_unfused",)
 
 def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -> list[dict]:
     """Per projection of `shape` and decode M: us per call of bf16 F.linear, the FP8 decode GEMM
-    (its table config) and the W4A16 kernel (w4_config's rule, then a small grid), each INT4
+    (its table config) and the W4A16 kernel (w4_rule's config, then a small grid), each INT4
     config first checked against the fp32 product of the dequantized weights (bf16 output)."""
     import math
 
@@ -132,7 +132,7 @@ def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -
             row["bf16_us"] = timed(lambda i: F.linear(x, wb[i]), len(wb), False)
             row["fp8_decode_us"] = timed(
                 lambda i: fp8_block_linear(x, p8[i][0], p8[i][1], "decode"), len(p8), False)
-            rule = ig.w4_config(m, n, k, sms)
+            rule = ig.w4_rule(m, n, k, sms)
             row["int4_rule"] = list(rule)
             row["int4_rule_us"] = timed(lambda i: ig.w4a16_mm(x, *p4[i], k, rule), copies, True)
             grid = {}

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from milepost.lowprec import int4_gemm_table
 from milepost.lowprec.elements import unpack_int4
 from milepost.lowprec.formats import INT4_GROUP
 
@@ -44,10 +45,23 @@ class W4Config(NamedTuple):
     stages: int = 3
 
 
+INT4_BUCKETS = (1, 8, 16, 32, 64, 128, 256)  # M rounded up to one of these picks the table's config
+# (N, K, M bucket) -> config, measured on an H100 (milepost/lowprec/int4_gemm_table.py)
+INT4_TABLE: dict[tuple[int, int, int], W4Config] = {
+    key: W4Config(*cfg) for key, cfg in int4_gemm_table.H100.items()}
+
+
 def w4_config(m: int, n: int, k: int, sms: int) -> W4Config:
+    """The measured config for this shape and M bucket, else `w4_rule`'s."""
+    bucket = next((b for b in INT4_BUCKETS if m <= b), INT4_BUCKETS[-1])
+    return INT4_TABLE.get((n, k, bucket)) or w4_rule(m, n, k, sms)
+
+
+def w4_rule(m: int, n: int, k: int, sms: int) -> W4Config:
     """The smallest row block that holds M (64 at most), 64-wide weight blocks, and K split until
     about two programs per SM stream a part (decode M reads each weight byte once; the split
-    keeps every SM streaming). Not measured yet: benchmarks/lowprec_gpu.py --parts int4."""
+    keeps every SM streaming). Within 0-30% of the best config at the measured shapes (H100:
+    slowest against it at M <= 16 on wide N, where one program per 32 rows and no split won)."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     bn = 64
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)

@@ -23,10 +23,13 @@ from safetensors.torch import load_file, save_file
 
 from milepost.engine.weight_update import WeightLoader, WeightUpdateError
 from milepost.kernels.int4_gemm import (
+    INT4_TABLE,
     W4Config,
     dequantize_int4,
     dequantize_int4_triton,
     int4_linear,
+    w4_config,
+    w4_rule,
     w4a16_mm,
 )
 from milepost.lowprec import elements as el
@@ -69,6 +72,7 @@ def test_nibbles_are_twos_complement_low_first_and_round_trip() -> None:
     (5, 200, 704, None),  # the rule's config; N and K not multiples of the blocks
     (20, 130, 257, W4Config(16, 64, 3)),  # two row blocks, an uneven split, an odd K
     (40, 96, 384, W4Config(32, 64, 2)),
+    (3, 96, 1024, W4Config(16, 32, 8, 4, 4)),  # the measured table's shape of config: 8 splits
 ], ids=str)
 def test_w4a16_gemm_equals_dequantize_then_matmul(m: int, n: int, k: int, cfg: W4Config | None) -> None:
     """Group scales spanning six orders of magnitude along K and rows at different scales, so a
@@ -119,6 +123,15 @@ for cc in (90,):  # the H200's; sm_80 compiles too (checked by hand, 2026-12-05)
 
 
 @needs_ptxas()
+def test_measured_configs_are_picked_by_m_bucket_and_the_rule_covers_the_rest() -> None:
+    assert w4_config(5, 4096, 1024, 132) == INT4_TABLE[(4096, 1024, 8)]  # 5 rows: the 8 bucket
+    assert w4_config(300, 4096, 1024, 132) == INT4_TABLE[(4096, 1024, 256)]
+    assert w4_config(5, 96, 1024, 132) == w4_rule(5, 96, 1024, 132)  # a shape not measured
+    for (n, k, bucket), cfg in INT4_TABLE.items():  # every entry is a config the kernel takes
+        assert cfg.block_m in (16, 32, 64) and cfg.block_m >= min(bucket, 64), cfg
+        assert cfg.block_n in (32, 64, 128) and 1 <= cfg.split <= k // 128, cfg
+
+
 def test_kernels_compile_for_hopper_without_a_gpu() -> None:
     """The interpreter does not compile: this does (sm_90 cubins; bf16 on the tensor cores, fp32
     in IEEE FMAs, split parts)."""
