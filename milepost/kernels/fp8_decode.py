@@ -167,6 +167,14 @@ def _sum_parts_kernel(P, C, size, split, BLOCK: tl.constexpr, PDL: tl.constexpr 
     tl.store(C + offs, acc.to(C.dtype.element_ty), mask=ok)
 
 
+def sum_split_parts(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = 0 + parts[0] + parts[1] + ... in that order (fp32 [split, ...] parts, contiguous),
+    cast to out's dtype, in one launch: the split-K GEMMs' fixed-order reduction."""
+    size = out.numel()
+    _sum_parts_kernel[(triton.cdiv(size, 1024),)](parts, out, size, parts.shape[0], BLOCK=1024)
+    return out
+
+
 def _tickets(device: torch.device) -> torch.Tensor:
     """Zeroed counters for the ticket sums, one set per device: kernels of one stream run one
     after another, and each counter is back at zero when its kernel ends."""

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from milepost.kernels.fp8_decode import sum_split_parts
 from milepost.lowprec import int4_gemm_table
 from milepost.lowprec.elements import unpack_int4
 from milepost.lowprec.formats import INT4_GROUP
@@ -145,8 +146,9 @@ def w4a16_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: int
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                         IEEE=x.dtype == torch.float32, PARTS=split > 1, ZERO=zeros is not None,
                         num_warps=cfg.warps, num_stages=cfg.stages)
-    # The parts in order 0, 1, ... (a fixed-order reduction over dim 0, no atomics).
-    return out if split == 1 else dst.sum(0).to(x.dtype)
+    if split > 1:  # the parts in order 0, 1, ... then cast: one launch, no atomics
+        sum_split_parts(dst, out)
+    return out
 
 
 def _same_layout(scales: torch.Tensor, zeros: torch.Tensor | None

@@ -7,7 +7,9 @@ first, then timed over enough weight copies to overflow L2) on one NVIDIA H100 8
 down). Per layer the four took, against int4_gemm's rule: 0.6B 25.1 vs 32.6 us at M = 1, 34.5 vs
 44.9 at 64, 55.4 vs 57.2 at 256; 4B 65.2 vs 74.2 at M = 1, 93.9 vs 97.8 at 64, 245.7 vs 275.5 at
 256 (bf16 cuBLAS: 25.0 / 27.2 / 31.3 and 86.5 / 88.5 / 108.5). A shape not listed gets the rule.
-Not yet re-run inside the engine.
+Split configs were timed with their parts summed by torch (a sum, then a cast: two launches);
+`w4a16_mm` sums them in one launch since (fp8_decode.sum_split_parts), not yet timed. Not yet
+re-run inside the engine.
 """
 
 from __future__ import annotations
