@@ -4,7 +4,8 @@ a sequence split over 1, 2 or 4 times the default's programs).
 
 Qwen3 heads (16 q / 8 kv, head dim 128), bf16 queries, 16-token pages placed at random; median of
 `triton.testing.do_bench`; every variant is checked against the default's output. `--kv-dtype
-fp8_e4m3`: over an fp8 pool.
+fp8_e4m3`: over an fp8 pool, also with the word-loading kernel (`paged_attention.FP8_POOL_WORDS`)
+at a few configs.
 
 Usage: python benchmarks/decode_attention_sweep.py [--shapes 256x256,256x384,64x256,64x1024]
        [--kv-dtype fp8_e4m3]
@@ -51,6 +52,19 @@ def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype) -> None:
     default = rows[0]
     print(f"B={batch} ctx={ctx}: KV {gb:.3f} GB ({kc.dtype}); default (splits={splits}) "
           f"{default[0] * 1e3:.1f} us = {gb / default[0]:.2f} TB/s")
+    if kc.dtype == torch.float8_e4m3fn:  # the word-loading kernel (paged_attention_fp8.py)
+        K.FP8_POOL_WORDS = True
+        try:
+            for bn, w, st in ((64, None, None), (64, 4, 2), (128, 4, 2), (32, 2, 3)):
+                def words() -> torch.Tensor:
+                    return K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, splits,
+                                          block_n=bn, num_warps=w, num_stages=st)
+                err = (words().float() - ref.float()).abs().max().item()
+                ms = triton.testing.do_bench(words, return_mode="median")
+                print(f"  words BN={bn} w={w} st={st}: {ms * 1e3:.1f} us = {gb / ms:.2f} TB/s, "
+                      f"x{default[0] / ms:.2f} default, max|diff| {err:.1e}")
+        finally:
+            K.FP8_POOL_WORDS = False
     for ms, s, bn, w, st, err in sorted(rows, key=lambda r: r[0])[:top]:
         print(f"  splits={s} BN={bn} w={w} st={st}: {ms * 1e3:.1f} us = {gb / ms:.2f} TB/s, "
               f"x{default[0] / ms:.2f} default, max|diff| {err:.1e}")

@@ -16,6 +16,11 @@ import triton.language as tl
 
 from milepost.kernels.fused_ops import norm_rope_rows
 
+# Decode over an fp8 pool by paged_attention_fp8's kernel (the pool read as 32-bit words, widened
+# with integer operations, fp16 dots): written and tested on CPU, off until a GPU has timed it
+# against this file's kernel (benchmarks/decode_attention_sweep.py --kv-dtype fp8_e4m3).
+FP8_POOL_WORDS = False
+
 
 @triton.jit
 def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_ct, ROW: tl.constexpr,
@@ -227,15 +232,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          dtype=torch.float32, device=q.device)
     l_part = torch.empty((bsz, parts, heads) if num_splits > 1 else (1, 1, 1),
                          dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(bsz, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, o_part, l_part, out, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    if (FP8_POOL_WORDS and k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+            and dim % 64 == 0):
+        from milepost.kernels.paged_attention_fp8 import launch_fp8_words
+
+        launch_fp8_words(q, k_cache, v_cache, block_tables, seq_lens, scale, page, num_splits,
+                         block_n, num_warps, num_stages, o_part, l_part, out)
+    else:
+        _decode_split_kernel[(bsz, kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, o_part, l_part, out, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0),
+            l_part.stride(1), out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     if num_splits == 1:
         return out
     _decode_merge_kernel[(bsz, heads)](
