@@ -123,6 +123,35 @@ def rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: t
 
 
 @triton.jit
+def decode_range(seq_lens, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """[start, end) of sequence b's keys that split `split` attends to: whole BLOCK_N tiles, the
+    tiles shared out evenly, the last range cut at the sequence's length (empty past it)."""
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    start = split * per_split * BLOCK_N
+    return start, tl.minimum(start + per_split * BLOCK_N, seq_len)
+
+
+@triton.jit
+def store_decode(acc, m_i, l_i, b, split, heads, hmask, d, O_part, L_part, Out, stride_ob,
+                 stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh,
+                 NUM_SPLITS: tl.constexpr):
+    """The range's result acc / l: the output itself (one range), else its part and log-sum-exp
+    for _decode_merge_kernel."""
+    has = l_i > 0.0  # an empty range (short sequence, padding row) contributes weight 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:  # one range: the result is final, no merge pass
+        x_ptr = Out + b * stride_xt + heads[:, None] * stride_xh + d[None, :]
+        tl.store(x_ptr, out.to(Out.dtype.element_ty), mask=hmask[:, None])
+    else:
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        o_ptr = O_part + b * stride_ob + split * stride_os + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr, out, mask=hmask[:, None])
+        tl.store(L_part + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
+
+
+@triton.jit
 def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale,
                          stride_qt, stride_qh, stride_ct, stride_ch, stride_tb,
                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh,
@@ -132,11 +161,7 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
-    tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    start = split * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, seq_len)
+    start, end = decode_range(seq_lens, b, split, BLOCK_N, NUM_SPLITS)
 
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < GROUP
@@ -170,16 +195,8 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    has = l_i > 0.0  # an empty range (short sequence, padding row) contributes weight 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:  # one range: the result is final, no merge pass
-        x_ptr = Out + b * stride_xt + heads[:, None] * stride_xh + d[None, :]
-        tl.store(x_ptr, out.to(Out.dtype.element_ty), mask=hmask[:, None])
-    else:
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        o_ptr = O_part + b * stride_ob + split * stride_os + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptr, out, mask=hmask[:, None])
-        tl.store(L_part + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
+    store_decode(acc, m_i, l_i, b, split, heads, hmask, d, O_part, L_part, Out, stride_ob,
+                 stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh, NUM_SPLITS)
 
 
 @triton.jit

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from milepost.kernels.paged_attention import decode_range, store_decode
+
 
 @triton.jit
 def _widen(words, j: tl.constexpr):
@@ -50,11 +52,7 @@ def _decode_fp8_words_kernel(Q, KW, VW, tables, seq_lens, O_part, L_part, Out, s
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
-    tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    start = split * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, seq_len)
+    start, end = decode_range(seq_lens, b, split, BLOCK_N, NUM_SPLITS)
 
     W: tl.constexpr = D // 4
     hh = tl.arange(0, BLOCK_H)
@@ -100,18 +98,10 @@ def _decode_fp8_words_kernel(Q, KW, VW, tables, seq_lens, O_part, L_part, Out, s
         acc2 = acc2 * alpha[:, None] + tl.dot(p16, _widen(vw, 2))
         acc3 = acc3 * alpha[:, None] + tl.dot(p16, _widen(vw, 3))
         m_i = m_new
-    has = l_i > 0.0  # an empty range (short sequence, padding row) contributes weight 0
-    # the values' 2^-8 back, dimension 4i + 2a + c from the four parts
-    acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [BLOCK_H, D])
-    out = acc * (256.0 / tl.where(has, l_i, 1.0))[:, None]
-    if NUM_SPLITS == 1:
-        x_ptr = Out + b * stride_xt + heads[:, None] * stride_xh + d[None, :]
-        tl.store(x_ptr, out.to(Out.dtype.element_ty), mask=hmask[:, None])
-    else:
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        o_ptr = O_part + b * stride_ob + split * stride_os + heads[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptr, out, mask=hmask[:, None])
-        tl.store(L_part + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
+    # dimension 4i + 2a + c from the four parts, and the values' 2^-8 back (exact)
+    acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [BLOCK_H, D]) * 256.0
+    store_decode(acc, m_i, l_i, b, split, heads, hmask, d, O_part, L_part, Out, stride_ob,
+                 stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh, NUM_SPLITS)
 
 
 def launch_fp8_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
