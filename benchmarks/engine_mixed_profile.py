@@ -349,6 +349,9 @@ def main() -> None:
                     "(default 2048..32768 dense, 2048..16384 MoE)")
     ap.add_argument("--scenarios", default="", help="sweep scenarios (default fixed,mixed dense; fixed MoE)")
     ap.add_argument("--max-total-tokens", type=int, default=None)
+    ap.add_argument("--mem-fraction-static", type=float, default=0.85,
+                    help="share of the GPU for weights + KV pool (on an 80 GB H100, 0.85 left "
+                         "the 30B-A3B shape's random weights no pool: raise it there)")
     ap.add_argument("what", nargs="*", default=[], help="steps, attention, sweep (default: all; "
                     "attention on the MoE shape only: the dense heads were swept in session 12)")
     a = ap.parse_args()
@@ -370,7 +373,7 @@ def main() -> None:
                        dtype="bfloat16" if cuda else "float32", max_running_requests=256,
                        chunked_prefill_size=max(budgets),
                        max_total_tokens=a.max_total_tokens or (120000 if moe else None),
-                       random_seed=0).resolved()
+                       mem_fraction_static=a.mem_fraction_static, random_seed=0).resolved()
     engine, _, _ = build_engine(sargs, model=native, record_routed_experts=True)
     print(f"engine built in {time.perf_counter() - t_start:.0f} s", flush=True)
     try:
