@@ -1,6 +1,8 @@
 """Decode attention kernel configs on benchmark (a)'s shapes and smaller batches: block size,
 warps, stages (1: no software pipelining, the loads straight to registers) and splits (the KV of
-a sequence split over 1, 2 or 4 times the default's programs).
+a sequence split over 1, 2 or 4 times the default's programs). Where the default is unsplit,
+also the persistent kernel (`paged_attention.PERSISTENT_DECODE`) at 1-4 programs per SM: the
+default kernel's config (64 / 2 warps / 3 stages) always, others where they beat the default.
 
 Qwen3 heads (16 q / 8 kv, head dim 128), bf16 queries, 16-token pages placed at random; median of
 `triton.testing.do_bench`; every variant is checked against the default's output. `--kv-dtype
@@ -20,11 +22,12 @@ import torch
 import triton
 
 from milepost.kernels import paged_attention as K
+from milepost.kernels import paged_attention_persistent as P
 
 H, HKV, D, PAGE = 16, 8, 128, 16
 
 
-def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype) -> None:
+def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype, grid: bool) -> None:
     nb = batch * (-(-ctx // PAGE))
     kc = torch.randn(nb * PAGE, HKV, D, device="cuda").to(kv_dtype)
     vc = torch.randn(nb * PAGE, HKV, D, device="cuda").to(kv_dtype)
@@ -35,7 +38,7 @@ def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype) -> None:
     splits = K.decode_splits(batch, HKV, torch.cuda.get_device_properties(0).multi_processor_count)
     ref = K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, splits)
     configs = [(splits, 64, None, None)]
-    configs += list(itertools.product(sorted({splits, 2 * splits, 4 * splits, 8 * splits}),
+    configs += [] if not grid else list(itertools.product(sorted({splits, 2 * splits, 4 * splits, 8 * splits}),
                                       (32, 64, 128), (2, 4), (1, 2, 3)))
     rows = []
     for s, bn, w, st in configs:
@@ -52,6 +55,24 @@ def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype) -> None:
     default = rows[0]
     print(f"B={batch} ctx={ctx}: KV {gb:.3f} GB ({kc.dtype}); default (splits={splits}) "
           f"{default[0] * 1e3:.1f} us = {gb / default[0]:.2f} TB/s")
+    if splits == 1:  # the persistent kernel (paged_attention_persistent.py), programs per SM
+        for per_sm, (bn, w, st) in itertools.product(
+                (1, 2, 3, 4), ((64, 2, 3), (64, 2, 2), (64, 4, 2), (32, 2, 3))):
+            out = torch.empty_like(q)
+
+            def persistent() -> torch.Tensor:
+                return P.persistent_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, out,
+                                           block_n=bn, num_warps=w, num_stages=st, per_sm=per_sm)
+            try:
+                same = torch.equal(persistent(), ref)
+                ms = triton.testing.do_bench(persistent, return_mode="median")
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+                print(f"  persistent {per_sm}/SM BN={bn} w={w} st={st}: failed {e!r:.120}")
+                continue
+            if (bn, w, st) == (64, 2, 3) or ms < default[0]:
+                print(f"  persistent {per_sm}/SM BN={bn} w={w} st={st}: {ms * 1e3:.1f} us = "
+                      f"{gb / ms:.2f} TB/s, x{default[0] / ms:.2f} default, "
+                      f"{'bitwise equal' if same else 'DIFFERS from'} the default's output")
     if kc.dtype == torch.float8_e4m3fn:  # the word-loading kernel (paged_attention_fp8.py)
         K.FP8_POOL_WORDS = True
         try:
@@ -78,12 +99,15 @@ def main() -> None:
     ap.add_argument("--shapes", default="256x256,256x384,64x256,64x1024")
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3"])
+    ap.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
+                    help="the default kernel's block / warp / stage / split grid (--no-grid: the "
+                         "default config and the other kernels only)")
     a = ap.parse_args()
     torch.manual_seed(0)
     kv_dtype = torch.float8_e4m3fn if a.kv_dtype == "fp8_e4m3" else torch.bfloat16
     for shape in a.shapes.split(","):
         b, c = (int(x) for x in shape.split("x"))
-        sweep(b, c, a.top, kv_dtype)
+        sweep(b, c, a.top, kv_dtype, a.grid)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ from milepost.kernels.fused_ops import norm_rope_rows
 # with integer operations, fp16 dots): written and tested on CPU, off until a GPU has timed it
 # against this file's kernel (benchmarks/decode_attention_sweep.py --kv-dtype fp8_e4m3).
 FP8_POOL_WORDS = False
+# Unsplit decode by paged_attention_persistent's kernel (one wave of programs, each walking its
+# items' tiles in one pipelined loop): tested on CPU, off until a GPU has timed it.
+PERSISTENT_DECODE = False
 
 
 @triton.jit
@@ -255,6 +258,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
         launch_fp8_words(q, k_cache, v_cache, block_tables, seq_lens, scale, page, num_splits,
                          block_n, num_warps, num_stages, o_part, l_part, out)
+    elif PERSISTENT_DECODE and num_splits == 1:
+        from milepost.kernels.paged_attention_persistent import persistent_decode
+
+        return persistent_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, page, out,
+                                 block_n, num_warps, num_stages)
     else:
         _decode_split_kernel[(bsz, kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, o_part, l_part, out, scale,
