@@ -6,8 +6,8 @@ default kernel's config (64 / 2 warps / 3 stages) always, others where they beat
 
 Qwen3 heads (16 q / 8 kv, head dim 128), bf16 queries, 16-token pages placed at random; median of
 `triton.testing.do_bench`; every variant is checked against the default's output. `--kv-dtype
-fp8_e4m3`: over an fp8 pool, also with the word-loading kernel (`paged_attention.FP8_POOL_WORDS`)
-at a few configs.
+fp8_e4m3`: over an fp8 pool, the grid and "default" are the widening kernel (paged_attention.py)
+and the `words` lines the word-loading kernel the engine runs (`paged_attention.FP8_POOL_WORDS`).
 
 Usage: python benchmarks/decode_attention_sweep.py [--shapes 256x256,256x384,64x256,64x1024]
        [--kv-dtype fp8_e4m3]
@@ -103,6 +103,7 @@ def main() -> None:
                     help="the default kernel's block / warp / stage / split grid (--no-grid: the "
                          "default config and the other kernels only)")
     a = ap.parse_args()
+    K.FP8_POOL_WORDS = False  # the grid times the widening kernel; the words lines switch it on
     torch.manual_seed(0)
     kv_dtype = torch.float8_e4m3fn if a.kv_dtype == "fp8_e4m3" else torch.bfloat16
     for shape in a.shapes.split(","):

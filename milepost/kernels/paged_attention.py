@@ -17,11 +17,14 @@ import triton.language as tl
 from milepost.kernels.fused_ops import norm_rope_rows
 
 # Decode over an fp8 pool by paged_attention_fp8's kernel (the pool read as 32-bit words, widened
-# with integer operations, fp16 dots): written and tested on CPU, off until a GPU has timed it
-# against this file's kernel (benchmarks/decode_attention_sweep.py --kv-dtype fp8_e4m3).
-FP8_POOL_WORDS = False
+# with integer operations, fp16 dots): 1.05x this file's widening kernel at 256 sequences x 256
+# tokens and 1.13x at 64 x 256 on an H200 (2026-12-06, benchmarks/decode_attention_sweep.py
+# --kv-dtype fp8_e4m3). False sends fp8 pools to this file's kernel.
+FP8_POOL_WORDS = True
 # Unsplit decode by paged_attention_persistent's kernel (one wave of programs, each walking its
-# items' tiles in one pipelined loop): tested on CPU, off until a GPU has timed it.
+# items' tiles in one pipelined loop): off, slower on an H200 (2026-12-06: 0.81x this file's
+# kernel at 2 programs per SM, 1.02-1.03x at 4 on 256 sequences but 0.95x on 64; benchmark (a)
+# 55.5k against 67.1k tok/s at 2 per SM).
 PERSISTENT_DECODE = False
 
 

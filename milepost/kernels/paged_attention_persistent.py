@@ -1,6 +1,8 @@
 """Unsplit decode attention as a persistent kernel: a fixed number of programs, each walking its
 (sequence, kv head) items' key tiles in one flat loop (issue 27, decode closer to the bandwidth
-bound; behind `paged_attention.PERSISTENT_DECODE`, off until a GPU has timed it).
+bound; behind `paged_attention.PERSISTENT_DECODE`, off: timed on an H200 (2026-12-06) it was no
+faster than the unsplit kernel: 0.45-0.52x at 1 program per SM, 0.78-0.81x at 2, 1.02-1.03x at 4
+on 256 sequences and 0.95x on 64).
 
 Why: benchmark (a)'s decode (256 sequences x 8 kv heads, ~257 keys) launches 2,048 programs of
 four or five 64-key tiles each, about eight waves of them. Each program starts with an empty
@@ -111,7 +113,7 @@ def persistent_programs(n_items: int, num_sms: int, per_sm: int) -> int:
 def persistent_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       page: int, out: torch.Tensor, block_n: int = 64, num_warps: int = 2,
-                      num_stages: int = 3, per_sm: int = 2) -> torch.Tensor:
+                      num_stages: int = 3, per_sm: int = 4) -> torch.Tensor:
     """`paged_attention.paged_decode` with one split, by the persistent kernel; writes `out`."""
     bsz, heads, dim = q.shape
     kv_heads = k_cache.shape[1]

@@ -70,16 +70,13 @@ def test_equals_the_unsplit_kernel_bit_for_bit(per_sm: int) -> None:
     assert torch.equal(got[[0, 6, 9]], torch.zeros_like(got[[0, 6, 9]]))
 
 
-def test_paged_decode_takes_it_behind_the_switch() -> None:
+def test_paged_decode_takes_it_behind_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     batch, k, v, q = _batch([3, 20, 9], seed=5)
     want = pa.paged_decode(q, k, v, batch.block_tables, batch.seq_lens, D**-0.5, PAGE, 1,
                            block_n=16)
-    pa.PERSISTENT_DECODE = True
-    try:
-        got = pa.paged_decode(q, k, v, batch.block_tables, batch.seq_lens, D**-0.5, PAGE, 1,
-                              block_n=16)
-    finally:
-        pa.PERSISTENT_DECODE = False
+    monkeypatch.setattr(pa, "PERSISTENT_DECODE", True)
+    got = pa.paged_decode(q, k, v, batch.block_tables, batch.seq_lens, D**-0.5, PAGE, 1,
+                          block_n=16)
     assert torch.equal(got, want)
 
 
