@@ -65,9 +65,13 @@ def test_fused_int4_equals_dequantize_then_the_bf16_kernel(experts: Int4StackedE
         assert torch.equal(moved[:-1], got[:-1])
 
 
-def test_configs_fit_a_group_and_bad_operands_are_refused(experts: Int4StackedExperts) -> None:
-    cfg = f4.config_for(1, 128, 2048, 768, 8)  # the bf16 table's 30B-A3B tiles
-    assert cfg.block_m == fm.config_for(1, 128, 2048, 768, 8).block_m
+def test_configs_fit_a_group_and_bad_operands_are_refused(experts: Int4StackedExperts,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    for max_tokens, measured in f4.MEASURED_INT4[(128, 2048, 768, 8)]:  # the H200's, kept as measured
+        assert f4.config_for(max_tokens, 128, 2048, 768, 8) == measured == f4._fit(measured)
+    with monkeypatch.context() as m:  # a shape only the bf16 table lists: its tiles
+        m.delitem(f4.MEASURED_INT4, (128, 2048, 768, 8))
+        assert f4.config_for(1, 128, 2048, 768, 8).block_m == fm.config_for(1, 128, 2048, 768, 8).block_m
     big = fm.MoeConfig(16, fm.GemmConfig(64, 256), fm.GemmConfig(64, 96))
     fitted = f4._fit(big)
     assert fitted.gate_up.block_k == 128 and fitted.down.block_k == 128
