@@ -69,21 +69,29 @@ class NgramDrafter:
         self._extend(rec, req)
         seq, table = rec.seq, rec.table
         n_seq = len(seq)
-        # n = n_seq too: another text may hold the whole sequence (own text: nothing indexed).
-        for n in range(min(self.max_window, n_seq), self.min_window - 1, -1):
-            hit = table.get(tuple(seq[n_seq - n :]))
-            if hit is None:
-                continue
-            src, pos = hit
-            if src is not rec:  # another request's text: as far as it goes
-                return src.seq[pos : pos + k]
-            # Where the continuation reaches the tail it goes on repeating itself (a loop
-            # of period n_seq - pos proposes k tokens, not only the ones written so far).
-            out: list[int] = []
-            for i in range(pos, pos + k):
-                out.append(seq[i] if i < n_seq else out[i - n_seq])
-            return out
-        return []
+        # The longest tail with an entry, searched shortest first: every n-gram is indexed with
+        # all its shorter suffixes (the same position), so once a length has no entry no longer one
+        # has, and most steps end after one lookup (per step this is Python work on the host, ~256
+        # requests at a time, against a ~3 ms GPU step). n = n_seq too: another text may hold the
+        # whole sequence (own text: nothing indexed).
+        tail = tuple(seq[n_seq - min(self.max_window, n_seq):])
+        hit = None
+        for n in range(self.min_window, len(tail) + 1):
+            longer = table.get(tail[len(tail) - n:])
+            if longer is None:
+                break
+            hit = longer
+        if hit is None:
+            return []
+        src, pos = hit
+        if src is not rec:  # another request's text: as far as it goes
+            return src.seq[pos : pos + k]
+        # Where the continuation reaches the tail it goes on repeating itself (a loop
+        # of period n_seq - pos proposes k tokens, not only the ones written so far).
+        out: list[int] = []
+        for i in range(pos, pos + k):
+            out.append(seq[i] if i < n_seq else out[i - n_seq])
+        return out
 
     def _register(self, req: Request) -> _Seq:
         if self.scope == "request":
@@ -107,10 +115,13 @@ class NgramDrafter:
         seq.extend(req.output_ids[max(0, len(seq) - n_prompt):])
         table = rec.table
         lo, hi = self.min_window, self.max_window
-        # Positions e whose preceding n-grams are indexed now: those with a token at e.
+        # Positions e whose preceding n-grams are indexed now: those with a token at e (the
+        # n-grams as slices of one tuple of the longest: one allocation each).
         for e in range(max(old, 1), len(seq)):
-            for n in range(lo, min(hi, e) + 1):
-                table[tuple(seq[e - n : e])] = (rec, e)
+            window = tuple(seq[max(0, e - hi) : e])
+            at = (rec, e)
+            for n in range(lo, len(window) + 1):
+                table[window[len(window) - n:]] = at
         if self.scope == "request":
             return
         self._ages[rec] = len(seq)
