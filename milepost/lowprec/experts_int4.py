@@ -35,7 +35,7 @@ tensor's zero points to 0, as the dense store does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -189,14 +189,18 @@ class Int4Experts(Fp8Experts):
 
 @torch.no_grad()
 def convert_int4_experts(scope: nn.Module, quantized: Callable[[str], bool],
-                         hf_prefix: Callable[[str], str]) -> list[Int4StackedExperts]:
+                         hf_prefix: Callable[[str], str],
+                         stored: Collection[str] = ()) -> list[Int4StackedExperts]:
     """The StackedExperts inside `scope` whose HF tensors `quantized(hf_name)` says are int4,
-    packed in place (engine_experts.convert_fp8_experts' rules: a layer's experts all alike)."""
-    modules = convert_fp8_experts(scope, quantized, hf_prefix, convert=_pack, fmt="int4")
+    packed in place (engine_experts.convert_fp8_experts' rules: a layer's experts all alike;
+    `stored`: names whose checkpoint bytes are put in afterwards, not packed from the weights)."""
+    modules = convert_fp8_experts(scope, quantized, hf_prefix, convert=_pack, fmt="int4", stored=stored)
     return modules  # type: ignore[return-value]
 
 
-def _pack(module: StackedExperts) -> None:
+def _pack(module: StackedExperts, from_weights: bool = True) -> None:
+    """In place: the stacked weights packed with their group scales (from_weights=False: the buffers
+    only, for the checkpoint's own bytes to be put in)."""
     e, two_i, h = module.w13.shape
     inter = two_i // 2
     dev, dtype = module.w13.device, module.w13.dtype
@@ -205,6 +209,8 @@ def _pack(module: StackedExperts) -> None:
     w2 = torch.empty(e, h, -(-inter // 2), dtype=torch.uint8, device=dev)
     s2 = torch.empty(e, h, -(-inter // INT4_GROUP), dtype=torch.float32, device=dev)
     for src, dst, scale in ((module.w13.detach(), w13, s13), (module.w2.detach(), w2, s2)):
+        if not from_weights:
+            break
         # A chunk of experts per call (groups never leave a row: the same bits as one by one),
         # bounding the quantizer's float32 temporaries beside a layerwise start.
         step = _experts_per_chunk(src[0].numel())

@@ -266,13 +266,23 @@ def test_training_runs_decide_what_the_engines_get(converted: Path, tmp_path: Pa
     assert "--quantization" in engine_precision_flags(c)
 
 
-def test_moe_experts_load_as_stored(tmp_path: Path) -> None:
+def test_moe_experts_load_as_stored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A converted Qwen3-MoE checkpoint: the engine's FP8 experts hold the checkpoint's bytes,
-    the same as an engine that quantized the bf16 source on load."""
+    the same as an engine that quantized the bf16 source on load; the stored start quantizes no
+    expert first (the bytes go straight into the store's buffers)."""
+    from milepost.lowprec import engine_experts
+
     moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=5, with_tokenizer=False)
     convert_checkpoint(moe, tmp_path / "moe8", Contract("fp8_block", "fp8_block"))
     stored = load_file(tmp_path / "moe8" / "model.safetensors")
-    a = build_engine(_args(tmp_path / "moe8"))[0].runner.model
+    calls: list[int] = []
+    quantize = engine_experts.quantize
+    with monkeypatch.context() as m:
+        m.setattr(engine_experts, "quantize", lambda *a, **kw: (calls.append(1), quantize(*a, **kw))[1])
+        a = build_engine(_args(tmp_path / "moe8"))[0].runner.model
+        assert calls == []
+        build_engine(_args(moe, quantization="fp8_block"))  # from bf16 it does quantize them
+        assert calls
     b = build_engine(_args(moe, quantization="fp8_block"))[0].runner.model
     names = [n for n in stored if ".experts." in n and n.endswith(".weight")]
     assert names and all(stored[n].dtype == torch.float8_e4m3fn for n in names)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
+from milepost.lowprec import experts_int4
 from milepost.lowprec.checkpoint_weights import read_weight
 from milepost.lowprec.engine_store import QuantizedLinear
 from milepost.lowprec.quant_checkpoint import CheckpointQuant
@@ -297,7 +298,7 @@ def test_the_launcher_and_the_disk_update(src: Path, tmp_path: Path) -> None:
         WeightLoader(plain).from_disk(str(tmp_path / "i4"))
 
 
-def test_moe_experts(tmp_path: Path) -> None:
+def test_moe_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-tensor FP8 experts go to the FP8 expert store as stored, INT4 experts to the packed
     INT4 expert store (lowprec/experts_int4.py) as stored, per-channel FP8 experts to the
     row-scaled store's (tests/unit/test_lowprec_moe_fp8_row.py)."""
@@ -313,7 +314,12 @@ def test_moe_experts(tmp_path: Path) -> None:
         assert torch.equal(dequantize(q), meaning(out, n)), n
     out = write_int4(moe, tmp_path / "i4", 128)
     assert ServerArgs(model_path=tmp_path / "i4", device="cpu").resolved().quantization == "int4"
-    model = build_engine(_args(tmp_path / "i4"))[0].runner.model
+    calls: list[int] = []  # the stored experts' bytes go straight in: none packed from weights first
+    quantize = experts_int4.quantize
+    with monkeypatch.context() as m:
+        m.setattr(experts_int4, "quantize", lambda *a, **kw: (calls.append(1), quantize(*a, **kw))[1])
+        model = build_engine(_args(tmp_path / "i4"))[0].runner.model
+    assert calls == []
     assert type(model.model.layers[0].mlp.experts).__name__ == "Int4StackedExperts"
     experts = [n.removesuffix("_packed") for n in out if ".experts." in n and n.endswith(".weight_packed")]
     assert len(experts) == 2 * 8 * 3
