@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +30,11 @@ from milepost.train.batch import TrainBatch
 from milepost.train.fsdp import FSDPBackend, TrainerSettings
 
 VOCAB = 64
+
+
+def _progress(msg: str) -> None:
+    """Each stage as it ends, on stderr (a run that stops early says how far it got)."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 def generate(path: Path, device: str, n: int, seed: int, spec: bool) -> tuple[list[list[int]], list[int], dict]:
@@ -65,7 +71,12 @@ def train(rank: int, world: int, ckpt: str, seqs: list, prompt_lens: list, out: 
                        rollout_logprobs=[torch.zeros(r) for r in resp])
     backend = FSDPBackend.create(ckpt, TrainerSettings(lr=1e-2, global_batch_size=len(seqs), device=device,
                                                        enable_mtp_training=True, mtp_loss_scaling_factor=1.0))
-    losses = [backend.train_step(batch)["mtp_loss"] for _ in range(steps)]
+    _progress(f"trainer up on {device} (rank {rank} of {world})")
+    losses = []
+    for step in range(steps):
+        losses.append(backend.train_step(batch)["mtp_loss"])
+        if step == 0 or (step + 1) % 10 == 0 or step + 1 == steps:
+            _progress(f"train step {step + 1}/{steps}: mtp_loss {losses[-1]:.3f}")
     backend.export_hf(out)
     return losses
 
@@ -79,7 +90,8 @@ def main() -> None:
     torch.set_num_threads(2)
     root = Path(tempfile.mkdtemp(prefix="mtp-cotrain-"))
     ckpt = make_tiny_mtp_checkpoint(root / "before", seed=3, vocab_size=VOCAB)
-    seqs, prompt_lens, _ = generate(ckpt, args.device, args.rollouts, 0, spec=False)
+    seqs, prompt_lens, stats = generate(ckpt, args.device, args.rollouts, 0, spec=False)
+    _progress(f"{args.rollouts} greedy rollouts in {stats['seconds']:.1f} s")
     t0 = time.perf_counter()
     (losses,) = run_ranks(train, 1, str(ckpt), seqs, prompt_lens, str(root / "after"), args.steps,
                           args.device, timeout_s=3600, backend="nccl" if args.device == "cuda" else "gloo")
@@ -92,6 +104,8 @@ def main() -> None:
         trained, _, s_trained = generate(path, args.device, 32, 0, spec=True)
         _, _, s_held = generate(path, args.device, 32, 1, spec=True)
         assert trained == plain_seqs == seqs[:32], "speculation changed a greedy output, or the policy moved"
+        _progress(f"{name}: acceptance length {s_trained['accept_length']} on trained prompts, "
+                  f"{s_held['accept_length']} held out")
         result[name] = {"trained_prompts": s_trained, "held_out_prompts": s_held,
                         "plain_seconds": plain["seconds"]}
     print(json.dumps(result))
