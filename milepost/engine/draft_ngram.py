@@ -136,8 +136,9 @@ class NgramDrafter:
         table, seq = rec.table, rec.seq
         lo, hi = self.min_window, self.max_window
         for e in range(1, len(seq)):
-            for n in range(lo, min(hi, e) + 1):
-                gram = tuple(seq[e - n : e])
+            window = tuple(seq[max(0, e - hi) : e])
+            for n in range(lo, len(window) + 1):
+                gram = window[len(window) - n:]
                 hit = table.get(gram)
                 if hit is not None and hit[0] is rec:
                     del table[gram]
