@@ -62,6 +62,33 @@ def mma_counts(kern: Any, ptrs: dict[str, str], ints: str, const: dict[str, Any]
     return Counter(re.findall(r"(wgmma\.mma_async\S*|mma\.sync\S*)", k.asm["ptx"]))
 
 
+def sm90_sass(kern: Any, ptrs: dict[str, str], const: dict[str, Any], num_warps: int,
+              num_stages: int, floats: tuple[str, ...] = ("scale",)) -> str:
+    """Compile `kern` for sm_90 and return its SASS (nvdisasm of the cubin). `ptrs`: pointer
+    arguments and their types; `const`: the constexpr values; `floats`: fp32 arguments; the
+    others are i32. Pointers and strides are marked 16-divisible, as a launch with aligned
+    tensors specializes them."""
+    import tempfile
+
+    import triton
+    import triton.backends.nvidia as nv
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kern.arg_names
+    sig = {n: ptrs.get(n, "constexpr" if n in const else ("fp32" if n in floats else "i32"))
+           for n in names}
+    div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+           if n in ptrs or n.startswith("stride")}
+    k = triton.compile(ASTSource(kern, sig, const, div), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(Path(nv.__file__).parent / "bin" / "nvdisasm"), f.name],
+                              capture_output=True, text=True, check=True).stdout
+
+
 def fused_moe_mmas(kind: str, swap: bool, zero: bool) -> tuple[Counter[str], Counter[str]]:
     """(bf16 kernel's, INT4 kernel's) MMA counts for the fused MoE GEMM `kind` ("gate_up" or
     "down") at one tile config (16 x 64 x 128, `swap`: weight rows on the MMA's M side); `zero`:

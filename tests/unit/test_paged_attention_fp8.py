@@ -112,27 +112,13 @@ def test_word_kernel_is_attention_over_the_pool_values(splits: int,
 
 
 _SASS = """
-import re, subprocess, tempfile
-from pathlib import Path
-import triton, triton.backends.nvidia as nv
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import re
 from milepost.kernels import paged_attention_fp8 as m
-fn = m._decode_fp8_words_kernel
-c = {"GROUP": 2, "BLOCK_H": 16, "D": 128, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 1}
-ptrs = {"Q": "*bf16", "KW": "*i32", "VW": "*i32", "tables": "*i32", "seq_lens": "*i32",
-        "O_part": "*fp32", "L_part": "*fp32", "Out": "*bf16"}
-sig = {n: ptrs.get(n, "constexpr" if n in c else ("fp32" if n == "scale" else "i32"))
-       for n in fn.arg_names}
-div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)  # as a launch
-       if n in ptrs or n.startswith("stride")}
-k = triton.compile(ASTSource(fn, sig, c, div), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 2, "num_stages": 3})
-f = tempfile.NamedTemporaryFile(suffix=".cubin", delete=False)
-f.write(k.asm["cubin"])
-f.close()
-sass = subprocess.run([str(Path(nv.__file__).parent / "bin" / "nvdisasm"), f.name],
-                      capture_output=True, text=True, check=True).stdout
+from milepost.testing.hopper_compile import sm90_sass
+sass = sm90_sass(m._decode_fp8_words_kernel,
+                 {"Q": "*bf16", "KW": "*i32", "VW": "*i32", "tables": "*i32", "seq_lens": "*i32",
+                  "O_part": "*fp32", "L_part": "*fp32", "Out": "*bf16"},
+                 {"GROUP": 2, "BLOCK_H": 16, "D": 128, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 1}, 2, 3)
 assert re.search(r"LDGSTS\\.E\\.BYPASS\\.128|LDG\\.E\\.128", sass), "pool not moved 16 bytes a copy"
 assert not re.search(r"\\bF2F\\.|F2FP\\.F16\\.E4M3|LDS\\.U8", sass), "per-value conversions or byte loads"
 assert "HMMA.16816.F32" in sass  # fp16 tensor-core dots

@@ -81,27 +81,14 @@ def test_paged_decode_takes_it_behind_the_switch(monkeypatch: pytest.MonkeyPatch
 
 
 _SASS = """
-import re, subprocess, tempfile
-from pathlib import Path
-import triton, triton.backends.nvidia as nv
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import re
 from milepost.kernels import paged_attention_persistent as m
-fn = m._decode_persistent_kernel
-c = {"KV_HEADS": 8, "GROUP": 2, "BLOCK_H": 16, "D": 128, "PAGE": 16, "BLOCK_N": 64, "IEEE": False}
-ptrs = {"Q": "*bf16", "KC": "*bf16", "VC": "*bf16", "tables": "*i32", "seq_lens": "*i32",
-        "Out": "*bf16"}
-sig = {n: ptrs.get(n, "constexpr" if n in c else ("fp32" if n == "scale" else "i32"))
-       for n in fn.arg_names}
-div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)  # as a launch
-       if n in ptrs or n.startswith("stride")}
-k = triton.compile(ASTSource(fn, sig, c, div), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 2, "num_stages": 3})
-f = tempfile.NamedTemporaryFile(suffix=".cubin", delete=False)
-f.write(k.asm["cubin"])
-f.close()
-sass = subprocess.run([str(Path(nv.__file__).parent / "bin" / "nvdisasm"), f.name],
-                      capture_output=True, text=True, check=True).stdout
+from milepost.testing.hopper_compile import sm90_sass
+sass = sm90_sass(m._decode_persistent_kernel,
+                 {"Q": "*bf16", "KC": "*bf16", "VC": "*bf16", "tables": "*i32", "seq_lens": "*i32",
+                  "Out": "*bf16"},
+                 {"KV_HEADS": 8, "GROUP": 2, "BLOCK_H": 16, "D": 128, "PAGE": 16, "BLOCK_N": 64,
+                  "IEEE": False}, 2, 3)
 assert re.search(r"LDGSTS\\.E\\.BYPASS\\.128", sass), "tiles not moved by 16-byte async copies"
 assert "HMMA.16816.F32.BF16" in sass
 print("ok")
