@@ -14,7 +14,7 @@ per row) are this class with row scales: lowprec/experts_fp8_row.py.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -206,12 +206,13 @@ def store_fp8_experts(model: nn.Module, quantized: Callable[[str], bool]) -> Fp8
 def convert_fp8_experts(scope: nn.Module, quantized: Callable[[str], bool],
                         hf_prefix: Callable[[str], str],
                         convert: Callable[..., None] | None = None,
-                        fmt: str = "fp8_block", stored: Collection[str] = ()) -> list[Fp8StackedExperts]:
+                        fmt: str = "fp8_block", stored: Mapping[str, QTensor] | None = None,
+                        ) -> list[Fp8StackedExperts]:
     """`store_fp8_experts` for the StackedExperts inside `scope` (the whole model, or one layer as
     it loads), `hf_prefix(module name in scope)` naming their HF tensors; the converted ones.
-    `convert` / `fmt`: another format's conversion (lowprec/experts_int4.py). `stored`: HF names
-    whose checkpoint values and scales the caller puts in afterwards (StoreBuilder's preset); a
-    module whose every tensor is there gets its buffers without quantizing the loaded weights
+    `convert` / `fmt`: another format's conversion (lowprec/experts_int4.py). `stored`: the
+    checkpoint's QTensors by HF name, which the caller puts in afterwards (StoreBuilder's preset);
+    a module whose every tensor is there in `fmt` gets its buffers without quantizing the loaded weights
     (they would be overwritten: a 30B-A3B INT4 checkpoint started in 25.8 s against 4.2 s from
     bf16 on an H200 while its experts were quantized first)."""
     modules: list[Fp8StackedExperts] = []
@@ -228,7 +229,7 @@ def convert_fp8_experts(scope: nn.Module, quantized: Callable[[str], bool],
             raise ValueError(f"{prefix}*: some of this layer's expert tensors are {fmt} and some "
                              "bf16; override all experts of one layer alike ('layers.A-B=bf16' or "
                              "'*.experts.*=bf16')")
-        if stored and all(n in stored for n in names):
+        if stored and all(n in stored and stored[n].fmt == fmt for n in names):
             (convert or _convert)(module, from_weights=False)
         else:
             (convert or _convert)(module)
@@ -248,9 +249,8 @@ def _convert(module: StackedExperts, from_weights: bool = True) -> None:
     s2 = torch.empty(e, _tiles(h), _tiles(inter), dtype=torch.float32, device=dev)
     # Tiles of stacked tensors are each tensor's own tiles when every tensor starts on a tile
     # row: quantize a chunk of experts per call then (the same bits, fewer launches).
-    for src, dst, scale, rows in ((module.w13.detach(), w13, s13, inter), (module.w2.detach(), w2, s2, h)):
-        if not from_weights:
-            break
+    parts = ((module.w13.detach(), w13, s13, inter), (module.w2.detach(), w2, s2, h))
+    for src, dst, scale, rows in parts if from_weights else ():
         per = src.shape[1] // rows  # HF tensors per expert in this parameter
         step = max(1, _CHUNK_BYTES // (src[0].numel() * 4)) if rows % FP8_TILE == 0 else 1
         for first in range(0, e, step):

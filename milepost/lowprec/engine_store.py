@@ -258,11 +258,9 @@ class StoreBuilder:
             modules[id(module)] = module
         if contract.rollout in EXPERTS_SERVED:
             convert = convert_int4_experts if contract.rollout == "int4" else convert_fp8_experts
-            served = "int4" if contract.rollout == "int4" else "fp8_block"
-            stored = {n for n in names if n in self.preset and self.preset[n].fmt == served}
             self.experts += convert(
                 scope, lambda n: contract.tensor_format(n, "rollout") == contract.rollout, expert_prefix,
-                stored=stored)
+                stored=self.preset)
         for key, parts in by_module.items():
             parts.sort()
             module = _quantize_linear(modules[key], parts, contract, self.preset)

@@ -35,7 +35,7 @@ tensor's zero points to 0, as the dense store does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -190,10 +190,10 @@ class Int4Experts(Fp8Experts):
 @torch.no_grad()
 def convert_int4_experts(scope: nn.Module, quantized: Callable[[str], bool],
                          hf_prefix: Callable[[str], str],
-                         stored: Collection[str] = ()) -> list[Int4StackedExperts]:
+                         stored: Mapping[str, QTensor] | None = None) -> list[Int4StackedExperts]:
     """The StackedExperts inside `scope` whose HF tensors `quantized(hf_name)` says are int4,
     packed in place (engine_experts.convert_fp8_experts' rules: a layer's experts all alike;
-    `stored`: names whose checkpoint bytes are put in afterwards, not packed from the weights)."""
+    `stored`: the checkpoint's QTensors, put in afterwards instead of packing the weights)."""
     modules = convert_fp8_experts(scope, quantized, hf_prefix, convert=_pack, fmt="int4", stored=stored)
     return modules  # type: ignore[return-value]
 
@@ -208,9 +208,8 @@ def _pack(module: StackedExperts, from_weights: bool = True) -> None:
     s13 = torch.empty(e, two_i, -(-h // INT4_GROUP), dtype=torch.float32, device=dev)
     w2 = torch.empty(e, h, -(-inter // 2), dtype=torch.uint8, device=dev)
     s2 = torch.empty(e, h, -(-inter // INT4_GROUP), dtype=torch.float32, device=dev)
-    for src, dst, scale in ((module.w13.detach(), w13, s13), (module.w2.detach(), w2, s2)):
-        if not from_weights:
-            break
+    parts = ((module.w13.detach(), w13, s13), (module.w2.detach(), w2, s2))
+    for src, dst, scale in parts if from_weights else ():
         # A chunk of experts per call (groups never leave a row: the same bits as one by one),
         # bounding the quantizer's float32 temporaries beside a layerwise start.
         step = _experts_per_chunk(src[0].numel())
