@@ -65,24 +65,36 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+# Every port free_port has returned in this process: never handed out twice. The launcher picks
+# an engine's port, starts it without waiting, and picks the trainer's MASTER_PORT while the
+# engine has not bound yet; once the two were the same port (CI, 2026-12-06: the ranks' store
+# clients reached the engine's HTTP server).
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now on host, chosen at random below the kernel's ephemeral range: a port
     the OS picks (bind to 0) can be handed to an outgoing connection before our server binds it
     (seen in CI under load: "address already in use"); one outside that range can be taken only
-    by another explicit bind. A race with those remains until the server binds."""
+    by another explicit bind. Never one this process handed out before (its server may not have
+    bound it yet). A race with other processes' binds remains until the server binds."""
     low = _ephemeral_low()
     rng = random.SystemRandom()
-    for _ in range(64):
-        port = rng.randrange(max(1024, low - 12000), low) if low > 2048 else 0
+    for attempt in range(65):
+        port = rng.randrange(max(1024, low - 12000), low) if low > 2048 and attempt < 64 else 0
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return s.getsockname()[1]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free port on {host}: 64 random ports below {low} and one from the OS were "
+                  "taken or handed out already")
 
 
 class ComponentStartError(RuntimeError):

@@ -17,3 +17,11 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", port))
 
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    """A server started without waiting has not bound its port yet when the next port is picked
+    (an engine's, then the trainer's MASTER_PORT): 1,000 draws from the ~12,000-port range would
+    repeat one almost surely if the ports handed out were not remembered."""
+    ports = [free_port() for _ in range(1000)]
+    assert len(set(ports)) == len(ports)
