@@ -28,6 +28,7 @@ from milepost.bench.models import (
     parameter_count,
     weight_bytes_per_decode_step,
 )
+from milepost.bench.stalls import StallWatch, format_stalls, summarize_stalls
 from milepost.bench.timeline import format_summary
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
@@ -110,6 +111,7 @@ def _engine_runs(sargs: ServerArgs, native: object, loads: list[workloads.Worklo
     """One engine over `native`: a warm-up, then each workload; the engine is freed after."""
     engine, _, _ = build_engine(sargs, model=native, record_routed_experts=record_routed_experts)
     engine.start()
+    watch = StallWatch().start()  # compiles and full collections inside each timed run
     try:
         bench = EngineBench(engine, args.temperature, timeline=args.timeline)
         # Warm-up: the same shapes with other tokens (so nothing it caches is hit later). Triton
@@ -119,14 +121,18 @@ def _engine_runs(sargs: ServerArgs, native: object, loads: list[workloads.Worklo
             bench.run(w)
         results = {}
         for w in loads:
-            before = _spec_counters(engine)
+            before, mark = _spec_counters(engine), len(watch.events)
             results[w.name] = r = bench.run(w)
             r.speculative = _spec_delta(before, _spec_counters(engine))
+            r.stalls = summarize_stalls(watch.since(mark))
+            for line in format_stalls(f"milepost {w.name}", r.stalls):
+                _progress(line)
             _progress(f"milepost {w.name}: {r.output_tokens} new tokens in {r.seconds:.1f} s"
                       + (f", acceptance length {r.speculative['accept_length']:.2f}"
                          if r.speculative else ""))
         pool_tokens = engine.cfg.num_blocks * engine.cfg.block_size
     finally:
+        watch.stop()
         engine.close()
     del engine
     gc.collect()  # the KV pool (and CUDA graphs) go before the next engine or transformers
@@ -225,6 +231,8 @@ def _row(w: workloads.Workload, ours: EngineResult, theirs: object | None, decod
         row["milepost_prefill_tok_s"] = row["milepost_tok_s"]
     if ours.timeline is not None:
         row["timeline"] = ours.timeline
+    if ours.stalls is not None:
+        row["stalls"] = ours.stalls
     if theirs is not None:
         hf_tokens = theirs.prompt_tokens if counted == "prompt" else theirs.output_tokens
         row.update(hf_seconds=theirs.seconds, hf_tok_s=hf_tokens / theirs.seconds)
@@ -296,6 +304,8 @@ def print_table(result: dict) -> None:
                          f"{spec.get('proposed', 0):,} proposed)")
         if r.get("timeline"):
             notes.extend(format_summary(r["scenario"], r["timeline"]))
+        if r.get("stalls"):
+            notes.extend(format_stalls(r["scenario"], r["stalls"]))
         if "routed_experts_cost" in r:
             notes.append(f"recording routed experts costs {r['routed_experts_cost']:.1%} of "
                          f"{r['scenario']} throughput (measured against the run without it)")

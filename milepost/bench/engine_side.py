@@ -35,6 +35,7 @@ class EngineResult:
     decode_batch_sizes: Counter
     speculative: dict | None = None  # acceptance counters of a speculative run (bench/engine.py)
     timeline: dict | None = None  # --timeline: timeline.summarize of the run's steps
+    stalls: dict | None = None  # stalls.summarize_stalls of the run (bench/engine.py)
 
 
 class EngineBench:
