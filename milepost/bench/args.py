@@ -90,6 +90,10 @@ class BenchArgs(BaseModel):
         False, description="Also print where each timed scenario's wall time went: steps and "
         "seconds per kind (prefill, mixed, decode), gaps, and the inter-token latency running "
         "decodes saw (percentiles over decode rows).")
+    skip_kernel_warmup: bool = Field(
+        False, description="Engine: no prefill of each step size at start (milepost serve "
+        "--skip-kernel-warmup); the bench's own warm-up run still goes first. Each scenario reports "
+        "the Triton kernels compiled inside its timed run.")
     json_out: Path | None = Field(None, description="Also write the results as JSON to this file.")
 
     @field_validator("requests", "prompt_len", "output_len", "mixed_min", "mixed_max", "sessions",

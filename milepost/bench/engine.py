@@ -30,6 +30,7 @@ from milepost.bench.models import (
 )
 from milepost.bench.stalls import StallWatch, format_stalls, summarize_stalls
 from milepost.bench.timeline import format_summary
+from milepost.engine.kernel_warmup import warm_up_kernels
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
 
@@ -57,6 +58,7 @@ def run_bench(args: BenchArgs) -> dict:
         mem_fraction_static=args.mem_fraction_static, random_seed=args.seed,
         page_size=args.page_size, overlap_schedule=args.overlap_schedule,
         sampling_backend=args.sampling_backend, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        skip_kernel_warmup=args.skip_kernel_warmup,
     ).resolved()
     weights_per_step: dict[int, float] = {}  # decode batch size -> weight bytes one step reads
     kv_token_bytes = kv_bytes_per_token(native, torch.float8_e4m3fn if sargs.kv_cache_dtype == "fp8_e4m3"
@@ -111,6 +113,8 @@ def _engine_runs(sargs: ServerArgs, native: object, loads: list[workloads.Worklo
     """One engine over `native`: a warm-up, then each workload; the engine is freed after."""
     engine, _, _ = build_engine(sargs, model=native, record_routed_experts=record_routed_experts)
     engine.start()
+    if not sargs.skip_kernel_warmup:
+        warm_up_kernels(engine)
     watch = StallWatch().start()  # compiles and full collections inside each timed run
     try:
         bench = EngineBench(engine, args.temperature, timeline=args.timeline)

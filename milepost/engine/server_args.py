@@ -114,6 +114,11 @@ class ServerArgs(BaseModel):
     disable_cuda_graph: bool = Field(
         False, description="Run decode steps eagerly instead of replaying captured CUDA graphs."
     )
+    skip_kernel_warmup: bool = Field(
+        False, description="Start serving without first running one prefill of each step size "
+        "(CUDA: compiles the kernels whose tiles depend on the token count at start instead of "
+        "while serving; takes seconds)."
+    )
     cuda_graph_max_bs: int | None = Field(
         None,
         description="Largest decode batch captured in a CUDA graph (larger batches run eagerly); "
