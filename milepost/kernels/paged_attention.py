@@ -157,7 +157,10 @@ def store_decode(acc, m_i, l_i, b, split, heads, hmask, d, O_part, L_part, Out, 
         tl.store(L_part + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
 
 
-@triton.jit
+# stride_tb is not specialized: the eager steps' block tables are as wide as the batch's longest
+# sequence, so its class (1, divisible by 16, other) changes from step to step, and each new
+# class compiled the kernel again in the middle of serving (engine/kernel_warmup.py).
+@triton.jit(do_not_specialize=["stride_tb"])
 def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale,
                          stride_qt, stride_qh, stride_ct, stride_ch, stride_tb,
                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh,
@@ -323,7 +326,7 @@ def _attend_tile(q, KC, VC, table, n0, kvh, d, qpos, kv_end, m_i, l_i, acc, scal
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # see _decode_split_kernel
 def _prefill_kernel(Q, KC, VC, O, tables, seq_lens, cu_q, tile_seq, tile_m0, scale,
                     stride_qt, stride_qh, stride_ct, stride_ch, stride_tb, stride_ot, stride_oh,
                     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,

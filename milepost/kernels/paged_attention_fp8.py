@@ -39,7 +39,7 @@ def _widen(words, j: tl.constexpr):
     return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # as paged_attention._decode_split_kernel
 def _decode_fp8_words_kernel(Q, KW, VW, tables, seq_lens, O_part, L_part, Out, scale,
                              stride_qt, stride_qh, stride_ct, stride_ch, stride_tb,
                              stride_ob, stride_os, stride_oh, stride_lb, stride_ls,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # as paged_attention._decode_split_kernel
 def _decode_persistent_kernel(Q, KC, VC, tables, seq_lens, Out, scale, n_items,
                               stride_qt, stride_qh, stride_ct, stride_ch, stride_tb,
                               stride_xt, stride_xh,
