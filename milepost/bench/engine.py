@@ -30,7 +30,7 @@ from milepost.bench.models import (
 )
 from milepost.bench.stalls import StallWatch, format_stalls, summarize_stalls
 from milepost.bench.timeline import format_summary
-from milepost.engine.kernel_warmup import warm_up_kernels
+from milepost.engine.kernel_warmup import start_engine
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
 
@@ -112,9 +112,7 @@ def _engine_runs(sargs: ServerArgs, native: object, loads: list[workloads.Worklo
                  ) -> tuple[dict[str, EngineResult], int]:
     """One engine over `native`: a warm-up, then each workload; the engine is freed after."""
     engine, _, _ = build_engine(sargs, model=native, record_routed_experts=record_routed_experts)
-    engine.start()
-    if not sargs.skip_kernel_warmup:
-        warm_up_kernels(engine)
+    start_engine(engine, kernel_warmup=not sargs.skip_kernel_warmup)
     watch = StallWatch().start()  # compiles and full collections inside each timed run
     try:
         bench = EngineBench(engine, args.temperature, timeline=args.timeline)

@@ -156,14 +156,12 @@ def run_server(args: object) -> None:
     import uvicorn
 
     from milepost.auth import protect, warn_if_exposed
-    from milepost.engine.kernel_warmup import warm_up_kernels
+    from milepost.engine.kernel_warmup import start_engine
     from milepost.engine.setup import build_engine
 
     args = args.resolved()
     engine, info, tokenizer = build_engine(args)
-    engine.start()
-    if not args.skip_kernel_warmup:
-        warm_up_kernels(engine)
+    start_engine(engine, kernel_warmup=not args.skip_kernel_warmup)
     try:
         limits = Limits(max_request_batch=args.max_request_batch)
         app = create_app(engine, info, tokenizer, limits, args.incremental_streaming_output,

@@ -30,5 +30,5 @@ def test_each_new_specialization_is_one_compile() -> None:
         torch.cuda.synchronize()
     compiles = [s for s in watch.events if s.what.startswith("compile ")]
     assert len(compiles) == 2, compiles
-    assert all(s.what.startswith("compile _fill(") for s in compiles)
+    assert all("_fill(" in s.what for s in compiles)  # a local kernel: its qualified name
     assert x[:19].eq(19).all()

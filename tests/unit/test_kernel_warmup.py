@@ -1,13 +1,21 @@
 """engine.kernel_warmup: one prefill step of each size, through the real engine thread, then
-nothing left of it (cache flushed, counters reset); skipped on CPU by the public entry point."""
+nothing left of it (cache flushed, counters reset); skipped on CPU by the public entry point;
+start_engine freezes the start-up heap."""
 
 from __future__ import annotations
+
+import gc
 
 from pathlib import Path
 
 import pytest
 
-from milepost.engine.kernel_warmup import run_warmup_steps, warm_up_kernels, warmup_sizes
+from milepost.engine.kernel_warmup import (
+    run_warmup_steps,
+    start_engine,
+    warm_up_kernels,
+    warmup_sizes,
+)
 from milepost.engine.request import Request
 from milepost.engine.sampling import SamplingParams
 from milepost.engine.server_args import ServerArgs
@@ -33,8 +41,10 @@ def test_warmup_steps_run_each_size_once_and_leave_nothing_behind(ckpt: Path) ->
     args = ServerArgs(model_path=ckpt, device="cpu", dtype="float32", page_size=4,
                       chunked_prefill_size=48, cpu_kv_cache_gb=0.01).resolved()
     engine = build_engine(args)[0]
-    engine.start()
+    gc.unfreeze()
+    start_engine(engine)  # the start-up heap leaves the full collections
     try:
+        assert gc.get_freeze_count() > 10_000
         assert warm_up_kernels(engine) == 0.0  # CPU: nothing compiles, nothing runs
         assert engine.stats.steps == 0
         steps: list = []
@@ -49,4 +59,5 @@ def test_warmup_steps_run_each_size_once_and_leave_nothing_behind(ckpt: Path) ->
         _generate_one(engine, "after", [5, 6, 7], timeout_s=60)
         assert engine.stats.prompt_tokens == 3
     finally:
+        gc.unfreeze()
         engine.close()
