@@ -84,6 +84,9 @@ class BenchArgs(BaseModel):
     quantization: Literal["fp8", "fp8_block", "mxfp8", "nvfp4", "int4"] | None = Field(
         None, description="Engine: weight storage format (milepost serve --quantization; "
         "docs/low_precision.md). Compare with a run without it.")
+    fp8_w8a8_experts: bool = Field(
+        False, description="Engine, with --quantization fp8_block: MoE experts W8A8 (milepost serve "
+        "--fp8-w8a8-experts).")
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto", description="Engine: KV pool dtype; fp8_e4m3 = float8 entries (twice bf16's tokens).")
     timeline: bool = Field(

@@ -58,7 +58,7 @@ def run_bench(args: BenchArgs) -> dict:
         mem_fraction_static=args.mem_fraction_static, random_seed=args.seed,
         page_size=args.page_size, overlap_schedule=args.overlap_schedule,
         sampling_backend=args.sampling_backend, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        skip_kernel_warmup=args.skip_kernel_warmup,
+        skip_kernel_warmup=args.skip_kernel_warmup, fp8_w8a8_experts=args.fp8_w8a8_experts,
     ).resolved()
     weights_per_step: dict[int, float] = {}  # decode batch size -> weight bytes one step reads
     kv_token_bytes = kv_bytes_per_token(native, torch.float8_e4m3fn if sargs.kv_cache_dtype == "fp8_e4m3"

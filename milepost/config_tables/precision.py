@@ -18,7 +18,8 @@ class PrecisionTable(Table):
         "bf16-train-fp8-serve = the trainer keeps --dtype, the engines serve FP8 blockwise "
         "(128x128 weight tiles, 1x128 activation blocks) re-quantized on every update, TIS on by "
         "default; fp8 / mxfp8 / nvfp4 = trainer and engines in that format (one quantizer); "
-        "MoE experts: FP8 on fp8_block engines (W8A16), bf16 in the trainer (docs/low_precision.md); "
+        "MoE experts: FP8 on fp8_block engines (W8A16; W8A8 with --fp8-w8a8-experts), bf16 in the "
+        "trainer (docs/low_precision.md); "
         "int4 = quantization-aware training (fake-quant weights, straight-through gradients) "
         "and INT4 weights on the engines.")
     train_precision: SideFormat | None = Field(
@@ -51,6 +52,11 @@ class PrecisionTable(Table):
     fp8_margin: int = Field(
         0, ge=0, description="--fp8-scaling delayed: scale so the amax maps to 448 / 2^margin "
         "(headroom for growth between steps).")
+    fp8_w8a8_experts: bool = Field(
+        False, description="fp8_block engines: the MoE experts quantize their inputs per 1x128 "
+        "block too (W8A8, as the dense projections do) instead of keeping them in --dtype (W8A16); "
+        "faster at decode batch sizes (docs/low_precision.md), a larger train-rollout gap for TIS "
+        "to correct.")
     nvfp4_four_over_six: bool = Field(
         False, description="NVFP4: scale each 16-value block to 4 or to 6, whichever quantizes it "
         "with less error; part of the contract (both sides quantize alike).")

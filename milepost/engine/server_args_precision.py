@@ -52,6 +52,10 @@ def check_precision_flags(args: ServerArgs, quantization: str | None) -> None:
     if args.fp8_activation_scheme == "static" and quantization != "fp8_block":
         raise ValueError("--fp8-activation-scheme static scales the fp8_block engine's "
                          "activations; add --quantization fp8_block or drop it")
+    if args.fp8_w8a8_experts and quantization != "fp8_block":
+        raise ValueError("--fp8-w8a8-experts quantizes the fp8_block engine's MoE expert inputs; "
+                         f"the engine serves {quantization or 'no quantized store'} here: add "
+                         "--quantization fp8_block or drop it")
     if args.fp8_weight_only and quantization != "fp8":
         raise ValueError("--fp8-weight-only keeps a per-channel FP8 checkpoint's activations in "
                          f"--dtype; the engine serves {quantization or 'no quantized store'} "

@@ -377,7 +377,7 @@ def fused_expert_mlp_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     [E, H, I] with s2 (shapes above; `row_scales`: one scale per row) -> [T, H].
     fused_moe.fused_expert_mlp's contract, its weights the dequantized fp8 ones; inference only."""
     if act_fp8 and row_scales:
-        raise ValueError("fused_expert_mlp_fp8: the experimental W8A8 kernels read 128 x 128 "
+        raise ValueError("fused_expert_mlp_fp8: the W8A8 kernels read 128 x 128 "
                          "block scales only, not row scales")
     t, k = ids.shape
     if x.stride(-1) != 1:
@@ -388,7 +388,7 @@ def fused_expert_mlp_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         return x.new_zeros(x.shape)
     s13, s2 = s13.contiguous(), s2.contiguous()
     routing = fm.align(ids.contiguous(), w13.shape[0], cfg.block_m, cfg.hist_align)
-    if act_fp8:  # experimental (not the engine's contract): activations in FP8 too, W8A8
+    if act_fp8:  # --fp8-w8a8-experts: activations in FP8 too, W8A8
         act = gate_up_a8(x, w13, s13, routing, k, cfg.block_m, cfg.gate_up)
         y = down_a8(act, w2, s2, routing, weights.contiguous(), cfg.block_m, cfg.down)
     else:

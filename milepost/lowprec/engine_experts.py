@@ -27,10 +27,6 @@ log = logging.getLogger(__name__)
 # float32 bytes of the experts quantized per call at load: bounds the quantizer's temporaries
 # (a few copies of the chunk), which sit beside the served model during a layerwise start.
 _CHUNK_BYTES = 64 * 2**20
-# Experimental, off: expert activations in FP8 too (1 x 128 per token / activation row, W8A8),
-# taken by experts converted while it is set (benchmarks/moe_fp8_gpu.py measures it); not a
-# setting, not the contract (docs/low_precision.md: experts are W8A16).
-ACT_FP8 = False
 
 
 def _tiles(n: int) -> int:
@@ -46,7 +42,7 @@ class Fp8StackedExperts(StackedExperts):
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
     compute_dtype: torch.dtype
-    act_fp8: bool  # experimental W8A8 (ACT_FP8 at conversion)
+    act_fp8: bool  # W8A8: inputs quantized per 1 x 128 too (--fp8-w8a8-experts)
     row_scales = False  # scales per row, [E, 2, I, 1] / [E, H, 1] (experts_fp8_row.py)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,12 +189,14 @@ class Fp8Experts:
 
 
 @torch.no_grad()
-def store_fp8_experts(model: nn.Module, quantized: Callable[[str], bool]) -> Fp8Experts | None:
+def store_fp8_experts(model: nn.Module, quantized: Callable[[str], bool], act_fp8: bool = False
+                      ) -> Fp8Experts | None:
     """Convert the StackedExperts of `model` whose HF tensors `quantized(hf_name)` says are
     fp8_block, in place (a layer's experts all alike: a mix is refused naming the layer);
     None when no layer has FP8 experts. LoRA-adapted experts are not plain StackedExperts and
     are left alone (the adapter layer refuses quantized bases)."""
-    modules = convert_fp8_experts(model, quantized, lambda name: "model." + name[name.find("layers."):])
+    modules = convert_fp8_experts(model, quantized, lambda name: "model." + name[name.find("layers."):],
+                                  act_fp8=act_fp8)
     return Fp8Experts(modules) if modules else None
 
 
@@ -207,14 +205,15 @@ def convert_fp8_experts(scope: nn.Module, quantized: Callable[[str], bool],
                         hf_prefix: Callable[[str], str],
                         convert: Callable[..., None] | None = None,
                         fmt: str = "fp8_block", stored: Mapping[str, QTensor] | None = None,
-                        ) -> list[Fp8StackedExperts]:
+                        act_fp8: bool = False) -> list[Fp8StackedExperts]:
     """`store_fp8_experts` for the StackedExperts inside `scope` (the whole model, or one layer as
     it loads), `hf_prefix(module name in scope)` naming their HF tensors; the converted ones.
     `convert` / `fmt`: another format's conversion (lowprec/experts_int4.py). `stored`: the
     checkpoint's QTensors by HF name, which the caller puts in afterwards (StoreBuilder's preset);
     a module whose every tensor is there in `fmt` gets its buffers without quantizing the loaded weights
     (they would be overwritten: a 30B-A3B INT4 checkpoint started in 25.8 s against 4.2 s from
-    bf16 on an H200 while its experts were quantized first)."""
+    bf16 on an H200 while its experts were quantized first). `act_fp8`: the converted experts
+    quantize their inputs too (W8A8, fp8_block only)."""
     modules: list[Fp8StackedExperts] = []
     for name, module in list(scope.named_modules()):
         if type(module) is not StackedExperts:
@@ -233,6 +232,12 @@ def convert_fp8_experts(scope: nn.Module, quantized: Callable[[str], bool],
             (convert or _convert)(module, from_weights=False)
         else:
             (convert or _convert)(module)
+        if act_fp8:
+            if fmt != "fp8_block" or getattr(module, "row_scales", False):
+                raise ValueError(f"{prefix}*: --fp8-w8a8-experts needs experts in 128 x 128 FP8 "
+                                 f"blocks (--quantization fp8_block); these are {fmt}"
+                                 + (" with a scale per row" if fmt == "fp8_block" else ""))
+            module.act_fp8 = True
         modules.append(module)  # type: ignore[arg-type]
     return modules
 
@@ -271,4 +276,4 @@ def _convert(module: StackedExperts, from_weights: bool = True) -> None:
     module.register_buffer("w13_scale", s13)
     module.register_buffer("w2_scale", s2)
     module.compute_dtype = dtype
-    module.act_fp8 = ACT_FP8
+    module.act_fp8 = False  # convert_fp8_experts sets it under --fp8-w8a8-experts

@@ -102,7 +102,8 @@ class _TensorStore:
         self.base = engine_contract(fmt, getattr(args, "precision_override", None),
                                     getattr(args, "nvfp4_four_over_six", False))
         warn_emulated(fmt, device)
-        self.build = StoreBuilder(self.base, dtype)
+        self.build = StoreBuilder(self.base, dtype,
+                                  w8a8_experts=getattr(args, "fp8_w8a8_experts", False))
         self.stored = stored
         self.quantized: set[str] = set()  # every stored weight's name, for the final contract
         if stored is not None:

@@ -34,7 +34,8 @@ def store_engine_precision(model: nn.Module, args: object, device: torch.device,
     if fp8_weights is not None:
         contract = checkpoint_contract(contract, model.hf_weight_names(), fp8_weights)
     warn_emulated(fmt, device)
-    store = store_quantized(model, contract, static_scales=static_scales(args), preset=fp8_weights)
+    store = store_quantized(model, contract, static_scales=static_scales(args), preset=fp8_weights,
+                            w8a8_experts=getattr(args, "fp8_w8a8_experts", False))
     read_input_scales(store, args)
     return store
 

@@ -203,7 +203,8 @@ class QuantizedWeights:
 
 @torch.no_grad()
 def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = False,
-                    preset: dict[str, QTensor] | None = None) -> QuantizedWeights:
+                    preset: dict[str, QTensor] | None = None, w8a8_experts: bool = False
+                    ) -> QuantizedWeights:
     """Quantize the covered linears of `model` (after fuse_projections) in place, per HF tensor,
     in the format `contract` gives each (bf16 overrides stay as they are); `static_scales`: the
     fp8_block linears take static input scales (engine_scales.py); native ones then run the
@@ -211,10 +212,11 @@ def store_quantized(model: nn.Module, contract: Contract, static_scales: bool = 
     fp8_block QTensors by HF name (an FP8 checkpoint's own values and scales), stored as they
     are instead of quantizing the model's (dequantized) weights again; the weights must hold
     their dequantized values already (registry.load_native writes them), which an emulated
-    linear keeps as its weight."""
+    linear keeps as its weight. `w8a8_experts`: fp8_block MoE experts quantize their inputs too
+    (--fp8-w8a8-experts)."""
     # The model dtype (what senders send): taken before the experts are converted.
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    build = StoreBuilder(contract, dtype, preset)
+    build = StoreBuilder(contract, dtype, preset, w8a8_experts)
     build.add(model, model, model.hf_weight_names(), lambda name: "model." + name[name.find("layers."):])
     return build.finish(model, static_scales)
 
@@ -225,8 +227,9 @@ class StoreBuilder:
     store. Each HF tensor is quantized on its own, so the parts' order changes no bit."""
 
     def __init__(self, contract: Contract, source_dtype: torch.dtype,
-                 preset: dict[str, QTensor] | None = None) -> None:
+                 preset: dict[str, QTensor] | None = None, w8a8_experts: bool = False) -> None:
         self.contract = contract
+        self.w8a8_experts = w8a8_experts
         self.source_dtype = source_dtype
         self.preset = preset or {}
         self.modules: dict[int, QuantizedLinear] = {}
@@ -257,10 +260,14 @@ class StoreBuilder:
             by_module.setdefault(id(module), []).append((first, view.shape[0], name))
             modules[id(module)] = module
         if contract.rollout in EXPERTS_SERVED:
-            convert = convert_int4_experts if contract.rollout == "int4" else convert_fp8_experts
-            self.experts += convert(
-                scope, lambda n: contract.tensor_format(n, "rollout") == contract.rollout, expert_prefix,
-                stored=self.preset)
+            def quantized(n: str) -> bool:
+                return contract.tensor_format(n, "rollout") == contract.rollout
+
+            if contract.rollout == "int4":
+                self.experts += convert_int4_experts(scope, quantized, expert_prefix, stored=self.preset)
+            else:
+                self.experts += convert_fp8_experts(scope, quantized, expert_prefix, stored=self.preset,
+                                                    act_fp8=self.w8a8_experts)
         for key, parts in by_module.items():
             parts.sort()
             module = _quantize_linear(modules[key], parts, contract, self.preset)

@@ -55,6 +55,10 @@ def precision_refusals(c: TrainConfig) -> list[str]:
     p = contract_refusals(train, rollout, overrides, four_over_six=c.nvfp4_four_over_six,
                           dequantized_backward=c.nvfp4_dequantized_backward)
     p += layer_refusals(c, train, rollout) + fp8_scaling_refusals(c, train)
+    if c.fp8_w8a8_experts and rollout != "fp8_block":
+        p.append("--fp8-w8a8-experts quantizes the fp8_block engines' MoE expert inputs; the "
+                 f"engines serve {rollout} (--precision {c.precision}): drop it or use --precision "
+                 "bf16-train-fp8-serve or fp8")
     if c.nvfp4_stochastic_rounding and train != "nvfp4":
         p.append("--nvfp4-stochastic-rounding rounds the NVFP4 trainer's gradients; the trainer "
                  f"runs {train} (--precision {c.precision}): drop it or use --precision nvfp4")
@@ -229,6 +233,8 @@ def engine_precision_flags(cfg: TrainConfig) -> list[str]:
         flags += ["--precision-override", ",".join(f"{p}={f}" for p, f in contract.overrides)]
     if contract.four_over_six:
         flags += ["--nvfp4-four-over-six"]
+    if cfg.fp8_w8a8_experts:  # refused at start unless the engines serve fp8_block
+        flags += ["--fp8-w8a8-experts"]
     if contract.rollout == "fp8_block" and cfg.fp8_scaling == "delayed":
         flags += ["--fp8-activation-scheme", "static"]  # the trainer sends its input scales
     elif contract.rollout == "fp8_block" and checkpoint_quant(cfg.hf_checkpoint) is not None:

@@ -53,7 +53,17 @@ def test_nvfp4_contract_reaches_both_sides(base: list[str]) -> None:
     assert cfg.ratio_correction == "none"  # same format on both sides: no default correction
 
 
+def test_w8a8_experts_reach_the_fp8_engines(base: list[str]) -> None:
+    cfg = load_config(None, [*base, "--precision", "bf16-train-fp8-serve", "--fp8-w8a8-experts"])
+    cmd = LocalLauncher(cfg, cfg.run_dir)._engine_cmd(12345)
+    assert "--fp8-w8a8-experts" in cmd and cmd[cmd.index("--quantization") + 1] == "fp8_block"
+    w8a16 = load_config(None, [*base, "--precision", "bf16-train-fp8-serve"])
+    assert "--fp8-w8a8-experts" not in LocalLauncher(w8a16, w8a16.run_dir)._engine_cmd(12345)
+
+
 @pytest.mark.parametrize(("flags", "message"), [
+    (["--fp8-w8a8-experts"], "the engines serve bf16"),
+    (["--precision", "int4", "--fp8-w8a8-experts"], "the engines serve int4"),
     (["--rollout-precision", "nvfp4"], "nvfp4 with a bf16 trainer"),
     (["--precision", "fp8", "--rollout-precision", "mxfp8"], "the two sides run the same format"),
     (["--precision", "fp8", "--precision-override", "lm_head*=nvfp4"], "keeps tensors in bf16"),

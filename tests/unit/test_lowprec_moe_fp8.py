@@ -233,10 +233,10 @@ def test_checkpoint_conversion_quantizes_expert_tensors(moe_ckpt: Path, tmp_path
     assert not any(".experts." in n for n in convert_checkpoint(moe_ckpt, tmp_path / "b", keep))
 
 
-def test_experimental_w8a8_kernels_equal_quantize_everything_then_matmul() -> None:
-    """act_fp8=True (measured, not the engine's contract): tokens and activation rows quantized
-    per 1 x 128 by the activation quantizer, both MMA operands fp8; equals the fp32 product of
-    the quantized-dequantized operands."""
+def test_w8a8_kernels_equal_quantize_everything_then_matmul() -> None:
+    """act_fp8=True (--fp8-w8a8-experts): tokens and activation rows quantized per 1 x 128 by the
+    activation quantizer, both MMA operands fp8; equals the fp32 product of the
+    quantized-dequantized operands."""
     from milepost.lowprec.linear import qdq
 
     experts, hidden, inter, k, t = 4, 256, 128, 2, 5
@@ -259,15 +259,13 @@ def test_experimental_w8a8_kernels_equal_quantize_everything_then_matmul() -> No
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-def test_experimental_w8a8_off_the_fused_path_matches_the_kernels(monkeypatch) -> None:
-    """With ACT_FP8 set at conversion, the CPU path (loop on dequantized weights) quantizes the
-    same activations as the W8A8 kernels: one result, whichever path runs."""
-    import milepost.lowprec.engine_experts as ee
-
-    monkeypatch.setattr(ee, "ACT_FP8", True)
+def test_w8a8_off_the_fused_path_matches_the_kernels() -> None:
+    """W8A8 experts (act_fp8, --fp8-w8a8-experts): the CPU path (loop on dequantized weights)
+    quantizes the same activations as the W8A8 kernels: one result, whichever path runs."""
     experts, hidden, inter, k, t = 4, 256, 128, 2, 5
     mod, _, _ = _experts(experts, hidden, inter, seed=8)
-    assert mod.act_fp8
+    assert not mod.act_fp8  # W8A16 unless asked
+    mod.act_fp8 = True
     g = torch.Generator().manual_seed(9)
     x = torch.randn(t, hidden, generator=g).to(DEV)
     ids, w = _routing(t, experts, k, g)
@@ -277,3 +275,49 @@ def test_experimental_w8a8_off_the_fused_path_matches_the_kernels(monkeypatch) -
     with torch.no_grad():
         loop = mod(x, ids, w)  # not inference mode: the loop
     torch.testing.assert_close(loop, fused, rtol=1e-4, atol=1e-4 * fused.abs().max().item())
+
+
+def _greedy_logprobs(args: object, prompt: list[int]) -> tuple[list[int], list[float]]:
+    from milepost.engine.request import Request
+    from milepost.engine.sampling import SamplingParams
+    from milepost.engine.setup import build_engine
+
+    engine = build_engine(args)[0]
+    tokens: list[int] = []
+    logprobs: list[float] = []
+
+    def on_output(o: object) -> None:
+        tokens.extend(o.new_token_ids)
+        logprobs.extend(o.new_logprobs)
+
+    engine.submit(Request(rid="a", prompt_ids=prompt, stop_ids=frozenset(), on_output=on_output,
+                          return_logprob=True,
+                          params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)))
+    engine._drain_inbox(block=False)
+    while engine.scheduler.has_work:
+        engine.step()
+    engine._flush()
+    layers = engine.runner.model.model.layers
+    assert all(m.mlp.experts.act_fp8 == args.fp8_w8a8_experts for m in layers
+               if isinstance(m.mlp.experts, Fp8StackedExperts))
+    engine.close()
+    return tokens, logprobs
+
+
+def test_fp8_w8a8_experts_setting_quantizes_the_expert_inputs(moe_ckpt: Path) -> None:
+    """--fp8-w8a8-experts: every FP8 expert layer quantizes its inputs (the engine's log-probs
+    move away from W8A16's by the activation rounding, not by more than a few tenths); refused
+    without the fp8_block store."""
+    from milepost.engine.server_args import ServerArgs
+
+    prompt = list(range(7, 19))
+    base = dict(model_path=moe_ckpt, device="cpu", dtype="float32", page_size=4,
+                max_total_tokens=256, quantization="fp8_block")
+    w8a16 = _greedy_logprobs(ServerArgs(**base).resolved(), prompt)
+    w8a8 = _greedy_logprobs(ServerArgs(**base, fp8_w8a8_experts=True).resolved(), prompt)
+    first = abs(w8a8[1][0] - w8a16[1][0])
+    assert 0 < first < 0.5, first
+    with pytest.raises(ValueError, match="--fp8-w8a8-experts .* add --quantization fp8_block"):
+        ServerArgs(model_path=moe_ckpt, device="cpu", fp8_w8a8_experts=True).resolved()
+    with pytest.raises(ValueError, match="--fp8-w8a8-experts .* int4"):
+        ServerArgs(**{**base, "quantization": "int4"}, fp8_w8a8_experts=True).resolved()
