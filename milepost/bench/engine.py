@@ -152,12 +152,14 @@ def _spec_scopes(args: BenchArgs) -> list[str]:
 
 def _speculative_args(sargs: ServerArgs, args: BenchArgs, scope: str = "") -> ServerArgs:
     """The engine settings of the speculative run: the plain run's, plus the algorithm (the
-    overlap schedule is off there: proposals need each step's tokens on the host)."""
+    overlap schedule is off there, proposals need each step's tokens on the host, except under
+    NGRAM, which runs the steps it rests overlapped)."""
     spec = args.speculative or ""
     algo = {"ngram": "NGRAM", "nextn": "NEXTN"}.get(spec, "STANDALONE")
     extra = {"speculative_algorithm": algo,
-             "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
-             "overlap_schedule": "off"}
+             "speculative_num_draft_tokens": args.speculative_num_draft_tokens}
+    if algo != "NGRAM":
+        extra["overlap_schedule"] = "off"
     if scope:
         extra["speculative_ngram_scope"] = scope
     if spec.startswith("draft:"):

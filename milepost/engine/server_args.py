@@ -134,7 +134,8 @@ class ServerArgs(BaseModel):
         "auto",
         description="Launch each decode step before reading back the previous one's tokens, so "
         "host work overlaps GPU work (SGLang's overlap scheduler; off = its "
-        "--disable-overlap-schedule); auto = on for CUDA, off on CPU.",
+        "--disable-overlap-schedule); auto = on for CUDA, off on CPU. With speculative decoding "
+        "only NGRAM takes it (auto: on for CUDA), for the steps it rests after proposing nothing.",
     )
     sampling_backend: Literal["auto", "pytorch", "triton"] = Field(
         "auto",

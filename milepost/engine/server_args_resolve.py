@@ -69,7 +69,8 @@ def resolve(args: ServerArgs) -> ServerArgs:
             "sampling_backend": args.sampling_backend if args.sampling_backend != "auto"
             else ("triton" if device == "cuda" and not args.true_on_policy else "pytorch"),
             "overlap_schedule": args.overlap_schedule if args.overlap_schedule != "auto"
-            else ("on" if device == "cuda" and args.speculative_algorithm is None else "off"),
+            else ("on" if device == "cuda" and args.speculative_algorithm in (None, "NGRAM")
+                  else "off"),
             **checkpoint_precision(args),
         }
     )

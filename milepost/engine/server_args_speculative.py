@@ -42,9 +42,10 @@ def check_speculative(args: ServerArgs) -> None:
     if args.speculative_ngram_min_match_window_size > args.speculative_ngram_max_match_window_size:
         raise ValueError("--speculative-ngram-min-match-window-size exceeds "
                          "--speculative-ngram-max-match-window-size")
-    if algo is not None and args.overlap_schedule == "on":
-        raise ValueError("--speculative-algorithm needs each step's tokens on the host to propose "
-                         "the next ones: drop --overlap-schedule on (auto turns it off)")
+    if algo not in (None, "NGRAM") and args.overlap_schedule == "on":
+        raise ValueError(f"--speculative-algorithm {algo} needs each step's tokens on the host to "
+                         "propose the next ones: drop --overlap-schedule on (auto turns it off; "
+                         "NGRAM takes it for the steps it rests)")
     if draft is not None:
         from milepost.engine.speculative_setup import check_draft_dir
 

@@ -134,7 +134,9 @@ def make_speculator(args: ServerArgs, target: CausalLM, draft: CausalLM | None, 
                              cuda_graph_max_bs=cuda_graph_max_bs if safe else 0,
                              context_length=context_length)
         drafter.capture_cuda_graphs()
-    return Speculator(args.verified_tokens(), drafter)
+    # N-gram steps that propose nothing rest from proposing, overlapped, where the schedule is on.
+    can_rest = isinstance(drafter, NgramDrafter) and args.overlap_schedule == "on"
+    return Speculator(args.verified_tokens(), drafter, can_rest=can_rest)
 
 
 DRAFT_PREFIX = "draft/"

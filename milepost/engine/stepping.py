@@ -45,15 +45,19 @@ class Stepper:
         scheduler), so per-request host work hides behind GPU work.
         """
         t0 = time.perf_counter()
-        if self._launched is not None and self._can_overlap(self._launched):
+        spec = self.speculator
+        proposing = spec is not None and not spec.resting()
+        if self._launched is not None and not proposing and self._can_overlap(self._launched):
             self._overlapped_step(t0)
             return
         self._flush()
         chunks = self.scheduler.schedule()
         if not chunks:
             return
-        if self.speculator is not None:  # proposals turn decode chunks into verify chunks
-            self.speculator.attach(chunks, self)
+        if proposing:  # proposals turn decode chunks into verify chunks
+            spec.attach(chunks, self)
+        elif spec is not None:  # the n-gram back-off (speculative.py): a plain step
+            spec.rest_one()
         logits = self.runner.forward(chunks)
         if self.speculator is not None:  # an MTP draft reads the target's hidden states
             self.speculator.observe(chunks, self.runner)
@@ -96,6 +100,8 @@ class Stepper:
             feed = (prev.result.tokens, [row[id(c.req)] for c in chunks])
             logits = self.runner.forward(chunks, feed)
             self.scheduler.after_forward(chunks)
+        if self.speculator is not None:  # only a resting n-gram speculator lets steps overlap
+            self.speculator.rest_one()
         self._process(prev, pending=True)  # reads prev back while the GPU runs the new forward
         if chunks:
             sampling = [c.req for c in chunks]  # all decodes: every chunk samples

@@ -114,6 +114,28 @@ def workload(r: Run, ps: list[list[int]], stop: int | None = None) -> None:
     r.run()
 
 
+def test_ngram_rests_overlapped_while_it_proposes_nothing(ckpts) -> None:
+    """The n-gram back-off (speculative.py): steps after one that proposed nothing run as plain
+    overlapped decode steps, and the tokens and log-probs stay plain decoding's; without the
+    overlap schedule it never rests."""
+    ps = [list(range(20 + 30 * i, 40 + 30 * i)) for i in range(3)]  # no phrase repeats in them
+    plain = Run(make_engine(ckpts["qwen3"]))
+    spec = Run(make_engine(ckpts["qwen3"], speculative_algorithm="NGRAM", overlap_schedule="on"))
+    still = Run(make_engine(ckpts["qwen3"], speculative_algorithm="NGRAM", overlap_schedule="off"))
+    for r in (plain, spec, still):
+        for i, p in enumerate(ps):
+            r.submit(f"r{i}", p, greedy(24), return_logprob=True)
+        r.run()
+    for r in (spec, still):
+        for rid in plain.out:
+            assert r.tokens(rid) == plain.tokens(rid), rid
+            assert r.logprobs(rid) == pytest.approx(plain.logprobs(rid), abs=1e-4), rid
+    assert spec.engine.speculator.can_rest and spec.engine.speculator.stats.rested_steps > 0
+    assert not still.engine.speculator.can_rest and still.engine.speculator.stats.rested_steps == 0
+    eng = spec.engine
+    assert eng.pool.num_used == (eng.cache.num_cached_blocks if eng.cache else 0), "blocks leaked"
+
+
 @pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
 def test_greedy_speculation_returns_the_plain_tokens_and_logprobs(algo, ckpts) -> None:
     ps = looping_prompts(5, seed=1)

@@ -63,7 +63,6 @@ def model_dir(tmp_path: Path) -> Path:
     ({"speculative_num_draft_tokens": 6}, "need --speculative-algorithm"),
     ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
       "speculative_ngram_max_match_window_size": 3}, "min-match-window-size exceeds"),
-    ({"speculative_algorithm": "NGRAM", "overlap_schedule": "on"}, "drop --overlap-schedule on"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "greater than or equal to 2"),
 ])
 def test_settings_refused_at_start(model_dir: Path, flags: dict, message: str) -> None:
@@ -90,6 +89,12 @@ def test_draft_dir_checks(model_dir: Path, tmp_path_factory: pytest.TempPathFact
     args = ServerArgs(model_path=model_dir, speculative_algorithm="STANDALONE",
                       speculative_draft_model_path=other).resolved()
     assert args.overlap_schedule == "off"  # auto: proposals need each step's tokens
+    with pytest.raises(ValueError, match="STANDALONE needs each step's tokens .* drop --overlap-schedule on"):
+        ServerArgs(model_path=model_dir, speculative_algorithm="STANDALONE",
+                   speculative_draft_model_path=other, overlap_schedule="on")
+    # NGRAM takes the overlap schedule for the steps it rests (speculative.py's back-off)
+    assert ServerArgs(model_path=model_dir, speculative_algorithm="NGRAM",
+                      overlap_schedule="on").overlap_schedule == "on"
 
 
 def test_bench_speculative_flag(model_dir: Path) -> None:
