@@ -237,6 +237,12 @@ def convert_fp8_experts(scope: nn.Module, quantized: Callable[[str], bool],
                 raise ValueError(f"{prefix}*: --fp8-w8a8-experts needs experts in 128 x 128 FP8 "
                                  f"blocks (--quantization fp8_block); these are {fmt}"
                                  + (" with a scale per row" if fmt == "fp8_block" else ""))
+            hidden = module.w13.shape[2]
+            if hidden % FP8_TILE or module.intermediate % FP8_TILE:
+                raise ValueError(f"{prefix}*: --fp8-w8a8-experts quantizes the experts' inputs in "
+                                 f"1 x {FP8_TILE} blocks; hidden size {hidden} and "
+                                 f"moe_intermediate_size {module.intermediate} must both divide "
+                                 f"by {FP8_TILE}: drop --fp8-w8a8-experts for this model")
             module.act_fp8 = True
         modules.append(module)  # type: ignore[arg-type]
     return modules

@@ -304,14 +304,17 @@ def _greedy_logprobs(args: object, prompt: list[int]) -> tuple[list[int], list[f
     return tokens, logprobs
 
 
-def test_fp8_w8a8_experts_setting_quantizes_the_expert_inputs(moe_ckpt: Path) -> None:
+def test_fp8_w8a8_experts_setting_quantizes_the_expert_inputs(moe_ckpt: Path, tmp_path: Path) -> None:
     """--fp8-w8a8-experts: every FP8 expert layer quantizes its inputs (the engine's log-probs
     move away from W8A16's by the activation rounding, not by more than a few tenths); refused
-    without the fp8_block store."""
+    without the fp8_block store, and for experts whose sizes are not whole 1 x 128 blocks."""
     from milepost.engine.server_args import ServerArgs
+    from milepost.engine.setup import build_engine
 
+    ckpt = make_tiny_checkpoint(tmp_path / "m128", "qwen3_moe", seed=4, with_tokenizer=False,
+                                hidden_size=128, moe_intermediate_size=128)
     prompt = list(range(7, 19))
-    base = dict(model_path=moe_ckpt, device="cpu", dtype="float32", page_size=4,
+    base = dict(model_path=ckpt, device="cpu", dtype="float32", page_size=4,
                 max_total_tokens=256, quantization="fp8_block")
     w8a16 = _greedy_logprobs(ServerArgs(**base).resolved(), prompt)
     w8a8 = _greedy_logprobs(ServerArgs(**base, fp8_w8a8_experts=True).resolved(), prompt)
@@ -319,5 +322,7 @@ def test_fp8_w8a8_experts_setting_quantizes_the_expert_inputs(moe_ckpt: Path) ->
     assert 0 < first < 0.5, first
     with pytest.raises(ValueError, match="--fp8-w8a8-experts .* add --quantization fp8_block"):
         ServerArgs(model_path=moe_ckpt, device="cpu", fp8_w8a8_experts=True).resolved()
+    with pytest.raises(ValueError, match="hidden size 64 and moe_intermediate_size 32 must both divide"):
+        build_engine(ServerArgs(**{**base, "model_path": moe_ckpt}, fp8_w8a8_experts=True).resolved())
     with pytest.raises(ValueError, match="--fp8-w8a8-experts .* int4"):
         ServerArgs(**{**base, "quantization": "int4"}, fp8_w8a8_experts=True).resolved()
