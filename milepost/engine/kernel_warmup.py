@@ -7,8 +7,8 @@ kernels/fused_moe*.py by buckets up to 4096 tokens, the FP8 and INT4 GEMMs by M)
 compiles each tile choice, and each class of integer argument (1, divisible by 16, other), on its
 first launch: ~0.3-1 s each. Which counts the steps have depends on how requests arrive, so
 without a warm-up a request could wait out a compile in the middle of serving (session 22: one
-token of the 30B-A3B benchmark waited 902 ms, and the first run measured 9.7k tok/s against 11.8k
-in the next). Decode steps are covered by the CUDA graph capture; this runs one prefill step of
+token of the 30B-A3B benchmark waited 902 ms, that run measured 9.7k tok/s against 11.8k in the
+next; session 23's fresh-cache runs, with and without this, compiled nothing while timed). Decode steps are covered by the CUDA graph capture; this runs one prefill step of
 each size in `warmup_sizes`, then forgets it: the prefix cache is flushed and the counters reset.
 """
 
