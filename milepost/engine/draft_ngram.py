@@ -93,6 +93,18 @@ class NgramDrafter:
             out.append(seq[i] if i < n_seq else out[i - n_seq])
         return out
 
+    def record_finished(self, req: Request) -> None:
+        """A finished request's text into a shared scope's index: the tokens since its last
+        proposal (or all of it, if it never proposed: decoded while the speculator rested, or
+        ineligible), which its siblings may still continue. Request scope keeps nothing past the
+        request's end."""
+        if self.scope == "request":
+            return
+        rec = self._seqs.get(req)
+        if rec is None or not rec.live:
+            rec = self._seqs[req] = self._register(req)
+        self._extend(rec, req)
+
     def _register(self, req: Request) -> _Seq:
         if self.scope == "request":
             return _Seq({}, None)

@@ -230,6 +230,8 @@ class Engine(Stepper):
         if self.cfg.true_on_policy and req.return_logprob and reason.get("type") != "abort":
             rescore(self.runner.model, req)
         routed = self.runner.routed_experts(req) if req.return_routed_experts else None
+        if self.speculator is not None:
+            self.speculator.finished(req)
         self.scheduler.finish(req)
         self._by_rid.pop(req.rid, None)
         self.stats.record_finish(req)

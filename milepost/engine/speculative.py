@@ -125,6 +125,11 @@ class Speculator:
                 self._backoff = min(self.MAX_REST, max(1, 2 * self._backoff))
                 self._rest = self._backoff
 
+    def finished(self, req: Request) -> None:
+        """A request ended: an n-gram store keeps its last tokens for its siblings."""
+        if isinstance(self.drafter, NgramDrafter):
+            self.drafter.record_finished(req)
+
     def observe(self, chunks: list[Chunk], runner: ModelRunner) -> None:
         """After the target's forward: an MTP draft keeps the hidden states it reads."""
         if isinstance(self.drafter, MtpDrafter) and runner.last_hidden is not None:

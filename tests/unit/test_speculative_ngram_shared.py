@@ -42,6 +42,21 @@ def test_a_finished_sibling_still_proposes_and_engine_scope_crosses_prompts() ->
     assert e.propose(req([8, 8, 61, 62]), 5) == [63]
 
 
+def test_a_finished_request_indexes_its_last_tokens_for_its_siblings() -> None:
+    d = NgramDrafter(2, 4, "prompt")
+    first = req([1, 2, 3], [50, 51])
+    d.propose(first, 1)  # indexed up to here
+    first.output_ids.extend([52, 53, 54])  # decoded on without proposing (a rest), then finished
+    assert d.propose(req([1, 2, 3], [51, 52]), 2) == []  # not in the index yet
+    d.record_finished(first)
+    assert d.propose(req([1, 2, 3], [51, 52]), 2) == [53, 54]
+    d.record_finished(req([1, 2, 3], [70, 71, 72]))  # one that never proposed: indexed whole
+    assert d.propose(req([1, 2, 3], [70, 71]), 1) == [72]
+    own = NgramDrafter(2, 4, "request")  # nothing outlives a request there
+    own.record_finished(first)
+    assert own.indexed_tokens == 0 and own.propose(req([1, 2, 3], [51, 52]), 2) == []
+
+
 def test_the_store_drops_the_oldest_sequences_past_its_capacity() -> None:
     d = NgramDrafter(2, 2, "engine", capacity=10)
     old = req([1, 2, 3, 4, 5, 6])
