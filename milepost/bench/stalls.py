@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 class Stall:
     what: str  # "compile <kernel>(<argument types>)" or "gc gen2"
     seconds: float
-    at: float  # perf_counter when it began
 
 
 @dataclass
@@ -61,7 +60,7 @@ class StallWatch:
             self._begun[key] = time.perf_counter()
         elif key in self._begun:
             t0 = self._begun.pop(key)
-            self.events.append(Stall("gc gen2", time.perf_counter() - t0, t0))
+            self.events.append(Stall("gc gen2", time.perf_counter() - t0))
 
     def _hook_triton(self) -> None:
         try:
@@ -81,7 +80,7 @@ class StallWatch:
             t0 = self._begun.pop(("jit", threading.get_ident()), None)
             if t0 is not None:
                 self.events.append(Stall("compile " + _short(str(kwargs.get("repr", "?"))),
-                                         time.perf_counter() - t0, t0))
+                                         time.perf_counter() - t0))
             return after(*args, **kwargs) if after else None
 
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_compiled

@@ -189,14 +189,12 @@ class Fp8Experts:
 
 
 @torch.no_grad()
-def store_fp8_experts(model: nn.Module, quantized: Callable[[str], bool], act_fp8: bool = False
-                      ) -> Fp8Experts | None:
+def store_fp8_experts(model: nn.Module, quantized: Callable[[str], bool]) -> Fp8Experts | None:
     """Convert the StackedExperts of `model` whose HF tensors `quantized(hf_name)` says are
     fp8_block, in place (a layer's experts all alike: a mix is refused naming the layer);
     None when no layer has FP8 experts. LoRA-adapted experts are not plain StackedExperts and
     are left alone (the adapter layer refuses quantized bases)."""
-    modules = convert_fp8_experts(model, quantized, lambda name: "model." + name[name.find("layers."):],
-                                  act_fp8=act_fp8)
+    modules = convert_fp8_experts(model, quantized, lambda name: "model." + name[name.find("layers."):])
     return Fp8Experts(modules) if modules else None
 
 
@@ -232,11 +230,7 @@ def convert_fp8_experts(scope: nn.Module, quantized: Callable[[str], bool],
             (convert or _convert)(module, from_weights=False)
         else:
             (convert or _convert)(module)
-        if act_fp8:
-            if fmt != "fp8_block" or getattr(module, "row_scales", False):
-                raise ValueError(f"{prefix}*: --fp8-w8a8-experts needs experts in 128 x 128 FP8 "
-                                 f"blocks (--quantization fp8_block); these are {fmt}"
-                                 + (" with a scale per row" if fmt == "fp8_block" else ""))
+        if act_fp8:  # fp8_block only (server_args_precision refuses the other stores)
             hidden = module.w13.shape[2]
             if hidden % FP8_TILE or module.intermediate % FP8_TILE:
                 raise ValueError(f"{prefix}*: --fp8-w8a8-experts quantizes the experts' inputs in "

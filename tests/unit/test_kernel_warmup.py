@@ -5,19 +5,17 @@ start_engine freezes the start-up heap."""
 from __future__ import annotations
 
 import gc
-
 from pathlib import Path
 
 import pytest
 
 from milepost.engine.kernel_warmup import (
+    _generate_one,
     run_warmup_steps,
     start_engine,
     warm_up_kernels,
     warmup_sizes,
 )
-from milepost.engine.request import Request
-from milepost.engine.sampling import SamplingParams
 from milepost.engine.server_args import ServerArgs
 from milepost.engine.setup import build_engine
 from milepost.testing.checkpoints import make_tiny_checkpoint
@@ -54,9 +52,7 @@ def test_warmup_steps_run_each_size_once_and_leave_nothing_behind(ckpt: Path) ->
         assert engine.stats.steps == 0 and engine.stats.prompt_tokens == 0  # counters reset
         assert engine.stats.timeline is steps  # a bench's timeline stays attached
         assert engine.pool.num_free == engine.cfg.num_blocks  # the prefix cache was flushed
-        # and the engine serves as before
-        from milepost.engine.kernel_warmup import _generate_one
-        _generate_one(engine, "after", [5, 6, 7], timeout_s=60)
+        _generate_one(engine, "after", [5, 6, 7], timeout_s=60)  # and it serves as before
         assert engine.stats.prompt_tokens == 3
     finally:
         gc.unfreeze()
