@@ -139,8 +139,9 @@ def _same(seen: dict, key: str, value: torch.Tensor) -> bool:
 
 
 def router_ab(runner: object) -> None:
-    """MoE: the 48 MoE blocks of a decode step (256 tokens) in one CUDA graph, with the router's
-    end fused (kernels/moe_router.py) and as torch ops: time, and outputs + records compared."""
+    """MoE: the 48 MoE blocks of a decode step (256 tokens) in one CUDA graph with each router
+    (`SparseMoeBlock.router_kernels`: torch ops, the fused end, the whole router in one kernel):
+    time, and outputs + records compared with the torch ops'."""
     from milepost.models.base import ForwardContext
     from milepost.models.qwen3_moe import SparseMoeBlock
 
@@ -151,8 +152,8 @@ def router_ab(runner: object) -> None:
     torch.manual_seed(0)
     x = torch.randn(256, model.hf_config.hidden_size, device="cuda", dtype=torch.bfloat16)
     res = {}
-    for fused in (False, True):
-        SparseMoeBlock.fused_router = fused
+    for kernels in ("torch", "finish", "fused"):
+        SparseMoeBlock.router_kernels = kernels
         rec = torch.full((256, model.num_layers, model.moe_top_k), -1, dtype=torch.int32, device="cuda")
         ctx = ForwardContext(attention=None, routed_experts=rec)
         with torch.inference_mode():
@@ -163,12 +164,16 @@ def router_ab(runner: object) -> None:
                 for b in blocks:
                     b(x, ctx)
         ms = _gpu_ms(graph.replay)
-        res[fused] = (torch.stack(outs), rec.clone())
-        print(f"  MoE blocks x{len(blocks)} at 256 tokens (one graph), router end "
-              f"{'fused' if fused else 'torch ops'}: {ms:.3f} ms", flush=True)
+        res[kernels] = (torch.stack(outs), rec.clone())
+        line = f"  MoE blocks x{len(blocks)} at 256 tokens (one graph), router {kernels}: {ms:.3f} ms"
+        if kernels != "torch":
+            out, want = res[kernels][0].float(), res["torch"][0].float()
+            line += (f"; vs torch ops: outputs bitwise equal {torch.equal(out, want)} (max |diff| "
+                     f"{(out - want).abs().max().item():.2e}), recorded experts equal "
+                     f"{torch.equal(res[kernels][1], res['torch'][1])}, as sets "
+                     f"{torch.equal(res[kernels][1].sort(-1).values, res['torch'][1].sort(-1).values)}")
+        print(line, flush=True)
         del graph
-    print(f"  fused router: outputs bitwise equal {torch.equal(res[True][0], res[False][0])}, "
-          f"recorded experts equal {torch.equal(res[True][1], res[False][1])}", flush=True)
     with torch.inference_mode():  # would softmax(dtype=fp32) on the bf16 gate output do (one launch)?
         gl = [b.gate(x) for b in blocks]
         same = all(torch.equal(torch.softmax(g.float(), dim=-1), torch.softmax(g, dim=-1, dtype=torch.float32))
@@ -177,7 +182,7 @@ def router_ab(runner: object) -> None:
         t_one = _gpu_ms(lambda: [torch.softmax(g, dim=-1, dtype=torch.float32) for g in gl])
     print(f"  router softmax of bf16 logits: .float() then softmax vs softmax(dtype=fp32): bitwise equal "
           f"{same}; eager x{len(gl)}: {t_two:.3f} vs {t_one:.3f} ms", flush=True)
-    SparseMoeBlock.fused_router = True
+    SparseMoeBlock.router_kernels = "finish"
 
 
 def profile_steps(engine: object, shape: str, budgets: list[int]) -> None:

@@ -82,9 +82,10 @@ class StackedExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router (`gate`, fp32 softmax, top-k, optional renormalization) feeding `experts`."""
 
-    # GPU inference: renormalization, cast and record of the top-k in one kernel (kernels/
-    # moe_router.py, same values); a class switch only so benchmarks can measure both.
-    fused_router = True
+    # GPU inference (kernels/moe_router.py): "fused" runs softmax, top-k, renormalization, cast and
+    # record in one kernel; "finish" only the end after torch's softmax and top-k (the same values
+    # as "torch"); "torch" neither. A class switch so benchmarks can measure each.
+    router_kernels = "finish"
 
     def __init__(self, config: object, layer_id: int) -> None:
         super().__init__()
@@ -96,8 +97,16 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E] fp32
         forced = ctx.forced_experts if ctx is not None else None
+        kernels = self.router_kernels if forced is None and gpu_inference(x) else "torch"
+        record = ctx.routed_experts[:, self.layer_id, :] if ctx is not None \
+            and ctx.routed_experts is not None else None
+        if kernels != "torch":
+            from milepost.kernels import moe_router  # triton: imported on GPU only
+        if kernels == "fused" and self.gate.out_features <= moe_router.MAX_EXPERTS:
+            w, ids = moe_router.route(self.gate(x), self.top_k, self.norm_topk_prob, x.dtype, record)
+            return self.experts(x, ids, w)
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E] fp32
         if forced is not None:
             ids = forced[:, self.layer_id, :].to(torch.int64)
             if ids.shape != (x.shape[0], self.top_k):
@@ -108,17 +117,13 @@ class SparseMoeBlock(nn.Module):
             w = probs.gather(1, ids)  # the router's probs at the forced ids: gradients still reach it
         else:
             w, ids = torch.topk(probs, self.top_k, dim=-1)
-            if self.fused_router and gpu_inference(x):
-                from milepost.kernels.moe_router import finish_routing
-
-                record = ctx.routed_experts[:, self.layer_id, :] if ctx is not None \
-                    and ctx.routed_experts is not None else None
+            if kernels != "torch":
                 s = w.sum(dim=-1, keepdim=True) if self.norm_topk_prob else None
-                return self.experts(x, ids, finish_routing(w, s, ids, x.dtype, record))
+                return self.experts(x, ids, moe_router.finish_routing(w, s, ids, x.dtype, record))
         if self.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
-        if ctx is not None and ctx.routed_experts is not None:
-            ctx.routed_experts[:, self.layer_id, :] = ids.to(ctx.routed_experts.dtype)
+        if record is not None:
+            record.copy_(ids.to(record.dtype))
         return self.experts(x, ids, w.to(x.dtype))
 
 

@@ -1,5 +1,6 @@
-"""The fused end of the MoE router (kernels/moe_router.py) against torch's ops: the same weights and
-recorded ids, alone and inside a tiny Qwen3-MoE forward (Triton's interpreter on CPU)."""
+"""The MoE router's kernels (kernels/moe_router.py) against torch's ops, alone and inside a tiny
+Qwen3-MoE forward (Triton's interpreter on CPU): the fused end gives the same weights and recorded
+ids; the whole router in one kernel the same experts (ties in id order) and weights to rounding."""
 
 from __future__ import annotations
 
@@ -35,7 +36,46 @@ def test_finish_routing_equals_torch(dtype: torch.dtype) -> None:
     assert torch.equal(router.finish_routing(w, None, ids, torch.float32, None), w)
 
 
-def test_moe_forward_with_the_fused_router_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("experts,top_k,tokens", [(128, 8, 37), (60, 4, 9), (8, 2, 5), (512, 10, 3)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_picks_torchs_experts_ties_in_id_order(experts: int, top_k: int, tokens: int,
+                                                     renormalize: bool) -> None:
+    g = torch.Generator().manual_seed(experts + tokens)
+    logits = torch.randn(tokens, experts, generator=g).to(torch.bfloat16)  # bf16: ties are common
+    logits[0, :3] = 9.0  # a three-way tie at the top of row 0
+    probs = torch.softmax(logits.float(), dim=-1)
+    rec = torch.full((tokens, 3, top_k), -1, dtype=torch.int32, device=DEV)
+    w, ids = router.route(logits.to(DEV), top_k, renormalize, torch.float32, rec[:, 1, :])
+    w, ids, rec = w.cpu(), ids.cpu(), rec.cpu()
+    assert ids.dtype == torch.int64 and ids[0, :3].tolist() == [0, 1, 2][:top_k]
+    want_w, _ = torch.topk(probs, top_k, dim=-1)
+    picked = probs.gather(1, ids)
+    torch.testing.assert_close(picked, want_w, rtol=1e-6, atol=0)  # the k largest, largest first
+    tie = picked[:, 1:] == picked[:, :-1]
+    assert (ids[:, 1:][tie] > ids[:, :-1][tie]).all()  # equal probabilities: lower id first
+    for row in range(tokens):  # a tie at the k-th place goes to the lower ids
+        kth = want_w[row, -1]
+        left = ((probs[row] == kth).nonzero().flatten()[: (picked[row] == kth).sum()]).tolist()
+        assert sorted(ids[row][picked[row] == kth].tolist()) == left
+    want = picked / picked.sum(dim=-1, keepdim=True) if renormalize else picked
+    torch.testing.assert_close(w, want, rtol=2e-6, atol=0)
+    assert torch.equal(rec[:, 1, :], ids.to(torch.int32))
+    assert (rec[:, 0] == -1).all() and (rec[:, 2] == -1).all()
+
+
+def test_route_edges() -> None:
+    logits = torch.randn(4, 16, device=DEV)
+    w, ids = router.route(logits[:0], 2, True, torch.bfloat16, None)
+    assert w.shape == (0, 2) and ids.shape == (0, 2)
+    w, ids = router.route(logits.t().contiguous().t(), 2, True, torch.bfloat16, None)  # strided columns
+    assert w.dtype == torch.bfloat16 and torch.equal(ids, torch.topk(logits, 2, dim=-1).indices)
+    with pytest.raises(ValueError, match="1024"):
+        router.route(torch.randn(2, 2048, device=DEV), 2, True, torch.float32, None)
+    with pytest.raises(ValueError, match="record must be"):
+        router.route(logits, 2, True, torch.float32, torch.zeros(4, 3, dtype=torch.int32, device=DEV))
+
+
+def test_moe_forward_with_the_router_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import Qwen3MoeConfig
 
     from milepost.models import layers, qwen3_moe
@@ -58,12 +98,15 @@ def test_moe_forward_with_the_fused_router_is_unchanged(monkeypatch: pytest.Monk
     ids = torch.randint(0, 64, (9,), device=DEV)
     pos = torch.arange(9, device=DEV)
     out, rec = {}, {}
-    for fused in (False, True):
-        monkeypatch.setattr(qwen3_moe.SparseMoeBlock, "fused_router", fused)
-        rec[fused] = torch.full((9, 2, 2), -1, dtype=torch.int32, device=DEV)
+    for kernels in ("torch", "finish", "fused"):
+        monkeypatch.setattr(qwen3_moe.SparseMoeBlock, "router_kernels", kernels)
+        rec[kernels] = torch.full((9, 2, 2), -1, dtype=torch.int32, device=DEV)
         ctx = ForwardContext(attention=VarlenCausalAttention(torch.tensor([0, 9], device=DEV)),
-                             routed_experts=rec[fused])
+                             routed_experts=rec[kernels])
         with torch.no_grad():
-            out[fused] = model(ids, pos, ctx)
-    assert torch.equal(out[True], out[False])
-    assert torch.equal(rec[True], rec[False]) and (rec[True] >= 0).all()
+            out[kernels] = model(ids, pos, ctx)
+    assert torch.equal(out["finish"], out["torch"])
+    assert torch.equal(rec["finish"], rec["torch"]) and (rec["torch"] >= 0).all()
+    # one kernel: the same experts (fp32 logits: no ties here), weights equal to rounding
+    assert torch.equal(rec["fused"], rec["torch"])
+    torch.testing.assert_close(out["fused"], out["torch"], rtol=1e-5, atol=1e-6)
