@@ -60,6 +60,9 @@ def test_decode_kernel_matches_reference(h: int, hkv: int, splits: int) -> None:
     out = kernels.paged_decode(q, cache.k[0], cache.v[0], batch.block_tables, batch.seq_lens,
                                D**-0.5, PAGE, splits, block_n=16)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    heads_first = kernels.paged_decode(q, cache.k[0], cache.v[0], batch.block_tables, batch.seq_lens,
+                                       D**-0.5, PAGE, splits, block_n=16, heads_first=True)
+    assert torch.equal(heads_first, out)  # the launch order changes no program's work
 
 
 def test_decode_padding_rows_give_zeros_and_write_nothing() -> None:
