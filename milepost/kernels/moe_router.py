@@ -129,7 +129,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [T, E] gate output (any float dtype, E <= MAX_EXPERTS) -> (weights [T, k] in
     `dtype`, ids [T, k] int64); record ([T, k] int32 view, rows strided) gets the ids.
-    block_t / num_warps: rows per program and warps (defaults: GPU-measured, see docs)."""
+    block_t / num_warps: rows per program and warps (defaults: 256 // E rows, one warp up to 256
+    experts; benchmarks/moe_router_gpu.py sweeps them)."""
     t, e = logits.shape
     if e > MAX_EXPERTS or top_k > e:
         raise ValueError(f"route: {e} experts, top-{top_k}: needs top_k <= experts <= {MAX_EXPERTS}")
@@ -148,5 +149,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
     _route_kernel[(triton.cdiv(t, block_t),)](
         logits, logits.stride(0), w, ids, rec, rec.stride(0), t, E=e, LANES=lanes, ITERS=e_pad // lanes,
         K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t, NORM=renormalize,
-        RECORD=record is not None, LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1", num_warps=num_warps or (1 if e_pad <= 256 else 4))
+        RECORD=record is not None, LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
+        num_warps=num_warps or (1 if e_pad <= 256 else 4))
     return w, ids
