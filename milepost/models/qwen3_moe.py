@@ -103,7 +103,7 @@ class SparseMoeBlock(nn.Module):
             and ctx.routed_experts is not None else None
         if kernels != "torch":
             from milepost.kernels import moe_router  # triton: imported on GPU only
-        if kernels == "fused" and self.gate.out_features <= moe_router.MAX_EXPERTS:
+        if kernels == "fused" and self.experts.num_experts <= moe_router.MAX_EXPERTS:
             w, ids = moe_router.route(self.gate(x), self.top_k, self.norm_topk_prob, x.dtype, record)
             return self.experts(x, ids, w)
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E] fp32
