@@ -17,7 +17,7 @@ float8 there); int4 is packed on every device.
     PYTHONPATH=$PWD python benchmarks/engine_start_memory.py --shape qwen3-0.6b --layers 12 \
         --vocab 32768 --formats int4 --dir /tmp/startmem        [--device cuda]
     PYTHONPATH=$PWD python benchmarks/engine_start_memory.py --shape qwen3-30b-a3b --layers 12 \
-        --experts 16 --vocab 32768 --checkpoint int4 --dir /tmp/startmem
+        --experts 16 --vocab 32768 --checkpoint int4 --dir /tmp/startmem      [--profile 40]
 """
 
 from __future__ import annotations
@@ -81,11 +81,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--keep", action="store_true", help="keep the checkpoint in --dir, and start from "
                    "the one there if it has this --checkpoint layout (repeat runs, other code trees)")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print each start's N "
+                   "most expensive calls by cumulative time (cProfile, in the start's own process)")
     p.add_argument("--child", nargs=2, metavar=("FORMAT", "PATH"), help=argparse.SUPPRESS)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.child:
-        print(json.dumps(_child(a.dir / a.checkpoint, a.device, *a.child)))
+        if a.profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            out = prof.runcall(_child, a.dir / a.checkpoint, a.device, *a.child)
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(a.profile)
+        else:
+            out = _child(a.dir / a.checkpoint, a.device, *a.child)
+        print(json.dumps(out))
         return
     import transformers
 
@@ -117,8 +128,11 @@ def main() -> None:
     runs += [(f, path) for f in formats.split(",") for path in ("layerwise", "after-build")]
     for fmt, path in runs:
         cmd = [sys.executable, __file__, "--child", fmt, path, "--dir", str(a.dir),
-               "--checkpoint", a.checkpoint, "--device", a.device, "--threads", str(a.threads)]
+               "--checkpoint", a.checkpoint, "--device", a.device, "--threads", str(a.threads),
+               "--profile", str(a.profile)]
         done = subprocess.run(cmd, capture_output=True, text=True)
+        if a.profile:
+            print(f"--- {fmt} {path}: the start's {a.profile} most expensive calls ---\n{done.stderr}")
         lines = done.stdout.strip().splitlines()
         print(lines[-1] if done.returncode == 0 and lines else
               json.dumps({"format": fmt, "path": path, "error": done.stderr.strip().splitlines()[-1:]}))

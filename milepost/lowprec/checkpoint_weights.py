@@ -22,6 +22,7 @@ Scales stored in bf16 / fp16 widen to float32 exactly.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -122,9 +123,14 @@ def _int4(ckpt: CheckpointQuant, name: str, packed: torch.Tensor, scale: torch.T
                          "the INT4 store's groups are contiguous: use the bf16 checkpoint")
     _want(scale, (rows, -(-cols // group)), base + ckpt.scale_suffix,
           f"groups of {group} in a [{rows}, {cols}] weight")
-    # Unpack by the definition: word j of a row holds elements 8j..8j+7, element 8j+i in bits
-    # 4i..4i+3, each stored as value + 8 (so -8..7 -> 0..15).
-    values = (_nibbles(packed)[:, :cols] - 8).to(torch.int8)
+    # Word j of a row holds elements 8j..8j+7, element 8j+i in bits 4i..4i+3, each stored as
+    # value + 8 (so -8..7 -> 0..15). Read as little-endian bytes, that is the store's order
+    # (element 2i low nibble, 2i+1 high), so the store's two's-complement nibbles are the bytes
+    # XOR 0x88: one pass instead of unpacking (a 30B-A3B expert: 0.04 ms vs 10.6 ms on the CPU).
+    if cols % 2 == 0 and sys.byteorder == "little":
+        codes = packed.contiguous().view(torch.uint8)[:, : cols // 2] ^ 0x88
+    else:  # by the definition
+        codes = el.pack_int4((_nibbles(packed)[:, :cols] - 8).to(torch.int8))
     offsets = None
     if zp is not None:  # packed down the columns: word j of a column holds rows 8j..8j+7
         groups = -(-cols // group)
@@ -135,7 +141,7 @@ def _int4(ckpt: CheckpointQuant, name: str, packed: torch.Tensor, scale: torch.T
         z = _nibbles(zp.t().contiguous())[:, :rows].t()  # [rows, groups], unsigned: zero + 8
         # The values are stored as v (signed), so the store's offset is the signed zero itself.
         offsets = _zero_offsets(z)
-    return _int4_qtensor(ckpt, values, scale.float(), group, offsets)
+    return _int4_qtensor(ckpt, codes, scale.float(), group, offsets, packed_cols=cols)
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -145,19 +151,20 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
 
 
 def _int4_qtensor(ckpt: CheckpointQuant, values: torch.Tensor, scales: torch.Tensor, group: int,
-                  zeros: torch.Tensor | None = None) -> QTensor:
-    """int8 `values` [rows, cols] (-8..7), float32 `scales` and int8 `zeros` (zero - 8, or None)
-    [rows, ceil(cols/group)] as the INT4 store holds them: a group that is a multiple of 128 (or
-    the row) gives each 128-wide group its scale and zero; a finer group is kept as it is
-    (dequantization only: `inexact`)."""
-    rows, cols = values.shape
+                  zeros: torch.Tensor | None = None, packed_cols: int | None = None) -> QTensor:
+    """int8 `values` [rows, cols] (-8..7), or with packed_cols = cols already el.pack_int4's
+    bytes; float32 `scales` and int8 `zeros` (zero - 8, or None) [rows, ceil(cols/group)] as the
+    INT4 store holds them: a group that is a multiple of 128 (or the row) gives each 128-wide
+    group its scale and zero; a finer group is kept as it is (dequantization only: `inexact`)."""
+    rows, cols = values.shape[0], packed_cols or values.shape[1]
     if not ckpt.group_size or group % INT4_GROUP == 0:
         per = -(-group // INT4_GROUP)
         scales = scales.repeat_interleave(per, dim=1)[:, :-(-cols // INT4_GROUP)]
         if zeros is not None:
             zeros = zeros.repeat_interleave(per, dim=1)[:, :-(-cols // INT4_GROUP)]
         group = INT4_GROUP
-    return QTensor("int4", el.pack_int4(values), scales.contiguous(), (1, group), (rows, cols),
+    codes = values if packed_cols else el.pack_int4(values)
+    return QTensor("int4", codes, scales.contiguous(), (1, group), (rows, cols),
                    zeros=zeros.contiguous() if zeros is not None else None)
 
 

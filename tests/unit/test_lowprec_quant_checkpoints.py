@@ -208,6 +208,23 @@ def test_int4_packing_by_definition() -> None:
     assert q.values[0, 4].item() == 5  # the padding nibble is zero, as the engine packs
 
 
+@pytest.mark.parametrize("cols", [2048, 20, 6, 9])
+def test_int4_words_read_as_bytes_are_the_packing_by_definition(cols: int) -> None:
+    """Even widths take the bytes of the words (XOR 0x88), odd ones the unpacking by definition:
+    both give the engine's packing of the values written, whatever the padding nibbles hold."""
+    from milepost.lowprec import elements as el
+
+    v = torch.randint(-8, 8, (5, cols), dtype=torch.int8, generator=torch.Generator().manual_seed(cols))
+    packed = pack_int4_words(v)
+    if cols % 8:  # junk in the last word's padding nibbles: the reader must not take it
+        packed[:, -1] |= torch.tensor(-1 << (4 * (cols % 8)), dtype=torch.int32)
+    ckpt = CheckpointQuant("int4_pack", "none", (), ".weight_scale", 0)
+    comp = {"x.weight_scale": torch.ones(5, 1), "x.weight_shape": torch.tensor([5, cols])}
+    q = read_weight(ckpt, "x.weight", packed, comp.get)
+    assert torch.equal(q.values, el.pack_int4(v)) and q.shape == (5, cols)
+    assert torch.equal(dequantize(q), v.float())
+
+
 @pytest.mark.parametrize(("edit", "match"), [
     ({"actorder": "group"}, "actorder is 'group'"),
     ({"num_bits": 8}, "8-bit 'int'"),
