@@ -195,12 +195,24 @@ def _gptq(ckpt: CheckpointQuant, name: str, qweight: torch.Tensor, scale: torch.
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols) // group):
         raise ValueError(f"{base}.g_idx groups columns out of order (desc_act); the INT4 store's "
                          "groups are contiguous: use the bf16 checkpoint")
-    # Word i of a column holds its elements 8i..8i+7 (element 8i+j in bits 4j), stored unsigned.
-    u = _nibbles(qweight.t().contiguous())  # [out, in]: a column's words become a row's
     # sym: false keeps the zero points; v2 stores each as it is, v1 as zero - 1 (so a stored 7
     # is the symmetric 8 in both).
     offsets = _zero_offsets(z.t() + 8 - ckpt.gptq_zero) if ckpt.zero_points else None
-    return _int4_qtensor(ckpt, (u - 8).to(torch.int8), scale.float().t(), group, offsets)
+    return _int4_qtensor(ckpt, _gptq_codes(qweight), scale.float().t(), group, offsets,
+                         packed_cols=cols)
+
+
+def _gptq_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ's int32 [in/8, out] -> the store's bytes [out, in/2]. Word i of a column holds its
+    elements 8i..8i+7 (element 8i+j in bits 4j), stored unsigned: as little-endian bytes, byte b
+    of word i holds the column's elements 8i+2b (low nibble) and 8i+2b+1, i.e. the store's byte
+    4i+b of that row once transposed, and the store's two's-complement nibble of u - 8 is u ^ 8."""
+    if sys.byteorder != "little":  # by the definition
+        u = _nibbles(qweight.t().contiguous())  # [out, in]: a column's words become a row's
+        return el.pack_int4((u - 8).to(torch.int8))
+    words, out = qweight.shape
+    as_bytes = qweight.contiguous().view(torch.uint8).reshape(words, out, 4)
+    return as_bytes.permute(1, 0, 2).reshape(out, words * 4) ^ 0x88
 
 
 def _zero_offsets(z: torch.Tensor) -> torch.Tensor:

@@ -225,6 +225,20 @@ def test_int4_words_read_as_bytes_are_the_packing_by_definition(cols: int) -> No
     assert torch.equal(dequantize(q), v.float())
 
 
+@pytest.mark.parametrize("shape", [(256, 768), (3, 5), (1, 8)])
+def test_gptq_words_read_as_bytes_are_the_packing_by_definition(shape: tuple[int, int]) -> None:
+    """GPTQ's column-packed words, taken as bytes and transposed, give the engine's packing of
+    the elements their definition unpacks (word i of column c: elements 8i..8i+7, unsigned)."""
+    from milepost.lowprec import elements as el
+    from milepost.lowprec.checkpoint_weights import _gptq_codes
+
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32, generator=g)
+    nibbles = torch.stack([(words.to(torch.int64) >> (4 * j)) & 15 for j in range(8)], dim=1)
+    u = nibbles.reshape(shape[0] * 8, shape[1]).t()  # [out, in]: in-element 8i + j of each column
+    assert torch.equal(_gptq_codes(words), el.pack_int4((u - 8).to(torch.int8)))
+
+
 @pytest.mark.parametrize(("edit", "match"), [
     ({"actorder": "group"}, "actorder is 'group'"),
     ({"num_bits": 8}, "8-bit 'int'"),
