@@ -85,6 +85,14 @@ def test_fused_is_captured_in_a_cuda_graph(weights) -> None:
         assert torch.equal(out, fused_expert_mlp(x2, ids2, w2_, w13, w2, cfg))
 
 
+def assert_every_token_routed(prompts: list, outs: list[dict], layers: int, top_k: int) -> None:
+    """Each output's routed experts (base64 int32 [prompt + output - 1, layers, top_k]) are set."""
+    for ids, out in zip(prompts, outs):
+        routed = np.frombuffer(base64.b64decode(out["routed"]), dtype=np.int32)
+        routed = routed.reshape(len(ids) + len(out["ids"]) - 1, layers, top_k)
+        assert routed.min() >= 0, "a token's experts were not recorded"
+
+
 def test_engine_with_fused_experts_records_routing_and_matches_grouped(tmp_path: Path, monkeypatch) -> None:
     """bf16 tiny Qwen3-MoE, decode in CUDA graphs: the fused path forced for every token count
     against the grouped GEMMs. Greedy tokens equal or part at a near-tie: each bf16 path is within
@@ -112,9 +120,6 @@ def test_engine_with_fused_experts_records_routing_and_matches_grouped(tmp_path:
         finally:
             engine.close()
     assert used, "the engine never asked for the fused path"
-    for ids, out in zip(PROMPTS, res["fused"]):
-        routed = np.frombuffer(base64.b64decode(out["routed"]), dtype=np.int32)
-        routed = routed.reshape(len(ids) + len(out["ids"]) - 1, layers, top_k)
-        assert routed.min() >= 0, "a token's experts were not recorded"
+    assert_every_token_routed(PROMPTS, res["fused"], layers, top_k)
     _assert_same_or_tie(model, PROMPTS, [o["ids"] for o in res["fused"]],
                         [o["ids"] for o in res["grouped"]], 0.1, relative=True)

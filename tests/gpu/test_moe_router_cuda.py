@@ -8,10 +8,8 @@ Run on the accelerator machine: `python -m pytest -q -m gpu tests/gpu/test_moe_r
 
 from __future__ import annotations
 
-import base64
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -61,6 +59,7 @@ def test_engine_with_the_fused_router(tmp_path: Path, monkeypatch: pytest.Monkey
     against "fused": every token's experts recorded, greedy tokens equal or parted at a near-tie
     (within 0.1 of the max |logit|, as the fused experts' engine test allows)."""
     from test_engine_gpu_paths import PROMPTS, _assert_same_or_tie, _engine, _run
+    from test_fused_moe_cuda import assert_every_token_routed
 
     from milepost.models.qwen3_moe import SparseMoeBlock
     from milepost.testing.checkpoints import make_tiny_checkpoint
@@ -76,9 +75,6 @@ def test_engine_with_the_fused_router(tmp_path: Path, monkeypatch: pytest.Monkey
             layers, top_k = model.num_layers, model.moe_top_k
         finally:
             engine.close()
-    for ids, out in zip(PROMPTS, res["fused"]):
-        routed = np.frombuffer(base64.b64decode(out["routed"]), dtype=np.int32)
-        routed = routed.reshape(len(ids) + len(out["ids"]) - 1, layers, top_k)
-        assert routed.min() >= 0, "a token's experts were not recorded"
+    assert_every_token_routed(PROMPTS, res["fused"], layers, top_k)
     _assert_same_or_tie(model, PROMPTS, [o["ids"] for o in res["fused"]],
                         [o["ids"] for o in res["finish"]], 0.1, relative=True)
