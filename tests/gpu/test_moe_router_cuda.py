@@ -29,7 +29,7 @@ def test_route_probabilities_are_torchs_softmax_bits(experts: int, top_k: int, t
     assert torch.equal(ids.sort(-1).values, torch.topk(probs, top_k, dim=-1).indices.sort(-1).values)
     w, ids2 = route(logits, top_k, True, torch.float32, None)
     assert torch.equal(ids2, ids)
-    torch.testing.assert_close(w, p / p.sum(-1, keepdim=True), rtol=2.4e-7, atol=0)
+    torch.testing.assert_close(w, p / p.sum(-1, keepdim=True), rtol=4.8e-7, atol=0)  # sum orders differ
 
 
 def test_route_replays_in_a_cuda_graph() -> None:
