@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-LOG_LANES_MAX = tl.constexpr(5)  # a warp: 32 lanes
 MAX_EXPERTS = 1024  # torch's warp softmax covers rows up to this; longer rows take the torch path
 
 
@@ -74,9 +73,10 @@ def _exp(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _route_kernel(LOGITS, stride_l, OUT_W, IDS, REC, stride_rec, T, E: tl.constexpr, LANES: tl.constexpr,
-                  ITERS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                  NORM: tl.constexpr, RECORD: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+def _route_kernel(LOGITS, stride_l, OUT_W, IDS, REC, stride_rec, T, E: tl.constexpr,
+                  LANES: tl.constexpr, LOG_LANES: tl.constexpr, ITERS: tl.constexpr, K: tl.constexpr,
+                  K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, NORM: tl.constexpr, RECORD: tl.constexpr,
+                  LIBDEVICE_EXP: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     live = (rows < T)[:, None]
     lanes = tl.arange(0, LANES)
@@ -93,9 +93,8 @@ def _route_kernel(LOGITS, stride_l, OUT_W, IDS, REC, stride_rec, T, E: tl.conste
         col = (it * LANES + lanes)[None, :]
         x = tl.load(base + col, mask=live & (col < E), other=float("-inf")).to(tl.float32)
         s += _exp(tl.where(live, x, 0.0) - m[:, None], LIBDEVICE_EXP)
-    for r in tl.static_range(LOG_LANES_MAX):  # [BLOCK_T, LANES] -> [BLOCK_T, 1]
-        if (LANES >> r) > 1:
-            s = tl.sum(tl.reshape(s, [BLOCK_T, 2, LANES >> (r + 1)]), axis=1)
+    for r in tl.static_range(LOG_LANES):  # [BLOCK_T, LANES] -> [BLOCK_T, 1]
+        s = tl.sum(tl.reshape(s, [BLOCK_T, 2, LANES >> (r + 1)]), axis=1)
     total = tl.reshape(s, [BLOCK_T])
     cols = tl.arange(0, LANES * ITERS)[None, :]
     x = tl.load(base + cols, mask=live & (cols < E), other=float("-inf")).to(tl.float32)
@@ -147,7 +146,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtyp
     block_t = block_t or max(1, 256 // e_pad)
     rec = record if record is not None else ids
     _route_kernel[(triton.cdiv(t, block_t),)](
-        logits, logits.stride(0), w, ids, rec, rec.stride(0), t, E=e, LANES=lanes, ITERS=e_pad // lanes,
+        logits, logits.stride(0), w, ids, rec, rec.stride(0), t, E=e, LANES=lanes,
+        LOG_LANES=lanes.bit_length() - 1, ITERS=e_pad // lanes,
         K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_T=block_t, NORM=renormalize,
         RECORD=record is not None, LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=num_warps or (1 if e_pad <= 256 else 4))
