@@ -110,3 +110,32 @@ def test_moe_forward_with_the_router_kernels(monkeypatch: pytest.MonkeyPatch) ->
     # one kernel: the same experts (fp32 logits: no ties here), weights equal to rounding
     assert torch.equal(rec["fused"], rec["torch"])
     torch.testing.assert_close(out["fused"], out["torch"], rtol=1e-5, atol=1e-6)
+
+
+_COMPILE_ROUTE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from milepost.kernels import moe_router
+fn = moe_router._route_kernel
+ptrs = {"LOGITS": "*bf16", "OUT_W": "*bf16", "IDS": "*i64", "REC": "*i32"}
+for experts, top_k, block_t, warps in ((128, 8, 2, 1), (60, 4, 4, 1), (512, 10, 1, 4), (16, 2, 16, 2)):
+    e_pad = triton.next_power_of_2(experts)
+    lanes = min(e_pad, 32)
+    c = {"E": experts, "LANES": lanes, "LOG_LANES": lanes.bit_length() - 1, "ITERS": e_pad // lanes,
+         "K": top_k, "K_PAD": triton.next_power_of_2(top_k), "BLOCK_T": block_t, "NORM": True,
+         "RECORD": True, "LIBDEVICE_EXP": True}
+    sig = {n: ptrs.get(n, "constexpr" if n in c else "i32") for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert k.asm["cubin"], (experts, top_k)
+"""
+
+
+def test_route_kernel_compiles_for_sm90() -> None:
+    """The interpreter never lowers the kernel (libdevice's expf, the lane butterfly's reshapes):
+    compile it for an H100/H200 here (Triton's bundled ptxas, no GPU)."""
+    from milepost.testing.hopper_compile import ptxas_available, run_compiled
+
+    if not ptxas_available():
+        pytest.skip("this Triton has no bundled ptxas")
+    run_compiled(_COMPILE_ROUTE)

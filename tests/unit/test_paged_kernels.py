@@ -230,3 +230,29 @@ def test_rope_kernels_compile_for_sm90() -> None:
     if not ptxas_available():
         pytest.skip("this Triton has no bundled ptxas")
     run_compiled(_COMPILE_ROPE)
+
+
+_COMPILE_DECODE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from milepost.kernels import paged_attention
+fn = paged_attention._decode_split_kernel
+ptrs = {"Q": "*bf16", "KC": "*bf16", "VC": "*bf16", "tables": "*i32", "seq_lens": "*i32",
+        "O_part": "*fp32", "L_part": "*fp32", "Out": "*bf16"}
+for first in (False, True):
+    c = {"GROUP": 2, "BLOCK_H": 16, "D": 128, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 1,
+         "IEEE": False, "HEADS_FIRST": first}
+    sig = {n: ptrs.get(n, "constexpr" if n in c else ("fp32" if n == "scale" else "i32")) for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 2, "num_stages": 3})
+    assert k.asm["cubin"], first
+"""
+
+
+def test_decode_kernel_compiles_for_sm90_in_both_launch_orders() -> None:
+    from milepost.testing.hopper_compile import ptxas_available, run_compiled
+
+    if not ptxas_available():
+        pytest.skip("this Triton has no bundled ptxas")
+    run_compiled(_COMPILE_DECODE)
