@@ -243,7 +243,8 @@ ptrs = {"Q": "*bf16", "KC": "*bf16", "VC": "*bf16", "tables": "*i32", "seq_lens"
 for first in (False, True):
     c = {"GROUP": 2, "BLOCK_H": 16, "D": 128, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 1,
          "IEEE": False, "HEADS_FIRST": first}
-    sig = {n: ptrs.get(n, "constexpr" if n in c else ("fp32" if n == "scale" else "i32")) for n in fn.arg_names}
+    sig = {n: ptrs.get(n, "constexpr" if n in c else ("fp32" if n == "scale" else "i32"))
+           for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 2, "num_stages": 3})
     assert k.asm["cubin"], first
