@@ -55,20 +55,6 @@ def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype, grid: bool) -> 
     default = rows[0]
     print(f"B={batch} ctx={ctx}: KV {gb:.3f} GB ({kc.dtype}); default (splits={splits}) "
           f"{default[0] * 1e3:.1f} us = {gb / default[0]:.2f} TB/s")
-    if kv_dtype == torch.bfloat16:  # the launch order (paged_attention.DECODE_HEADS_FIRST)
-        for first in (False, True):
-            def ordered(first: bool = first) -> torch.Tensor:
-                return K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, splits, heads_first=first)
-            same = torch.equal(ordered(), ref)
-            ms = triton.testing.do_bench(ordered, return_mode="median")
-            print(f"  {'heads first' if first else 'batch first'} grid: {ms * 1e3:.1f} us = "
-                  f"{gb / ms:.2f} TB/s, bitwise equal to the default {same}")
-        tables_seq = torch.arange(nb, device="cuda", dtype=torch.int32).view(batch, -1)
-        for first in (False, True):  # pages in order, as a fresh engine allocates them
-            ms = triton.testing.do_bench(lambda first=first: K.paged_decode(
-                q, kc, vc, tables_seq, lens, D**-0.5, PAGE, splits, heads_first=first), return_mode="median")
-            print(f"  {'heads first' if first else 'batch first'} grid, pages in order: {ms * 1e3:.1f} us = "
-                  f"{gb / ms:.2f} TB/s")
     if splits == 1:  # the persistent kernel (paged_attention_persistent.py), programs per SM
         for per_sm, (bn, w, st) in itertools.product(
                 (1, 2, 3, 4), ((64, 2, 3), (64, 2, 2), (64, 4, 2), (32, 2, 3))):

@@ -145,6 +145,8 @@ def router_ab(runner: object) -> None:
     from milepost.models.base import ForwardContext
     from milepost.models.qwen3_moe import SparseMoeBlock
 
+    default = SparseMoeBlock.router_kernels
+
     model = runner.model
     blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
     if not blocks or not torch.cuda.is_available():
@@ -182,7 +184,7 @@ def router_ab(runner: object) -> None:
         t_one = _gpu_ms(lambda: [torch.softmax(g, dim=-1, dtype=torch.float32) for g in gl])
     print(f"  router softmax of bf16 logits: .float() then softmax vs softmax(dtype=fp32): bitwise equal "
           f"{same}; eager x{len(gl)}: {t_two:.3f} vs {t_one:.3f} ms", flush=True)
-    SparseMoeBlock.router_kernels = "finish"
+    SparseMoeBlock.router_kernels = default
 
 
 def profile_steps(engine: object, shape: str, budgets: list[int]) -> None:

@@ -26,12 +26,6 @@ FP8_POOL_WORDS = True
 # kernel at 2 programs per SM, 1.02-1.03x at 4 on 256 sequences but 0.95x on 64; benchmark (a)
 # 55.5k against 67.1k tok/s at 2 per SM).
 PERSISTENT_DECODE = False
-# Decode programs launched heads first (grid kv_heads x batch x splits): the programs running at
-# once then read all kv heads of the same tokens, i.e. whole pool rows (a token's heads are
-# adjacent), rather than one head's 256-byte piece of each row of many sequences. Off until
-# measured (benchmarks/decode_attention_sweep.py prints both orders); the output is the same
-# (each program's work does not depend on the order).
-DECODE_HEADS_FIRST = False
 
 
 @triton.jit
@@ -172,13 +166,9 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         IEEE: tl.constexpr, HEADS_FIRST: tl.constexpr):
-    if HEADS_FIRST:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+                         IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     start, end = decode_range(seq_lens, b, split, BLOCK_N, NUM_SPLITS)
 
@@ -245,11 +235,9 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, page: int,
                  num_splits: int, block_n: int = 64, num_warps: int | None = None,
-                 num_stages: int | None = None, out: torch.Tensor | None = None,
-                 heads_first: bool | None = None) -> torch.Tensor:
+                 num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D] (one query per sequence) -> [B, H, D]; seq_lens[b] = 0 gives zeros.
     out: [B, H, D] rows to write (e.g. the decode rows of a mixed batch's output); new if None.
-    heads_first: launch the programs kv heads first (None: DECODE_HEADS_FIRST).
 
     Unsplit batches run 2 warps and 3 stages: on the H200 (2026-12-04, Qwen3-0.6B heads, bf16)
     78-80 us vs 82.5 us at 256 x 256 keys, 141 vs 150 us at 256 x 512, 76.5 vs 79 us at 64 x 1024
@@ -282,16 +270,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return persistent_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, page, out,
                                  block_n, num_warps, num_stages)
     else:
-        heads_first = DECODE_HEADS_FIRST if heads_first is None else heads_first
-        grid = (kv_heads, bsz, num_splits) if heads_first else (bsz, kv_heads, num_splits)
-        _decode_split_kernel[grid](
+        _decode_split_kernel[(bsz, kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, o_part, l_part, out, scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
             o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0),
             l_part.stride(1), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-            HEADS_FIRST=heads_first, num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages,
         )
     if num_splits == 1:
         return out
