@@ -54,13 +54,43 @@ def _demo_build_started(request: pytest.FixtureRequest, tmp_path_factory: pytest
 _MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `--dist loadgroup`: the workers take the work units in the order of the collection
+    (`pytest_collection_modifyitems`, below), each module one unit (`_ModuleGroups`). xdist's own
+    order (units with the most tests first) sent the Ray module's six tests, which need the demo
+    base model, to a worker at the session's start: its first test waited ~3 minutes for the build
+    (CI: 183-220 s of a test that takes 36 s idle)."""
+    if getattr(config.option, "dist", "no") == "loadgroup":  # the controller; workers run "no"
+        config.option.loadscopereorder = False
+    config.pluginmanager.register(_ModuleGroups(), "milepost-module-groups")
+
+
+class _ModuleGroups:
+    """Under `--dist loadgroup`, a test that names no `xdist_group` joins its module's (one unit
+    for the tests that need the demo base model, one for the rest): a module's tests run on one
+    worker, so its module-scoped fixtures (a reference training run, a server, a model) are set
+    up once per session, not on both workers as they took its tests in turn (tests/e2e/
+    test_train_loop.py's 2-rank reference run, ~20 s in CI, was built twice)."""
+
+    @pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns group names into node id suffixes
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if not getattr(config.option, "loadgroup", False):  # what xdist sets on its workers
+            return
+        from milepost.testing.demo_build import uses_demo_dir
+
+        for item in items:
+            if not item.get_closest_marker("xdist_group"):
+                part = "demo" if uses_demo_dir(item) else "rest"
+                item.add_marker(pytest.mark.xdist_group(f"{item.nodeid.split('::', 1)[0]}:{part}"))
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-xdist has added the group names to the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist: tests that do not need the demo base model first, so the workers have
     work while it builds in the background (about 3 minutes; started by `_demo_build_started`)
     instead of waiting on it from their first test; within each part, longest modules first (a
-    module's tests stay together and in order, so its module-scoped fixtures are set up once per
-    worker); unlisted modules keep their order."""
+    module's tests stay together and in order, and under `--dist loadgroup` on one worker, so its
+    module-scoped fixtures are set up once); unlisted modules keep their order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     _refuse_ignored_xdist_groups(config, items)
