@@ -7,9 +7,15 @@
           (its measured config) vs the FP8 path over a small grid of tiles, each kernel timed
           alone as CUDA-graph replays with `--layers` weight sets cycled (weights from HBM).
           Prints the best FP8 config per T as a MEASURED_FP8 table.
+  prescale: per T, the committed W8A16 config (and it with the other swap_ab) with the product
+          scaled per K step against the weight tile prescaled (kernels/fused_moe_fp8.py
+          PRESCALE_FROM_TOKENS), and whether the prescaled output is the bf16 kernels' on the
+          dequantized bf16 weights, bit for bit.
   engine: `milepost bench engine --shape qwen3-30b-a3b` (fixed: 256 requests x (128 + 256),
           routed experts recorded) with bf16 weights, then with --quantization fp8_block, in this
-          process one after the other; tok/s, decode step ms, and the ratio.
+          process one after the other; tok/s, decode step ms, and the ratio. Modes: bf16,
+          fp8_block, fp8_block_a8 (--fp8-w8a8-experts), fp8_block_prescale (W8A16 prescaled at
+          every T).
 
 Usage: PYTHONPATH=$PWD python benchmarks/moe_fp8_gpu.py --parts kernel --json-out k.json
        PYTHONPATH=$PWD python benchmarks/moe_fp8_gpu.py --parts engine --json-out e.json
@@ -259,6 +265,42 @@ def kernel_part(args: argparse.Namespace) -> dict:
     return out
 
 
+def prescale_part(args: argparse.Namespace) -> dict:
+    from dataclasses import replace
+
+    from milepost.kernels import fused_moe as fm
+    from milepost.kernels import fused_moe_fp8 as f8
+
+    sets = [fp8_experts(i) for i in range(args.layers)]
+    L = len(sets)
+    fp8w = [(m.w13.detach(), m.w13_scale, m.w2.detach(), m.w2_scale) for m, _ in sets]
+    deq = [(m.dequantize_w13().to(DT).contiguous(), m.dequantize_w2().to(DT).contiguous()) for m, _ in sets]
+    out: dict = {"rows": []}
+    for t in [int(v) for v in args.tokens.split(",")]:
+        xs = [torch.randn(t, H, device=DEV, dtype=DT) for _ in range(L)]
+        routing = []
+        for _ in range(L):
+            w, ids = torch.topk(torch.softmax(torch.randn(t, E, device=DEV), -1), K, dim=-1)
+            routing.append((ids, (w / w.sum(-1, keepdim=True)).to(DT)))
+        base = f8.config_for(t, E, H, I, K)
+        flip = replace(base, gate_up=replace(base.gate_up, swap_ab=not base.gate_up.swap_ab),
+                       down=replace(base.down, swap_ab=not base.down.swap_ab))
+        row: dict = {"tokens": t}
+        for name, cfg in (("committed", base), ("swap flipped", flip)):
+            times = {pre: graph_ms(lambda pre=pre: [f8.fused_expert_mlp_fp8(xs[i], *routing[i], *fp8w[i], cfg,
+                                                                             prescale=pre) for i in range(L)],
+                                   args.reps) / L * 1e3 for pre in (False, True)}
+            got = f8.fused_expert_mlp_fp8(xs[0], *routing[0], *fp8w[0], cfg, prescale=True)
+            same = torch.equal(got, fm.fused_expert_mlp(xs[0], *routing[0], *deq[0], cfg))
+            row[name] = {"config": cfg.label(), "scaled_us": times[False], "prescaled_us": times[True],
+                         "prescaled_is_bf16_kernels_bitwise": bool(same)}
+            print(f"T={t:5d} {name:12s} {cfg.label()}: products scaled {times[False]:7.1f} us, weights "
+                  f"prescaled {times[True]:7.1f} us (x{times[False] / times[True]:.2f}); prescaled == the "
+                  f"bf16 kernels on the dequantized bf16 weights: {same}", flush=True)
+        out["rows"].append(row)
+    return out
+
+
 def load_fp8_table(path: str) -> dict:
     """The kernel part's best config per T (its JSON) as MEASURED_FP8 for the 30B-A3B expert
     shape, so the engine runs what was just measured; a missing file leaves the committed table."""
@@ -283,7 +325,9 @@ def load_fp8_table(path: str) -> dict:
 def engine_part(args: argparse.Namespace) -> dict:
     from milepost.bench.args import BenchArgs
     from milepost.bench.engine import run_bench
+    from milepost.kernels import fused_moe_fp8 as f8
 
+    committed_prescale = f8.PRESCALE_FROM_TOKENS
     out: dict = {}
     if args.fp8_table:
         out["fp8_table"] = load_fp8_table(args.fp8_table)
@@ -294,6 +338,7 @@ def engine_part(args: argparse.Namespace) -> dict:
                           max_total_tokens=args.max_total_tokens,
                           quantization=None if mode == "bf16" else "fp8_block",
                           fp8_w8a8_experts=mode == "fp8_block_a8")
+        f8.PRESCALE_FROM_TOKENS = 0 if mode == "fp8_block_prescale" else committed_prescale
         try:
             r = run_bench(bench)["scenarios"][0]
         except Exception as e:  # noqa: BLE001 - report, go on with the next mode
@@ -310,7 +355,8 @@ def engine_part(args: argparse.Namespace) -> dict:
 
         gc.collect()
         torch.cuda.empty_cache()
-    for mode in ("fp8_block", "fp8_block_a8"):
+    f8.PRESCALE_FROM_TOKENS = committed_prescale
+    for mode in ("fp8_block", "fp8_block_a8", "fp8_block_prescale"):
         if isinstance(out.get("bf16"), dict) and isinstance(out.get(mode), dict):
             a, b = out["bf16"], out[mode]
             out[f"{mode}_over_bf16_tok_s"] = b["milepost_tok_s"] / a["milepost_tok_s"]
@@ -329,7 +375,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--peak-bandwidth", type=float, default=4.8e12)
     ap.add_argument("--modes", default="bf16,fp8_block", help="engine part: of bf16, fp8_block, "
-                    "fp8_block_a8 (--fp8-w8a8-experts: expert activations in FP8 too)")
+                    "fp8_block_a8 (--fp8-w8a8-experts: expert activations in FP8 too), "
+                    "fp8_block_prescale (W8A16 with the weight tiles prescaled)")
     ap.add_argument("--shape", default="qwen3-30b-a3b", help="engine part (tiny: a CPU check)")
     ap.add_argument("--fp8-table", default="", help="engine part: a --parts kernel JSON whose best "
                     "configs the FP8 experts then run (else the committed MEASURED_FP8)")
@@ -354,6 +401,8 @@ def main() -> None:
     with torch.inference_mode():
         if "kernel" in args.parts:
             result["kernel"] = kernel_part(args)
+        if "prescale" in args.parts:
+            result["prescale"] = prescale_part(args)
     if "engine" in args.parts:
         result["engine"] = engine_part(args)
     print(f"total {time.perf_counter() - t0:.1f} s", flush=True)

@@ -14,6 +14,13 @@ Row scales (a per-channel FP8 checkpoint's experts, lowprec/experts_fp8_row.py) 
 kernels: a row scale is a block scale whose tile is one row by the whole K, so the scale index
 of column n at K step k0 is (n // SCALE_N, (k0 // 128) * stride_sk) with SCALE_N = 1 and
 stride_sk = 0 (scales w13 [E, 2, I, 1], w2 [E, H, 1]); block scales have SCALE_N = 128.
+
+Prescaled (`PRESCALE_FROM_TOKENS`): from that many tokens on, each K step scales the weight tile
+instead, rounds it to the activation dtype (the weights the torch path dequantizes to) and lets
+the MMA accumulate into the accumulator directly, as the bf16 kernels do: the values are then the
+bf16 kernels' on those dequantized weights, bit for bit. Scaling each partial product makes every
+K step wait for its MMA to finish; on a GPU that costs most where the tiles are large (T=4096 on
+an H200: 2,009 µs against bf16's 831). Off until measured (benchmarks/moe_fp8_gpu.py).
 """
 
 from __future__ import annotations
@@ -29,11 +36,14 @@ from milepost.kernels.fused_moe import (
     _acc_init,
     _acc_rows,
     _load_weight,
+    _mma,
     _tile_ids,
     _weight_ptrs,
 )
 
 SCALE_BLOCK = 128
+# Token counts from which the W8A16 kernels scale the weight tiles (module docstring); None: never.
+PRESCALE_FROM_TOKENS: int | None = None
 
 # Configs measured for the FP8 kernels, per expert shape (experts, hidden, moe_intermediate, top_k):
 # (largest token count, config), ascending (benchmarks/moe_fp8_gpu.py sweeps them). Shapes and
@@ -97,12 +107,27 @@ def _scaled_mma(a, w, s, acc, SWAP: tl.constexpr):
     return out
 
 
+@triton.jit
+def _w8_mma(a, w8, s, acc, SWAP: tl.constexpr, PRESCALE: tl.constexpr):
+    """acc += a @ (w8 * s) for an fp8 weight tile with per-column scales s: the exact product
+    scaled, or, PRESCALE, the tile scaled and rounded to a's dtype first."""
+    if PRESCALE:
+        if SWAP:
+            w = (w8.to(tl.float32) * s[:, None]).to(a.dtype)
+        else:
+            w = (w8.to(tl.float32) * s[None, :]).to(a.dtype)
+        out = _mma(a, w, acc, SWAP)
+    else:
+        out = _scaled_mma(a, w8.to(a.dtype), s, acc, SWAP)
+    return out
+
+
 @triton.jit(do_not_specialize=["n_pairs", "num_m"])
 def _gate_up_fp8_kernel(X, W13, S13, SORTED, BLOCK_EXPERT, TOTAL, ACT, n_pairs, inter, hidden, num_m,
                         stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sh, stride_sn,
                         stride_sk, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                        SWAP: tl.constexpr, SCALE_N: tl.constexpr):
+                        SWAP: tl.constexpr, SCALE_N: tl.constexpr, PRESCALE: tl.constexpr):
     """ACT[row, n] = silu(x . deq(w13[e, n])) * (x . deq(w13[e, I + n])), fp8 weights."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(TOTAL):
@@ -130,10 +155,8 @@ def _gate_up_fp8_kernel(X, W13, S13, SORTED, BLOCK_EXPERT, TOTAL, ACT, n_pairs, 
             a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
         sg = tl.load(sg_ptr + (k0 // 128) * stride_sk, mask=col_ok, other=0.0)
         su = tl.load(su_ptr + (k0 // 128) * stride_sk, mask=col_ok, other=0.0)
-        wg = _load_weight(g_ptr, col_ok, k_ok, SWAP, EVEN_K).to(a.dtype)
-        acc_g = _scaled_mma(a, wg, sg, acc_g, SWAP)
-        wu = _load_weight(u_ptr, col_ok, k_ok, SWAP, EVEN_K).to(a.dtype)
-        acc_u = _scaled_mma(a, wu, su, acc_u, SWAP)
+        acc_g = _w8_mma(a, _load_weight(g_ptr, col_ok, k_ok, SWAP, EVEN_K), sg, acc_g, SWAP, PRESCALE)
+        acc_u = _w8_mma(a, _load_weight(u_ptr, col_ok, k_ok, SWAP, EVEN_K), su, acc_u, SWAP, PRESCALE)
         a_ptr += BLOCK_K
         g_ptr += BLOCK_K
         u_ptr += BLOCK_K
@@ -150,7 +173,7 @@ def _down_fp8_kernel(ACT, W2, S2, SORTED, BLOCK_EXPERT, TOTAL, WEIGHTS, Y, n_pai
                      stride_at, stride_we, stride_wn, stride_yp, stride_se, stride_sn, stride_sk,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
-                     SCALE_N: tl.constexpr):
+                     SCALE_N: tl.constexpr, PRESCALE: tl.constexpr):
     """Y[pair, n] = round(ACT[row] . deq(w2[e, n])) * weight[pair], fp8 weights."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(TOTAL):
@@ -173,8 +196,7 @@ def _down_fp8_kernel(ACT, W2, S2, SORTED, BLOCK_EXPERT, TOTAL, WEIGHTS, Y, n_pai
         else:
             a = tl.load(a_ptr, mask=k_ok[None, :], other=0.0)
         s = tl.load(s_ptr + (k0 // 128) * stride_sk, mask=col_ok, other=0.0)
-        w = _load_weight(b_ptr, col_ok, k_ok, SWAP, EVEN_K).to(a.dtype)
-        acc = _scaled_mma(a, w, s, acc, SWAP)
+        acc = _w8_mma(a, _load_weight(b_ptr, col_ok, k_ok, SWAP, EVEN_K), s, acc, SWAP, PRESCALE)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
     dtype = Y.dtype.element_ty
@@ -289,9 +311,10 @@ def _scale_layout(s: torch.Tensor, rows: bool, cfg: GemmConfig) -> tuple[int, in
 
 
 def gate_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, routing: tuple, top_k: int,
-            block_m: int, cfg: GemmConfig, row_scales: bool = False) -> torch.Tensor:
+            block_m: int, cfg: GemmConfig, row_scales: bool = False, prescale: bool = False) -> torch.Tensor:
     """x: [T, H], w13: fp8 [E, 2I, H], s13: [E, 2, ceil(I/128), ceil(H/128)] (`row_scales`:
-    [E, 2, I, 1]) -> silu(gate) * up: [max_padded, I] in sorted-pair row order."""
+    [E, 2, I, 1]) -> silu(gate) * up: [max_padded, I] in sorted-pair row order. `prescale`: the
+    weight tiles scaled before the MMA (module docstring)."""
     scale_n, stride_sk = _scale_layout(s13, row_scales, cfg)
     sorted_ids, block_expert, total = routing
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
@@ -303,12 +326,13 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, routing: tupl
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), s13.stride(0), s13.stride(1),
         s13.stride(2), stride_sk, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=hidden % cfg.block_k == 0,
-        SWAP=cfg.swap_ab, SCALE_N=scale_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SWAP=cfg.swap_ab, SCALE_N=scale_n, PRESCALE=prescale, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return act
 
 
 def down(act: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, routing: tuple, weights: torch.Tensor,
-         block_m: int, cfg: GemmConfig, row_scales: bool = False) -> torch.Tensor:
+         block_m: int, cfg: GemmConfig, row_scales: bool = False, prescale: bool = False) -> torch.Tensor:
     """act: [max_padded, I], w2: fp8 [E, H, I], s2: [E, ceil(H/128), ceil(I/128)] (`row_scales`:
     [E, H, 1]), weights: [T, k] -> weighted rows [T*k, H] (pair order)."""
     scale_n, stride_sk = _scale_layout(s2, row_scales, cfg)
@@ -322,7 +346,7 @@ def down(act: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, routing: tuple, 
         act, w2, s2, sorted_ids, block_expert, total, flat_w, y, flat_w.numel(), hidden, inter, num_m,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), s2.stride(0), s2.stride(1),
         stride_sk, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=inter % cfg.block_k == 0, SWAP=cfg.swap_ab, SCALE_N=scale_n,
+        EVEN_K=inter % cfg.block_k == 0, SWAP=cfg.swap_ab, SCALE_N=scale_n, PRESCALE=prescale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
@@ -372,10 +396,12 @@ def down_a8(act: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, routing: tupl
 
 def fused_expert_mlp_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                          s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-                         cfg: MoeConfig, act_fp8: bool = False, row_scales: bool = False) -> torch.Tensor:
+                         cfg: MoeConfig, act_fp8: bool = False, row_scales: bool = False,
+                         prescale: bool | None = None) -> torch.Tensor:
     """x: [T, H], ids: [T, k] (int), weights: [T, k]; w13: fp8 [E, 2I, H] with s13, w2: fp8
     [E, H, I] with s2 (shapes above; `row_scales`: one scale per row) -> [T, H].
-    fused_moe.fused_expert_mlp's contract, its weights the dequantized fp8 ones; inference only."""
+    fused_moe.fused_expert_mlp's contract, its weights the dequantized fp8 ones; inference only.
+    `prescale` (W8A16): None follows PRESCALE_FROM_TOKENS."""
     if act_fp8 and row_scales:
         raise ValueError("fused_expert_mlp_fp8: the W8A8 kernels read 128 x 128 "
                          "block scales only, not row scales")
@@ -392,6 +418,8 @@ def fused_expert_mlp_fp8(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         act = gate_up_a8(x, w13, s13, routing, k, cfg.block_m, cfg.gate_up)
         y = down_a8(act, w2, s2, routing, weights.contiguous(), cfg.block_m, cfg.down)
     else:
-        act = gate_up(x, w13, s13, routing, k, cfg.block_m, cfg.gate_up, row_scales)
-        y = down(act, w2, s2, routing, weights.contiguous(), cfg.block_m, cfg.down, row_scales)
+        if prescale is None:
+            prescale = PRESCALE_FROM_TOKENS is not None and t >= PRESCALE_FROM_TOKENS
+        act = gate_up(x, w13, s13, routing, k, cfg.block_m, cfg.gate_up, row_scales, prescale)
+        y = down(act, w2, s2, routing, weights.contiguous(), cfg.block_m, cfg.down, row_scales, prescale)
     return fm.combine(y, t, k)

@@ -62,16 +62,13 @@ def mma_counts(kern: Any, ptrs: dict[str, str], ints: str, const: dict[str, Any]
     return Counter(re.findall(r"(wgmma\.mma_async\S*|mma\.sync\S*)", k.asm["ptx"]))
 
 
-def sm90_sass(kern: Any, ptrs: dict[str, str], const: dict[str, Any], num_warps: int,
-              num_stages: int, floats: tuple[str, ...] = ("scale",)) -> str:
-    """Compile `kern` for sm_90 and return its SASS (nvdisasm of the cubin). `ptrs`: pointer
-    arguments and their types; `const`: the constexpr values; `floats`: fp32 arguments; the
-    others are i32. Pointers and strides are marked 16-divisible, as a launch with aligned
-    tensors specializes them."""
-    import tempfile
-
+def _compile_sm90(kern: Any, ptrs: dict[str, str], const: dict[str, Any], num_warps: int,
+                  num_stages: int, floats: tuple[str, ...] = (), divisible: tuple[str, ...] = ()) -> Any:
+    """Compile `kern` for sm_90. `ptrs`: pointer arguments and their types; `const`: the
+    constexpr values; `floats`: fp32 arguments; the others are i32. Pointers, strides and the
+    `divisible` integers are marked 16-divisible, as a launch with aligned tensors (and integer
+    arguments that Triton specializes) marks them."""
     import triton
-    import triton.backends.nvidia as nv
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -79,14 +76,37 @@ def sm90_sass(kern: Any, ptrs: dict[str, str], const: dict[str, Any], num_warps:
     sig = {n: ptrs.get(n, "constexpr" if n in const else ("fp32" if n in floats else "i32"))
            for n in names}
     div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-           if n in ptrs or n.startswith("stride")}
-    k = triton.compile(ASTSource(kern, sig, const, div), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages})
+           if n in ptrs or n.startswith("stride") or n in divisible}
+    return triton.compile(ASTSource(kern, sig, const, div), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def sm90_sass(kern: Any, ptrs: dict[str, str], const: dict[str, Any], num_warps: int,
+              num_stages: int, floats: tuple[str, ...] = ("scale",)) -> str:
+    """Compile `kern` for sm_90 (`_compile_sm90`) and return its SASS (nvdisasm of the cubin)."""
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    k = _compile_sm90(kern, ptrs, const, num_warps, num_stages, floats)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
         return subprocess.run([str(Path(nv.__file__).parent / "bin" / "nvdisasm"), f.name],
                               capture_output=True, text=True, check=True).stdout
+
+
+def sm90_mma_waits(kern: Any, ptrs: dict[str, str], const: dict[str, Any], divisible: tuple[str, ...],
+                   num_warps: int = 4, num_stages: int = 3) -> tuple[Counter[str], Counter[int]]:
+    """Compile `kern` for sm_90 (`_compile_sm90`) and count, in its PTX, the MMA instructions
+    (wgmma and mma.sync with shapes and types) and the `wgmma.wait_group N` waits by N: a wait
+    with N > 0 leaves MMAs in flight (the loop overlaps them), N = 0 waits for every one."""
+    import re
+
+    ptx = _compile_sm90(kern, ptrs, const, num_warps, num_stages, divisible=divisible).asm["ptx"]
+    mmas = Counter(re.findall(r"(wgmma\.mma_async\S*|mma\.sync\S*)", ptx))
+    waits = Counter(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))
+    return mmas, waits
 
 
 def fused_moe_mmas(kind: str, swap: bool, zero: bool) -> tuple[Counter[str], Counter[str]]:

@@ -72,6 +72,21 @@ def test_fp8_experts_match_the_dequantized_loop_at_the_30b_shape(experts, tokens
                                                               m.w2_scale, cfg))
 
 
+@pytest.mark.parametrize("tokens", [1, 256, 2048])
+def test_prescaled_fp8_experts_are_the_bf16_kernels_on_the_dequantized_weights(experts, tokens: int) -> None:
+    """PRESCALE_FROM_TOKENS's kernels: bit for bit the bf16 kernels (kernels/fused_moe.py) with the
+    same tiles on the bf16 weights the torch path dequantizes to, at every config engines run."""
+    from milepost.kernels import fused_moe_fp8 as f8
+
+    m = experts
+    x, ids, w = _inputs(tokens)
+    with torch.inference_mode():
+        w13, w2 = m.dequantize_w13().bfloat16().contiguous(), m.dequantize_w2().bfloat16().contiguous()
+        for cfg in _configs():
+            got = f8.fused_expert_mlp_fp8(x, ids, w, m.w13, m.w13_scale, m.w2, m.w2_scale, cfg, prescale=True)
+            assert torch.equal(got, f8.fm.fused_expert_mlp(x, ids, w, w13, w2, cfg)), cfg.label()
+
+
 def test_fp8_experts_are_captured_in_a_cuda_graph(experts) -> None:
     from milepost.kernels.fused_moe_fp8 import fused_expert_mlp_fp8
 

@@ -83,6 +83,32 @@ def test_fp8_expert_kernels_equal_dequantize_then_matmul(block_n: int, block_k: 
                    f8.GemmConfig(32, 256))
 
 
+@pytest.mark.parametrize("block_k,swap", [(64, False), (128, True)])
+def test_prescaled_fp8_kernels_are_the_bf16_kernels_on_the_dequantized_weights(
+        block_k: int, swap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prescaled (each weight tile scaled and rounded to the activation dtype before the MMA):
+    bit for bit the bf16 path's kernels (kernels/fused_moe.py) on the weights the torch path
+    dequantizes to, with the same tiles; PRESCALE_FROM_TOKENS picks it by the token count."""
+    experts, hidden, inter, k, t = 5, 160, 48, 2, 7
+    mod, _, _ = _experts(experts, hidden, inter, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(t, hidden, generator=g).to(DEV)
+    ids, w = _routing(t, experts, k, g)
+    w13, w2 = mod.dequantize_w13().to(x.dtype), mod.dequantize_w2().to(x.dtype)
+    cfg = f8.MoeConfig(16, f8.GemmConfig(32, block_k, swap_ab=swap),
+                       f8.GemmConfig(32, block_k, swap_ab=swap), hist_align=swap)
+    fp8 = (x, ids, w, mod.w13, mod.w13_scale, mod.w2, mod.w2_scale, cfg)
+    want = f8.fm.fused_expert_mlp(x, ids, w, w13.contiguous(), w2.contiguous(), cfg)
+    assert torch.equal(f8.fused_expert_mlp_fp8(*fp8, prescale=True), want)
+    unscaled = f8.fused_expert_mlp_fp8(*fp8, prescale=False)
+    torch.testing.assert_close(unscaled, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert not torch.equal(unscaled, want)  # scaling the products rounds otherwise
+    monkeypatch.setattr(f8, "PRESCALE_FROM_TOKENS", t)
+    assert torch.equal(f8.fused_expert_mlp_fp8(*fp8), want)
+    monkeypatch.setattr(f8, "PRESCALE_FROM_TOKENS", t + 1)
+    assert torch.equal(f8.fused_expert_mlp_fp8(*fp8), unscaled)
+
+
 def _loop(x, ids, w, w13, w2) -> torch.Tensor:
     """fp32 reference: each (token, slot) pair by hand."""
     out = torch.zeros_like(x)
@@ -326,3 +352,35 @@ def test_fp8_w8a8_experts_setting_quantizes_the_expert_inputs(moe_ckpt: Path, tm
         build_engine(ServerArgs(**{**base, "model_path": moe_ckpt}, fp8_w8a8_experts=True).resolved())
     with pytest.raises(ValueError, match="--fp8-w8a8-experts .* int4"):
         ServerArgs(**{**base, "quantization": "int4"}, fp8_w8a8_experts=True).resolved()
+
+
+# Compiled for the H100/H200 (sm_90) with Triton's bundled ptxas, in a process of its own (this
+# module runs the interpreter without CUDA). Tiles of the committed 30B-A3B decode configs.
+_COMPILE_PRESCALED = """
+from milepost.kernels import fused_moe as fm, fused_moe_fp8 as f8
+from milepost.testing.hopper_compile import sm90_mma_waits
+
+common = dict(SORTED="*i32", BLOCK_EXPERT="*i32", TOTAL="*i32")
+ints = ("inter", "hidden")
+for bm, swap in ((16, True), (32, False)):
+    c = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, EVEN_K=True, SWAP=swap, TOP_K=8)
+    bf16, _ = sm90_mma_waits(fm._gate_up_kernel, dict(X="*bf16", W13="*bf16", **common, ACT="*bf16"), c, ints)
+    got = {}
+    for pre in (False, True):
+        got[pre] = sm90_mma_waits(f8._gate_up_fp8_kernel, dict(X="*bf16", W13="*fp8e4nv", S13="*fp32",
+                                  **common, ACT="*bf16"), {**c, "SCALE_N": 128, "PRESCALE": pre}, ints)
+        assert got[pre][0] == bf16, (bm, swap, pre, got[pre][0], bf16)  # the bf16 kernel's MMAs
+    if swap:  # the weight tile is the register operand: prescaled, MMAs stay in flight
+        assert max(got[True][1]) > 0 and max(got[False][1]) == 0, (got[True][1], got[False][1])
+"""
+
+
+@pytest.mark.skipif(not importlib.import_module("milepost.testing.hopper_compile").ptxas_available(),
+                    reason="Triton's NVIDIA backend (bundled ptxas) is not installed")
+def test_prescaled_kernels_compile_for_hopper_with_the_bf16_kernels_mmas() -> None:
+    """The prescaled W8A16 kernels issue the bf16 kernels' MMA instructions (so the same sums on
+    the GPU as on the dequantized bf16 weights), and with the weight rows on the MMA's M side they
+    wait for MMAs only with some still in flight, where scaling each product waits for all."""
+    from milepost.testing.hopper_compile import run_compiled
+
+    run_compiled(_COMPILE_PRESCALED)
