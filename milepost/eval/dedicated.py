@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,6 +40,10 @@ class DedicatedFleet:
         self.max_concurrency = max_concurrency
         self.engines: list[ManagedProcess] = []
         self.urls: list[str] = []
+        # One snapshot on the fleet at a time: the evaluator runs up to --max-outstanding-evals
+        # evaluations on threads of its own, and a second one loading its weights would have the
+        # first's remaining requests served by them (its score then skipped as mixed versions).
+        self._one_at_a_time = threading.Lock()
         try:
             for i in range(num_engines):
                 port = free_port()
@@ -55,7 +60,8 @@ class DedicatedFleet:
             raise
 
     def evaluate(self, checkpoint_dir: Path, prompt_data: Path, step: int) -> dict[str, float]:
-        return asyncio.run(self._evaluate(Path(checkpoint_dir), str(step + 1)))
+        with self._one_at_a_time:
+            return asyncio.run(self._evaluate(Path(checkpoint_dir), str(step + 1)))
 
     async def _evaluate(self, snapshot: Path, version: str) -> dict[str, float]:
         clients = [EngineClient(url) for url in self.urls]
