@@ -62,7 +62,7 @@ def mma_counts(kern: Any, ptrs: dict[str, str], ints: str, const: dict[str, Any]
     return Counter(re.findall(r"(wgmma\.mma_async\S*|mma\.sync\S*)", k.asm["ptx"]))
 
 
-def _compile_sm90(kern: Any, ptrs: dict[str, str], const: dict[str, Any], num_warps: int,
+def compile_sm90(kern: Any, ptrs: dict[str, str], const: dict[str, Any], num_warps: int,
                   num_stages: int, floats: tuple[str, ...] = (), divisible: tuple[str, ...] = ()) -> Any:
     """Compile `kern` for sm_90. `ptrs`: pointer arguments and their types; `const`: the
     constexpr values; `floats`: fp32 arguments; the others are i32. Pointers, strides and the
@@ -83,12 +83,12 @@ def _compile_sm90(kern: Any, ptrs: dict[str, str], const: dict[str, Any], num_wa
 
 def sm90_sass(kern: Any, ptrs: dict[str, str], const: dict[str, Any], num_warps: int,
               num_stages: int, floats: tuple[str, ...] = ("scale",)) -> str:
-    """Compile `kern` for sm_90 (`_compile_sm90`) and return its SASS (nvdisasm of the cubin)."""
+    """Compile `kern` for sm_90 (`compile_sm90`) and return its SASS (nvdisasm of the cubin)."""
     import tempfile
 
     import triton.backends.nvidia as nv
 
-    k = _compile_sm90(kern, ptrs, const, num_warps, num_stages, floats)
+    k = compile_sm90(kern, ptrs, const, num_warps, num_stages, floats)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
@@ -98,12 +98,12 @@ def sm90_sass(kern: Any, ptrs: dict[str, str], const: dict[str, Any], num_warps:
 
 def sm90_mma_waits(kern: Any, ptrs: dict[str, str], const: dict[str, Any], divisible: tuple[str, ...],
                    num_warps: int = 4, num_stages: int = 3) -> tuple[Counter[str], Counter[int]]:
-    """Compile `kern` for sm_90 (`_compile_sm90`) and count, in its PTX, the MMA instructions
+    """Compile `kern` for sm_90 (`compile_sm90`) and count, in its PTX, the MMA instructions
     (wgmma and mma.sync with shapes and types) and the `wgmma.wait_group N` waits by N: a wait
     with N > 0 leaves MMAs in flight (the loop overlaps them), N = 0 waits for every one."""
     import re
 
-    ptx = _compile_sm90(kern, ptrs, const, num_warps, num_stages, divisible=divisible).asm["ptx"]
+    ptx = compile_sm90(kern, ptrs, const, num_warps, num_stages, divisible=divisible).asm["ptx"]
     mmas = Counter(re.findall(r"(wgmma\.mma_async\S*|mma\.sync\S*)", ptx))
     waits = Counter(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))
     return mmas, waits

@@ -30,6 +30,7 @@ from milepost.lowprec.quantize import dequantize, error_bound, quantize
 from milepost.models.qwen3_moe import StackedExperts
 from milepost.models.registry import load_model
 from milepost.testing.checkpoints import make_tiny_checkpoint
+from milepost.testing.hopper_compile import needs_ptxas, run_compiled
 
 torch.set_num_threads(1)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -375,12 +376,9 @@ for bm, swap in ((16, True), (32, False)):
 """
 
 
-@pytest.mark.skipif(not importlib.import_module("milepost.testing.hopper_compile").ptxas_available(),
-                    reason="Triton's NVIDIA backend (bundled ptxas) is not installed")
+@needs_ptxas()
 def test_prescaled_kernels_compile_for_hopper_with_the_bf16_kernels_mmas() -> None:
     """The prescaled W8A16 kernels issue the bf16 kernels' MMA instructions (so the same sums on
     the GPU as on the dequantized bf16 weights), and with the weight rows on the MMA's M side they
     wait for MMAs only with some still in flight, where scaling each product waits for all."""
-    from milepost.testing.hopper_compile import run_compiled
-
     run_compiled(_COMPILE_PRESCALED)

@@ -15,6 +15,8 @@ if not torch.cuda.is_available():  # must precede the first triton import
 pytest.importorskip("triton")
 router = importlib.import_module("milepost.kernels.moe_router")
 
+from milepost.testing.hopper_compile import needs_ptxas, run_compiled  # noqa: E402
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -114,10 +116,8 @@ def test_moe_forward_with_the_router_kernels(monkeypatch: pytest.MonkeyPatch) ->
 
 _COMPILE_ROUTE = """
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from milepost.kernels import moe_router
-fn = moe_router._route_kernel
+from milepost.testing.hopper_compile import compile_sm90
 ptrs = {"LOGITS": "*bf16", "OUT_W": "*bf16", "IDS": "*i64", "REC": "*i32"}
 for experts, top_k, block_t, warps in ((128, 8, 2, 1), (60, 4, 4, 1), (512, 10, 1, 4), (16, 2, 16, 2)):
     e_pad = triton.next_power_of_2(experts)
@@ -125,17 +125,12 @@ for experts, top_k, block_t, warps in ((128, 8, 2, 1), (60, 4, 4, 1), (512, 10, 
     c = {"E": experts, "LANES": lanes, "LOG_LANES": lanes.bit_length() - 1, "ITERS": e_pad // lanes,
          "K": top_k, "K_PAD": triton.next_power_of_2(top_k), "BLOCK_T": block_t, "NORM": True,
          "RECORD": True, "LIBDEVICE_EXP": True}
-    sig = {n: ptrs.get(n, "constexpr" if n in c else "i32") for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    assert k.asm["cubin"], (experts, top_k)
+    assert compile_sm90(moe_router._route_kernel, ptrs, c, warps, 3).asm["cubin"], (experts, top_k)
 """
 
 
+@needs_ptxas()
 def test_route_kernel_compiles_for_sm90() -> None:
     """The interpreter never lowers the kernel (libdevice's expf, the lane butterfly's reshapes):
     compile it for an H100/H200 here (Triton's bundled ptxas, no GPU)."""
-    from milepost.testing.hopper_compile import ptxas_available, run_compiled
-
-    if not ptxas_available():
-        pytest.skip("this Triton has no bundled ptxas")
     run_compiled(_COMPILE_ROUTE)

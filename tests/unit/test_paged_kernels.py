@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 kernels = importlib.import_module("milepost.kernels.paged_attention")
 
 from milepost.models.attention import PagedBatch, PagedKVCache, TorchPagedAttention
+from milepost.testing.hopper_compile import needs_ptxas, run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE, D = 4, 16
@@ -220,34 +221,22 @@ print("compiled")
 """
 
 
+@needs_ptxas()
 def test_rope_kernels_compile_for_sm90() -> None:
     """norm_rope and rope_store share one jit helper: both still compile for an H100/H200."""
-    from milepost.testing.hopper_compile import ptxas_available, run_compiled
-
-    if not ptxas_available():
-        pytest.skip("this Triton has no bundled ptxas")
     run_compiled(_COMPILE_ROPE)
 
 
 _COMPILE_DECODE = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from milepost.kernels import paged_attention
-fn = paged_attention._decode_split_kernel
+from milepost.testing.hopper_compile import compile_sm90
 ptrs = {"Q": "*bf16", "KC": "*bf16", "VC": "*bf16", "tables": "*i32", "seq_lens": "*i32",
         "O_part": "*fp32", "L_part": "*fp32", "Out": "*bf16"}
 c = {"GROUP": 2, "BLOCK_H": 16, "D": 128, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 1, "IEEE": False}
-sig = {n: ptrs.get(n, "constexpr" if n in c else ("fp32" if n == "scale" else "i32")) for n in fn.arg_names}
-k = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 2, "num_stages": 3})
-assert k.asm["cubin"]
+assert compile_sm90(paged_attention._decode_split_kernel, ptrs, c, 2, 3, floats=("scale",)).asm["cubin"]
 """
 
 
+@needs_ptxas()
 def test_decode_kernel_compiles_for_sm90() -> None:
-    from milepost.testing.hopper_compile import ptxas_available, run_compiled
-
-    if not ptxas_available():
-        pytest.skip("this Triton has no bundled ptxas")
     run_compiled(_COMPILE_DECODE)
