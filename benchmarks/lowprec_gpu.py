@@ -81,10 +81,14 @@ def gemms(shape: str) -> list[dict]:
 
 MODES = {"bf16": (None, "auto"), "fp8_block": ("fp8_block", "auto"),
          "fp8_block_unfused": ("fp8_block", "auto"),
-         "fp8_block+fp8_kv": ("fp8_block", "fp8_e4m3"), "int4": ("int4", "auto")}
+         "fp8_block+fp8_kv": ("fp8_block", "fp8_e4m3"), "int4": ("int4", "auto"),
+         "fp8_block_nostream": ("fp8_block", "auto")}
 # fp8_block_unfused: each FP8 linear quantizes its own input (a launch per linear), as before the
 # norms and SiLU * up made the FP8 activations themselves (QuantizedLinear.fuse_act_quant off).
 UNFUSED_ACT = ("fp8_block_unfused",)
+# fp8_block_nostream: the stream-K decode GEMM kept out of the probe (fp8_gemm.STREAM off; the
+# probe runs again for it), so the decode M buckets choose among the GEMMs that were there before.
+NO_STREAM = ("fp8_block_nostream",)
 
 
 def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -> list[dict]:
@@ -170,6 +174,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
     weights + an FP8 KV pool, one engine at a time in this process (each closed and its pool
     freed before the next starts); the pool is sized by --mem-fraction-static, so
     kv_pool_tokens shows what fits."""
+    from milepost.kernels import fp8_gemm
     from milepost.lowprec.engine_store import QuantizedLinear
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -178,6 +183,10 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
         quant, kv = MODES[mode]
         # read when the decode graphs are captured (engine start) and by every eager forward
         QuantizedLinear.fuse_act_quant = mode not in UNFUSED_ACT
+        if device == "cuda":
+            fp8_gemm.STREAM = mode not in NO_STREAM
+            fp8_gemm._BACKEND.clear()  # probe again with or without the stream-K kernel
+            fp8_gemm._SMALL.clear()
         native, config_dir = bench_models.native_model(None, shape, dtype, torch.device(device), 0)
         vocab = native.vocab_size
         sargs = ServerArgs(model_path=config_dir, device=device, dtype=str(dtype)[6:],
@@ -196,12 +205,12 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
                          "weight_bytes": weights,
                          "kv_pool_tokens": engine.cfg.num_blocks * engine.cfg.block_size}
             if quant and device == "cuda":  # the GEMM each decode M bucket got (probe + timing)
-                from milepost.kernels import fp8_gemm
-
                 out[mode]["fp8_gemm_by_m"] = dict(fp8_gemm._SMALL.get(torch.cuda.current_device(), {}))
         finally:
             engine.close()
             QuantizedLinear.fuse_act_quant = True
+            if device == "cuda":
+                fp8_gemm.STREAM = True
         # The engine and everything that refers to it go before the next one sizes its pool.
         del engine, bench, native
         gc.collect()
@@ -209,9 +218,12 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
             torch.cuda.empty_cache()
         print(json.dumps(out), flush=True)
     if "bf16" in out:
-        for mode in ("fp8_block", "fp8_block_unfused", "fp8_block+fp8_kv", "int4"):
+        for mode in ("fp8_block", "fp8_block_unfused", "fp8_block+fp8_kv", "int4", "fp8_block_nostream"):
             if mode in out:
                 out[f"{mode}_over_bf16_decode"] = out[mode]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
+    if "fp8_block" in out and "fp8_block_nostream" in out:
+        out["fp8_stream_over_nostream_decode"] = (out["fp8_block"]["decode_tok_s"]
+                                                  / out["fp8_block_nostream"]["decode_tok_s"])
     if "fp8_block" in out and "fp8_block_unfused" in out:
         out["fp8_fused_act_over_unfused_decode"] = (out["fp8_block"]["decode_tok_s"]
                                                     / out["fp8_block_unfused"]["decode_tok_s"])

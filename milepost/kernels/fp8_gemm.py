@@ -6,9 +6,10 @@ padded to a multiple of 4; K/128 a multiple of 4, see `cublas_takes`) where a pr
 whose scales differ by orders of magnitude gives the emulated product, else a Triton kernel
 (DeepSeek-V3's recipe: per 128-wide K step, an FP8 tensor-core product scaled by both blocks'
 scales, accumulated in fp32), else emulated with a warning. At decode batch sizes (M <=
-DECODE_M) a third one competes, `decode_block_mm` (fp8_decode.py: a split-K FP8 GEMM with
-configs measured per shape); per M bucket the fastest correct GEMM is used, timed once from CUDA
-graphs. An activation already quantized by the kernel that made it (an Fp8Act: the norms and
+DECODE_M) two more compete, `decode_block_mm` (fp8_decode.py: a split-K FP8 GEMM with
+configs measured per shape) and `stream_mm` (stream_decode.py: one wave of persistent programs
+streaming equal shares of the weight); per M bucket the fastest correct GEMM is used, timed once
+from CUDA graphs. An activation already quantized by the kernel that made it (an Fp8Act: the norms and
 SiLU * up of kernels/fused_fp8_act.py) takes `fp8_act_linear`: the same GEMMs, no quantize launch.
 """
 
@@ -31,6 +32,8 @@ from milepost.kernels.fp8_decode import (  # noqa: F401 - DECODE_* and DecodeCon
 )
 from milepost.kernels.fp8_quant import TILE, _round_e4m3, _sm_count, quantize_act_1x128  # noqa: F401
 from milepost.kernels.fp8_train_quant import quantize_blocks
+from milepost.kernels.fused_fp8_act import quantize_rows_fp8
+from milepost.kernels.stream_decode import StreamConfig, stream_config, stream_mm
 from milepost.lowprec.fp8_act import Fp8Act
 from milepost.lowprec.fp8_options import Fp8TrainOptions
 
@@ -39,6 +42,9 @@ _BACKEND: dict[int, str] = {}  # device -> GEMM for any M
 _SMALL: dict[int, dict[int, str]] = {}  # device -> M bucket (<= DECODE_M) -> GEMM
 _ROWS: dict[int, str] = {}  # device -> weight-gradient GEMM (both operands 1x128 along tokens)
 DECODE_M = 256
+# Whether the stream-K kernel competes at decode M (an A/B switch for whole-engine runs, read by the
+# probe: benchmarks/lowprec_gpu.py's fp8_block_nostream mode).
+STREAM = True
 
 
 @triton.jit
@@ -201,8 +207,20 @@ def _decode_variants(m: int, n: int, k: int, sms: int, option: str = "") -> list
             cfg._replace(block_m=64, block_n=256, split=2, warps=8, stages=3)]
 
 
+def _stream_variants(m: int, n: int, k: int) -> list[StreamConfig]:
+    """stream_config's choice, the other MMA layout, the pieces summed by the second kernel, two
+    programs an SM and 128-wide weight tiles: the code paths a config can take."""
+    cfg = stream_config(m, n, k, True)
+    return [cfg, cfg._replace(swap=not cfg.swap, block_m=16 if cfg.swap else 64, ticket=False),
+            cfg._replace(per_sm=2, block_n=128, stages=3)]
+
+
 def _run_case(name: str, case: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     xq, sx, w, sw, x = case
+    if name == "stream":
+        m = x.shape[0]
+        return [stream_mm(xq, w, torch.bfloat16, sx=sx, sw=sw, m=m, cfg=c)
+                for c in _stream_variants(m, w.shape[0], x.shape[1])]
     if name.startswith("decode"):
         m, k = x.shape
         return [decode_block_mm(x, w, sw, torch.bfloat16, c) for c in _decode_variants(
@@ -216,7 +234,8 @@ def _probe(device: torch.device) -> list[str]:
     cases = _probe_cases(device)
     refs = [emulated_block_mm(*c[:4], torch.float32) for c in cases]
     ok: list[str] = []
-    for name in ("triton", "scaled_mm", "decode", "decode_ticket", "decode_narrow"):
+    names = ("triton", "scaled_mm", "decode", "decode_ticket", "decode_narrow") + (("stream",) if STREAM else ())
+    for name in names:
         if name == "scaled_mm":  # the K cuBLAS does not take go to the checked fallback
             _FALLBACK[device.index or 0] = "triton" if ok else "emulated"
         try:
@@ -233,8 +252,8 @@ def _probe(device: torch.device) -> list[str]:
     # An option that failed is dropped from every config (parts summed by the second kernel,
     # all rows quantized), not the decode kernel.
     _FAILED[device.index or 0] = {o for o in ("ticket", "narrow") if f"decode_{o}" not in ok}
-    ok = [n for n in ok if n in ("triton", "scaled_mm", "decode")]
-    return sorted(ok, key=lambda n: (n != "scaled_mm", n == "decode"))
+    ok = [n for n in ok if n in ("triton", "scaled_mm", "decode", "stream")]
+    return sorted(ok, key=lambda n: (n != "scaled_mm", n in _DECODE_ONLY))
 
 
 def _replay_ms(fn, device: torch.device, reps: int = 20) -> float:
@@ -278,7 +297,7 @@ def _faster_at_decode(device: torch.device, names: list[str]) -> dict[int, str]:
 
 
 def block_backend(device: torch.device, m: int | None = None) -> str:
-    """'scaled_mm' | 'triton' | 'decode' | 'emulated' for this CUDA device, and for `m` rows
+    """'scaled_mm' | 'triton' | 'decode' | 'stream' | 'emulated' for this CUDA device, and for `m` rows
     when given (at most DECODE_M: the fastest correct one for m's bucket). Probed once, on
     operands that show a wrong scale layout; a fallback from cuBLAS is announced with a warning."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -297,6 +316,13 @@ def block_backend(device: torch.device, m: int | None = None) -> str:
     return _BACKEND[idx]
 
 
+_DECODE_ONLY = ("decode", "stream")  # GEMMs for decode M whose N must be whole 128-row tiles
+
+
+def _stream_fits(w: torch.Tensor) -> bool:
+    return w.shape[0] % TILE == 0 and w.shape[1] % TILE == 0
+
+
 def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
                      backend: str | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) times fp8 weight w [N, K] with 128x128 scales sw."""
@@ -306,7 +332,10 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
     x2 = x.reshape(-1, shape[-1]).contiguous()
     if backend == "decode" and w.shape[0] % TILE == 0:
         return decode_block_mm(x2, w, sw, x.dtype).reshape(*shape[:-1], w.shape[0])
-    if backend == "decode":  # N not whole tiles: the GEMM for any M
+    if backend == "stream" and _stream_fits(w):
+        a = quantize_rows_fp8(x2)
+        return stream_mm(a.values, w, x.dtype, sx=a.scales, sw=sw, m=m).reshape(*shape[:-1], w.shape[0])
+    if backend in _DECODE_ONLY:  # N (or K) not whole tiles: the GEMM for any M
         backend = block_backend(x.device)
     pad = 4 if backend == "scaled_mm" else 1
     xq, sx = quantize_act_1x128(x2, pad)
@@ -324,7 +353,9 @@ def fp8_act_linear(a: Fp8Act, w: torch.Tensor, sw: torch.Tensor,
     backend = backend or block_backend(dev, m)
     if backend == "decode" and w.shape[0] % TILE == 0:
         return decode_block_mm_quantized(a.values, a.scales, m, w, sw, a.dtype)
-    if backend == "decode":  # N not whole tiles: the GEMM for any M
+    if backend == "stream" and _stream_fits(w):
+        return stream_mm(a.values, w, a.dtype, sx=a.scales, sw=sw, m=m)
+    if backend in _DECODE_ONLY:  # N (or K) not whole tiles: the GEMM for any M
         backend = block_backend(dev)
     if backend == "scaled_mm":  # takes the padded rows as they are (M-major scales, Mp % 4 == 0)
         return scaled_mm_block(a.values, a.scales, w, sw, a.dtype)[:m]
@@ -351,7 +382,9 @@ def static_block_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
     quantizes per block itself, so decode M takes the Triton GEMM where it passed the probe."""
     m = xq.shape[0]
     backend = backend or block_backend(xq.device, m)
-    if backend == "decode":
+    if backend == "stream" and _stream_fits(w):
+        return stream_mm(xq, w, out_dtype, sx=sx, sw=sw, m=m)
+    if backend in _DECODE_ONLY:
         fallback = _FALLBACK.get(xq.device.index or 0)
         backend = "triton" if fallback == "triton" else block_backend(xq.device)
     fn = {"scaled_mm": scaled_mm_block, "triton": triton_block_mm,

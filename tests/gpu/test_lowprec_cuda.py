@@ -96,7 +96,7 @@ def test_decode_gemm_configs_give_the_emulated_product() -> None:
         ref = fg.emulated_block_mm(xq, sx, w.values, w.scales, torch.float32)
         y = fg.decode_block_mm(x, w.values, w.scales, torch.bfloat16, cfg)
         assert fg._agrees(y.float(), ref), ((n, k, m), cfg)
-    assert {fg.block_backend(dev, m) for m in fg.DECODE_BUCKETS} <= {"scaled_mm", "triton", "decode"}
+    assert {fg.block_backend(dev, m) for m in fg.DECODE_BUCKETS} <= {"scaled_mm", "triton", "decode", "stream"}
 
 
 def test_engine_model_stores_fp8_and_keeps_the_contract(tmp_path) -> None:

@@ -181,7 +181,7 @@ def test_k_not_whole_blocks_is_refused() -> None:
         rms_norm_fp8(x, torch.ones(192, device=DEV), 1e-6)
 
 
-@pytest.mark.parametrize("backend", ["decode", "triton", "emulated"])
+@pytest.mark.parametrize("backend", ["decode", "stream", "triton", "emulated"])
 def test_fp8_act_linear_equals_the_linear_that_quantizes_itself(backend: str) -> None:
     """The same product from the Fp8Act (its padding rows never reach the output) as from the
     bf16 activation quantized inside fp8_block_linear, for each GEMM; N = 384 > one tile."""
@@ -200,7 +200,7 @@ def test_fp8_act_linear_equals_the_linear_that_quantizes_itself(backend: str) ->
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
-CASES = [("decode", False, True), ("decode", True, True), ("emulated", False, False)]
+CASES = [("decode", False, True), ("decode", True, True), ("stream", False, True), ("emulated", False, False)]
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="CPU forcing of the native path (tests/gpu runs the real one)")
@@ -211,8 +211,8 @@ def test_engine_decodes_the_same_with_the_fusion_on_and_off(
     """Greedy tokens and log-probs of an fp8_block engine (every projection tile-aligned, native
     FP8 linears forced on the CPU) equal with QuantizedLinear.fuse_act_quant on and off. Cases:
     the decode GEMM with its own quantize launch, the decode GEMM quantizing inside itself
-    (a fused table config: the Fp8Act path runs it on the given bits instead), the emulated
-    GEMM; with the residual adds inside the norms (DecoderLM.forward) and apart
+    (a fused table config: the Fp8Act path runs it on the given bits instead), the stream-K
+    GEMM, the emulated GEMM; with the residual adds inside the norms (DecoderLM.forward) and apart
     (DecoderLayer.forward). Only o_proj's quantize launches are left when the fusion is on."""
     from milepost.engine.server_args import ServerArgs
     from milepost.engine.setup import build_engine
@@ -246,6 +246,7 @@ def test_engine_decodes_the_same_with_the_fusion_on_and_off(
 
     monkeypatch.setattr(fp8_decode, "quantize_act_1x128", counted(fp8_decode.quantize_act_1x128, "quantize"))
     monkeypatch.setattr(fp8_gemm, "quantize_act_1x128", counted(fp8_gemm.quantize_act_1x128, "quantize"))
+    monkeypatch.setattr(fp8_gemm, "quantize_rows_fp8", counted(fp8_gemm.quantize_rows_fp8, "quantize"))
     monkeypatch.setattr(fp8_gemm, "fp8_act_linear", counted(fp8_gemm.fp8_act_linear, "prequantized"))
     out, counts = {}, {}
     for fused in (False, True):
