@@ -26,6 +26,7 @@ from milepost.kernels.stream_decode import (
     stream_programs,
 )
 from milepost.lowprec.quantize import quantize
+from milepost.testing.hopper_compile import needs_ptxas, run_compiled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter multiplies bf16 tiles wrongly (a bf16 tl.dot of randn gives ~1e11 here);
@@ -122,3 +123,30 @@ def test_programs_share_the_units_evenly() -> None:
     assert splits_tiles(30, 8, 5) and not splits_tiles(32, 8, 2) and not splits_tiles(5, 5, 1)
     assert stream_config(1, 6144, 2560, True) == StreamConfig(16, 64, 128, True, 4, 4, 1)
     assert stream_config(200, 2560, 9728, False).block_m == 64
+
+
+_COMPILE_FOR_HOPPER = """
+import re
+from milepost.kernels.stream_decode import _stream_kernel
+from milepost.testing.hopper_compile import compile_sm90
+
+for fp8, swap, stages in ((True, True, 5), (True, False, 3), (False, True, 4)):
+    t = "fp8e4nv" if fp8 else "bf16"
+    s = "*fp32" if fp8 else "*bf16"
+    ptrs = dict(X="*" + t, SX=s, W="*" + t, SW=s, C="*bf16", P="*fp32", CNT="*i32")
+    const = dict(BLOCK_M=16 if swap else 64, BLOCK_N=64, BLOCK_K=128 if fp8 else 64, FP8=fp8,
+                 SWAP=swap, TICKET=True, STAGES=stages)
+    ptx = compile_sm90(_stream_kernel, ptrs, const, 4, stages).asm["ptx"]
+    mma = "e4m3.e4m3" if fp8 else "bf16.bf16"
+    assert re.search(r"wgmma\\.mma_async\\S*" + mma, ptx), (fp8, swap)
+    waits = [int(n) for n in re.findall(r"cp\\.async\\.wait_group\\s+(\\d+)", ptx)]
+    groups = 4 if fp8 else 2  # load groups a stage: weight, activation (and both scales)
+    assert max(waits) == groups * (stages - 2), (fp8, swap, stages, waits)
+"""
+
+
+@needs_ptxas()
+def test_the_persistent_loop_compiles_for_hopper_with_loads_stages_ahead() -> None:
+    """sm_90: the tensor-core MMA in fp8 or bf16, and the one loop over units (across tile
+    boundaries) keeps the loads of stages - 2 further units in flight while one is multiplied."""
+    run_compiled(_COMPILE_FOR_HOPPER)
