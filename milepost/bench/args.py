@@ -84,6 +84,9 @@ class BenchArgs(BaseModel):
     quantization: Literal["fp8", "fp8_block", "mxfp8", "nvfp4", "int4"] | None = Field(
         None, description="Engine: weight storage format (milepost serve --quantization; "
         "docs/low_precision.md). Compare with a run without it.")
+    decode_gemm: Literal["cublas", "stream", "auto"] = Field(
+        "cublas", description="Engine: 16-bit projections at decode batch sizes (see milepost "
+        "serve --decode-gemm).")
     fp8_w8a8_experts: bool = Field(
         False, description="Engine, with --quantization fp8_block: MoE experts W8A8 (milepost serve "
         "--fp8-w8a8-experts).")

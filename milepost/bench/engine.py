@@ -59,6 +59,7 @@ def run_bench(args: BenchArgs) -> dict:
         page_size=args.page_size, overlap_schedule=args.overlap_schedule,
         sampling_backend=args.sampling_backend, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         skip_kernel_warmup=args.skip_kernel_warmup, fp8_w8a8_experts=args.fp8_w8a8_experts,
+        decode_gemm=args.decode_gemm,
     ).resolved()
     weights_per_step: dict[int, float] = {}  # decode batch size -> weight bytes one step reads
     kv_token_bytes = kv_bytes_per_token(native, torch.float8_e4m3fn if sargs.kv_cache_dtype == "fp8_e4m3"
@@ -101,7 +102,7 @@ def run_bench(args: BenchArgs) -> dict:
     return {
         "model": str(args.model or args.shape), "parameters": parameter_count(native),
         "device": _device_name(device), "dtype": str(dtype).removeprefix("torch."),
-        "kv_cache_dtype": sargs.kv_cache_dtype, "kv_pool_tokens": pool_tokens,
+        "kv_cache_dtype": sargs.kv_cache_dtype, "kv_pool_tokens": pool_tokens, "decode_gemm": sargs.decode_gemm,
         "peak_bandwidth": peak, "torch": torch.__version__,
         "scenarios": rows,
     }

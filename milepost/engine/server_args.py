@@ -120,6 +120,12 @@ class ServerArgs(BaseModel):
     disable_cuda_graph: bool = Field(
         False, description="Run decode steps eagerly instead of replaying captured CUDA graphs."
     )
+    decode_gemm: Literal["cublas", "stream", "auto"] = Field(
+        "cublas", description="CUDA, 16-bit projections at decode batch sizes (<= 256 rows): "
+        "cublas (F.linear); stream = the stream-K GEMM (one wave of persistent programs, each "
+        "reading an equal share of the weight; docs/engine_speed.md); auto = whichever of the two "
+        "was faster per weight shape and batch bucket, timed on the model's weights at start. "
+        "Values differ from cuBLAS's by the order of fp32 sums only.")
     skip_kernel_warmup: bool = Field(
         False, description="Start serving without first running one prefill of each step size "
         "(CUDA: compiles the kernels whose tiles depend on the token count at start instead of "

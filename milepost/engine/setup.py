@@ -147,6 +147,10 @@ def build_engine(
         from milepost.lora.routes import start_adapter_pool
 
         runner.lora = start_adapter_pool(model, args, device, dtype)
+    if args.decode_gemm != "cublas":
+        from milepost.engine.decode_gemm import use_stream_linears
+
+        use_stream_linears(model, args.decode_gemm, device)
     runner.capture_cuda_graphs()
     engine = Engine(
         runner,
