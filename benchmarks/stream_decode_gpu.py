@@ -32,19 +32,21 @@ import fp8_gemm_sweep as sweep  # noqa: E402
 
 from milepost.kernels import fp8_decode  # noqa: E402
 from milepost.kernels.fp8_quant import _sm_count, quantize_act_1x128  # noqa: E402
-from milepost.kernels.stream_decode import StreamConfig, stream_mm  # noqa: E402
+from milepost.kernels.stream_decode import StreamConfig, stream_config, stream_mm  # noqa: E402
 
 
-def grid(m: int, fp8: bool, quick: bool) -> list[StreamConfig]:
-    """Weight tiles 64/128 wide, 3-8 stages, 1-2 programs an SM; swapped (x's rows on the MMA's
-    N side) where M fits 16-32 rows, plain from 64."""
+def grid(m: int, n: int, k: int, fp8: bool, quick: bool) -> list[StreamConfig]:
+    """The rule's config first, then weight tiles 64/128 wide, 3-8 stages, 1-2 programs an SM,
+    128-wide K blocks (the shapes' K are multiples of 128); swapped (x's rows on the MMA's N
+    side) where M fits 16-32 rows, both at 64, plain above."""
     bm = max(16, min(64, 1 << max(0, (m - 1).bit_length())))
     swaps = (True,) if bm < 64 else ((True, False) if m <= 64 else (False,))
     stages = (4, 6) if quick else (3, 4, 6, 8)
     out = []
     for swap, bn, st, per_sm in itertools.product(swaps, (64, 128), stages, (1, 2)):
-        out.append(StreamConfig(bm, bn, 128 if fp8 else 64, swap, 4, st, per_sm))
-    return out
+        out.append(StreamConfig(bm, bn, 128, swap, 4, st, per_sm))
+    rule = stream_config(m, n, k, fp8)  # what the engine runs
+    return [rule] + [c for c in out if c != rule]
 
 
 def _agrees16(out: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -83,8 +85,9 @@ def case_row(case: sweep.Case, m: int, sms: int, deadline: float, quick: bool) -
     row["fp8_splitk_us"] = case.time(lambda x, i: fp8_decode.decode_block_mm_quantized(
         xq, sx, m, case.wq[i], case.sw[i], torch.bfloat16), x, ref8)
     fp8_grid: dict[str, float | str] = {}
-    for cfg in grid(m, True, quick):
-        if time.time() > deadline:
+    half = time.time() + (deadline - time.time()) / 2  # fp8's grid, then bf16's
+    for cfg in grid(m, case.n, case.k, True, quick):
+        if time.time() > half:
             break
         fp8_grid[str(tuple(cfg))] = case.time(lambda x, i, c=cfg: stream_mm(
             xq, case.wq[i], torch.bfloat16, sx=sx, sw=case.sw[i], m=m, cfg=c), x, ref8)
@@ -98,7 +101,7 @@ def case_row(case: sweep.Case, m: int, sms: int, deadline: float, quick: bool) -
     ref16 = F.linear(x, case.wb[0]).float()
     row["bf16_cublas_us"] = _time16(case, lambda x, i: F.linear(x, case.wb[i]), x, ref16)
     bf_grid: dict[str, float | str] = {}
-    for cfg in grid(m, False, quick):
+    for cfg in grid(m, case.n, case.k, False, quick):
         if time.time() > deadline:
             break
         bf_grid[str(tuple(cfg))] = _time16(case, lambda x, i, c=cfg: stream_mm(
@@ -127,14 +130,20 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs; us per call from CUDA graphs, TB/s of weight bytes")
     print(f"{'shape':>10} {'proj':>7} {'M':>4} | fp8 splitK  stream  x      TB/s | bf16 cuBLAS  stream  x      TB/s"
           " | best fp8 / bf16 stream config (bm, bn, bk, swap, warps, stages, per_sm, ticket)")
+    ms = [int(v) for v in a.ms.split(",")]
+    rows_left = len(a.shapes.split(",")) * 4 * len(ms)
     for shape in a.shapes.split(","):
         for proj, (n, k) in sweep.LINEARS[shape].items():
             case = sweep.Case(n, k, dev)
-            for m in (int(v) for v in a.ms.split(",")):
+            for m in ms:
                 if time.time() > deadline:
                     print(f"{shape} {proj} M={m}: skipped (time budget)")
                     continue
-                r = case_row(case, m, sms, deadline, a.quick)
+                # each row gets an equal share of the time left: a slow first row (compiles)
+                # does not starve the projections after it
+                row_deadline = time.time() + (deadline - time.time()) / rows_left
+                rows_left -= 1
+                r = case_row(case, m, sms, row_deadline, a.quick)
                 r.update(shape=shape, proj=proj)
                 rows.append(r)
                 f8x = (r["fp8_splitk_us"] / r["fp8_stream_us"]

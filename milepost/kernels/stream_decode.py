@@ -49,12 +49,19 @@ class StreamConfig(NamedTuple):
     ticket: bool = True  # split tiles summed by their last piece (else a second kernel)
 
 
+STAGE_BYTES = 160 << 10  # shared memory for the pipeline's stages (an H100/H200 SM has 227 KB)
+
+
 def stream_config(m: int, n: int, k: int, fp8: bool) -> StreamConfig:
     """The rule until measured per shape (benchmarks/stream_decode_gpu.py): rows in one block up
-    to 64 (swapped below 64), 64-wide weight tiles (128 where N is a multiple of 128 but not of
-    64 cannot happen: 64 divides every multiple of 128), four stages."""
+    to 64 (swapped below 64: x's rows on the MMA's N side), 64-wide weight tiles, 128-wide K
+    blocks where K allows, and as many stages (up to 6) as STAGE_BYTES holds: the weight bytes
+    in flight per SM are what a memory-bound loop needs."""
     bm = max(16, min(64, triton.next_power_of_2(max(m, 1))))
-    return StreamConfig(bm, 64 if n % 64 == 0 else 32, TILE if fp8 else 64, bm < 64, 4, 4, 1)
+    bn = 64 if n % 64 == 0 else 32
+    bk = TILE if fp8 or k % TILE == 0 else 64
+    stage = (bn + bm) * bk * (1 if fp8 else 2)
+    return StreamConfig(bm, bn, bk, bm < 64, 4, max(2, min(6, STAGE_BYTES // stage)), 1)
 
 
 @triton.jit

@@ -121,8 +121,9 @@ def test_programs_share_the_units_evenly() -> None:
     assert stream_programs(3040, 132, 1) == 132  # the 4B gate_up at 128-wide tiles: 23 or 24 each
     assert stream_programs(5, 8, 2) == 5  # never a program without units
     assert splits_tiles(30, 8, 5) and not splits_tiles(32, 8, 2) and not splits_tiles(5, 5, 1)
-    assert stream_config(1, 6144, 2560, True) == StreamConfig(16, 64, 128, True, 4, 4, 1)
-    assert stream_config(200, 2560, 9728, False).block_m == 64
+    assert stream_config(1, 6144, 2560, True) == StreamConfig(16, 64, 128, True, 4, 6, 1)
+    assert stream_config(200, 2560, 9728, False) == StreamConfig(64, 64, 128, False, 4, 5, 1)
+    assert stream_config(8, 320, 448, False).block_k == 64  # K not whole 128-wide blocks
 
 
 _COMPILE_FOR_HOPPER = """
