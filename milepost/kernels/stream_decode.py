@@ -28,6 +28,7 @@ side, which can be as small as 8 rows), for small M.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -204,6 +205,7 @@ def stream_programs(units: int, sms: int, per_sm: int) -> int:
     return max(1, min(units, sms * per_sm))
 
 
+@functools.lru_cache(maxsize=1024)  # per shape: eager calls (small prefills) skip the loop
 def splits_tiles(units: int, programs: int, n_kb: int) -> bool:
     """Whether a program's range starts inside a tile (that tile then has two or more pieces)."""
     return any(p * units // programs % n_kb for p in range(1, programs))
