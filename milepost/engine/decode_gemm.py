@@ -105,6 +105,9 @@ def use_stream_linears(model: nn.Module, mode: str, device: torch.device) -> dic
     {(N, K): buckets} for the shapes converted. Call before the decode graphs are captured."""
     if mode == "cublas" or device.type != "cuda":
         return {}
+    from milepost.kernels.fp8_decode import _tickets
+
+    _tickets(device)  # the kernel's tile counters, allocated now: not inside a graph's memory pool
     chosen = convert_linears(model, lambda mods: set(BUCKETS) if mode == "stream"
                              else time_stream_buckets(mods, device))
     log.info("--decode-gemm %s: stream-K GEMM for %s", mode,
