@@ -99,6 +99,15 @@ def time_stream_buckets(mods: list[nn.Linear], device: torch.device) -> set[int]
     return faster
 
 
+def applies(args) -> bool:
+    """Whether an engine with these (resolved) settings converts its projections: `stream` always
+    (its refused combinations never start); `auto` only for an unquantized model without LoRA
+    adapters (they replace nn.Linear modules themselves) and without --true-on-policy."""
+    if args.decode_gemm == "stream":
+        return True
+    return args.decode_gemm == "auto" and not (args.quantization or args.enable_lora or args.true_on_policy)
+
+
 def use_stream_linears(model: nn.Module, mode: str, device: torch.device) -> dict[tuple[int, int], list[int]]:
     """Turn the model's plain 16-bit nn.Linear layers into StreamLinear (`mode` 'stream': every
     M bucket; 'auto': the buckets time_stream_buckets finds faster per weight shape). Returns

@@ -124,7 +124,8 @@ class ServerArgs(BaseModel):
         "cublas", description="CUDA, 16-bit projections at decode batch sizes (<= 256 rows): "
         "cublas (F.linear); stream = the stream-K GEMM (one wave of persistent programs, each "
         "reading an equal share of the weight; docs/engine_speed.md); auto = whichever of the two "
-        "was faster per weight shape and batch bucket, timed on the model's weights at start. "
+        "was faster per weight shape and batch bucket, timed on the model's weights at start "
+        "(cuBLAS throughout for a quantized model, LoRA or --true-on-policy, which stream refuses). "
         "Values differ from cuBLAS's by the order of fp32 sums only.")
     skip_kernel_warmup: bool = Field(
         False, description="Start serving without first running one prefill of each step size "

@@ -40,11 +40,11 @@ def check_combinations(args: ServerArgs) -> None:
                          "computation: drop --quantization / --enable-lora" + (
                              " (an FP8 checkpoint: add --dequantize-checkpoint)"
                              if quantization and not args.quantization else ""))
-    if args.decode_gemm != "cublas" and (quantization or args.enable_lora or args.true_on_policy):
-        raise ValueError(f"--decode-gemm {args.decode_gemm} runs the 16-bit projections of an "
-                         "unquantized model without adapters, and --true-on-policy needs the "
-                         "trainer's GEMMs: drop --quantization / --enable-lora / --true-on-policy, "
-                         "or keep --decode-gemm cublas")
+    if args.decode_gemm == "stream" and (quantization or args.enable_lora or args.true_on_policy):
+        raise ValueError("--decode-gemm stream runs the 16-bit projections of an unquantized "
+                         "model without adapters, and --true-on-policy needs the trainer's GEMMs: "
+                         "drop --quantization / --enable-lora / --true-on-policy, or use "
+                         "--decode-gemm auto (which then keeps cuBLAS) or cublas")
     check_speculative(args)
     specs = args.lora_paths.split(",") if args.lora_paths else []
     bad = [p for p in specs if "=" not in p or not p.split("=", 1)[0]]

@@ -148,9 +148,10 @@ def build_engine(
 
         runner.lora = start_adapter_pool(model, args, device, dtype)
     if args.decode_gemm != "cublas":
-        from milepost.engine.decode_gemm import use_stream_linears
+        from milepost.engine.decode_gemm import applies, use_stream_linears
 
-        use_stream_linears(model, args.decode_gemm, device)
+        if applies(args):
+            use_stream_linears(model, args.decode_gemm, device)
     runner.capture_cuda_graphs()
     engine = Engine(
         runner,

@@ -88,9 +88,14 @@ def test_forward_runs_the_kernel_at_decode_m_and_f_linear_otherwise(monkeypatch:
     assert calls["n"] == (1 if rows <= 256 else 0)
 
 
-def test_refused_with_quantization_adapters_or_true_on_policy(tmp_path) -> None:
+def test_stream_is_refused_and_auto_keeps_cublas_with_quantization_adapters_or_true_on_policy(tmp_path) -> None:
+    from milepost.engine.decode_gemm import applies
+
     ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=0, with_tokenizer=False)
-    ServerArgs(model_path=ckpt, decode_gemm="auto")
+    assert applies(ServerArgs(model_path=ckpt, decode_gemm="stream"))
+    assert applies(ServerArgs(model_path=ckpt, decode_gemm="auto"))
+    assert not applies(ServerArgs(model_path=ckpt))
     for extra in ({"quantization": "fp8_block"}, {"enable_lora": True}, {"true_on_policy": True}):
-        with pytest.raises(ValueError, match="--decode-gemm auto runs the 16-bit projections"):
-            ServerArgs(model_path=ckpt, decode_gemm="auto", **extra)
+        with pytest.raises(ValueError, match="--decode-gemm stream runs the 16-bit projections"):
+            ServerArgs(model_path=ckpt, decode_gemm="stream", **extra)
+        assert not applies(ServerArgs(model_path=ckpt, decode_gemm="auto", **extra))
