@@ -4,13 +4,14 @@ a sequence split over 1, 2 or 4 times the default's programs). Where the default
 also the persistent kernel (`paged_attention.PERSISTENT_DECODE`) at 1-4 programs per SM: the
 default kernel's config (64 / 2 warps / 3 stages) always, others where they beat the default.
 
-Qwen3 heads (16 q / 8 kv, head dim 128), bf16 queries, 16-token pages placed at random; median of
+Qwen3-0.6B heads (16 q / 8 kv, head dim 128; `--heads 32/8` the 4B's), bf16 queries, 16-token pages placed at random; median of
 `triton.testing.do_bench`; every variant is checked against the default's output. `--kv-dtype
 fp8_e4m3`: over an fp8 pool, the grid and "default" are the widening kernel (paged_attention.py)
-and the `words` lines the word-loading kernel the engine runs (`paged_attention.FP8_POOL_WORDS`).
+and the `words` lines the word-loading kernel the engine runs (`paged_attention.FP8_POOL_WORDS`), at
+the default's splits and at 2 and 4 times as many.
 
 Usage: python benchmarks/decode_attention_sweep.py [--shapes 256x256,256x384,64x256,64x1024]
-       [--kv-dtype fp8_e4m3]
+       [--kv-dtype fp8_e4m3] [--heads 32/8] [--no-grid]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ H, HKV, D, PAGE = 16, 8, 128, 16
 
 
 def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype, grid: bool) -> None:
+    """Time the configs on `batch` sequences of `ctx` keys each; print the best and the defaults."""
     nb = batch * (-(-ctx // PAGE))
     kc = torch.randn(nb * PAGE, HKV, D, device="cuda").to(kv_dtype)
     vc = torch.randn(nb * PAGE, HKV, D, device="cuda").to(kv_dtype)
@@ -76,14 +78,16 @@ def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype, grid: bool) -> 
     if kc.dtype == torch.float8_e4m3fn:  # the word-loading kernel (paged_attention_fp8.py)
         K.FP8_POOL_WORDS = True
         try:
-            for bn, w, st in ((64, None, None), (64, 4, 2), (128, 4, 2), (32, 2, 3)):
+            for s, (bn, w, st) in itertools.product(
+                    (splits, 2 * splits, 4 * splits),
+                    ((64, None, None), (64, 4, 2), (128, 4, 2), (32, 2, 3))):
                 def words() -> torch.Tensor:
-                    return K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, splits,
+                    return K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, s,
                                           block_n=bn, num_warps=w, num_stages=st)
                 err = (words().float() - ref.float()).abs().max().item()
                 ms = triton.testing.do_bench(words, return_mode="median")
-                print(f"  words BN={bn} w={w} st={st}: {ms * 1e3:.1f} us = {gb / ms:.2f} TB/s, "
-                      f"x{default[0] / ms:.2f} default, max|diff| {err:.1e}")
+                print(f"  words splits={s} BN={bn} w={w} st={st}: {ms * 1e3:.1f} us = "
+                      f"{gb / ms:.2f} TB/s, x{default[0] / ms:.2f} default, max|diff| {err:.1e}")
         finally:
             K.FP8_POOL_WORDS = False
     for ms, s, bn, w, st, err in sorted(rows, key=lambda r: r[0])[:top]:
@@ -102,7 +106,10 @@ def main() -> None:
     ap.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
                     help="the default kernel's block / warp / stage / split grid (--no-grid: the "
                          "default config and the other kernels only)")
+    ap.add_argument("--heads", default="16/8", help="query heads / KV heads")
     a = ap.parse_args()
+    global H, HKV
+    H, HKV = (int(x) for x in a.heads.split("/"))
     K.FP8_POOL_WORDS = False  # the grid times the widening kernel; the words lines switch it on
     torch.manual_seed(0)
     kv_dtype = torch.float8_e4m3fn if a.kv_dtype == "fp8_e4m3" else torch.bfloat16
