@@ -82,13 +82,17 @@ def gemms(shape: str) -> list[dict]:
 MODES = {"bf16": (None, "auto"), "fp8_block": ("fp8_block", "auto"),
          "fp8_block_unfused": ("fp8_block", "auto"),
          "fp8_block+fp8_kv": ("fp8_block", "fp8_e4m3"), "int4": ("int4", "auto"),
-         "fp8_block_nostream": ("fp8_block", "auto")}
+         "fp8_block_nostream": ("fp8_block", "auto"),
+         "fp8_block+fp8_kv_summed": ("fp8_block", "fp8_e4m3")}
 # fp8_block_unfused: each FP8 linear quantizes its own input (a launch per linear), as before the
 # norms and SiLU * up made the FP8 activations themselves (QuantizedLinear.fuse_act_quant off).
 UNFUSED_ACT = ("fp8_block_unfused",)
 # fp8_block_nostream: the stream-K decode GEMM kept out of the probe (fp8_gemm.STREAM off; the
 # probe runs again for it), so the decode M buckets choose among the GEMMs that were there before.
 NO_STREAM = ("fp8_block_nostream",)
+# fp8_block+fp8_kv_summed: every split decode GEMM's parts summed by their own launch, as before
+# o_proj and down_proj left them to the fused add + norm (QuantizedLinear.leave_split_parts off).
+SUMMED = ("fp8_block+fp8_kv_summed",)
 
 
 def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -> list[dict]:
@@ -183,6 +187,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
         quant, kv = MODES[mode]
         # read when the decode graphs are captured (engine start) and by every eager forward
         QuantizedLinear.fuse_act_quant = mode not in UNFUSED_ACT
+        QuantizedLinear.leave_split_parts = mode not in SUMMED
         if device == "cuda":
             fp8_gemm.STREAM = mode not in NO_STREAM
             fp8_gemm._BACKEND.clear()  # probe again with or without the stream-K kernel
@@ -209,6 +214,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
         finally:
             engine.close()
             QuantizedLinear.fuse_act_quant = True
+            QuantizedLinear.leave_split_parts = True
             if device == "cuda":
                 fp8_gemm.STREAM = True
         # The engine and everything that refers to it go before the next one sizes its pool.
@@ -218,12 +224,16 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
             torch.cuda.empty_cache()
         print(json.dumps(out), flush=True)
     if "bf16" in out:
-        for mode in ("fp8_block", "fp8_block_unfused", "fp8_block+fp8_kv", "int4", "fp8_block_nostream"):
+        for mode in ("fp8_block", "fp8_block_unfused", "fp8_block+fp8_kv", "int4", "fp8_block_nostream",
+                     "fp8_block+fp8_kv_summed"):
             if mode in out:
                 out[f"{mode}_over_bf16_decode"] = out[mode]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
     if "fp8_block" in out and "fp8_block_nostream" in out:
         out["fp8_stream_over_nostream_decode"] = (out["fp8_block"]["decode_tok_s"]
                                                   / out["fp8_block_nostream"]["decode_tok_s"])
+    if "fp8_block+fp8_kv" in out and "fp8_block+fp8_kv_summed" in out:
+        out["fp8_unsummed_over_summed_decode"] = (out["fp8_block+fp8_kv"]["decode_tok_s"]
+                                                  / out["fp8_block+fp8_kv_summed"]["decode_tok_s"])
     if "fp8_block" in out and "fp8_block_unfused" in out:
         out["fp8_fused_act_over_unfused_decode"] = (out["fp8_block"]["decode_tok_s"]
                                                     / out["fp8_block_unfused"]["decode_tok_s"])

@@ -23,6 +23,7 @@ from milepost.kernels.fp8_quant import (
 )
 from milepost.kernels.fused_fp8_act import quantize_rows_fp8
 from milepost.lowprec import fp8_decode_table
+from milepost.lowprec.fp8_act import SplitSum
 
 # At decode M (a few to a few hundred rows) the weight's bytes dominate: each program reads its
 # fp8 weight tiles once, takes the activation rows quantized per 1x128 block by
@@ -186,32 +187,35 @@ def _tickets(device: torch.device) -> torch.Tensor:
 
 
 def decode_block_mm(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, out_dtype: torch.dtype,
-                    cfg: DecodeConfig | None = None) -> torch.Tensor:
+                    cfg: DecodeConfig | None = None, unsummed: bool = False
+                    ) -> torch.Tensor | SplitSum:
     """x [M, K] (bf16/fp16/fp32, contiguous rows) times fp8 w [N, K] with 128x128 scales sw
     [N/128, K/128] -> [M, N] out_dtype; N a multiple of 128. The activation values are
-    quantize_act_1x128's (fused or not, per `cfg`; decode_config's when None)."""
+    quantize_act_1x128's (fused or not, per `cfg`; decode_config's when None). `unsummed`: a
+    split-K product summed by the second kernel comes back as its parts (lowprec/fp8_act.py)."""
     m, k = x.shape
     cfg = _shaped(cfg or decode_config(m, w.shape[0], k, _sm_count(x.device)), w)
     if cfg.fused:
-        return _launch(x, x, (0, 0), m, w, sw, out_dtype, cfg)
+        return _launch(x, x, (0, 0), m, w, sw, out_dtype, cfg, unsummed)
     if QUANT_ROWS and not _pdl(cfg, x):
         a = quantize_rows_fp8(x)
         return _launch(a.values, a.scales, (a.scales.stride(0), a.scales.stride(1)), m, w, sw,
-                       out_dtype, cfg)
+                       out_dtype, cfg, unsummed)
     xa, sx = quantize_act_1x128(x, pdl=_pdl(cfg, x))
-    return _launch(xa, sx, (sx.stride(0), sx.stride(1)), m, w, sw, out_dtype, cfg)
+    return _launch(xa, sx, (sx.stride(0), sx.stride(1)), m, w, sw, out_dtype, cfg, unsummed)
 
 
 def decode_block_mm_quantized(xq: torch.Tensor, sx: torch.Tensor, m: int, w: torch.Tensor,
                               sw: torch.Tensor, out_dtype: torch.dtype,
-                              cfg: DecodeConfig | None = None) -> torch.Tensor:
+                              cfg: DecodeConfig | None = None, unsummed: bool = False
+                              ) -> torch.Tensor | SplitSum:
     """decode_block_mm of an activation already quantized: xq [>= m, K] fp8 with its 1x128
     scales sx [>= m, K/128] (any strides; quantize_act_1x128's bits, made by the kernel that
     made the activation: kernels/fused_fp8_act.py) -> [m, N]. The config's own quantization is
     dropped (the values are the same bits); the rest of it is the table's for this M."""
     cfg = _shaped(cfg or decode_config(m, w.shape[0], xq.shape[1], _sm_count(xq.device)), w)
     return _launch(xq, sx, (sx.stride(0), sx.stride(1)), m, w, sw, out_dtype,
-                   cfg._replace(fused=False))
+                   cfg._replace(fused=False), unsummed)
 
 
 def _shaped(cfg: DecodeConfig, w: torch.Tensor) -> DecodeConfig:
@@ -224,9 +228,10 @@ def _pdl(cfg: DecodeConfig, x: torch.Tensor) -> bool:
 
 
 def _launch(xa: torch.Tensor, sx: torch.Tensor, s_strides: tuple[int, int], m: int, w: torch.Tensor,
-            sw: torch.Tensor, out_dtype: torch.dtype, cfg: DecodeConfig) -> torch.Tensor:
-    """The GEMM kernel (and the parts' sum) over the first m rows of xa: bf16 quantized inside
-    (cfg.fused), else fp8 with scales sx."""
+            sw: torch.Tensor, out_dtype: torch.dtype, cfg: DecodeConfig, unsummed: bool = False
+            ) -> torch.Tensor | SplitSum:
+    """The GEMM kernel (and the parts' sum, unless `unsummed`: then the parts) over the first m
+    rows of xa: bf16 quantized inside (cfg.fused), else fp8 with scales sx."""
     n, n_kb = w.shape[0], xa.shape[1] // TILE
     pdl = _pdl(cfg, xa)
     kb_per = triton.cdiv(n_kb, cfg.split)
@@ -248,6 +253,8 @@ def _launch(xa: torch.Tensor, sx: torch.Tensor, s_strides: tuple[int, int], m: i
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FUSED=cfg.fused, MODE=mode,
                          QROWS=qrows, num_warps=cfg.warps, num_stages=cfg.stages,
                          **({"PDL": True, "launch_pdl": True} if pdl else {}))
+    if mode == 1 and unsummed and not pdl:
+        return SplitSum(part, out_dtype)
     if mode == 1:
         _sum_parts_kernel[(triton.cdiv(m * n, 1024),)](
             part, out, m * n, split, BLOCK=1024, **({"PDL": True, "launch_pdl": True} if pdl else {}))

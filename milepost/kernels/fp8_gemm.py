@@ -34,7 +34,7 @@ from milepost.kernels.fp8_quant import TILE, _round_e4m3, _sm_count, quantize_ac
 from milepost.kernels.fp8_train_quant import quantize_blocks
 from milepost.kernels.fused_fp8_act import quantize_rows_fp8
 from milepost.kernels.stream_decode import StreamConfig, stream_config, stream_mm
-from milepost.lowprec.fp8_act import Fp8Act
+from milepost.lowprec.fp8_act import Fp8Act, SplitSum
 from milepost.lowprec.fp8_options import Fp8TrainOptions
 
 log = logging.getLogger(__name__)
@@ -324,13 +324,16 @@ def _stream_fits(w: torch.Tensor) -> bool:
 
 
 def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
-                     backend: str | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) times fp8 weight w [N, K] with 128x128 scales sw."""
+                     backend: str | None = None, unsummed: bool = False) -> torch.Tensor | SplitSum:
+    """x [..., K] (bf16/fp16/fp32) times fp8 weight w [N, K] with 128x128 scales sw.
+    `unsummed` (x 2-D): the decode GEMM's split-K parts may come back unsummed (a SplitSum)."""
     shape = x.shape
     m = x.numel() // shape[-1]
     backend = backend or block_backend(x.device, m)
     x2 = x.reshape(-1, shape[-1]).contiguous()
     if backend == "decode" and w.shape[0] % TILE == 0:
+        if unsummed and x.dim() == 2:
+            return decode_block_mm(x2, w, sw, x.dtype, unsummed=True)
         return decode_block_mm(x2, w, sw, x.dtype).reshape(*shape[:-1], w.shape[0])
     if backend == "stream" and _stream_fits(w):
         a = quantize_rows_fp8(x2)
@@ -345,14 +348,15 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
 
 
 def fp8_act_linear(a: Fp8Act, w: torch.Tensor, sw: torch.Tensor,
-                   backend: str | None = None) -> torch.Tensor:
+                   backend: str | None = None, unsummed: bool = False) -> torch.Tensor | SplitSum:
     """fp8_block_linear of an activation quantized where it was made (an Fp8Act: the bits
     quantize_act_1x128(x, 4) gives, rows padded to 4) -> [a.rows, N] in a.dtype: the same GEMM
-    for the same M and the same values, without the quantize launch."""
+    for the same M and the same values, without the quantize launch (`unsummed`: as
+    fp8_block_linear's)."""
     m, dev = a.rows, a.values.device
     backend = backend or block_backend(dev, m)
     if backend == "decode" and w.shape[0] % TILE == 0:
-        return decode_block_mm_quantized(a.values, a.scales, m, w, sw, a.dtype)
+        return decode_block_mm_quantized(a.values, a.scales, m, w, sw, a.dtype, unsummed=unsummed)
     if backend == "stream" and _stream_fits(w):
         return stream_mm(a.values, w, a.dtype, sx=a.scales, sw=sw, m=m)
     if backend in _DECODE_ONLY:  # N (or K) not whole tiles: the GEMM for any M

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from milepost.kernels.fp8_quant import TILE, _sm_count, quant_blocks_1x128
-from milepost.lowprec.fp8_act import PAD_ROWS, Fp8Act
+from milepost.lowprec.fp8_act import PAD_ROWS, Fp8Act, SplitSum
 
 
 @triton.jit
@@ -33,11 +33,24 @@ def _pad_row(Q, S, row, g, stride_q, stride_sm, stride_sk, n_groups, GROUPS: tl.
 
 
 @triton.jit
-def _norm_fp8_kernel(X, R, W, H, Q, S, stride_x, stride_r, stride_h, stride_q, stride_sm,
-                     stride_sk, n_rows, n_cols, n_groups, eps, ADD: tl.constexpr,
-                     BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+def _load_r(R, offs, mask, stride_rs, RSPLIT: tl.constexpr, dt: tl.constexpr):
+    """The added branch at offs as fp32: R's values (RSPLIT 0), or the sum of R's RSPLIT fp32
+    parts (lowprec/fp8_act.SplitSum) in fp8_decode._sum_parts_kernel's order and rounding."""
+    if RSPLIT == 0:
+        return tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.zeros(offs.shape, tl.float32)
+    for s in tl.static_range(RSPLIT):
+        acc += tl.load(R + s * stride_rs + offs, mask=mask, other=0.0)
+    return acc.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _norm_fp8_kernel(X, R, W, H, Q, S, stride_x, stride_r, stride_rs, stride_h, stride_q,
+                     stride_sm, stride_sk, n_rows, n_cols, n_groups, eps, ADD: tl.constexpr,
+                     BLOCK: tl.constexpr, GROUPS: tl.constexpr, RSPLIT: tl.constexpr = 0):
     """Blocks [pid1 * GROUPS, + GROUPS) of row pid0 of RMSNorm(x) (ADD: of h = x + r, also
-    stored), quantized per 1 x 128 block. Two passes over the row, both from the same loads'
+    stored; RSPLIT > 0: r is a split GEMM's fp32 parts, stride_rs apart, summed by _load_r),
+    quantized per 1 x 128 block. Two passes over the row, both from the same loads'
     addresses (the second one hits the cache):
     1. the whole row in fused_ops' 1-D shape and operations: its sum of squares is reduced in
        the bf16 kernel's layout (BLOCK values, the same warps), so in its order: the same rstd;
@@ -52,14 +65,14 @@ def _norm_fp8_kernel(X, R, W, H, Q, S, stride_x, stride_r, stride_h, stride_q, s
         mask = cols < n_cols
         xf = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if ADD:  # fused_ops._add_rms_norm_kernel's h, rounded to the model dtype
-            rf = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            rf = _load_r(R, row * stride_r + cols, mask, stride_rs, RSPLIT, H.dtype.element_ty)
             xf = (xf + rf).to(H.dtype.element_ty).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
         ok = (g < n_groups)[:, None]
         offs = g[:, None] * 128 + tl.arange(0, 128)[None, :]
         x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
         if ADD:
-            h = (x + tl.load(R + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
+            h = (x + _load_r(R, row * stride_r + offs, ok, stride_rs, RSPLIT, H.dtype.element_ty)
                  ).to(H.dtype.element_ty)
             tl.store(H + row * stride_h + offs, h, mask=ok)
             x = h.to(tl.float32)
@@ -140,12 +153,18 @@ def _norm_groups(rows: int, n_groups: int, device: torch.device) -> int:
     return min(4, triton.next_power_of_2(n_groups))
 
 
-def _norm(x: torch.Tensor, r: torch.Tensor | None, h: torch.Tensor | None, weight: torch.Tensor,
-          eps: float, what: str) -> Fp8Act:
+def _norm(x: torch.Tensor, r: torch.Tensor | SplitSum | None, h: torch.Tensor | None,
+          weight: torch.Tensor, eps: float, what: str) -> Fp8Act:
     """The norm kernel's launch: r and h (x + r's output) both given or both None."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if r is not None and r.stride(-1) != 1:
+    rsplit, stride_rs = 0, 0
+    if isinstance(r, SplitSum):
+        if r.dtype != x.dtype or r.parts.shape[1:] != x.shape or not r.parts.is_contiguous():
+            raise ValueError(f"{what}: split parts {tuple(r.parts.shape)} ({r.dtype}) do not "
+                             f"make the added rows {tuple(x.shape)} ({x.dtype})")
+        rsplit, stride_rs, r = r.parts.shape[0], r.parts.stride(0), r.parts[0]
+    elif r is not None and r.stride(-1) != 1:
         r = r.contiguous()
     t, k = x.shape
     q, s, mp = _outputs(t, k, what, x.device)
@@ -154,9 +173,9 @@ def _norm(x: torch.Tensor, r: torch.Tensor | None, h: torch.Tensor | None, weigh
         gp = _norm_groups(mp, n_groups, x.device)
         rr, hh = (r, h) if r is not None else (x, x)  # unread and unwritten without ADD
         _norm_fp8_kernel[(mp, triton.cdiv(n_groups, gp))](
-            x, rr, weight, hh, q, s, x.stride(0), rr.stride(0), hh.stride(0), q.stride(0),
-            s.stride(0), s.stride(1), t, k, n_groups, eps, ADD=r is not None,
-            BLOCK=triton.next_power_of_2(k), GROUPS=gp)
+            x, rr, weight, hh, q, s, x.stride(0), rr.stride(0), stride_rs, hh.stride(0),
+            q.stride(0), s.stride(0), s.stride(1), t, k, n_groups, eps, ADD=r is not None,
+            RSPLIT=rsplit, BLOCK=triton.next_power_of_2(k), GROUPS=gp)
     return Fp8Act(q, s, t, x.dtype)
 
 
@@ -165,10 +184,11 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Act:
     return _norm(x, None, None, weight, eps, "rms_norm_fp8")
 
 
-def add_rms_norm_fp8(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
+def add_rms_norm_fp8(x: torch.Tensor, r: torch.Tensor | SplitSum, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, Fp8Act]:
     """x, r: [T, K] -> (x + r, rms_norm(x + r) quantized per 1x128 block): fused_ops.add_rms_norm's
-    values, in one launch."""
+    values, in one launch. r may be a split FP8 GEMM's unsummed parts (summed here, the same
+    bits as r.summed())."""
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return h, _norm(x, r, h, weight, eps, "add_rms_norm_fp8")
 

@@ -33,7 +33,7 @@ from milepost.lowprec.delayed import qdq_input
 from milepost.lowprec.engine_experts import Fp8Experts, convert_fp8_experts
 from milepost.lowprec.engine_scales import InputScales, attach_input_scales
 from milepost.lowprec.experts_int4 import Int4Experts, convert_int4_experts
-from milepost.lowprec.fp8_act import Fp8Act
+from milepost.lowprec.fp8_act import Fp8Act, SplitSum
 from milepost.lowprec.linear import quantize_activation, quantize_weight_parts
 from milepost.lowprec.quantize import INT4_GROUP, QTensor, dequantize, element_scale
 from milepost.models.qwen3_moe import StackedExperts
@@ -60,6 +60,9 @@ class QuantizedLinear(nn.Linear):
     # Native fp8_block: the kernel that makes this linear's input quantizes it too, handing an
     # Fp8Act (lowprec/fp8_act.py). A class switch only so benchmarks can measure both.
     fuse_act_quant: ClassVar[bool] = True
+    # forward_unsummed may hand back a split decode GEMM's parts (lowprec/fp8_act.SplitSum). A
+    # class switch only so benchmarks can measure both.
+    leave_split_parts: ClassVar[bool] = True
 
     def takes_fp8_act(self) -> bool:
         """Whether its input may come as an Fp8Act: native dynamic fp8_block, the fusion on, and
@@ -87,6 +90,17 @@ class QuantizedLinear(nn.Linear):
         if self.qstatic:  # the trainer's delayed-scaling quantizer with the scale it sent
             return F.linear(qdq_input(x, self.input_scale[0]), self.weight, self.bias)
         return F.linear(quantize_activation(x, self.qformat, self.qfour), self.weight, self.bias)
+
+    def forward_unsummed(self, x: torch.Tensor | Fp8Act) -> torch.Tensor | SplitSum:
+        """forward(x), except that a split-K decode GEMM hands back its parts (a SplitSum) for
+        the caller's next kernel to sum (lowprec/fp8_act.unsummed)."""
+        if not (self.native and self.leave_split_parts) or self.qstatic or self.bias is not None:
+            return self.forward(x)
+        from milepost.kernels.fp8_gemm import fp8_act_linear, fp8_block_linear
+
+        if isinstance(x, Fp8Act):
+            return fp8_act_linear(x, self.weight, self.weight_scale, unsummed=True)
+        return fp8_block_linear(x, self.weight, self.weight_scale, unsummed=True)
 
     def put(self, j: int, q: QTensor) -> None:
         """Write part j's quantized values (native: into the fp8 weight and tile scales, the

@@ -34,3 +34,38 @@ def takes_fp8_act(linear: nn.Module | None) -> bool:
     module's class, so a plain nn.Linear costs one attribute lookup on its type)."""
     takes = getattr(type(linear), "takes_fp8_act", None)
     return takes is not None and bool(takes(linear))
+
+
+class SplitSum(NamedTuple):
+    """A split-K FP8 linear's output left unsummed for the kernel that reads it next.
+
+    At decode batch sizes the FP8 GEMM splits K over programs to fill the SMs and a second
+    launch sums the fp32 parts (kernels/fp8_decode.py): ~2.3 us a call on an H100, three calls a
+    layer. Where the output goes straight into the fused residual add + RMSNorm (o_proj,
+    down_proj on the GPU inference path), that kernel sums the parts itself in the same order
+    (0 + part 0 + part 1 + ..., rounded to `dtype`): the same bits, one launch fewer."""
+
+    parts: torch.Tensor  # float32 [split, rows, N], contiguous
+    dtype: torch.dtype  # the linear's output dtype
+
+    def summed(self) -> torch.Tensor:
+        """The output itself, [rows, N] in `dtype` (the second kernel's sum)."""
+        from milepost.kernels.fp8_decode import sum_split_parts
+
+        p = self.parts
+        return sum_split_parts(p, torch.empty(p.shape[1:], dtype=self.dtype, device=p.device))
+
+
+def summed(y: torch.Tensor | SplitSum) -> torch.Tensor:
+    """y as a tensor (a SplitSum's parts summed)."""
+    return y.summed() if isinstance(y, SplitSum) else y
+
+
+def unsummed(linear: nn.Module, x: torch.Tensor | Fp8Act) -> torch.Tensor | SplitSum:
+    """linear(x), or its split-K parts unsummed where the linear can leave them so (a native
+    fp8_block QuantizedLinear without bias or hooks, at a split decode GEMM): for a caller that
+    hands the result to a kernel that sums them (fused_fp8_act.add_rms_norm_fp8)."""
+    forward = getattr(type(linear), "forward_unsummed", None)
+    if forward is None or linear._forward_hooks or linear._forward_pre_hooks:
+        return linear(x)
+    return forward(linear, x)

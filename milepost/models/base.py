@@ -43,6 +43,10 @@ class ForwardContext:
     attention: AttentionBackend
     routed_experts: torch.Tensor | None = None
     forced_experts: torch.Tensor | None = None
+    # Set by DecoderLM's fused-residual path, where each attention and MLP output goes straight
+    # into a fused residual add + RMSNorm: their FP8 out-projections may hand back split-K parts
+    # for that kernel to sum (lowprec/fp8_act.SplitSum).
+    unsummed_outputs: bool = False
 
 
 @runtime_checkable

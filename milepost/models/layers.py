@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from milepost.lowprec.fp8_act import Fp8Act, takes_fp8_act
+from milepost.lowprec.fp8_act import Fp8Act, SplitSum, summed, takes_fp8_act, unsummed
 from milepost.models.base import ForwardContext
 from milepost.models.masked_attention import Variant, attend_variant
 from milepost.models.meta import on_meta
@@ -81,17 +81,24 @@ def norm_for(norm: nn.Module, x: torch.Tensor, consumer: nn.Module | None) -> to
     return norm(x)
 
 
-def add_norm_for(x: torch.Tensor, r: torch.Tensor, norm: RMSNorm, consumer: nn.Module | None
+def add_norm_for(x: torch.Tensor, r: torch.Tensor | SplitSum, norm: RMSNorm, consumer: nn.Module | None
                  ) -> tuple[torch.Tensor, torch.Tensor | Fp8Act]:
     """GPU inference: fused_ops.add_rms_norm(x, r, ...) = (x + r, norm(x + r)), the normed rows
     quantized inside the same kernel for a `consumer` that takes FP8 activations."""
     if takes_fp8_act(consumer):
         from milepost.kernels.fused_fp8_act import add_rms_norm_fp8
 
-        return add_rms_norm_fp8(x, r, norm.weight, norm.eps)
+        return add_rms_norm_fp8(x, r, norm.weight, norm.eps)  # sums a SplitSum r itself
     from milepost.kernels.fused_ops import add_rms_norm
 
-    return add_rms_norm(x, r, norm.weight, norm.eps)
+    return add_rms_norm(x, summed(r), norm.weight, norm.eps)
+
+
+def project_out(linear: nn.Module, x: torch.Tensor | Fp8Act, ctx: ForwardContext | None
+                ) -> torch.Tensor | SplitSum:
+    """linear(x); where the output goes straight into a fused add + norm (ctx.unsummed_outputs),
+    possibly a split FP8 GEMM's unsummed parts for that kernel to sum (fp8_act.unsummed)."""
+    return unsummed(linear, x) if ctx is not None and ctx.unsummed_outputs else linear(x)
 
 
 def check_silu(config: object) -> None:
@@ -129,8 +136,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj: nn.Linear | None = None
         self.fused_train = False  # set_fused_training
 
-    def forward(self, x: torch.Tensor | Fp8Act, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """x: [T, hidden], or an Fp8Act where gate_up_proj takes one (the norm made it)."""
+    def forward(self, x: torch.Tensor | Fp8Act, ctx: ForwardContext | None = None
+                ) -> torch.Tensor | SplitSum:
+        """x: [T, hidden], or an Fp8Act where gate_up_proj takes one (the norm made it); a
+        SplitSum only where ctx.unsummed_outputs allows it."""
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # row-strided views, no copy
         else:
@@ -139,7 +148,7 @@ class GatedMLP(nn.Module):
             if gate.dim() == 2 and takes_fp8_act(self.down_proj):  # its input quantized here
                 from milepost.kernels.fused_fp8_act import silu_mul_fp8
 
-                return self.down_proj(silu_mul_fp8(gate, up))
+                return project_out(self.down_proj, silu_mul_fp8(gate, up), ctx)
             from milepost.kernels.fused_ops import silu_mul
 
             return self.down_proj(silu_mul(gate, up))
@@ -190,8 +199,9 @@ class SelfAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor | Fp8Act, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        """x: [T, hidden] (or an Fp8Act where qkv_proj takes one: the norm made it) -> [T, hidden]."""
+    ) -> torch.Tensor | SplitSum:
+        """x: [T, hidden] (or an Fp8Act where qkv_proj takes one: the norm made it) -> [T, hidden]
+        (a SplitSum only where ctx.unsummed_outputs allows it)."""
         t = x.rows if isinstance(x, Fp8Act) else x.shape[0]
         on_gpu = gpu_inference(x.values if isinstance(x, Fp8Act) else x)
         plain = self.window is None and self.softcap is None and self.sinks is None
@@ -202,7 +212,7 @@ class SelfAttention(nn.Module):
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             out = ctx.attention.attend_qkv(self.layer_id, self.qkv_proj(x), self.num_heads,
                                            self.num_kv_heads, qw, kw, eps, cos, sin, self.scale)
-            return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+            return project_out(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), ctx)
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self._qkv_sizes, dim=-1)  # row-strided views
         else:
@@ -231,7 +241,7 @@ class SelfAttention(nn.Module):
         else:  # windowed / soft-capped / sink layers: torch reference path over the same backend
             var = Variant(window=self.window, softcap=self.softcap, sinks=self.sinks)
             out = attend_variant(ctx.attention, self.layer_id, q, k, v, self.scale, var)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return project_out(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), ctx)
 
 
 class DecoderLayer(nn.Module):
@@ -274,7 +284,7 @@ class DecoderLayer(nn.Module):
     def forward_parts(
         self, x: torch.Tensor, normed_x: torch.Tensor | Fp8Act, cos: torch.Tensor, sin: torch.Tensor,
         ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | SplitSum]:
         """GPU inference with x's input norm already computed (fused_residuals; an Fp8Act where
         attn_input takes one): (h, mlp_out), the layer's output being h + mlp_out, an add the
         caller fuses into the next norm."""

@@ -8,6 +8,7 @@ tied embeddings (and, in the MoE subclass, per-expert slices of stacked expert w
 from __future__ import annotations
 
 import difflib
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -94,6 +95,7 @@ class DecoderLM(nn.Module):
             # GPU inference: each residual add inside the next RMSNorm's kernel (same values);
             # a norm feeding an FP8 linear quantizes its output there too (lowprec/fp8_act.py).
             normed = norm_for(layers[0].input_layernorm, h, layers[0].attn_input())
+            ctx = replace(ctx, unsummed_outputs=True)  # each output meets a fused add + norm
             for i, layer in enumerate(layers):
                 h, out = layer.forward_parts(h, normed, cos, sin, ctx)
                 last = i + 1 == len(layers)

@@ -161,8 +161,10 @@ for dtype in ("*bf16", "*fp32"):
         block = triton.next_power_of_2(k)
         for ref, add in ((_rms_norm_kernel, False), (_add_rms_norm_kernel, True)):
             want = reduced(ref, dtype, {"BLOCK": block})
-            got = reduced(_norm_fp8_kernel, dtype, {"ADD": add, "BLOCK": block, "GROUPS": 8})
-            assert got == want, (dtype, k, add, got, want)
+            for rsplit in ((0, 3) if add else (0,)):  # the added rows, or split GEMM parts
+                got = reduced(_norm_fp8_kernel, dtype,
+                              {"ADD": add, "BLOCK": block, "GROUPS": 8, "RSPLIT": rsplit})
+                assert got == want, (dtype, k, add, rsplit, got, want)
 print("ok")
 """
 
