@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from milepost.kernels.fp8_quant import TILE, _sm_count, quant_blocks_1x128
+from milepost.kernels.fused_ops import load_rounded
 from milepost.lowprec.fp8_act import PAD_ROWS, Fp8Act, SplitSum
 
 
@@ -33,23 +34,11 @@ def _pad_row(Q, S, row, g, stride_q, stride_sm, stride_sk, n_groups, GROUPS: tl.
 
 
 @triton.jit
-def _load_r(R, offs, mask, stride_rs, RSPLIT: tl.constexpr, dt: tl.constexpr):
-    """The added branch at offs as fp32: R's values (RSPLIT 0), or the sum of R's RSPLIT fp32
-    parts (lowprec/fp8_act.SplitSum) in fp8_decode._sum_parts_kernel's order and rounding."""
-    if RSPLIT == 0:
-        return tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.zeros(offs.shape, tl.float32)
-    for s in tl.static_range(RSPLIT):
-        acc += tl.load(R + s * stride_rs + offs, mask=mask, other=0.0)
-    return acc.to(dt).to(tl.float32)
-
-
-@triton.jit
 def _norm_fp8_kernel(X, R, W, H, Q, S, stride_x, stride_r, stride_rs, stride_h, stride_q,
                      stride_sm, stride_sk, n_rows, n_cols, n_groups, eps, ADD: tl.constexpr,
                      BLOCK: tl.constexpr, GROUPS: tl.constexpr, RSPLIT: tl.constexpr = 0):
     """Blocks [pid1 * GROUPS, + GROUPS) of row pid0 of RMSNorm(x) (ADD: of h = x + r, also
-    stored; RSPLIT > 0: r is a split GEMM's fp32 parts, stride_rs apart, summed by _load_r),
+    stored; RSPLIT > 0: r is a split GEMM's fp32 parts, stride_rs apart: fused_ops.load_rounded),
     quantized per 1 x 128 block. Two passes over the row, both from the same loads'
     addresses (the second one hits the cache):
     1. the whole row in fused_ops' 1-D shape and operations: its sum of squares is reduced in
@@ -65,15 +54,15 @@ def _norm_fp8_kernel(X, R, W, H, Q, S, stride_x, stride_r, stride_rs, stride_h, 
         mask = cols < n_cols
         xf = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if ADD:  # fused_ops._add_rms_norm_kernel's h, rounded to the model dtype
-            rf = _load_r(R, row * stride_r + cols, mask, stride_rs, RSPLIT, H.dtype.element_ty)
+            rf = load_rounded(R + row * stride_r + cols, mask, stride_rs, RSPLIT, H.dtype.element_ty)
             xf = (xf + rf).to(H.dtype.element_ty).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
         ok = (g < n_groups)[:, None]
         offs = g[:, None] * 128 + tl.arange(0, 128)[None, :]
         x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
         if ADD:
-            h = (x + _load_r(R, row * stride_r + offs, ok, stride_rs, RSPLIT, H.dtype.element_ty)
-                 ).to(H.dtype.element_ty)
+            h = (x + load_rounded(R + row * stride_r + offs, ok, stride_rs, RSPLIT,
+                                  H.dtype.element_ty)).to(H.dtype.element_ty)
             tl.store(H + row * stride_h + offs, h, mask=ok)
             x = h.to(tl.float32)
         w = tl.load(W + offs, mask=ok, other=0.0)

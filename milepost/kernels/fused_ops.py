@@ -76,13 +76,28 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def load_rounded(ptr, mask, stride_ps, SPLIT: tl.constexpr, DTYPE: tl.constexpr):
+    """The values at ptr as fp32 (SPLIT 0), or, where a split GEMM left its output unsummed
+    (lowprec/fp8_act.SplitSum), the sum of its SPLIT fp32 parts stride_ps apart, rounded to
+    DTYPE: fp8_decode._sum_parts_kernel's order and rounding, so the same bits."""
+    if SPLIT == 0:
+        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.zeros(ptr.shape, tl.float32)
+    for p in tl.static_range(SPLIT):
+        acc += tl.load(ptr + p * stride_ps, mask=mask, other=0.0)
+    return acc.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def norm_rope_rows(X, W, c, s, hh, hmask, i, eps, stride_xh, HALF: tl.constexpr,
-                    HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
-    """RoPE(RMSNorm_per_head(x)) of one token's head rows at X (norm skipped without HAS_NORM):
-    the two halves in DTYPE, each step rounded as transformers' RMSNorm and rotary do."""
+                   HAS_NORM: tl.constexpr, DTYPE: tl.constexpr, stride_ps=0,
+                   SPLIT: tl.constexpr = 0):
+    """RoPE(RMSNorm_per_head(x)) of one token's head rows at X (norm skipped without HAS_NORM;
+    SPLIT > 0: X holds a split GEMM's parts, load_rounded's): the two halves in DTYPE, each step
+    rounded as transformers' RMSNorm and rotary do."""
     base = X + hh[:, None] * stride_xh + i[None, :]
-    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
+    x1 = load_rounded(base, hmask, stride_ps, SPLIT, DTYPE)
+    x2 = load_rounded(base + HALF, hmask, stride_ps, SPLIT, DTYPE)
     if HAS_NORM:
         ms = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
         rstd = (1.0 / tl.sqrt(ms + eps))[:, None]

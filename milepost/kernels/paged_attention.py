@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from milepost.kernels.fused_ops import norm_rope_rows
+from milepost.kernels.fused_ops import load_rounded, norm_rope_rows
+from milepost.lowprec.fp8_act import SplitSum
 
 # Decode over an fp8 pool by paged_attention_fp8's kernel (the pool read as 32-bit words, widened
 # with integer operations, fp16 dots): 1.05x this file's widening kernel at 256 sequences x 256
@@ -62,10 +63,12 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 @triton.jit
 def _rope_store_kernel(QKV, QW, KW, COS, SIN, QO, KC, VC, slots, stride_t, stride_qt, stride_ct,
-                       stride_cos, n_q, n_kv, eps, HALF: tl.constexpr, HQ: tl.constexpr,
-                       HKV: tl.constexpr, HAS_NORM: tl.constexpr, SATURATE: tl.constexpr):
+                       stride_cos, n_q, n_kv, eps, stride_ps, HALF: tl.constexpr, HQ: tl.constexpr,
+                       HKV: tl.constexpr, HAS_NORM: tl.constexpr, SATURATE: tl.constexpr,
+                       SPLIT: tl.constexpr):
     """One token of a fused q|k|v row: q normed and rotated into QO, k normed and rotated and v
-    copied into cache slot slots[t] (slot < 0 = padding: nothing stored)."""
+    copied into cache slot slots[t] (slot < 0 = padding: nothing stored). SPLIT > 0: QKV holds
+    the projection's unsummed split parts, stride_ps apart (fused_ops.load_rounded)."""
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HALF)
     dtype = QO.dtype.element_ty
@@ -74,7 +77,8 @@ def _rope_store_kernel(QKV, QW, KW, COS, SIN, QO, KC, VC, slots, stride_t, strid
     row = QKV + t * stride_t
     hq = tl.arange(0, HQ)
     qmask = (hq < n_q)[:, None]
-    q1, q2 = norm_rope_rows(row, QW, c, s, hq, qmask, i, eps, 2 * HALF, HALF, HAS_NORM, dtype)
+    q1, q2 = norm_rope_rows(row, QW, c, s, hq, qmask, i, eps, 2 * HALF, HALF, HAS_NORM, dtype,
+                            stride_ps, SPLIT)
     out = QO + t * stride_qt + hq[:, None] * (2 * HALF) + i[None, :]
     tl.store(out, q1, mask=qmask)
     tl.store(out + HALF, q2, mask=qmask)
@@ -83,10 +87,14 @@ def _rope_store_kernel(QKV, QW, KW, COS, SIN, QO, KC, VC, slots, stride_t, strid
         hk = tl.arange(0, HKV)
         kmask = (hk < n_kv)[:, None]
         k1, k2 = norm_rope_rows(row + n_q * 2 * HALF, KW, c, s, hk, kmask, i, eps, 2 * HALF, HALF,
-                                 HAS_NORM, dtype)
+                                 HAS_NORM, dtype, stride_ps, SPLIT)
         v_row = row + (n_q + n_kv) * 2 * HALF + hk[:, None] * (2 * HALF) + i[None, :]
-        v1 = tl.load(v_row, mask=kmask, other=0.0)
-        v2 = tl.load(v_row + HALF, mask=kmask, other=0.0)
+        if SPLIT == 0:
+            v1 = tl.load(v_row, mask=kmask, other=0.0)
+            v2 = tl.load(v_row + HALF, mask=kmask, other=0.0)
+        else:
+            v1 = load_rounded(v_row, kmask, stride_ps, SPLIT, dtype)
+            v2 = load_rounded(v_row + HALF, kmask, stride_ps, SPLIT, dtype)
         if SATURATE:  # an fp8 pool: clamp to +-448 as _store_kv_kernel does
             k1 = tl.minimum(tl.maximum(k1.to(tl.float32), -448.0), 448.0)
             k2 = tl.minimum(tl.maximum(k2.to(tl.float32), -448.0), 448.0)
@@ -99,15 +107,20 @@ def _rope_store_kernel(QKV, QW, KW, COS, SIN, QO, KC, VC, slots, stride_t, strid
         tl.store(VC + off + HALF, v2.to(VC.dtype.element_ty), mask=kmask)
 
 
-def rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: torch.Tensor | None,
-               k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """qkv: [T, (H + 2 Hkv) D] (a fused q|k|v projection's rows) -> q [T, H, D] normed and rotated;
-    k normed and rotated and v go straight into the cache rows `slots`: one launch for what
-    fused_ops.norm_rope (twice) and store_kv do in three, with the same bits."""
+def rope_store(qkv: torch.Tensor | SplitSum, num_heads: int, num_kv_heads: int,
+               q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+               cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+    """qkv: [T, (H + 2 Hkv) D] (a fused q|k|v projection's rows, or its unsummed split parts)
+    -> q [T, H, D] normed and rotated; k normed and rotated and v go straight into the cache rows
+    `slots`: one launch for what fused_ops.norm_rope (twice) and store_kv do in three, with the
+    same bits."""
+    split, stride_ps, dtype = 0, 0, qkv.dtype
+    if isinstance(qkv, SplitSum):
+        split, stride_ps, qkv = qkv.parts.shape[0], qkv.parts.stride(0), qkv.parts[0]
     t = qkv.shape[0]
     dim = k_cache.shape[-1]
-    q = torch.empty((t, num_heads, dim), dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty((t, num_heads, dim), dtype=dtype, device=qkv.device)
     if t == 0:
         return q
     if qkv.stride(-1) != 1:
@@ -121,9 +134,9 @@ def rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, q_weight: t
     _rope_store_kernel[(t,)](
         qkv, q_weight if q_weight is not None else qkv, k_weight if k_weight is not None else qkv,
         cos, sin, q, k_cache, v_cache, slots, qkv.stride(0), q.stride(0), k_cache.stride(0),
-        cos.stride(0), num_heads, num_kv_heads, eps, HALF=dim // 2,
+        cos.stride(0), num_heads, num_kv_heads, eps, stride_ps, HALF=dim // 2,
         HQ=triton.next_power_of_2(num_heads), HKV=triton.next_power_of_2(num_kv_heads),
-        HAS_NORM=q_weight is not None, SATURATE=k_cache.dtype == torch.float8_e4m3fn,
+        HAS_NORM=q_weight is not None, SATURATE=k_cache.dtype == torch.float8_e4m3fn, SPLIT=split,
     )
     return q
 

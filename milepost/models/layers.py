@@ -210,8 +210,9 @@ class SelfAttention(nn.Module):
             # GPU engine: q/k norm + RoPE and the KV store in one kernel, then attention.
             qw, kw = (n.weight if n is not None else None for n in (self.q_norm, self.k_norm))
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            out = ctx.attention.attend_qkv(self.layer_id, self.qkv_proj(x), self.num_heads,
-                                           self.num_kv_heads, qw, kw, eps, cos, sin, self.scale)
+            qkv = unsummed(self.qkv_proj, x)  # split FP8 parts: the RoPE + store kernel sums them
+            out = ctx.attention.attend_qkv(self.layer_id, qkv, self.num_heads, self.num_kv_heads,
+                                           qw, kw, eps, cos, sin, self.scale)
             return project_out(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), ctx)
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self._qkv_sizes, dim=-1)  # row-strided views

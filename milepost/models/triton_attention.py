@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from milepost.lowprec.fp8_act import SplitSum
 from milepost.models.attention import PagedBatch, PagedKVCache, TorchPagedAttention
 
 AttentionBackendName = Literal["auto", "torch", "triton"]
@@ -101,11 +102,12 @@ class TritonPagedAttention:
         """Whether attend_qkv serves this batch (fresh-prompt SDPA needs k and v as tensors)."""
         return self.fuse_rope_store and self._fresh_bounds is None
 
-    def attend_qkv(self, layer_id: int, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
-                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                   cos: torch.Tensor, sin: torch.Tensor, scale: float) -> torch.Tensor:
-        """qkv: [T, (H + 2 Hkv) D], a fused projection's rows -> [T, H, D]: per-head RMSNorm of q
-        and k (weights None: none), RoPE, the KV store, then attention; same values as attend."""
+    def attend_qkv(self, layer_id: int, qkv: torch.Tensor | SplitSum, num_heads: int,
+                   num_kv_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                   eps: float, cos: torch.Tensor, sin: torch.Tensor, scale: float) -> torch.Tensor:
+        """qkv: [T, (H + 2 Hkv) D], a fused projection's rows (or their unsummed split parts:
+        lowprec/fp8_act.SplitSum) -> [T, H, D]: per-head RMSNorm of q and k (weights None:
+        none), RoPE, the KV store, then attention; same values as attend."""
         batch = self._batch
         if batch is None:
             raise RuntimeError("TritonPagedAttention.attend_qkv called before prepare(batch)")

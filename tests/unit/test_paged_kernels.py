@@ -210,7 +210,11 @@ kernels = (
     (paged_attention._rope_store_kernel, {"QKV": "*bf16", "QW": "*bf16", "KW": "*bf16",
                                           "COS": "*bf16", "SIN": "*bf16", "QO": "*bf16",
                                           "KC": "*bf16", "VC": "*bf16", "slots": "*i64"},
-     {**const, "HQ": 16, "HKV": 8, "SATURATE": False}),
+     {**const, "HQ": 16, "HKV": 8, "SATURATE": False, "SPLIT": 0}),
+    (paged_attention._rope_store_kernel, {"QKV": "*fp32", "QW": "*bf16", "KW": "*bf16",  # parts
+                                          "COS": "*bf16", "SIN": "*bf16", "QO": "*bf16",
+                                          "KC": "*fp8e4nv", "VC": "*fp8e4nv", "slots": "*i64"},
+     {**const, "HQ": 16, "HKV": 8, "SATURATE": True, "SPLIT": 3}),
 )
 for fn, ptrs, c in kernels:
     sig = {n: ptrs.get(n, "constexpr" if n in c else ("fp32" if n == "eps" else "i32"))
@@ -223,7 +227,8 @@ print("compiled")
 
 @needs_ptxas()
 def test_rope_kernels_compile_for_sm90() -> None:
-    """norm_rope and rope_store share one jit helper: both still compile for an H100/H200."""
+    """norm_rope and rope_store share one jit helper: both still compile for an H100/H200, the
+    latter also over a split GEMM's fp32 parts into an fp8 pool."""
     run_compiled(_COMPILE_ROPE)
 
 

@@ -60,6 +60,28 @@ def test_parts_that_do_not_make_the_rows_are_refused() -> None:
         add_rms_norm_fp8(x, SplitSum(torch.zeros(2, 4, 256, device=DEV), HALF), w, 1e-6)
 
 
+@pytest.mark.parametrize("cache", [HALF, torch.float8_e4m3fn])
+def test_rope_store_sums_the_parts_to_the_second_kernels_bits(cache: torch.dtype) -> None:
+    """q out and the K/V rows stored (an fp8 pool saturates them) equal from the parts as from
+    their sum; a padding slot (-1) stores nothing."""
+    from milepost.kernels.paged_attention import rope_store
+
+    g = torch.Generator().manual_seed(4)
+    t, h, hkv, d = 5, 4, 2, 64
+    parts = torch.randn(3, t, (h + 2 * hkv) * d, generator=g) * torch.tensor([1e-3, 30.0, 1.0])[:, None, None]
+    r = SplitSum(parts.to(DEV), HALF)
+    cos, sin = (f(torch.randn(t, d, generator=g)).to(HALF).to(DEV) for f in (torch.cos, torch.sin))
+    qw, kw = (torch.rand(d, generator=g).to(HALF).to(DEV) for _ in range(2))
+    slots = torch.tensor([3, 0, -1, 7, 5], device=DEV)
+    got, want = [], []
+    for qkv, res in ((r, got), (r.summed(), want)):
+        kc = torch.zeros(8, hkv, d, device=DEV).to(cache)
+        vc = torch.zeros(8, hkv, d, device=DEV).to(cache)
+        res += [rope_store(qkv, h, hkv, qw, kw, 1e-6, cos, sin, kc, vc, slots), kc, vc]
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_decode_gemm_hands_back_its_parts_only_when_split_and_asked(monkeypatch) -> None:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(6, 512, generator=g).to(HALF).to(DEV)
@@ -82,9 +104,11 @@ def test_decode_gemm_hands_back_its_parts_only_when_split_and_asked(monkeypatch)
 
 @pytest.mark.skipif(DEV == "cuda", reason="CPU forcing of the native path (tests/gpu runs the real one)")
 def test_engine_decodes_the_same_with_parts_left_unsummed(tmp_path, monkeypatch) -> None:
-    """Greedy tokens and log-probs of an fp8_block engine whose o_proj and down_proj GEMMs are
-    split in two (their K: two 128-blocks) equal with QuantizedLinear.leave_split_parts on and
-    off, and with it on those parts reach the fused add + norm unsummed."""
+    """Greedy tokens and log-probs of an fp8_block engine whose projections' GEMMs are split in
+    two (each K: two 128-blocks) equal with QuantizedLinear.leave_split_parts on and off; with
+    it on, o_proj's and down_proj's parts reach the fused add + norm unsummed (qkv_proj's go to
+    the Triton attention's RoPE + store kernel, which the CPU engine does not run:
+    tests/gpu/test_fused_fp8_act_cuda.py)."""
     from milepost.engine.server_args import ServerArgs
     from milepost.engine.setup import build_engine
     from milepost.lowprec import engine_store
@@ -94,7 +118,7 @@ def test_engine_decodes_the_same_with_parts_left_unsummed(tmp_path, monkeypatch)
     from milepost.testing.engine_greedy import greedy_outputs, random_prompts
 
     ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3, with_tokenizer=False,
-                                hidden_size=128, intermediate_size=256, head_dim=64,
+                                hidden_size=256, intermediate_size=256, head_dim=64,
                                 num_attention_heads=4, num_key_value_heads=2)
     monkeypatch.setattr(engine_store, "_native", lambda m, fmt, parts: fmt == "fp8_block" and all(
         r % 128 == 0 and n % 128 == 0 for r, n, _ in parts))

@@ -1,0 +1,52 @@
+"""Split FP8 GEMM outputs left unsummed (lowprec/fp8_act.SplitSum) on CUDA: an fp8_block engine
+(decode in CUDA graphs, every projection's decode GEMM split in two) whose qkv, o and down
+projections hand their parts to the RoPE + store and fused add + norm kernels decodes the same
+greedy tokens and log-probs as with every sum its own launch.
+Run on the accelerator machine: `python -m pytest -q -m gpu tests/gpu/test_split_sum_cuda.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_engine_greedy_is_the_same_with_parts_left_unsummed(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from milepost.engine.server_args import ServerArgs
+    from milepost.engine.setup import build_engine
+    from milepost.kernels import fp8_decode, fp8_gemm
+    from milepost.lowprec.engine_store import QuantizedLinear
+    from milepost.lowprec.fp8_act import SplitSum
+    from milepost.testing.checkpoints import make_tiny_checkpoint
+    from milepost.testing.engine_greedy import greedy_outputs, random_prompts
+
+    rule = fp8_decode.decode_config
+    monkeypatch.setattr(fp8_decode, "decode_config", lambda *a: rule(*a)._replace(split=2, ticket=False))
+    monkeypatch.setattr(fp8_gemm, "block_backend", lambda dev, m=None: "decode")
+    left: list[int] = []
+    monkeypatch.setattr(fp8_decode, "SplitSum", lambda p, d: left.append(p.shape[2]) or SplitSum(p, d))
+    ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3, with_tokenizer=False,
+                                hidden_size=256, intermediate_size=512, head_dim=64,
+                                num_attention_heads=4, num_key_value_heads=2)
+    out, widths = {}, {}
+    for leave in (False, True):
+        monkeypatch.setattr(QuantizedLinear, "leave_split_parts", leave)
+        left.clear()
+        args = ServerArgs(model_path=ckpt, device="cuda", dtype="bfloat16", page_size=16,
+                          max_total_tokens=4096, quantization="fp8_block").resolved()
+        engine = build_engine(args)[0]
+        try:
+            out[leave] = greedy_outputs(engine, random_prompts((37, 5, 130), seed=7), 16)
+        finally:
+            engine.close()
+        widths[leave] = set(left)
+        del engine
+        torch.cuda.empty_cache()
+    assert out[True] == out[False]
+    # qkv_proj's parts (N = (4 + 2 + 2) x 64), o_proj's and down_proj's (N = hidden)
+    assert widths == {False: set(), True: {512, 256}}
