@@ -160,6 +160,11 @@ def _norm(x: torch.Tensor, r: torch.Tensor | SplitSum | None, h: torch.Tensor | 
     if mp:
         n_groups = k // TILE
         gp = _norm_groups(mp, n_groups, x.device)
+        if rsplit and GROUPS_PER_PROGRAM is None:
+            # Every program of a row reads the whole row's parts for the sum of squares (split x
+            # the bf16 row's bytes a time): at most 2 programs a row (the 4B's 2,560 columns:
+            # 2 programs of 16 blocks instead of 5 of 4). Not yet timed against other widths.
+            gp = min(16, triton.next_power_of_2(n_groups))
         rr, hh = (r, h) if r is not None else (x, x)  # unread and unwritten without ADD
         _norm_fp8_kernel[(mp, triton.cdiv(n_groups, gp))](
             x, rr, weight, hh, q, s, x.stride(0), rr.stride(0), stride_rs, hh.stride(0),
