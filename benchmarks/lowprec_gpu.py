@@ -83,7 +83,9 @@ MODES = {"bf16": (None, "auto"), "fp8_block": ("fp8_block", "auto"),
          "fp8_block_unfused": ("fp8_block", "auto"),
          "fp8_block+fp8_kv": ("fp8_block", "fp8_e4m3"), "int4": ("int4", "auto"),
          "fp8_block_nostream": ("fp8_block", "auto"),
-         "fp8_block+fp8_kv_summed": ("fp8_block", "fp8_e4m3")}
+         "fp8_block+fp8_kv_summed": ("fp8_block", "fp8_e4m3"),
+         "fp8_block+fp8_kv_norm_parts": ("fp8_block", "fp8_e4m3"),
+         "fp8_block+fp8_kv_norm_parts4": ("fp8_block", "fp8_e4m3")}
 # fp8_block_unfused: each FP8 linear quantizes its own input (a launch per linear), as before the
 # norms and SiLU * up made the FP8 activations themselves (QuantizedLinear.fuse_act_quant off).
 UNFUSED_ACT = ("fp8_block_unfused",)
@@ -91,8 +93,11 @@ UNFUSED_ACT = ("fp8_block_unfused",)
 # probe runs again for it), so the decode M buckets choose among the GEMMs that were there before.
 NO_STREAM = ("fp8_block_nostream",)
 # fp8_block+fp8_kv_summed: every split decode GEMM's parts summed by their own launch, as before
-# o_proj and down_proj left them to the fused add + norm (QuantizedLinear.leave_split_parts off).
+# qkv_proj left them to the RoPE + store kernel (QuantizedLinear.leave_split_parts off);
+# _norm_parts: o_proj's and down_proj's to the fused add + norm too (fp8_act.PARTS_TO_NORM), at
+# 2 norm programs a row (fused_fp8_act.PARTS_GROUPS_PER_PROGRAM 16) or, _norm_parts4, the rule's 5.
 SUMMED = ("fp8_block+fp8_kv_summed",)
+NORM_PARTS = {"fp8_block+fp8_kv_norm_parts": 16, "fp8_block+fp8_kv_norm_parts4": None}
 
 
 def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -> list[dict]:
@@ -178,7 +183,8 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
     weights + an FP8 KV pool, one engine at a time in this process (each closed and its pool
     freed before the next starts); the pool is sized by --mem-fraction-static, so
     kv_pool_tokens shows what fits."""
-    from milepost.kernels import fp8_gemm
+    from milepost.kernels import fp8_gemm, fused_fp8_act
+    from milepost.lowprec import fp8_act
     from milepost.lowprec.engine_store import QuantizedLinear
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -188,6 +194,8 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
         # read when the decode graphs are captured (engine start) and by every eager forward
         QuantizedLinear.fuse_act_quant = mode not in UNFUSED_ACT
         QuantizedLinear.leave_split_parts = mode not in SUMMED
+        fp8_act.PARTS_TO_NORM = mode in NORM_PARTS
+        fused_fp8_act.PARTS_GROUPS_PER_PROGRAM = NORM_PARTS.get(mode, 16)
         if device == "cuda":
             fp8_gemm.STREAM = mode not in NO_STREAM
             fp8_gemm._BACKEND.clear()  # probe again with or without the stream-K kernel
@@ -215,6 +223,8 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
             engine.close()
             QuantizedLinear.fuse_act_quant = True
             QuantizedLinear.leave_split_parts = True
+            fp8_act.PARTS_TO_NORM = False
+            fused_fp8_act.PARTS_GROUPS_PER_PROGRAM = 16
             if device == "cuda":
                 fp8_gemm.STREAM = True
         # The engine and everything that refers to it go before the next one sizes its pool.
@@ -225,7 +235,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
         print(json.dumps(out), flush=True)
     if "bf16" in out:
         for mode in ("fp8_block", "fp8_block_unfused", "fp8_block+fp8_kv", "int4", "fp8_block_nostream",
-                     "fp8_block+fp8_kv_summed"):
+                     "fp8_block+fp8_kv_summed", *NORM_PARTS):
             if mode in out:
                 out[f"{mode}_over_bf16_decode"] = out[mode]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
     if "fp8_block" in out and "fp8_block_nostream" in out:

@@ -130,6 +130,9 @@ def _outputs(t: int, k: int, what: str, device: torch.device) -> tuple[torch.Ten
 GROUPS_PER_PROGRAM: int | None = None  # the norms'
 SILU_GROUPS_PER_PROGRAM: int | None = None  # silu_mul_fp8's
 QUANT_GROUPS_PER_PROGRAM: int | None = None  # quantize_rows_fp8's
+# With split GEMM parts to add (fp8_act.SplitSum) every program of a row reads the whole row's
+# parts for its sum of squares, so at most 2 programs a row (16 blocks each; None: the rule).
+PARTS_GROUPS_PER_PROGRAM: int | None = 16
 
 
 def _norm_groups(rows: int, n_groups: int, device: torch.device) -> int:
@@ -160,11 +163,8 @@ def _norm(x: torch.Tensor, r: torch.Tensor | SplitSum | None, h: torch.Tensor | 
     if mp:
         n_groups = k // TILE
         gp = _norm_groups(mp, n_groups, x.device)
-        if rsplit and GROUPS_PER_PROGRAM is None:
-            # Every program of a row reads the whole row's parts for the sum of squares (split x
-            # the bf16 row's bytes a time): at most 2 programs a row (the 4B's 2,560 columns:
-            # 2 programs of 16 blocks instead of 5 of 4). Not yet timed against other widths.
-            gp = min(16, triton.next_power_of_2(n_groups))
+        if rsplit and PARTS_GROUPS_PER_PROGRAM and GROUPS_PER_PROGRAM is None:
+            gp = min(PARTS_GROUPS_PER_PROGRAM, triton.next_power_of_2(n_groups))
         rr, hh = (r, h) if r is not None else (x, x)  # unread and unwritten without ADD
         _norm_fp8_kernel[(mp, triton.cdiv(n_groups, gp))](
             x, rr, weight, hh, q, s, x.stride(0), rr.stride(0), stride_rs, hh.stride(0),

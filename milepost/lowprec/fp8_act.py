@@ -61,6 +61,13 @@ def summed(y: torch.Tensor | SplitSum) -> torch.Tensor:
     return y.summed() if isinstance(y, SplitSum) else y
 
 
+# o_proj's and down_proj's parts to the fused add + norm too (qkv_proj's always go to the RoPE +
+# store kernel). Off: on an H100 (2026-12-07, Qwen3-4B FP8 + FP8 KV, 64 requests) the norm
+# reading 6-8 parts of each row took 9.1 us against 3.5 (with the sums apart), and the engine
+# ran x0.954 with it on (rope + norm) against every sum its own launch.
+PARTS_TO_NORM = False
+
+
 def unsummed(linear: nn.Module, x: torch.Tensor | Fp8Act) -> torch.Tensor | SplitSum:
     """linear(x), or its split-K parts unsummed where the linear can leave them so (a native
     fp8_block QuantizedLinear without bias or hooks, at a split decode GEMM): for a caller that

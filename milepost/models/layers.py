@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from milepost.lowprec import fp8_act
 from milepost.lowprec.fp8_act import Fp8Act, SplitSum, summed, takes_fp8_act, unsummed
 from milepost.models.base import ForwardContext
 from milepost.models.masked_attention import Variant, attend_variant
@@ -96,9 +97,12 @@ def add_norm_for(x: torch.Tensor, r: torch.Tensor | SplitSum, norm: RMSNorm, con
 
 def project_out(linear: nn.Module, x: torch.Tensor | Fp8Act, ctx: ForwardContext | None
                 ) -> torch.Tensor | SplitSum:
-    """linear(x); where the output goes straight into a fused add + norm (ctx.unsummed_outputs),
-    possibly a split FP8 GEMM's unsummed parts for that kernel to sum (fp8_act.unsummed)."""
-    return unsummed(linear, x) if ctx is not None and ctx.unsummed_outputs else linear(x)
+    """linear(x); where the output goes straight into a fused add + norm (ctx.unsummed_outputs)
+    and fp8_act.PARTS_TO_NORM, possibly a split FP8 GEMM's unsummed parts for that kernel to
+    sum (fp8_act.unsummed)."""
+    if ctx is not None and ctx.unsummed_outputs and fp8_act.PARTS_TO_NORM:
+        return unsummed(linear, x)
+    return linear(x)
 
 
 def check_silu(config: object) -> None:

@@ -106,12 +106,12 @@ def test_decode_gemm_hands_back_its_parts_only_when_split_and_asked(monkeypatch)
 def test_engine_decodes_the_same_with_parts_left_unsummed(tmp_path, monkeypatch) -> None:
     """Greedy tokens and log-probs of an fp8_block engine whose projections' GEMMs are split in
     two (each K: two 128-blocks) equal with QuantizedLinear.leave_split_parts on and off; with
-    it on, o_proj's and down_proj's parts reach the fused add + norm unsummed (qkv_proj's go to
-    the Triton attention's RoPE + store kernel, which the CPU engine does not run:
-    tests/gpu/test_fused_fp8_act_cuda.py)."""
+    it on (and fp8_act.PARTS_TO_NORM), o_proj's and down_proj's parts reach the fused add +
+    norm unsummed (qkv_proj's go to the Triton attention's RoPE + store kernel, which the CPU
+    engine does not run: tests/gpu/test_split_sum_cuda.py)."""
     from milepost.engine.server_args import ServerArgs
     from milepost.engine.setup import build_engine
-    from milepost.lowprec import engine_store
+    from milepost.lowprec import engine_store, fp8_act
     from milepost.lowprec.engine_store import QuantizedLinear
     from milepost.models import layers
     from milepost.testing.checkpoints import make_tiny_checkpoint
@@ -126,6 +126,7 @@ def test_engine_decodes_the_same_with_parts_left_unsummed(tmp_path, monkeypatch)
     monkeypatch.setattr(layers, "gpu_inference", lambda x: True)
     rule = fp8_decode.decode_config
     monkeypatch.setattr(fp8_decode, "decode_config", lambda *a: rule(*a)._replace(split=2, ticket=False))
+    monkeypatch.setattr(fp8_act, "PARTS_TO_NORM", True)
     left = []
     monkeypatch.setattr(fp8_decode, "SplitSum", lambda *a: left.append(1) or SplitSum(*a))
     out, counts = {}, {}
