@@ -89,12 +89,8 @@ def _rope_store_kernel(QKV, QW, KW, COS, SIN, QO, KC, VC, slots, stride_t, strid
         k1, k2 = norm_rope_rows(row + n_q * 2 * HALF, KW, c, s, hk, kmask, i, eps, 2 * HALF, HALF,
                                  HAS_NORM, dtype, stride_ps, SPLIT)
         v_row = row + (n_q + n_kv) * 2 * HALF + hk[:, None] * (2 * HALF) + i[None, :]
-        if SPLIT == 0:
-            v1 = tl.load(v_row, mask=kmask, other=0.0)
-            v2 = tl.load(v_row + HALF, mask=kmask, other=0.0)
-        else:
-            v1 = load_rounded(v_row, kmask, stride_ps, SPLIT, dtype)
-            v2 = load_rounded(v_row + HALF, kmask, stride_ps, SPLIT, dtype)
+        v1 = load_rounded(v_row, kmask, stride_ps, SPLIT, dtype)  # fp32 of dtype's values
+        v2 = load_rounded(v_row + HALF, kmask, stride_ps, SPLIT, dtype)
         if SATURATE:  # an fp8 pool: clamp to +-448 as _store_kv_kernel does
             k1 = tl.minimum(tl.maximum(k1.to(tl.float32), -448.0), 448.0)
             k2 = tl.minimum(tl.maximum(k2.to(tl.float32), -448.0), 448.0)

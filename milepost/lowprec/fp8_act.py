@@ -41,9 +41,10 @@ class SplitSum(NamedTuple):
 
     At decode batch sizes the FP8 GEMM splits K over programs to fill the SMs and a second
     launch sums the fp32 parts (kernels/fp8_decode.py): ~2.3 us a call on an H100, three calls a
-    layer. Where the output goes straight into the fused residual add + RMSNorm (o_proj,
-    down_proj on the GPU inference path), that kernel sums the parts itself in the same order
-    (0 + part 0 + part 1 + ..., rounded to `dtype`): the same bits, one launch fewer."""
+    layer. qkv_proj's output goes straight into the RoPE + KV store kernel (and, with
+    PARTS_TO_NORM, o_proj's and down_proj's into the fused residual add + RMSNorm), which sums
+    the parts itself in the same order (0 + part 0 + part 1 + ..., rounded to `dtype`,
+    kernels/fused_ops.load_rounded): the same bits, one launch fewer."""
 
     parts: torch.Tensor  # float32 [split, rows, N], contiguous
     dtype: torch.dtype  # the linear's output dtype
@@ -71,7 +72,8 @@ PARTS_TO_NORM = False
 def unsummed(linear: nn.Module, x: torch.Tensor | Fp8Act) -> torch.Tensor | SplitSum:
     """linear(x), or its split-K parts unsummed where the linear can leave them so (a native
     fp8_block QuantizedLinear without bias or hooks, at a split decode GEMM): for a caller that
-    hands the result to a kernel that sums them (fused_fp8_act.add_rms_norm_fp8)."""
+    hands the result to a kernel that sums them (paged_attention.rope_store,
+    fused_fp8_act.add_rms_norm_fp8)."""
     forward = getattr(type(linear), "forward_unsummed", None)
     if forward is None or linear._forward_hooks or linear._forward_pre_hooks:
         return linear(x)

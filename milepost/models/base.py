@@ -44,8 +44,8 @@ class ForwardContext:
     routed_experts: torch.Tensor | None = None
     forced_experts: torch.Tensor | None = None
     # Set by DecoderLM's fused-residual path, where each attention and MLP output goes straight
-    # into a fused residual add + RMSNorm: their FP8 out-projections may hand back split-K parts
-    # for that kernel to sum (lowprec/fp8_act.SplitSum).
+    # into a fused residual add + RMSNorm: with lowprec/fp8_act.PARTS_TO_NORM their FP8
+    # out-projections may hand back split-K parts for that kernel to sum (fp8_act.SplitSum).
     unsummed_outputs: bool = False
 
 
