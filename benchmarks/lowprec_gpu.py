@@ -85,7 +85,8 @@ MODES = {"bf16": (None, "auto"), "fp8_block": ("fp8_block", "auto"),
          "fp8_block_nostream": ("fp8_block", "auto"),
          "fp8_block+fp8_kv_summed": ("fp8_block", "fp8_e4m3"),
          "fp8_block+fp8_kv_norm_parts": ("fp8_block", "fp8_e4m3"),
-         "fp8_block+fp8_kv_norm_parts4": ("fp8_block", "fp8_e4m3")}
+         "fp8_block+fp8_kv_norm_parts4": ("fp8_block", "fp8_e4m3"),
+         "fp8_block+fp8_kv_attn_quant": ("fp8_block", "fp8_e4m3")}
 # fp8_block_unfused: each FP8 linear quantizes its own input (a launch per linear), as before the
 # norms and SiLU * up made the FP8 activations themselves (QuantizedLinear.fuse_act_quant off).
 UNFUSED_ACT = ("fp8_block_unfused",)
@@ -98,6 +99,9 @@ NO_STREAM = ("fp8_block_nostream",)
 # 2 norm programs a row (fused_fp8_act.PARTS_GROUPS_PER_PROGRAM 16) or, _norm_parts4, the rule's 5.
 SUMMED = ("fp8_block+fp8_kv_summed",)
 NORM_PARTS = {"fp8_block+fp8_kv_norm_parts": 16, "fp8_block+fp8_kv_norm_parts4": None}
+# _attn_quant: o_proj's input quantized by the decode attention kernel (no quantize launch;
+# TritonPagedAttention.quantize_out).
+ATTN_QUANT = ("fp8_block+fp8_kv_attn_quant",)
 
 
 def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -> list[dict]:
@@ -186,6 +190,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
     from milepost.kernels import fp8_gemm, fused_fp8_act
     from milepost.lowprec import fp8_act
     from milepost.lowprec.engine_store import QuantizedLinear
+    from milepost.models.triton_attention import TritonPagedAttention
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out = {"shape": shape, "requests": requests, "prompt": prompt, "output": output}
@@ -195,6 +200,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
         QuantizedLinear.fuse_act_quant = mode not in UNFUSED_ACT
         QuantizedLinear.leave_split_parts = mode not in SUMMED
         fp8_act.PARTS_TO_NORM = mode in NORM_PARTS
+        TritonPagedAttention.quantize_out = mode in ATTN_QUANT
         fused_fp8_act.PARTS_GROUPS_PER_PROGRAM = NORM_PARTS.get(mode, 16)
         if device == "cuda":
             fp8_gemm.STREAM = mode not in NO_STREAM
@@ -224,6 +230,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
             QuantizedLinear.fuse_act_quant = True
             QuantizedLinear.leave_split_parts = True
             fp8_act.PARTS_TO_NORM = False
+            TritonPagedAttention.quantize_out = False
             fused_fp8_act.PARTS_GROUPS_PER_PROGRAM = 16
             if device == "cuda":
                 fp8_gemm.STREAM = True
@@ -235,12 +242,15 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
         print(json.dumps(out), flush=True)
     if "bf16" in out:
         for mode in ("fp8_block", "fp8_block_unfused", "fp8_block+fp8_kv", "int4", "fp8_block_nostream",
-                     "fp8_block+fp8_kv_summed", *NORM_PARTS):
+                     "fp8_block+fp8_kv_summed", *NORM_PARTS, *ATTN_QUANT):
             if mode in out:
                 out[f"{mode}_over_bf16_decode"] = out[mode]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
     if "fp8_block" in out and "fp8_block_nostream" in out:
         out["fp8_stream_over_nostream_decode"] = (out["fp8_block"]["decode_tok_s"]
                                                   / out["fp8_block_nostream"]["decode_tok_s"])
+    if "fp8_block+fp8_kv" in out and "fp8_block+fp8_kv_attn_quant" in out:
+        out["attn_quant_over_plain_decode"] = (out["fp8_block+fp8_kv_attn_quant"]["decode_tok_s"]
+                                               / out["fp8_block+fp8_kv"]["decode_tok_s"])
     if "fp8_block+fp8_kv" in out and "fp8_block+fp8_kv_summed" in out:
         out["fp8_unsummed_over_summed_decode"] = (out["fp8_block+fp8_kv"]["decode_tok_s"]
                                                   / out["fp8_block+fp8_kv_summed"]["decode_tok_s"])

@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from milepost.kernels.fp8_quant import quant_blocks_1x128
 from milepost.kernels.fused_ops import load_rounded, norm_rope_rows
-from milepost.lowprec.fp8_act import SplitSum
+from milepost.lowprec.fp8_act import PAD_ROWS, Fp8Act, SplitSum
 
 # Decode over an fp8 pool by paged_attention_fp8's kernel (the pool read as 32-bit words, widened
 # with integer operations, fp16 dots): 1.05x this file's widening kernel at 256 sequences x 256
@@ -151,12 +152,20 @@ def decode_range(seq_lens, b, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.const
 @triton.jit
 def store_decode(acc, m_i, l_i, b, split, heads, hmask, d, O_part, L_part, Out, stride_ob,
                  stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh,
-                 NUM_SPLITS: tl.constexpr):
+                 NUM_SPLITS: tl.constexpr, QV, QS, stride_qs, QUANT: tl.constexpr):
     """The range's result acc / l: the output itself (one range), else its part and log-sum-exp
-    for _decode_merge_kernel."""
+    for _decode_merge_kernel. QUANT (one range, head dim 128): instead of the output, its
+    values rounded to Out's dtype and quantized per head (one 1 x 128 block each) into QV
+    ([rows, H * 128] fp8) and QS (scales, head h of row b at h * stride_qs + b): the bits
+    quantize_rows_fp8 gives of the output (an Fp8Act for o_proj, lowprec/fp8_act.py)."""
     has = l_i > 0.0  # an empty range (short sequence, padding row) contributes weight 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:  # one range: the result is final, no merge pass
+    if QUANT:
+        y = out.to(Out.dtype.element_ty).to(tl.float32)
+        qv, qs = quant_blocks_1x128(y)
+        tl.store(QV + b * stride_xt + heads[:, None] * 128 + d[None, :], qv, mask=hmask[:, None])
+        tl.store(QS + heads * stride_qs + b, qs, mask=hmask)
+    elif NUM_SPLITS == 1:  # one range: the result is final, no merge pass
         x_ptr = Out + b * stride_xt + heads[:, None] * stride_xh + d[None, :]
         tl.store(x_ptr, out.to(Out.dtype.element_ty), mask=hmask[:, None])
     else:
@@ -173,9 +182,10 @@ def store_decode(acc, m_i, l_i, b, split, heads, hmask, d, O_part, L_part, Out, 
 def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale,
                          stride_qt, stride_qh, stride_ct, stride_ch, stride_tb,
                          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh,
+                         QV, QS, stride_qs,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, QUANT: tl.constexpr = False):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -214,7 +224,8 @@ def _decode_split_kernel(Q, KC, VC, tables, seq_lens, O_part, L_part, Out, scale
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     store_decode(acc, m_i, l_i, b, split, heads, hmask, d, O_part, L_part, Out, stride_ob,
-                 stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh, NUM_SPLITS)
+                 stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh, NUM_SPLITS,
+                 QV, QS, stride_qs, QUANT)
 
 
 @triton.jit
@@ -241,12 +252,24 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
     return min(32, triton.next_power_of_2(want))
 
 
+def quantizes_out(q: torch.Tensor, num_splits: int) -> bool:
+    """Whether paged_decode can hand o_proj its output as an Fp8Act: one range per sequence (no
+    merge pass), head dim 128 (a head is one 1 x 128 block), rows a multiple of PAD_ROWS (the
+    Fp8Act's padding; the decode graphs' batch sizes from 4 up are) and 16-bit queries."""
+    bsz, _, dim = q.shape
+    return (num_splits == 1 and dim == 128 and bsz > 0 and bsz % PAD_ROWS == 0
+            and q.dtype in (torch.bfloat16, torch.float16))
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, page: int,
                  num_splits: int, block_n: int = 64, num_warps: int | None = None,
-                 num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 num_stages: int | None = None, out: torch.Tensor | None = None,
+                 fp8_out: bool = False) -> torch.Tensor | Fp8Act:
     """q: [B, H, D] (one query per sequence) -> [B, H, D]; seq_lens[b] = 0 gives zeros.
     out: [B, H, D] rows to write (e.g. the decode rows of a mixed batch's output); new if None.
+    fp8_out: where `quantizes_out` allows it, the output as [B, H * D] quantized per 1 x 128
+    block (an Fp8Act, quantize_rows_fp8's bits) for an FP8 o_proj, made by the attention kernel.
 
     Unsplit batches run 2 warps and 3 stages: on the H200 (2026-12-04, Qwen3-0.6B heads, bf16)
     78-80 us vs 82.5 us at 256 x 256 keys, 141 vs 150 us at 256 x 512, 76.5 vs 79 us at 64 x 1024
@@ -262,6 +285,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = heads // kv_heads
     if out is None:
         out = torch.empty_like(q)
+    qv = qs = None
+    if fp8_out and quantizes_out(q, num_splits) and out.stride(0) == heads * dim:
+        qv = torch.empty((bsz, heads * dim), dtype=torch.float8_e4m3fn, device=q.device)
+        qs = torch.empty((heads, bsz), dtype=torch.float32, device=q.device).t()
+    quant = (qv, qs, bsz) if qv is not None else (out, out, 0)
     parts = num_splits
     o_part = torch.empty((bsz, parts, heads, dim) if num_splits > 1 else (1, 1, 1, 1),
                          dtype=torch.float32, device=q.device)
@@ -272,8 +300,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         from milepost.kernels.paged_attention_fp8 import launch_fp8_words
 
         launch_fp8_words(q, k_cache, v_cache, block_tables, seq_lens, scale, page, num_splits,
-                         block_n, num_warps, num_stages, o_part, l_part, out)
-    elif PERSISTENT_DECODE and num_splits == 1:
+                         block_n, num_warps, num_stages, o_part, l_part, out, quant)
+    elif PERSISTENT_DECODE and num_splits == 1 and qv is None:
         from milepost.kernels.paged_attention_persistent import persistent_decode
 
         return persistent_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, page, out,
@@ -283,11 +311,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             q, k_cache, v_cache, block_tables, seq_lens, o_part, l_part, out, scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
             o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0),
-            l_part.stride(1), out.stride(0), out.stride(1),
+            l_part.stride(1), out.stride(0), out.stride(1), *quant,
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-            num_warps=num_warps, num_stages=num_stages,
+            QUANT=qv is not None, num_warps=num_warps, num_stages=num_stages,
         )
+    if qv is not None:
+        return Fp8Act(qv, qs, bsz, q.dtype)
     if num_splits == 1:
         return out
     _decode_merge_kernel[(bsz, heads)](

@@ -43,10 +43,10 @@ def _widen(words, j: tl.constexpr):
 def _decode_fp8_words_kernel(Q, KW, VW, tables, seq_lens, O_part, L_part, Out, scale,
                              stride_qt, stride_qh, stride_ct, stride_ch, stride_tb,
                              stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                             stride_xt, stride_xh,
+                             stride_xt, stride_xh, QV, QS, stride_qs,
                              GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                              PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr):
+                             NUM_SPLITS: tl.constexpr, QUANT: tl.constexpr = False):
     """paged_attention._decode_split_kernel's ranges, split-K and outputs over int32 views KW, VW
     ([slots, Hkv, D/4]) of the fp8 pool; strides of the pool in words."""
     b = tl.program_id(0)
@@ -101,15 +101,18 @@ def _decode_fp8_words_kernel(Q, KW, VW, tables, seq_lens, O_part, L_part, Out, s
     # dimension 4i + 2a + c from the four parts, and the values' 2^-8 back (exact)
     acc = tl.reshape(tl.join(tl.join(acc0, acc2), tl.join(acc1, acc3)), [BLOCK_H, D]) * 256.0
     store_decode(acc, m_i, l_i, b, split, heads, hmask, d, O_part, L_part, Out, stride_ob,
-                 stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh, NUM_SPLITS)
+                 stride_os, stride_oh, stride_lb, stride_ls, stride_xt, stride_xh, NUM_SPLITS,
+                 QV, QS, stride_qs, QUANT)
 
 
 def launch_fp8_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, page: int,
                      num_splits: int, block_n: int, num_warps: int, num_stages: int,
-                     o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor) -> None:
+                     o_part: torch.Tensor, l_part: torch.Tensor, out: torch.Tensor,
+                     quant: tuple[torch.Tensor, torch.Tensor, int]) -> None:
     """The word-loading kernel in place of _decode_split_kernel (same grid, parts and output);
-    k_cache/v_cache: float8_e4m3fn [slots, Hkv, D], D a multiple of 4, rows contiguous."""
+    k_cache/v_cache: float8_e4m3fn [slots, Hkv, D], D a multiple of 4, rows contiguous.
+    quant: (fp8 values, scales, scales' head stride) of a quantized output (stride 0: none)."""
     kw, vw = k_cache.view(torch.int32), v_cache.view(torch.int32)
     bsz, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -118,7 +121,8 @@ def launch_fp8_words(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, kw, vw, block_tables, seq_lens, o_part, l_part, out, scale,
         q.stride(0), q.stride(1), kw.stride(0), kw.stride(1), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), l_part.stride(0), l_part.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *quant,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=dim, PAGE=page,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, QUANT=quant[2] > 0, num_warps=num_warps,
+        num_stages=num_stages,
     )

@@ -216,8 +216,11 @@ class SelfAttention(nn.Module):
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             qkv = unsummed(self.qkv_proj, x)  # split FP8 parts: the RoPE + store kernel sums them
             out = ctx.attention.attend_qkv(self.layer_id, qkv, self.num_heads, self.num_kv_heads,
-                                           qw, kw, eps, cos, sin, self.scale)
-            return project_out(self.o_proj, out.reshape(t, self.num_heads * self.head_dim), ctx)
+                                           qw, kw, eps, cos, sin, self.scale,
+                                           fp8_out=takes_fp8_act(self.o_proj))
+            if not isinstance(out, Fp8Act):  # else quantized for o_proj by the attention kernel
+                out = out.reshape(t, self.num_heads * self.head_dim)
+            return project_out(self.o_proj, out, ctx)
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self._qkv_sizes, dim=-1)  # row-strided views
         else:

@@ -10,11 +10,11 @@ change between steps, so the CUDA-graph runner can capture it once per batch siz
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
-from milepost.lowprec.fp8_act import SplitSum
+from milepost.lowprec.fp8_act import Fp8Act, SplitSum
 from milepost.models.attention import PagedBatch, PagedKVCache, TorchPagedAttention
 
 AttentionBackendName = Literal["auto", "torch", "triton"]
@@ -22,6 +22,12 @@ AttentionBackendName = Literal["auto", "torch", "triton"]
 
 class TritonPagedAttention:
     """Inference only (no autograd through the kernels); the cache is written in place."""
+
+    # Decode steps hand an FP8 o_proj its input quantized by the attention kernel (an Fp8Act, the
+    # same bits as o_proj's own quantize launch; paged_attention.quantizes_out says when). Off
+    # until timed on a GPU (benchmarks/lowprec_gpu.py --modes fp8_block+fp8_kv_attn_quant);
+    # read at CUDA-graph capture.
+    quantize_out: ClassVar[bool] = False
 
     def __init__(self, cache: PagedKVCache) -> None:
         from milepost.kernels import (
@@ -104,19 +110,23 @@ class TritonPagedAttention:
 
     def attend_qkv(self, layer_id: int, qkv: torch.Tensor | SplitSum, num_heads: int,
                    num_kv_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                   eps: float, cos: torch.Tensor, sin: torch.Tensor, scale: float) -> torch.Tensor:
+                   eps: float, cos: torch.Tensor, sin: torch.Tensor, scale: float,
+                   fp8_out: bool = False) -> torch.Tensor | Fp8Act:
         """qkv: [T, (H + 2 Hkv) D], a fused projection's rows (or their unsummed split parts:
         lowprec/fp8_act.SplitSum) -> [T, H, D]: per-head RMSNorm of q and k (weights None:
-        none), RoPE, the KV store, then attention; same values as attend."""
+        none), RoPE, the KV store, then attention; same values as attend. fp8_out (for an FP8
+        o_proj, with `quantize_out` on): a decode step's output may come as [T, H * D] quantized
+        per 1 x 128 block (an Fp8Act)."""
         batch = self._batch
         if batch is None:
             raise RuntimeError("TritonPagedAttention.attend_qkv called before prepare(batch)")
         q = self.kernels.rope_store(qkv, num_heads, num_kv_heads, q_weight, k_weight, eps, cos, sin,
                                     self.cache.k[layer_id], self.cache.v[layer_id],
                                     batch.slot_mapping)
-        return self._attend_stored(layer_id, q, scale)
+        return self._attend_stored(layer_id, q, scale, fp8_out and self.quantize_out)
 
-    def _attend_stored(self, layer_id: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def _attend_stored(self, layer_id: int, q: torch.Tensor, scale: float,
+                       fp8_out: bool = False) -> torch.Tensor | Fp8Act:
         """Attention of q [T, H, D] over the cache, which already holds the new tokens' K/V."""
         batch = self._batch
         kc, vc = self.cache.k[layer_id], self.cache.v[layer_id]
@@ -125,7 +135,7 @@ class TritonPagedAttention:
         page = self.cache.block_size
         if self._decode:
             return self.kernels.paged_decode(q, kc, vc, batch.block_tables, batch.seq_lens, scale,
-                                             page, self._splits)
+                                             page, self._splits, fp8_out=fp8_out)
         tile_seq, tile_m0 = self._tiles
         out = None
         n = self._mixed_decodes

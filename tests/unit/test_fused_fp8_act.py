@@ -269,3 +269,34 @@ def test_engine_decodes_the_same_with_the_fusion_on_and_off(
     quantizing = 0 if backend == "decode" and cfg_fused else 1  # a fused config quantizes inside
     assert counts[False] == {"quantize": 8 * 4 * quantizing, "prequantized": 0}
     assert counts[True] == {"quantize": 8 * quantizing, "prequantized": 8 * 3}
+
+
+@pytest.mark.parametrize("pool", ["half", "fp8"])
+def test_decode_attention_quantizes_its_output_for_o_proj(pool: str) -> None:
+    """paged_decode(fp8_out=True): the Fp8Act holds quantize_rows_fp8's bits of the output the
+    kernel would have stored (each head one 1 x 128 block), empty rows (seq_len 0) zeros with
+    scale 1; where `quantizes_out` says no (split ranges, rows not a multiple of 4) the plain
+    output comes back."""
+    from milepost.kernels import paged_attention as K
+    from milepost.kernels.fused_fp8_act import quantize_rows_fp8
+
+    half = torch.bfloat16 if DEV == "cuda" else torch.float16
+    kv = half if pool == "half" else torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(11)
+    b, h, hkv, d, page, ctx = 8, 4, 2, 128, 16, 40
+    nb = b * -(-ctx // page)
+    kc = torch.randn(nb * page, hkv, d, generator=g).to(kv).to(DEV)
+    vc = (torch.randn(nb * page, hkv, d, generator=g) * 3).to(kv).to(DEV)
+    q = torch.randn(b, h, d, generator=g).to(half).to(DEV)
+    tables = torch.randperm(nb, generator=g).to(torch.int32).view(b, -1).to(DEV)
+    lens = torch.tensor([ctx, 1, 0, 17, 40, 3, 0, 9], dtype=torch.int32, device=DEV)
+    plain = K.paged_decode(q, kc, vc, tables, lens, d**-0.5, page, 1)
+    a = K.paged_decode(q, kc, vc, tables, lens, d**-0.5, page, 1, fp8_out=True)
+    want = quantize_rows_fp8(plain.reshape(b, h * d))
+    assert isinstance(a, Fp8Act) and a.rows == b and a.dtype == half
+    assert torch.equal(a.values.view(torch.uint8), want.values.view(torch.uint8))
+    assert torch.equal(a.scales, want.scales) and a.scales.stride() == want.scales.stride()
+    assert a.values[2].view(torch.uint8).eq(0).all() and a.scales[2].eq(1).all()
+    split = K.paged_decode(q, kc, vc, tables, lens, d**-0.5, page, 2, fp8_out=True)
+    odd = K.paged_decode(q[:6], kc, vc, tables[:6], lens[:6], d**-0.5, page, 1, fp8_out=True)
+    assert isinstance(split, torch.Tensor) and isinstance(odd, torch.Tensor)

@@ -118,7 +118,8 @@ from milepost.testing.hopper_compile import sm90_sass
 sass = sm90_sass(m._decode_fp8_words_kernel,
                  {"Q": "*bf16", "KW": "*i32", "VW": "*i32", "tables": "*i32", "seq_lens": "*i32",
                   "O_part": "*fp32", "L_part": "*fp32", "Out": "*bf16"},
-                 {"GROUP": 2, "BLOCK_H": 16, "D": 128, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 1}, 2, 3)
+                 {"GROUP": 2, "BLOCK_H": 16, "D": 128, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 1,
+                  "QUANT": False}, 2, 3)
 assert re.search(r"LDGSTS\\.E\\.BYPASS\\.128|LDG\\.E\\.128", sass), "pool not moved 16 bytes a copy"
 assert not re.search(r"\\bF2F\\.|F2FP\\.F16\\.E4M3|LDS\\.U8", sass), "per-value conversions or byte loads"
 assert "HMMA.16816.F32" in sass  # fp16 tensor-core dots

@@ -238,10 +238,21 @@ from milepost.testing.hopper_compile import compile_sm90
 ptrs = {"Q": "*bf16", "KC": "*bf16", "VC": "*bf16", "tables": "*i32", "seq_lens": "*i32",
         "O_part": "*fp32", "L_part": "*fp32", "Out": "*bf16"}
 c = {"GROUP": 2, "BLOCK_H": 16, "D": 128, "PAGE": 16, "BLOCK_N": 64, "NUM_SPLITS": 1, "IEEE": False}
-assert compile_sm90(paged_attention._decode_split_kernel, ptrs, c, 2, 3, floats=("scale",)).asm["cubin"]
+for quant in (False, True):  # the output stored, or quantized for an FP8 o_proj
+    p = {**ptrs, "QV": "*fp8e4nv" if quant else "*bf16", "QS": "*fp32" if quant else "*bf16"}
+    k = compile_sm90(paged_attention._decode_split_kernel, p, {**c, "QUANT": quant}, 2, 3,
+                     floats=("scale",))
+    assert k.asm["cubin"]
+from milepost.kernels import paged_attention_fp8  # the fp8 pool's kernel, quantizing its output
+p = {**ptrs, "KW": "*i32", "VW": "*i32", "QV": "*fp8e4nv", "QS": "*fp32"}
+c.pop("IEEE")
+k = compile_sm90(paged_attention_fp8._decode_fp8_words_kernel, p, {**c, "QUANT": True}, 2, 3,
+                 floats=("scale",))
+assert k.asm["cubin"]
 """
 
 
 @needs_ptxas()
 def test_decode_kernel_compiles_for_sm90() -> None:
+    """Both decode kernels, the fp8 pool's with its output quantized for an FP8 o_proj."""
     run_compiled(_COMPILE_DECODE)
