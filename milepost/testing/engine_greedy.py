@@ -36,3 +36,19 @@ def greedy_outputs(engine: Any, prompts: list[list[int]], max_new_tokens: int,
         engine.step()
     engine._flush()
     return [toks[i] for i in range(len(prompts))], [lps[i] for i in range(len(prompts))]
+
+
+def fresh_engine_greedy(args: Any, prompts: list[list[int]], max_new_tokens: int,
+                        ) -> tuple[list[list[int]], list[list[float]]]:
+    """greedy_outputs of an engine built from resolved ServerArgs `args`, closed after; on CUDA
+    its memory goes back before the next engine sizes its pool."""
+    from milepost.engine.setup import build_engine
+
+    engine = build_engine(args)[0]
+    try:
+        return greedy_outputs(engine, prompts, max_new_tokens)
+    finally:
+        engine.close()
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -20,12 +20,11 @@ def test_engine_greedy_is_the_same_with_the_attention_quantizing(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  kv: str) -> None:
     from milepost.engine.server_args import ServerArgs
-    from milepost.engine.setup import build_engine
     from milepost.kernels import paged_attention
     from milepost.lowprec.fp8_act import Fp8Act
     from milepost.models.triton_attention import TritonPagedAttention
     from milepost.testing.checkpoints import make_tiny_checkpoint
-    from milepost.testing.engine_greedy import greedy_outputs, random_prompts
+    from milepost.testing.engine_greedy import fresh_engine_greedy, random_prompts
 
     made: list[int] = []
     decode = paged_attention.paged_decode
@@ -46,13 +45,7 @@ def test_engine_greedy_is_the_same_with_the_attention_quantizing(tmp_path: Path,
         args = ServerArgs(model_path=ckpt, device="cuda", dtype="bfloat16", page_size=16,
                           max_total_tokens=4096, quantization="fp8_block",
                           kv_cache_dtype=kv).resolved()
-        engine = build_engine(args)[0]
-        try:
-            out[on] = greedy_outputs(engine, random_prompts((37, 5, 130, 9), seed=7), 16)
-        finally:
-            engine.close()
+        out[on] = fresh_engine_greedy(args, random_prompts((37, 5, 130, 9), seed=7), 16)
         quantized[on] = sum(made)
-        del engine
-        torch.cuda.empty_cache()
     assert out[True] == out[False]
     assert quantized[False] == 0 and quantized[True] > 0

@@ -21,13 +21,12 @@ def test_engine_greedy_is_the_same_with_parts_left_unsummed(tmp_path: Path, monk
     """qkv_proj's parts go to the RoPE + store kernel; with fp8_act.PARTS_TO_NORM o_proj's and
     down_proj's to the fused add + norm too."""
     from milepost.engine.server_args import ServerArgs
-    from milepost.engine.setup import build_engine
     from milepost.kernels import fp8_decode, fp8_gemm
     from milepost.lowprec import fp8_act
     from milepost.lowprec.engine_store import QuantizedLinear
     from milepost.lowprec.fp8_act import SplitSum
     from milepost.testing.checkpoints import make_tiny_checkpoint
-    from milepost.testing.engine_greedy import greedy_outputs, random_prompts
+    from milepost.testing.engine_greedy import fresh_engine_greedy, random_prompts
 
     rule = fp8_decode.decode_config
     monkeypatch.setattr(fp8_decode, "decode_config", lambda *a: rule(*a)._replace(split=2, ticket=False))
@@ -44,14 +43,8 @@ def test_engine_greedy_is_the_same_with_parts_left_unsummed(tmp_path: Path, monk
         left.clear()
         args = ServerArgs(model_path=ckpt, device="cuda", dtype="bfloat16", page_size=16,
                           max_total_tokens=4096, quantization="fp8_block").resolved()
-        engine = build_engine(args)[0]
-        try:
-            out[leave] = greedy_outputs(engine, random_prompts((37, 5, 130), seed=7), 16)
-        finally:
-            engine.close()
+        out[leave] = fresh_engine_greedy(args, random_prompts((37, 5, 130), seed=7), 16)
         widths[leave] = set(left)
-        del engine
-        torch.cuda.empty_cache()
     assert out[True] == out[False]
     # qkv_proj's parts (N = (4 + 2 + 2) x 64), o_proj's and down_proj's (N = hidden)
     assert widths == {False: set(), True: {512, 256} if to_norm else {512}}

@@ -110,12 +110,11 @@ def test_engine_decodes_the_same_with_parts_left_unsummed(tmp_path, monkeypatch)
     norm unsummed (qkv_proj's go to the Triton attention's RoPE + store kernel, which the CPU
     engine does not run: tests/gpu/test_split_sum_cuda.py)."""
     from milepost.engine.server_args import ServerArgs
-    from milepost.engine.setup import build_engine
     from milepost.lowprec import engine_store, fp8_act
     from milepost.lowprec.engine_store import QuantizedLinear
     from milepost.models import layers
     from milepost.testing.checkpoints import make_tiny_checkpoint
-    from milepost.testing.engine_greedy import greedy_outputs, random_prompts
+    from milepost.testing.engine_greedy import fresh_engine_greedy, random_prompts
 
     ckpt = make_tiny_checkpoint(tmp_path / "m", "qwen3", seed=3, with_tokenizer=False,
                                 hidden_size=256, intermediate_size=256, head_dim=64,
@@ -135,11 +134,7 @@ def test_engine_decodes_the_same_with_parts_left_unsummed(tmp_path, monkeypatch)
         left.clear()
         args = ServerArgs(model_path=ckpt, device="cpu", dtype="float32", page_size=4,
                           quantization="fp8_block", cpu_kv_cache_gb=0.001).resolved()
-        engine = build_engine(args)[0]
-        try:
-            out[leave] = greedy_outputs(engine, random_prompts((7, 3), seed=1, high=500), 4)
-        finally:
-            engine.close()
+        out[leave] = fresh_engine_greedy(args, random_prompts((7, 3), seed=1, high=500), 4)
         counts[leave] = len(left)
     assert out[True] == out[False] and len(out[True][0][0]) == 4
     # 4 forwards (a prefill, 3 decode steps) x 2 layers x (o_proj, down_proj)
