@@ -133,10 +133,14 @@ class FullyAsyncRuntime(Runtime):
         """Pause the engines (the configured mode) around the update, then let them continue.
 
         Disk-delta pauses by itself around the reload only (report 4.3: writing and pulling
-        the version happen while the engines generate)."""
+        the version happen while the engines generate), except for the update that runs
+        `--check-weight-update-equal`: that one fills the engines with noise before it sends,
+        and nothing may be generated from the noise (tokens tagged "randomized" reached the
+        buffer before this pause, and broke the staleness count)."""
         due = force or (step + 1) % self.cfg.update_weights_interval == 0
+        randomizes = self.weights is not None and self.weights.check_equal_pending
         if (not (self.lead and due and self.engine_urls and self.backend is not None)
-                or self.cfg.update_weight_transfer_mode == "disk-delta"):
+                or (self.cfg.update_weight_transfer_mode == "disk-delta" and not randomizes)):
             return super().update_weights(step, force)
         t0 = time.perf_counter()
         for c in self._pausers:

@@ -154,7 +154,10 @@ def test_fp8_engines_in_a_real_run_pass_both_checks(tmp_path: Path) -> None:
 
 def test_disk_delta_under_fully_async(tmp_path: Path) -> None:
     """Under `--fully-async` disk-delta writes and prepares while the engines generate and pauses
-    them only around the reload; every step still gets a version the engines verifiably hold."""
+    them only around the reload; every step still gets a version the engines verifiably hold.
+    The first update, which fills the engines with noise for the equality check, pauses them
+    around it all: nothing is generated from the noise (its tokens, tagged "randomized", once
+    reached the buffer and stopped the run)."""
     _, args, env = tiny_run(tmp_path)
     run_dir = tmp_path / "rl"
     done = subprocess.run(
@@ -166,4 +169,4 @@ def test_disk_delta_under_fully_async(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert [r["perf/update_weights_delta_version"] for r in records] == [0, 1, 2]
-    assert all("perf/generation_pause_time" not in r for r in records)  # no pause around it all
+    assert ["perf/generation_pause_time" in r for r in records] == [True, False, False]
