@@ -240,23 +240,17 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
         if device == "cuda":
             torch.cuda.empty_cache()
         print(json.dumps(out), flush=True)
-    if "bf16" in out:
-        for mode in ("fp8_block", "fp8_block_unfused", "fp8_block+fp8_kv", "int4", "fp8_block_nostream",
-                     "fp8_block+fp8_kv_summed", *NORM_PARTS, *ATTN_QUANT):
-            if mode in out:
-                out[f"{mode}_over_bf16_decode"] = out[mode]["decode_tok_s"] / out["bf16"]["decode_tok_s"]
-    if "fp8_block" in out and "fp8_block_nostream" in out:
-        out["fp8_stream_over_nostream_decode"] = (out["fp8_block"]["decode_tok_s"]
-                                                  / out["fp8_block_nostream"]["decode_tok_s"])
-    if "fp8_block+fp8_kv" in out and "fp8_block+fp8_kv_attn_quant" in out:
-        out["attn_quant_over_plain_decode"] = (out["fp8_block+fp8_kv_attn_quant"]["decode_tok_s"]
-                                               / out["fp8_block+fp8_kv"]["decode_tok_s"])
-    if "fp8_block+fp8_kv" in out and "fp8_block+fp8_kv_summed" in out:
-        out["fp8_unsummed_over_summed_decode"] = (out["fp8_block+fp8_kv"]["decode_tok_s"]
-                                                  / out["fp8_block+fp8_kv_summed"]["decode_tok_s"])
-    if "fp8_block" in out and "fp8_block_unfused" in out:
-        out["fp8_fused_act_over_unfused_decode"] = (out["fp8_block"]["decode_tok_s"]
-                                                    / out["fp8_block_unfused"]["decode_tok_s"])
+    # decode tok/s ratios: every mode against bf16, and the A/B pairs (name: numerator, denominator)
+    pairs = {f"{m}_over_bf16_decode": (m, "bf16") for m in MODES if m != "bf16"}
+    pairs.update({
+        "fp8_stream_over_nostream_decode": ("fp8_block", "fp8_block_nostream"),
+        "attn_quant_over_plain_decode": ("fp8_block+fp8_kv_attn_quant", "fp8_block+fp8_kv"),
+        "fp8_unsummed_over_summed_decode": ("fp8_block+fp8_kv", "fp8_block+fp8_kv_summed"),
+        "fp8_fused_act_over_unfused_decode": ("fp8_block", "fp8_block_unfused"),
+    })
+    for name, (a, b) in pairs.items():
+        if a in out and b in out:
+            out[name] = out[a]["decode_tok_s"] / out[b]["decode_tok_s"]
     if "fp8_block" in out and "fp8_block+fp8_kv" in out:
         out["fp8_kv_over_bf16_kv_tokens"] = (out["fp8_block+fp8_kv"]["kv_pool_tokens"]
                                              / out["fp8_block"]["kv_pool_tokens"])
