@@ -194,21 +194,22 @@ def _workloads(args: BenchArgs, vocab: int, seed: int | None = None) -> list[wor
     return [make[name]() for name in args.scenario_list]
 
 
-def _spec_counters(engine: object) -> tuple[int, int, int] | None:
+def _spec_counters(engine: object) -> tuple[int, int, int, int] | None:
     spec = getattr(engine, "speculator", None)
     if spec is None:
         return None
-    s = engine.call(lambda: (spec.stats.verify_rows, spec.stats.proposed, spec.stats.accepted))
+    s = engine.call(lambda: (spec.stats.verify_rows, spec.stats.proposed, spec.stats.accepted,
+                             engine.runner.verify_replays))
     return s.result()
 
 
-def _spec_delta(before: tuple[int, int, int] | None, after: tuple[int, int, int] | None
-                ) -> dict | None:
-    """Acceptance over one workload: tokens per verified request-step (1 + accepted proposals)."""
+def _spec_delta(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> dict | None:
+    """Acceptance over one workload: tokens per verified request-step (1 + accepted proposals),
+    and the engine steps whose verify the decode CUDA graphs replayed."""
     if before is None or after is None:
         return None
-    rows, proposed, accepted = (a - b for a, b in zip(after, before))
-    return {"verify_steps": rows, "proposed": proposed, "accepted": accepted,
+    rows, proposed, accepted, replays = (a - b for a, b in zip(after, before))
+    return {"verify_steps": rows, "graph_verify_steps": replays, "proposed": proposed, "accepted": accepted,
             "accept_length": (rows + accepted) / rows if rows else 0.0,
             "accept_rate": accepted / proposed if proposed else 0.0}
 
@@ -306,7 +307,8 @@ def print_table(result: dict) -> None:
                          f"{fmt(spec['tok_s'])} tok/s, {spec['speedup']:.2f}x the plain run; "
                          f"acceptance length {spec.get('accept_length', 0):.2f} "
                          f"(rate {spec.get('accept_rate', 0):.1%} of "
-                         f"{spec.get('proposed', 0):,} proposed)")
+                         f"{spec.get('proposed', 0):,} proposed; "
+                         f"{spec.get('graph_verify_steps', 0):,} verify steps in CUDA graphs)")
         if r.get("timeline"):
             notes.extend(format_summary(r["scenario"], r["timeline"]))
         if r.get("stalls"):

@@ -124,13 +124,15 @@ class DecodeGraphs:
 
     def run(self, chunks: Sequence[Chunk],
             record: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-            feed: Feed | None = None) -> torch.Tensor | None:
+            feed: Feed | None = None, rows: Sequence[int] | None = None) -> torch.Tensor | None:
         """Logits [sampling chunks, vocab] for an all-decode step, or None when it is too large;
         in the model's dtype for DecoderLM models (the LM head's output), else fp32.
 
         The result is a view of the graph's output buffer: valid until the next replay.
         `record(slots [n], routed [n, layers, top_k])` stores the experts of the real rows.
         `feed`: input tokens still on the device (see ModelRunner.forward).
+        `rows`: the chunks whose logits to return, ascending (default: those that sample); for
+        chunks split by forward_batch.one_token_rows.
         """
         n = len(chunks)
         bs = padded_size(n, self.sizes)
@@ -146,7 +148,8 @@ class DecodeGraphs:
         if record is not None and self.routed is not None:
             record(self.slots[:n].long(), self.routed[:n])
         logits = self._logits[bs]
-        rows = [i for i, c in enumerate(chunks) if c.samples]
+        if rows is None:
+            rows = [i for i, c in enumerate(chunks) if c.samples]
         if len(rows) == n:
             return logits[:n]
         return logits[torch.tensor(rows, dtype=torch.long, device=self.device)]

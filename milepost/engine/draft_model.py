@@ -7,7 +7,8 @@ first catches up the positions it lacks (the whole sequence after admission: a s
 recomputed into the draft's pools, the same values), then decodes k tokens one forward each. The
 draft's tokens are sampled from its own distribution at the request's settings, and that
 distribution is kept for the verifier's rule. Its quality only changes the acceptance rate, never
-what is returned. On CUDA the one-token draft steps replay CUDA graphs; catch-up runs eagerly.
+what is returned. On CUDA the one-token draft steps replay CUDA graphs, and so does a catch-up that fits
+them (a few positions a request after a verify, as one-token rows); a longer one runs eagerly.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from milepost.engine.cuda_graph import DecodeGraphs
-from milepost.engine.forward_batch import FlatBatch, build_flat
+from milepost.engine.forward_batch import FlatBatch, build_flat, one_token_rows
 from milepost.engine.request import Request
 from milepost.engine.sampling import _race, _truncate
 from milepost.engine.scheduler import Chunk
@@ -95,18 +96,26 @@ class DraftModel:
         req.draft_computed = min(req.draft_computed, start_len + min(accepted, k - 1))
 
     def _catch_up(self, reqs: list[Request]) -> torch.Tensor:
+        starts = [min(r.draft_computed, r.total_len - 1) for r in reqs]
+        chunks = [Chunk(r, s, r.total_len - s) for r, s in zip(reqs, starts)]
+        if self.graphs is not None and sum(c.length for c in chunks) <= self.graphs.max_bs:
+            # After a verify the draft lacks only the accepted tokens and the target's own one:
+            # a few positions a request, replayed as one-token rows of the step graphs.
+            one_token, wanted = one_token_rows(chunks)
+            logits = self.graphs.run(one_token, rows=wanted)
+            if logits is not None:
+                return logits.float()
         rows: list[torch.Tensor] = []
         batch: list[Chunk] = []
         size = 0
-        for r in reqs:
-            start = min(r.draft_computed, r.total_len - 1)
-            n = r.total_len - start
+        for c in chunks:
+            n = c.length
             if batch and size + n > self.catch_up_tokens:
                 rows.append(self._forward(batch))
                 batch, size = [], 0
             # A long sequence alone still runs in one forward (the target's prefill was chunked;
             # the draft is small).
-            batch.append(Chunk(r, start, n))
+            batch.append(c)
             size += n
         if batch:
             rows.append(self._forward(batch))

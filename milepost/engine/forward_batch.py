@@ -102,6 +102,29 @@ def _logit_rows(chunks: Sequence[Chunk], cu: np.ndarray) -> list[int]:
     return rows
 
 
+def one_token_rows(chunks: Sequence[Chunk]) -> tuple[list[Chunk], list[int]]:
+    """Every chunk as one-token rows, position by position, for a decode CUDA graph to replay
+    (a verify chunk: the last token and its proposals; a draft model's catch-up), and the rows
+    whose logits the eager forward returns for the chunks, in its order (a verify chunk's every
+    row, another chunk's last row if it samples; prompt log-prob rows are not served: callers
+    check `scores_prompt`). Exact because each layer stores every row's K/V in one launch before
+    any row attends, so row t sees its chunk's earlier positions as the causal mask would."""
+    rows: list[Chunk] = []
+    wanted: list[int] = []
+    for c in chunks:
+        first = len(rows)
+        rows.extend(Chunk(c.req, c.start + t, 1, draft=c.draft) for t in range(c.length))
+        if c.samples:
+            end = first + c.length
+            wanted.extend(range(end - c.logit_rows, end))
+    return rows, wanted
+
+
+def scores_prompt(chunks: Sequence[Chunk]) -> bool:
+    """Whether a chunk computes prompt log-probs (rows that `one_token_rows` does not return)."""
+    return any(c.req.logprob_start_len >= 0 and c.prompt_rows for c in chunks)
+
+
 def padded_size(n: int, sizes: Sequence[int]) -> int | None:
     """The smallest captured batch size >= n (sizes ascending), or None when n exceeds them all."""
     for s in sizes:

@@ -10,11 +10,17 @@ mixed steps run eagerly from arrays built per chunk (forward_batch.py).
 from __future__ import annotations
 
 import base64
+from typing import ClassVar
 
 import torch
 
 from milepost.engine.cuda_graph import DecodeGraphs, Feed, fed_tokens
-from milepost.engine.forward_batch import build_flat, slots_of
+from milepost.engine.forward_batch import (
+    build_flat,
+    one_token_rows,
+    scores_prompt,
+    slots_of,
+)
 from milepost.engine.request import Request
 from milepost.engine.scheduler import Chunk
 from milepost.lora.serving import AdapterPool
@@ -29,6 +35,10 @@ from milepost.models.triton_attention import (
 
 
 class ModelRunner:
+    # Speculative verify steps replay the decode graphs as one-token rows (_verify_in_graphs);
+    # a class switch so benchmarks can time the eager verify too.
+    verify_in_graphs: ClassVar[bool] = True
+
     def __init__(
         self,
         model: CausalLM,
@@ -55,6 +65,7 @@ class ModelRunner:
                 (n_slots, model.num_layers, model.moe_top_k), -1, dtype=torch.int32, device=device
             )
         self.graphs: DecodeGraphs | None = None
+        self.verify_replays = 0  # speculative verify steps the decode graphs served
         self.lora: AdapterPool | None = None  # --enable-lora: adapters applied per token (milepost/lora/)
         # Speculative NEXTN (draft_mtp.py): the MTP layer reads the target's final hidden states of
         # every position, kept here per forward as (hidden [T, H], first row of each chunk); its
@@ -97,13 +108,30 @@ class ModelRunner:
             return self._forward(chunks, feed)
 
     def _forward(self, chunks: list[Chunk], feed: Feed | None) -> torch.Tensor:
-        if self.graphs is not None and not self.keep_hidden and all(c.length == 1 for c in chunks):
-            if self.lora is not None and len(chunks) <= self.graphs.max_bs:  # the graphs' static LoRA rows
-                self.lora.set_graph_batch([self.lora.slot_of(c.req.lora_name) for c in chunks])
-            logits = self.graphs.run(chunks, self._record_routed, feed)
+        if self.graphs is not None and not self.keep_hidden:
+            rows, wanted = chunks, None
+            if not all(c.length == 1 for c in chunks):
+                if feed is not None or not self._verify_in_graphs(chunks):
+                    return self._forward_eager(chunks, feed)
+                rows, wanted = one_token_rows(chunks)
+            if self.lora is not None and len(rows) <= self.graphs.max_bs:  # the graphs' static LoRA rows
+                self.lora.set_graph_batch([self.lora.slot_of(c.req.lora_name) for c in rows])
+            logits = self.graphs.run(rows, self._record_routed, feed, wanted)
             if logits is not None:
+                self.verify_replays += wanted is not None
                 return logits
         return self._forward_eager(chunks, feed)
+
+    def _verify_in_graphs(self, chunks: list[Chunk]) -> bool:
+        """A speculative verify step (decodes and verify chunks only) that the decode graphs can
+        replay as one-token rows (forward_batch.one_token_rows): the target's weights are read
+        once for every proposal, with no eager launches. A verify chunk's rows attend each over
+        the whole sequence where the prefill kernel would share one read of it, which costs
+        little against the weights at decode lengths."""
+        return (self.verify_in_graphs and any(c.verify for c in chunks)
+                and all(c.length == 1 or c.verify for c in chunks)
+                and sum(c.length for c in chunks) <= self.graphs.max_bs
+                and not scores_prompt(chunks))
 
     def _forward_eager(self, chunks: list[Chunk], feed: Feed | None = None) -> torch.Tensor:
         flat = build_flat(chunks, self.block_size)

@@ -1,11 +1,12 @@
-"""Speculative decoding on a CUDA device: verify chunks on the Triton kernels beside graph-replayed
-decode steps, the draft model on the device, the verifier with CUDA generators.
+"""Speculative decoding on a CUDA device: verify steps replayed by the decode CUDA graphs as
+one-token rows (or eagerly on the Triton kernels, `ModelRunner.verify_in_graphs` off), the draft
+model on the device, the verifier with CUDA generators.
 
 Run on the accelerator machine: `python -m pytest -q -m gpu tests/gpu/test_speculative_cuda.py`.
 Greedy outputs are compared with the same engine without speculation (fp32, decode CUDA graphs on):
-a verify chunk runs the prefill kernel where the plain step runs the decode kernel, so the logits
-may differ in the last bits; the tokens must agree up to a position where the plain run's two best
-tokens are tied within 1e-3 (after which the sequences may part).
+batches of other sizes split the decode kernel's work otherwise (and the eager verify runs the
+prefill kernel), so the logits may differ in the last bits; the tokens must agree up to a position
+where the plain run's two best tokens are tied within 1e-3 (after which the sequences may part).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from milepost.engine.engine import Engine
 from milepost.engine.request import Request, RequestOutput
+from milepost.engine.runner import ModelRunner
 from milepost.engine.sampling import SamplingParams
 from milepost.engine.sampling_params import SamplingParams as Params
 from milepost.engine.server_args import ServerArgs
@@ -80,8 +82,10 @@ def agree(plain: list[RequestOutput], spec: list[RequestOutput]) -> int:
     return len(a)
 
 
-@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
-def test_greedy_speculation_on_cuda_matches_the_plain_engine(algo: str, ckpt: Path) -> None:
+@pytest.mark.parametrize("algo,in_graphs", [("NGRAM", True), ("STANDALONE", True), ("NGRAM", False)])
+def test_greedy_speculation_on_cuda_matches_the_plain_engine(algo: str, in_graphs: bool, ckpt: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ModelRunner, "verify_in_graphs", in_graphs)
     prompts = looping_prompts(24)
     plain_engine = make_engine(ckpt)
     assert plain_engine.runner.graphs is not None, "decode CUDA graphs should be on"
@@ -91,11 +95,20 @@ def test_greedy_speculation_on_cuda_matches_the_plain_engine(algo: str, ckpt: Pa
         flags["speculative_draft_model_path"] = ckpt
     engine = make_engine(ckpt, **flags)
     assert engine.runner.graphs is not None, "decode CUDA graphs stay on beside verify steps"
+    catch_ups: list[bool] = []
+    if algo == "STANDALONE":  # the draft's catch-ups after a verify replay its step graphs too
+        graphs = engine.speculator.drafter.graphs
+        run = graphs.run
+        monkeypatch.setattr(graphs, "run", lambda chunks, *a, **kw: catch_ups.append(
+            kw.get("rows") is not None) or run(chunks, *a, **kw))
     spec = generate(engine, prompts, 48)
+    assert any(catch_ups) == (algo == "STANDALONE"), catch_ups.count(True)
     compared = sum(agree(plain[i], spec[i]) for i in plain)
     assert compared >= 0.9 * 24 * 48, f"only {compared} positions before ties"
     stats = engine.speculator.stats
     assert stats.accepted > 0 and stats.accept_length > 1.5, stats
+    replays = engine.runner.verify_replays
+    assert (replays > 0) if in_graphs else (replays == 0), replays
     for i in plain:  # the target's log-probs, up to kernel rounding
         a = [x for o in plain[i] for x in o.new_logprobs]
         b = [x for o in spec[i] for x in o.new_logprobs]
