@@ -135,7 +135,8 @@ class ServerArgs(BaseModel):
     cuda_graph_max_bs: int | None = Field(
         None,
         description="Largest decode batch captured in a CUDA graph (larger batches run eagerly); "
-        "default --max-running-requests.",
+        "default --max-running-requests, times --speculative-num-draft-tokens under NGRAM or "
+        "STANDALONE speculation (their verify steps replay the graphs, k + 1 rows a request).",
     )
     overlap_schedule: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -336,6 +337,15 @@ class ServerArgs(BaseModel):
         if self.speculative_num_steps is not None and "speculative_num_draft_tokens" not in self.model_fields_set:
             return self.speculative_num_steps + 1
         return self.speculative_num_draft_tokens
+
+    def decode_graph_rows(self) -> int:
+        """The largest decode batch captured in a CUDA graph: --cuda-graph-max-bs, else every
+        running request, times the tokens verified per request under the speculation whose
+        verify steps replay the graphs (NGRAM, STANDALONE; docs/speculative.md#cuda)."""
+        if self.cuda_graph_max_bs:
+            return self.cuda_graph_max_bs
+        verifies = self.speculative_algorithm in ("NGRAM", "STANDALONE")
+        return self.max_running_requests * (self.verified_tokens() if verifies else 1)
 
     def resolved(self) -> ServerArgs:
         """A copy where device, dtype, tokenizer path, context length and prefill chunk are concrete

@@ -129,8 +129,7 @@ def build_engine(
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos_ids = sorted({*eos_ids, tokenizer.eos_token_id})
     context_length = args.context_length or cfg.max_position_embeddings
-    graph_bs = 0 if args.disable_cuda_graph or device.type != "cuda" else (
-        args.cuda_graph_max_bs or args.max_running_requests)
+    graph_bs = 0 if args.disable_cuda_graph or device.type != "cuda" else args.decode_graph_rows()
     if graph_bs and needs_variant_backend(model):  # per-sequence torch attention (host syncs)
         log.warning("decode CUDA graphs are off: %s", "the model runs on the transformers fallback"
                     if not native else "sliding-window layers run on torch attention")

@@ -90,3 +90,22 @@ def test_one_token_rows_give_the_verify_chunks_logits(runner: ModelRunner) -> No
         per_row = runner.model.compute_logits(hidden)[torch.tensor(wanted)]
     assert eager.shape == per_row.shape == (5, runner.model.vocab_size)
     torch.testing.assert_close(per_row, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_graphs_cover_verify_rows_by_default(tmp_path: Path) -> None:
+    import json
+
+    from milepost.engine.server_args import ServerArgs
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 64, "max_position_embeddings": 128}))
+    plain = ServerArgs(model_path=tmp_path, max_running_requests=64)
+    assert plain.decode_graph_rows() == 64
+    ngram = ServerArgs(model_path=tmp_path, max_running_requests=64, speculative_algorithm="NGRAM",
+                       speculative_num_draft_tokens=5)
+    assert ngram.decode_graph_rows() == 320  # k + 1 rows a request
+    draft = ServerArgs(model_path=tmp_path, max_running_requests=64, speculative_algorithm="STANDALONE",
+                       speculative_draft_model_path=tmp_path)
+    assert draft.decode_graph_rows() == 256  # the default 4 tokens verified
+    given = ServerArgs(model_path=tmp_path, max_running_requests=64, speculative_algorithm="NGRAM",
+                       cuda_graph_max_bs=96)
+    assert given.decode_graph_rows() == 96
