@@ -12,13 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from milepost.kernels import fp8_quant
 from milepost.kernels.fp8_quant import (
-    _HAS_GDC,
     TILE,
     _round_e4m3,
     _sm_count,
     gdc_launch_dependents,
     gdc_wait,
+    pdl_supported,
     quantize_act_1x128,
 )
 from milepost.kernels.fused_fp8_act import quantize_rows_fp8
@@ -85,6 +86,15 @@ def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
     return DecodeConfig(bm, bn, split, 4, 3, False)
 
 
+@triton.jit
+def _prefetch_l2(rows, nbytes):
+    """Bring nbytes (a multiple of 16) from each 16-byte aligned address in `rows` into L2 (one
+    bulk prefetch a row; nothing waits for it)."""
+    size = nbytes + tl.zeros(rows.shape, tl.int32)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+                              "=r,l,r", [rows, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # Only the row strides (multiples of 16: vectorized loads) are specialized: one compiled kernel
 # serves every M and shape.
 @triton.jit(do_not_specialize=["M", "stride_sxm", "stride_sxk", "stride_swn", "stride_swk",
@@ -97,12 +107,16 @@ def _decode_kernel(X, SX, W, SW, C, P, CNT, M, stride_x, stride_sxm, stride_sxk,
     the bf16/fp16/fp32 activation, quantized here (QROWS rows of it, repeated to BLOCK_M: the
     rows past M are never stored); else fp8 with scales SX. MODE 0: the sum is the output C;
     1: it is part pid_k of P; 2: also, the tile's last program sums P into C. PDL: launched
-    before the kernel writing X ended: wait for it before any load."""
-    if PDL:
-        gdc_wait()
+    before the kernel writing X ended: this program's weight rows are sent to L2 (they do not
+    depend on it), then it waits for that kernel before any other load."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:
+        k_first = pid_k * kb_per
+        k_end = tl.minimum(k_first + kb_per, n_kb)
+        _prefetch_l2(W + rn.to(tl.int64) * stride_w + k_first * 128, (k_end - k_first) * 128)
+        gdc_wait()
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, 128)
     row_ok = rm < M
     x_ptr = X + rm[:, None].to(tl.int64) * stride_x + rk[None, :]
@@ -224,7 +238,9 @@ def _shaped(cfg: DecodeConfig, w: torch.Tensor) -> DecodeConfig:
 
 
 def _pdl(cfg: DecodeConfig, x: torch.Tensor) -> bool:
-    return cfg.pdl and _HAS_GDC and x.device.type == "cuda"
+    """Launched early (fp8_quant.PDL: every config's switch, else the config's own)."""
+    on = cfg.pdl if fp8_quant.PDL is None else fp8_quant.PDL
+    return on and pdl_supported(x.device)
 
 
 def _launch(xa: torch.Tensor, sx: torch.Tensor, s_strides: tuple[int, int], m: int, w: torch.Tensor,

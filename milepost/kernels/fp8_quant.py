@@ -29,6 +29,30 @@ except ImportError:  # this Triton has no grid dependency control: configs askin
         pass
 
 TILE = 128
+# Programmatic dependent launch through an FP8 decode step (issue 23: ~5.5 us of each decode
+# GEMM call is fixed cost). True: the kernels that make an FP8 activation (fused_fp8_act.py)
+# let the kernel after them launch as they start, and every decode GEMM (fp8_decode.py) is
+# launched early, streams its weight rows into L2, then waits (griddepcontrol.wait returns once
+# the kernel before it has ended and its writes are visible). None: each decode config's own
+# `pdl`, the activation kernels never early; False: nowhere. Read at launch, so at CUDA-graph
+# capture; only where the device has it (sm_90+: `pdl_supported`).
+PDL: bool | None = None
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` may use grid dependency control (Hopper and later)."""
+    return _HAS_GDC and device.type == "cuda" and _capability(device.index or 0) >= 9
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def early_launch(device: torch.device) -> dict[str, bool]:
+    """The launch option of a kernel that makes a decode GEMM's FP8 activation: with `PDL` on,
+    TRIGGER (it calls gdc_launch_dependents first); otherwise nothing (the kernel as before)."""
+    return {"TRIGGER": True} if PDL and pdl_supported(device) else {}
 
 
 @triton.jit

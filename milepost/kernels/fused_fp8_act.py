@@ -18,7 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from milepost.kernels.fp8_quant import TILE, _sm_count, quant_blocks_1x128
+from milepost.kernels.fp8_quant import (
+    TILE,
+    _sm_count,
+    early_launch,
+    gdc_launch_dependents,
+    quant_blocks_1x128,
+)
 from milepost.kernels.fused_ops import load_rounded
 from milepost.lowprec.fp8_act import PAD_ROWS, Fp8Act, SplitSum
 
@@ -36,7 +42,8 @@ def _pad_row(Q, S, row, g, stride_q, stride_sm, stride_sk, n_groups, GROUPS: tl.
 @triton.jit
 def _norm_fp8_kernel(X, R, W, H, Q, S, stride_x, stride_r, stride_rs, stride_h, stride_q,
                      stride_sm, stride_sk, n_rows, n_cols, n_groups, eps, ADD: tl.constexpr,
-                     BLOCK: tl.constexpr, GROUPS: tl.constexpr, RSPLIT: tl.constexpr = 0):
+                     BLOCK: tl.constexpr, GROUPS: tl.constexpr, RSPLIT: tl.constexpr = 0,
+                     TRIGGER: tl.constexpr = False):
     """Blocks [pid1 * GROUPS, + GROUPS) of row pid0 of RMSNorm(x) (ADD: of h = x + r, also
     stored; RSPLIT > 0: r is a split GEMM's fp32 parts, stride_rs apart: fused_ops.load_rounded),
     quantized per 1 x 128 block. Two passes over the row, both from the same loads'
@@ -46,7 +53,10 @@ def _norm_fp8_kernel(X, R, W, H, Q, S, stride_x, stride_r, stride_rs, stride_h, 
     2. this program's blocks in the quantizer's [GROUPS, 128] shape: the norm's elementwise
        operations (the same bits in any layout) and the quantizer straight from registers.
     Every program of a row redoes pass 1 (it is a few KB from L2): a row split over programs
-    keeps SMs busy at 64 rows without splitting the reduction (another order)."""
+    keeps SMs busy at 64 rows without splitting the reduction (another order). TRIGGER: the
+    decode GEMM reading Q may launch now (fp8_quant.PDL; it waits for this kernel's end)."""
+    if TRIGGER:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     if row < n_rows:
@@ -76,9 +86,11 @@ def _norm_fp8_kernel(X, R, W, H, Q, S, stride_x, stride_r, stride_rs, stride_h, 
 
 @triton.jit
 def _silu_mul_fp8_kernel(G, U, Q, S, stride_g, stride_u, stride_q, stride_sm, stride_sk, n_rows,
-                         n_groups, GROUPS: tl.constexpr):
+                         n_groups, GROUPS: tl.constexpr, TRIGGER: tl.constexpr = False):
     """GROUPS 1x128 blocks of one row: fused_ops._silu_mul_kernel's elementwise operations (the
-    same bits in any layout), then the quantizer."""
+    same bits in any layout), then the quantizer. TRIGGER: as _norm_fp8_kernel's."""
+    if TRIGGER:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     if row < n_rows:
@@ -98,9 +110,11 @@ def _silu_mul_fp8_kernel(G, U, Q, S, stride_g, stride_u, stride_q, stride_sm, st
 
 @triton.jit
 def _quant_rows_kernel(X, Q, S, stride_x, stride_q, stride_sm, stride_sk, n_rows, n_groups,
-                       GROUPS: tl.constexpr):
+                       GROUPS: tl.constexpr, TRIGGER: tl.constexpr = False):
     """GROUPS 1x128 blocks of one row quantized (_quant_act_kernel's operations, a warp per block
-    row: no cross-warp reduction), or of a padding row filled."""
+    row: no cross-warp reduction), or of a padding row filled. TRIGGER: as _norm_fp8_kernel's."""
+    if TRIGGER:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     if row < n_rows:
@@ -169,7 +183,7 @@ def _norm(x: torch.Tensor, r: torch.Tensor | SplitSum | None, h: torch.Tensor | 
         _norm_fp8_kernel[(mp, triton.cdiv(n_groups, gp))](
             x, rr, weight, hh, q, s, x.stride(0), rr.stride(0), stride_rs, hh.stride(0),
             q.stride(0), s.stride(0), s.stride(1), t, k, n_groups, eps, ADD=r is not None,
-            RSPLIT=rsplit, BLOCK=triton.next_power_of_2(k), GROUPS=gp)
+            RSPLIT=rsplit, BLOCK=triton.next_power_of_2(k), GROUPS=gp, **early_launch(x.device))
     return Fp8Act(q, s, t, x.dtype)
 
 
@@ -200,7 +214,7 @@ def silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> Fp8Act:
     if mp:
         _silu_mul_fp8_kernel[(mp, triton.cdiv(n // TILE, groups))](
             gate, up, q, s, gate.stride(0), up.stride(0), q.stride(0), s.stride(0), s.stride(1),
-            t, n // TILE, GROUPS=groups)
+            t, n // TILE, GROUPS=groups, **early_launch(gate.device))
     return Fp8Act(q, s, t, gate.dtype)
 
 
@@ -216,5 +230,6 @@ def quantize_rows_fp8(x: torch.Tensor) -> Fp8Act:
     groups = QUANT_GROUPS_PER_PROGRAM or min(8, triton.next_power_of_2(k // TILE))
     if mp:
         _quant_rows_kernel[(mp, triton.cdiv(k // TILE, groups))](
-            x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1), t, k // TILE, GROUPS=groups)
+            x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1), t, k // TILE, GROUPS=groups,
+            **early_launch(x.device))
     return Fp8Act(q, s, t, x.dtype)
