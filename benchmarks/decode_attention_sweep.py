@@ -11,7 +11,7 @@ and the `words` lines the word-loading kernel the engine runs (`paged_attention.
 the default's splits and at 2 and 4 times as many.
 
 Usage: python benchmarks/decode_attention_sweep.py [--shapes 256x256,256x384,64x256,64x1024]
-       [--kv-dtype fp8_e4m3] [--heads 32/8] [--no-grid]
+       [--kv-dtype fp8_e4m3 [--words-grid]] [--heads 32/8] [--no-grid]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from milepost.kernels import paged_attention as K
 from milepost.kernels import paged_attention_persistent as P
 
 H, HKV, D, PAGE = 16, 8, 128, 16
+WORDS_GRID = False  # --words-grid
 
 
 def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype, grid: bool) -> None:
@@ -78,14 +79,21 @@ def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype, grid: bool) -> 
     if kc.dtype == torch.float8_e4m3fn:  # the word-loading kernel (paged_attention_fp8.py)
         K.FP8_POOL_WORDS = True
         try:
-            for s, (bn, w, st) in itertools.product(
-                    (splits, 2 * splits, 4 * splits),
-                    ((64, None, None), (64, 4, 2), (128, 4, 2), (32, 2, 3))):
+            tiles = ((64, None, None), (64, 4, 2), (128, 4, 2), (32, 2, 3))
+            split_list = (splits, 2 * splits, 4 * splits)
+            if WORDS_GRID:  # the word kernel's own grid at the default's splits and twice them
+                tiles = ((64, None, None), *itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)))
+                split_list = (splits, 2 * splits)
+            for s, (bn, w, st) in itertools.product(split_list, tiles):
                 def words() -> torch.Tensor:
                     return K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, s,
                                           block_n=bn, num_warps=w, num_stages=st)
-                err = (words().float() - ref.float()).abs().max().item()
-                ms = triton.testing.do_bench(words, return_mode="median")
+                try:
+                    err = (words().float() - ref.float()).abs().max().item()
+                    ms = triton.testing.do_bench(words, return_mode="median")
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+                    print(f"  words splits={s} BN={bn} w={w} st={st}: failed {e!r:.120}")
+                    continue
                 print(f"  words splits={s} BN={bn} w={w} st={st}: {ms * 1e3:.1f} us = "
                       f"{gb / ms:.2f} TB/s, x{default[0] / ms:.2f} default, max|diff| {err:.1e}")
         finally:
@@ -107,8 +115,12 @@ def main() -> None:
                     help="the default kernel's block / warp / stage / split grid (--no-grid: the "
                          "default config and the other kernels only)")
     ap.add_argument("--heads", default="16/8", help="query heads / KV heads")
+    ap.add_argument("--words-grid", action="store_true",
+                    help="--kv-dtype fp8_e4m3: the word-loading kernel's block / warp / stage grid "
+                         "(at the default's splits and twice them) instead of its four configs")
     a = ap.parse_args()
-    global H, HKV
+    global H, HKV, WORDS_GRID
+    WORDS_GRID = a.words_grid
     H, HKV = (int(x) for x in a.heads.split("/"))
     K.FP8_POOL_WORDS = False  # the grid times the widening kernel; the words lines switch it on
     torch.manual_seed(0)
