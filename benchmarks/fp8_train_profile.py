@@ -117,8 +117,9 @@ def parts(n: int, k: int, x: torch.Tensor, gy: torch.Tensor, w: torch.Tensor, de
     cuda = device.type == "cuda"
     if cuda:
         from milepost.kernels import fp8_gemm as fg
+        from milepost.kernels.fp8_gemm_train import wgrad_backend
 
-        backend, rows = fg.block_backend(device), fg.wgrad_backend(device)
+        backend, rows = fg.block_backend(device), wgrad_backend(device)
     else:  # the GEMMs' emulated forms: the script's smoke test only
         from milepost.kernels import fp8_gemm as fg
 

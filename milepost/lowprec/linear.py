@@ -166,7 +166,7 @@ class LowPrecLinear(nn.Linear):
 
             return delayed_forward(self, x)
         if _native_fp8(self, x):
-            from milepost.kernels.fp8_gemm import Fp8BlockLinearFn
+            from milepost.kernels.fp8_gemm_train import Fp8BlockLinearFn
 
             wv, ws, wvt = native_weight(self)
             y = Fp8BlockLinearFn.apply(x, self.weight, wv, ws, fp8_options_arg(self), wvt)

@@ -103,10 +103,11 @@ def test_native_linear_with_fused_options_equals_the_unfused_path(monkeypatch: p
     GEMMs forced to the Triton block GEMM (the interpreter on CPU), so only the quantize passes and
     the saved transposed weight differ between the two runs."""
     from milepost.kernels import fp8_gemm as fg
+    from milepost.kernels import fp8_gemm_train as fgt
     from milepost.lowprec.linear import native_weight
 
     monkeypatch.setattr(fg, "block_backend", lambda device, m=None: "triton")
-    monkeypatch.setattr(fg, "wgrad_backend", lambda device: "triton")
+    monkeypatch.setattr(fgt, "wgrad_backend", lambda device: "triton")
     g, tokens = torch.Generator().manual_seed(3), 200  # tokens padded to whole blocks in the wgrad
     x0 = (torch.randn(tokens, 256, generator=g) * torch.logspace(-2, 2, tokens)[:, None]).bfloat16().to(DEV)
     gy = (torch.randn(tokens, 384, generator=g) * 1e-3).bfloat16().to(DEV)
@@ -118,7 +119,7 @@ def test_native_linear_with_fused_options_equals_the_unfused_path(monkeypatch: p
         assert (wvt is None) == (opts.weight_quant == "torch")
         x, lin.weight.grad = x0.clone().requires_grad_(True), None
         args = (opts, wvt)
-        y = fg.Fp8BlockLinearFn.apply(x, lin.weight, wv, ws, *args)
+        y = fgt.Fp8BlockLinearFn.apply(x, lin.weight, wv, ws, *args)
         y.backward(gy)
         outs.append((y.detach(), x.grad, lin.weight.grad))
     for a, b in zip(*outs):
