@@ -3,8 +3,9 @@
 The runner owns the model, the KV cache, the attention backend (Triton kernels on CUDA, the
 torch reference on CPU) and, for MoE models, a per-slot record of the experts each token was
 routed to, kept beside its KV so that a prefix reused from the cache still reports the experts
-that produced it. On CUDA, all-decode steps replay captured graphs (cuda_graph.py); prefill and
-mixed steps run eagerly from arrays built per chunk (forward_batch.py).
+that produced it. On CUDA, all-decode steps replay captured graphs (cuda_graph.py), and so do
+speculative verify steps, as one-token rows; prefill and mixed steps run eagerly from arrays built
+per chunk (forward_batch.py).
 """
 
 from __future__ import annotations
