@@ -87,7 +87,8 @@ MODES = {"bf16": (None, "auto"), "fp8_block": ("fp8_block", "auto"),
          "fp8_block+fp8_kv_norm_parts": ("fp8_block", "fp8_e4m3"),
          "fp8_block+fp8_kv_norm_parts4": ("fp8_block", "fp8_e4m3"),
          "fp8_block+fp8_kv_attn_quant": ("fp8_block", "fp8_e4m3"),
-         "fp8_block+fp8_kv_pdl": ("fp8_block", "fp8_e4m3")}
+         "fp8_block+fp8_kv_pdl": ("fp8_block", "fp8_e4m3"),
+         "fp8_block+fp8_kv_pdl_noprefetch": ("fp8_block", "fp8_e4m3")}
 # fp8_block_unfused: each FP8 linear quantizes its own input (a launch per linear), as before the
 # norms and SiLU * up made the FP8 activations themselves (QuantizedLinear.fuse_act_quant off).
 UNFUSED_ACT = ("fp8_block_unfused",)
@@ -105,7 +106,8 @@ NORM_PARTS = {"fp8_block+fp8_kv_norm_parts": 16, "fp8_block+fp8_kv_norm_parts4":
 ATTN_QUANT = ("fp8_block+fp8_kv_attn_quant",)
 # _pdl: programmatic dependent launch through the decode step (fp8_quant.PDL: the activation
 # kernels trigger, every decode GEMM launches early and prefetches its weight rows into L2).
-PDL = ("fp8_block+fp8_kv_pdl",)
+PDL = ("fp8_block+fp8_kv_pdl", "fp8_block+fp8_kv_pdl_noprefetch")  # _noprefetch: the GEMMs
+# launched early without asking L2 for their weights first (fp8_decode.PDL_PREFETCH off)
 
 
 def int4_gemms(shape: str, ms: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)) -> list[dict]:
@@ -191,7 +193,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
     weights + an FP8 KV pool, one engine at a time in this process (each closed and its pool
     freed before the next starts); the pool is sized by --mem-fraction-static, so
     kv_pool_tokens shows what fits."""
-    from milepost.kernels import fp8_gemm, fp8_quant, fused_fp8_act
+    from milepost.kernels import fp8_decode, fp8_gemm, fp8_quant, fused_fp8_act
     from milepost.lowprec import fp8_act
     from milepost.lowprec.engine_store import QuantizedLinear
     from milepost.models.triton_attention import TritonPagedAttention
@@ -206,6 +208,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
         fp8_act.PARTS_TO_NORM = mode in NORM_PARTS
         TritonPagedAttention.quantize_out = mode in ATTN_QUANT
         fp8_quant.PDL = True if mode in PDL else None
+        fp8_decode.PDL_PREFETCH = not mode.endswith("_noprefetch")
         fused_fp8_act.PARTS_GROUPS_PER_PROGRAM = NORM_PARTS.get(mode, 16)
         if device == "cuda":
             fp8_gemm.STREAM = mode not in NO_STREAM
@@ -237,6 +240,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
             fp8_act.PARTS_TO_NORM = False
             TritonPagedAttention.quantize_out = False
             fp8_quant.PDL = None
+            fp8_decode.PDL_PREFETCH = True
             fused_fp8_act.PARTS_GROUPS_PER_PROGRAM = 16
             if device == "cuda":
                 fp8_gemm.STREAM = True
@@ -252,6 +256,7 @@ def engine_decode(shape: str, requests: int, prompt: int, output: int,
         "fp8_stream_over_nostream_decode": ("fp8_block", "fp8_block_nostream"),
         "attn_quant_over_plain_decode": ("fp8_block+fp8_kv_attn_quant", "fp8_block+fp8_kv"),
         "pdl_over_plain_decode": ("fp8_block+fp8_kv_pdl", "fp8_block+fp8_kv"),
+        "pdl_noprefetch_over_plain_decode": ("fp8_block+fp8_kv_pdl_noprefetch", "fp8_block+fp8_kv"),
         "fp8_unsummed_over_summed_decode": ("fp8_block+fp8_kv", "fp8_block+fp8_kv_summed"),
         "fp8_fused_act_over_unfused_decode": ("fp8_block", "fp8_block_unfused"),
     })

@@ -68,6 +68,10 @@ TICKET: bool | None = None
 # (benchmarks/fp8_act_sweep.py, 2026-12-06) 2.31 vs 2.71 us at 64 rows of the 4B, 3.57 vs 6.65
 # at 256, 2.10 vs 2.11 / 2.63 vs 3.99 on the 0.6B.
 QUANT_ROWS = True
+# Under programmatic dependent launch (fp8_quant.PDL), whether the GEMM asks L2 for its weight
+# rows before it waits (an A/B switch: on an H100 the early launch with the prefetch ran the 4B
+# engine x0.845 and its products differed in the last bits from the plain launch's).
+PDL_PREFETCH = True
 
 
 def decode_config(m: int, n: int, k: int, sms: int) -> DecodeConfig:
@@ -102,19 +106,21 @@ def _prefetch_l2(rows, nbytes):
 def _decode_kernel(X, SX, W, SW, C, P, CNT, M, stride_x, stride_sxm, stride_sxk, stride_w,
                    stride_swn, stride_swk, stride_c, stride_ps, n_kb, kb_per, split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED: tl.constexpr,
-                   MODE: tl.constexpr, QROWS: tl.constexpr, PDL: tl.constexpr = False):
+                   MODE: tl.constexpr, QROWS: tl.constexpr, PDL: tl.constexpr = False,
+                   PREFETCH: tl.constexpr = True):
     """Over this program's K blocks, sum Q(X) Q(W)^T per block scaled by both scales. FUSED: X is
     the bf16/fp16/fp32 activation, quantized here (QROWS rows of it, repeated to BLOCK_M: the
     rows past M are never stored); else fp8 with scales SX. MODE 0: the sum is the output C;
     1: it is part pid_k of P; 2: also, the tile's last program sums P into C. PDL: launched
-    before the kernel writing X ended: this program's weight rows are sent to L2 (they do not
-    depend on it), then it waits for that kernel before any other load."""
+    before the kernel writing X ended: this program's weight rows are sent to L2 (PREFETCH; they
+    do not depend on it), then it waits for that kernel before any other load."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PDL:
+    if PDL and PREFETCH:
         k_first = pid_k * kb_per
         k_end = tl.minimum(k_first + kb_per, n_kb)
         _prefetch_l2(W + rn.to(tl.int64) * stride_w + k_first * 128, (k_end - k_first) * 128)
+    if PDL:
         gdc_wait()
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, 128)
@@ -268,7 +274,7 @@ def _launch(xa: torch.Tensor, sx: torch.Tensor, s_strides: tuple[int, int], m: i
                          sw.stride(0), sw.stride(1), n, m * n, n_kb, kb_per, split,
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FUSED=cfg.fused, MODE=mode,
                          QROWS=qrows, num_warps=cfg.warps, num_stages=cfg.stages,
-                         **({"PDL": True, "launch_pdl": True} if pdl else {}))
+                         **({"PDL": True, "PREFETCH": PDL_PREFETCH, "launch_pdl": True} if pdl else {}))
     if mode == 1 and unsummed and not pdl:
         return SplitSum(part, out_dtype)
     if mode == 1:

@@ -28,7 +28,7 @@ from milepost.kernels import fp8_decode, fused_fp8_act
 from milepost.testing.hopper_compile import compile_sm90
 
 ptrs = dict(X="*fp8e4nv", SX="*fp32", W="*fp8e4nv", SW="*fp32", C="*bf16", P="*fp32", CNT="*i32")
-const = dict(BLOCK_M=16, BLOCK_N=64, FUSED=False, MODE=1, QROWS=16, PDL=True)
+const = dict(BLOCK_M=16, BLOCK_N=64, FUSED=False, MODE=1, QROWS=16, PDL=True, PREFETCH=True)
 ptx = compile_sm90(fp8_decode._decode_kernel, ptrs, const, 4, 3).asm["ptx"]
 prefetch = ptx.find("cp.async.bulk.prefetch.L2.global")
 wait = ptx.find("griddepcontrol.wait")
@@ -36,6 +36,8 @@ assert 0 <= prefetch < wait, (prefetch, wait)  # the weights are asked for befor
 assert "ld.global" not in ptx[:wait]  # nothing else is loaded before it
 plain = compile_sm90(fp8_decode._decode_kernel, ptrs, {**const, "PDL": False}, 4, 3).asm["ptx"]
 assert "griddepcontrol" not in plain and "prefetch" not in plain
+bare = compile_sm90(fp8_decode._decode_kernel, ptrs, {**const, "PREFETCH": False}, 4, 3).asm["ptx"]
+assert "griddepcontrol.wait" in bare and "prefetch" not in bare  # fp8_decode.PDL_PREFETCH off
 
 q = dict(Q="*fp8e4nv", S="*fp32")
 for kern, p, c in (
