@@ -29,6 +29,21 @@ H, HKV, D, PAGE = 16, 8, 128, 16
 WORDS_GRID = False  # --words-grid
 
 
+def _timed(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
+           lens: torch.Tensor, ref: torch.Tensor, splits: int, block_n: int, warps: int | None,
+           stages: int | None, label: str) -> tuple[float, float] | None:
+    """(median ms, max |diff| from ref) of paged_decode in one config; None (reported) if it fails."""
+    def run() -> torch.Tensor:
+        return K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, splits, block_n=block_n,
+                              num_warps=warps, num_stages=stages)
+    try:
+        err = (run().float() - ref.float()).abs().max().item()
+        return triton.testing.do_bench(run, return_mode="median"), err
+    except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+        print(f"  {label}: failed {e!r:.120}")
+        return None
+
+
 def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype, grid: bool) -> None:
     """Time the configs on `batch` sequences of `ctx` keys each; print the best and the defaults."""
     nb = batch * (-(-ctx // PAGE))
@@ -45,16 +60,9 @@ def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype, grid: bool) -> 
                                       (32, 64, 128), (2, 4), (1, 2, 3)))
     rows = []
     for s, bn, w, st in configs:
-        def run() -> torch.Tensor:
-            return K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, s, block_n=bn,
-                                  num_warps=w, num_stages=st)
-        try:
-            err = (run().float() - ref.float()).abs().max().item()
-            ms = triton.testing.do_bench(run, return_mode="median")
-        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
-            print(f"  splits={s} BN={bn} w={w} st={st}: failed {e!r:.120}")
-            continue
-        rows.append((ms, s, bn, w, st, err))
+        timed = _timed(q, kc, vc, tables, lens, ref, s, bn, w, st, f"splits={s} BN={bn} w={w} st={st}")
+        if timed is not None:
+            rows.append((timed[0], s, bn, w, st, timed[1]))
     default = rows[0]
     print(f"B={batch} ctx={ctx}: KV {gb:.3f} GB ({kc.dtype}); default (splits={splits}) "
           f"{default[0] * 1e3:.1f} us = {gb / default[0]:.2f} TB/s")
@@ -85,15 +93,11 @@ def sweep(batch: int, ctx: int, top: int, kv_dtype: torch.dtype, grid: bool) -> 
                 tiles = ((64, None, None), *itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)))
                 split_list = (splits, 2 * splits)
             for s, (bn, w, st) in itertools.product(split_list, tiles):
-                def words() -> torch.Tensor:
-                    return K.paged_decode(q, kc, vc, tables, lens, D**-0.5, PAGE, s,
-                                          block_n=bn, num_warps=w, num_stages=st)
-                try:
-                    err = (words().float() - ref.float()).abs().max().item()
-                    ms = triton.testing.do_bench(words, return_mode="median")
-                except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
-                    print(f"  words splits={s} BN={bn} w={w} st={st}: failed {e!r:.120}")
+                timed = _timed(q, kc, vc, tables, lens, ref, s, bn, w, st,
+                               f"words splits={s} BN={bn} w={w} st={st}")
+                if timed is None:
                     continue
+                ms, err = timed
                 print(f"  words splits={s} BN={bn} w={w} st={st}: {ms * 1e3:.1f} us = "
                       f"{gb / ms:.2f} TB/s, x{default[0] / ms:.2f} default, max|diff| {err:.1e}")
         finally:
