@@ -41,14 +41,14 @@ def profile(shape: str, requests: int, output_len: int, device: str, flags: dict
     engine = build_engine(args, model=native)[0]
     try:
         greedy_outputs(engine, looping(requests, native.vocab_size, 1), 32)  # warm-up
+        steps0 = engine.stats.steps
         prof = cProfile.Profile()
         t0 = time.perf_counter()
         prof.enable()
         toks, _ = greedy_outputs(engine, looping(requests, native.vocab_size, 0), output_len)
         prof.disable()
         seconds = time.perf_counter() - t0
-        stats = pstats.Stats(prof)
-        steps = next((v[0] for k, v in stats.stats.items() if k[2] == "step" and "stepping" in k[0]), 0)
+        steps = engine.stats.steps - steps0
         spec = engine.speculator.stats if engine.speculator is not None else None
         print(f"== {flags or 'plain'}: {sum(map(len, toks))} tokens in {seconds:.3f} s, {steps} steps, "
               f"{1e3 * seconds / max(steps, 1):.2f} ms a step (under cProfile)"
