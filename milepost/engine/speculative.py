@@ -22,6 +22,7 @@ from milepost.engine.draft_model import DraftModel
 from milepost.engine.draft_mtp import MtpDrafter
 from milepost.engine.draft_ngram import NgramDrafter
 from milepost.engine.request import Request
+from milepost.engine.sampling import _on_device
 from milepost.engine.scheduler import Chunk
 from milepost.engine.speculative_sampling import Verdict, verify
 
@@ -152,11 +153,13 @@ class Speculator:
             from milepost.engine.stepping import LaunchedStep
 
             reqs = [c.req for c in plain]
-            rows = logits if not spec else logits[torch.tensor(plain_rows, device=logits.device)]
+            rows = logits if not spec else logits[_on_device(plain_rows, logits.device)]
             engine._process(LaunchedStep.of(reqs, engine._sample(rows, reqs), engine.weight_version))
             appended += len(plain)
         if spec:
-            rows = logits[torch.tensor(spec_rows, device=logits.device)]
+            # (through pinned memory: a pageable copy would wait here for the forward, before the
+            # verifier's kernels are even queued behind it)
+            rows = logits if not plain else logits[_on_device(spec_rows, logits.device)]
             verdict = verify(rows, [c.draft for c in spec], [c.draft_probs for c in spec],
                              [c.req.params for c in spec], [c.req.generator for c in spec])
             for i, c in enumerate(spec):

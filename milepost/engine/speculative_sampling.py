@@ -70,49 +70,73 @@ def verify(
             at[r] = n
         q_at = _on_device(at, dev)
 
-    # Every proposal's test at once; each request's first rejection is found on the host.
-    flags = _accept_flags(q, q_at, argmax, drafts, draft_probs, params, generators, starts, dev)
-    accepted = []
-    for i, d in enumerate(drafts):
-        m = 0
-        while m < len(d) and flags[i][m]:
-            m += 1
-        accepted.append(m)
+    # Every proposal's test at once; each request's accepted prefix, its final token and the
+    # log-probs of what it keeps are found on the device and read back together (one wait).
+    ok = _accept_flags(q, q_at, argmax, drafts, draft_probs, params, generators, starts, dev)
+    kmax = max(counts) - 1
+    lens = _on_device([len(d) for d in drafts], dev)
+    drafts_pad = torch.zeros((len(drafts), max(kmax, 1)), dtype=torch.long, device=dev)
+    if ok is not None:
+        at = _on_device([[i, j] for i, d in enumerate(drafts) for j in range(len(d))], dev)
+        drafts_pad[at[:, 0], at[:, 1]] = _on_device([t for d in drafts for t in d], dev)
+        passed = torch.zeros((len(drafts), kmax), dtype=torch.int32, device=dev)
+        passed[at[:, 0], at[:, 1]] = ok.to(torch.int32)
+        accepted_t = passed.cumprod(dim=1).sum(dim=1)  # the proposals before the first rejection
+    else:
+        accepted_t = torch.zeros(len(drafts), dtype=torch.long, device=dev)
 
     # One token drawn at row starts[i] + m: greedy argmax, else q there, or after a rejection
     # the residual max(q - p, 0) (a point mass p: q without the rejected token).
-    last = _on_device([starts[i] + m for i, m in enumerate(accepted)], dev)
+    last = _on_device(starts, dev) + accepted_t
     final = argmax[last]
     if sampled:
-        dist = q[q_at[last[_on_device(sampled, dev)]]]  # [S, V]
-        _residuals(dist, sampled, drafts, draft_probs, accepted, dev)
-        final[_on_device(sampled, dev)] = _race(dist, [generators[i] for i in sampled])
-    final_host = final.tolist()
+        sampled_t = _on_device(sampled, dev)
+        q_last = q[q_at[last[sampled_t]]]  # [S, V]
+        dist = _residuals(q_last, sampled, drafts, draft_probs, accepted_t[sampled_t],
+                          lens[sampled_t], drafts_pad[sampled_t], dev)
+        final[sampled_t] = _race(dist, [generators[i] for i in sampled])
 
-    tokens, out_rows = [], []
-    for i, d in enumerate(drafts):
-        m = accepted[i]
-        tokens.append(list(d[:m]) + [final_host[i]])
-        out_rows.append(list(range(starts[i], starts[i] + m + 1)))
-    flat_rows = [r for rs in out_rows for r in rs]
-    flat_tok = [t for ts in tokens for t in ts]
-    lp = logprobs_all[_on_device(flat_rows, dev), _on_device(flat_tok, dev)].tolist()
-    logprobs, off = [], 0
-    for ts in tokens:
-        logprobs.append(lp[off : off + len(ts)])
-        off += len(ts)
+    # Request i keeps proposals 0 .. m - 1 and the final token: positions j <= m of its rows.
+    j = torch.arange(kmax + 1, device=dev)[None, :]
+    m = accepted_t[:, None]
+    kept_tok = torch.where(j < m, torch.nn.functional.pad(drafts_pad, (0, 1))[:, : kmax + 1], final[:, None])
+    kept_row = _on_device(starts, dev)[:, None] + torch.minimum(j, m)
+    kept_lp = logprobs_all[kept_row, kept_tok]
+    ints = torch.cat([accepted_t[:, None].to(torch.long), kept_tok], dim=1)
+    ints_host, lp_host = _read_back(ints, kept_lp)
+
+    accepted, tokens, logprobs, out_rows = [], [], [], []
+    for i, (row, lp) in enumerate(zip(ints_host, lp_host)):
+        m_i = row[0]
+        accepted.append(m_i)
+        tokens.append(row[1 : m_i + 2])
+        logprobs.append(lp[: m_i + 1])
+        out_rows.append(list(range(starts[i], starts[i] + m_i + 1)))
     return Verdict(tokens, logprobs, out_rows, accepted, logprobs_all)
+
+
+def _read_back(ints: torch.Tensor, floats: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+    """Both tensors as lists after one wait: on CUDA copied into pinned memory without blocking,
+    then one synchronize (two .tolist() calls would wait twice)."""
+    if ints.device.type == "cuda":
+        pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ints, floats)]
+        for h, t in zip(pinned, (ints, floats)):
+            h.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(ints.device).synchronize()
+        ints, floats = pinned
+    return ints.tolist(), floats.tolist()
 
 
 def _accept_flags(q: torch.Tensor | None, q_at: torch.Tensor | None, argmax: torch.Tensor,
                   drafts: Sequence[Sequence[int]],
                   draft_probs: Sequence[torch.Tensor | None], params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator | None], starts: list[int],
-                  dev: torch.device) -> list[list[bool]]:
-    """flags[i][j]: proposal j of request i passes its own test (only a prefix of them counts)."""
+                  dev: torch.device) -> torch.Tensor | None:
+    """[proposals] bool, request by request: whether each proposal passes its own test (only a
+    prefix of a request's counts); None when nothing was proposed."""
     rows = [starts[i] + j for i, d in enumerate(drafts) for j in range(len(d))]
     if not rows:
-        return [[] for _ in drafts]
+        return None
     toks = _on_device([t for d in drafts for t in d], dev)
     rows_t = _on_device(rows, dev)
     ok = argmax[rows_t] == toks
@@ -128,12 +152,7 @@ def _accept_flags(q: torch.Tensor | None, q_at: torch.Tensor | None, argmax: tor
         is_greedy = _on_device([params[i].greedy for i, d in enumerate(drafts) for _ in d], dev)
         # u < q/p, written u * p < q: no division by a p that underflowed to 0.
         ok = torch.where(is_greedy, ok, u * proposal < target)
-    flat = ok.tolist()
-    out, off = [], 0
-    for d in drafts:
-        out.append(flat[off : off + len(d)])
-        off += len(d)
-    return out
+    return ok
 
 
 def _uniforms(n: int, drafts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
@@ -153,32 +172,31 @@ def _uniforms(n: int, drafts: Sequence[Sequence[int]], params: Sequence[Sampling
     return u
 
 
-def _residuals(dist: torch.Tensor, sampled: list[int], drafts: Sequence[Sequence[int]],
-               draft_probs: Sequence[torch.Tensor | None], accepted: list[int],
-               dev: torch.device) -> None:
-    """In place on dist [S, V] (q at each sampled request's last row): rows whose request
-    rejected a proposal become max(q - p, 0); the race normalizes them."""
-    point, point_tok, model, model_p = [], [], [], []
-    for s, i in enumerate(sampled):
-        m = accepted[i]
-        if m == len(drafts[i]):
-            continue
-        if draft_probs[i] is None:
-            point.append(s)
-            point_tok.append(drafts[i][m])
-        else:
-            model.append(s)
-            model_p.append(draft_probs[i][m])
-    if not point and not model:
-        return
-    at = _on_device(point + model, dev)
-    q_rows = dist[at]  # a copy: the fallback below
+def _residuals(q_last: torch.Tensor, sampled: list[int], drafts: Sequence[Sequence[int]],
+               draft_probs: Sequence[torch.Tensor | None], accepted: torch.Tensor,
+               lens: torch.Tensor, drafts_pad: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """What to draw each sampled request's final token from: q at its last row (q_last [S, V]),
+    or, where the request rejected a proposal (accepted [S] < lens [S], on the device),
+    max(q - p, 0) with p the point mass of the rejected proposal (drafts_pad [S, kmax]) or its
+    draft model's distribution; the race normalizes them."""
+    rejected = accepted < lens
+    dist = q_last.clone()
+    at = torch.minimum(accepted, (lens - 1).clamp(min=0))[:, None]  # the rejected proposal (if any)
+    point = [s for s, i in enumerate(sampled) if draft_probs[i] is None and len(drafts[i])]
     if point:
-        dist[_on_device(point, dev), _on_device(point_tok, dev)] = 0.0
+        rows = _on_device(point, dev)
+        cols = drafts_pad[rows].gather(1, at[rows]).squeeze(1)
+        dist[rows, cols] = torch.where(rejected[rows], 0.0, dist[rows, cols])
+    model = [s for s, i in enumerate(sampled) if draft_probs[i] is not None and len(drafts[i])]
     if model:
         rows = _on_device(model, dev)
-        dist[rows] = (dist[rows] - torch.stack(model_p)).clamp_(min=0.0)
+        p_all = torch.cat([draft_probs[sampled[s]][: len(drafts[sampled[s]])] for s in model])
+        first = [0]
+        for s in model[:-1]:
+            first.append(first[-1] + len(drafts[sampled[s]]))
+        p = p_all[_on_device(first, dev) + at[rows, 0]]  # the rejected proposal's distribution
+        dist[rows] = torch.where(rejected[rows, None], (dist[rows] - p).clamp_(min=0.0), dist[rows])
     # q == p (up to rounding) rejects with probability ~0; should it happen the residual is empty
     # and q itself is the only sensible choice (the race would return token 0).
-    res = dist[at]
-    dist[at] = torch.where((res.sum(dim=1) > 0)[:, None], res, q_rows)
+    empty = rejected & (dist.sum(dim=1) <= 0)
+    return torch.where(empty[:, None], q_last, dist)
