@@ -42,7 +42,7 @@ def verify(
     """logits: [sum(k_i + 1), V], request i's rows in order: row j is the target's distribution for
     the token after proposal j (row 0: after the last accepted token). drafts[i]: the k_i proposed
     ids; draft_probs[i]: [k_i, V] the normalized distributions they were drawn from, or None for a
-    point mass (n-gram). Batched over requests; two host reads (accept flags, then the tokens)."""
+    point mass (n-gram). Batched over requests; the results are read back together (one wait)."""
     logits = logits.float()
     dev = logits.device
     counts = [len(d) + 1 for d in drafts]
@@ -99,7 +99,8 @@ def verify(
     # Request i keeps proposals 0 .. m - 1 and the final token: positions j <= m of its rows.
     j = torch.arange(kmax + 1, device=dev)[None, :]
     m = accepted_t[:, None]
-    kept_tok = torch.where(j < m, torch.nn.functional.pad(drafts_pad, (0, 1))[:, : kmax + 1], final[:, None])
+    proposed = torch.nn.functional.pad(drafts_pad, (0, 1))[:, : kmax + 1]
+    kept_tok = torch.where(j < m, proposed, final[:, None])
     kept_row = _on_device(starts, dev)[:, None] + torch.minimum(j, m)
     kept_lp = logprobs_all[kept_row, kept_tok]
     ints = torch.cat([accepted_t[:, None].to(torch.long), kept_tok], dim=1)
