@@ -77,17 +77,18 @@ def verify(
     lens = _on_device([len(d) for d in drafts], dev)
     drafts_pad = torch.zeros((len(drafts), max(kmax, 1)), dtype=torch.long, device=dev)
     if ok is not None:
-        at = _on_device([[i, j] for i, d in enumerate(drafts) for j in range(len(d))], dev)
-        drafts_pad[at[:, 0], at[:, 1]] = _on_device([t for d in drafts for t in d], dev)
+        cell = _on_device([[i, j] for i, d in enumerate(drafts) for j in range(len(d))], dev)
+        drafts_pad[cell[:, 0], cell[:, 1]] = _on_device([t for d in drafts for t in d], dev)
         passed = torch.zeros((len(drafts), kmax), dtype=torch.int32, device=dev)
-        passed[at[:, 0], at[:, 1]] = ok.to(torch.int32)
+        passed[cell[:, 0], cell[:, 1]] = ok.to(torch.int32)
         accepted_t = passed.cumprod(dim=1).sum(dim=1)  # the proposals before the first rejection
     else:
         accepted_t = torch.zeros(len(drafts), dtype=torch.long, device=dev)
 
     # One token drawn at row starts[i] + m: greedy argmax, else q there, or after a rejection
     # the residual max(q - p, 0) (a point mass p: q without the rejected token).
-    last = _on_device(starts, dev) + accepted_t
+    starts_t = _on_device(starts, dev)
+    last = starts_t + accepted_t
     final = argmax[last]
     if sampled:
         sampled_t = _on_device(sampled, dev)
@@ -101,9 +102,9 @@ def verify(
     m = accepted_t[:, None]
     proposed = torch.nn.functional.pad(drafts_pad, (0, 1))[:, : kmax + 1]
     kept_tok = torch.where(j < m, proposed, final[:, None])
-    kept_row = _on_device(starts, dev)[:, None] + torch.minimum(j, m)
+    kept_row = starts_t[:, None] + torch.minimum(j, m)
     kept_lp = logprobs_all[kept_row, kept_tok]
-    ints = torch.cat([accepted_t[:, None].to(torch.long), kept_tok], dim=1)
+    ints = torch.cat([m, kept_tok], dim=1)
     ints_host, lp_host = _read_back(ints, kept_lp)
 
     accepted, tokens, logprobs, out_rows = [], [], [], []
