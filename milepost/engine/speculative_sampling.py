@@ -72,13 +72,14 @@ def verify(
 
     # Every proposal's test at once; each request's accepted prefix, its final token and the
     # log-probs of what it keeps are found on the device and read back together (one wait).
-    ok = _accept_flags(q, q_at, argmax, drafts, draft_probs, params, generators, starts, dev)
     kmax = max(counts) - 1
+    toks = _on_device([t for d in drafts for t in d], dev) if kmax else None  # every proposal
+    ok = _accept_flags(q, q_at, argmax, toks, drafts, draft_probs, params, generators, starts, dev)
     lens = _on_device([len(d) for d in drafts], dev)
     drafts_pad = torch.zeros((len(drafts), max(kmax, 1)), dtype=torch.long, device=dev)
     if ok is not None:
         cell = _on_device([[i, j] for i, d in enumerate(drafts) for j in range(len(d))], dev)
-        drafts_pad[cell[:, 0], cell[:, 1]] = _on_device([t for d in drafts for t in d], dev)
+        drafts_pad[cell[:, 0], cell[:, 1]] = toks
         passed = torch.zeros((len(drafts), kmax), dtype=torch.int32, device=dev)
         passed[cell[:, 0], cell[:, 1]] = ok.to(torch.int32)
         accepted_t = passed.cumprod(dim=1).sum(dim=1)  # the proposals before the first rejection
@@ -130,16 +131,15 @@ def _read_back(ints: torch.Tensor, floats: torch.Tensor) -> tuple[list[list[int]
 
 
 def _accept_flags(q: torch.Tensor | None, q_at: torch.Tensor | None, argmax: torch.Tensor,
-                  drafts: Sequence[Sequence[int]],
+                  toks: torch.Tensor | None, drafts: Sequence[Sequence[int]],
                   draft_probs: Sequence[torch.Tensor | None], params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator | None], starts: list[int],
                   dev: torch.device) -> torch.Tensor | None:
-    """[proposals] bool, request by request: whether each proposal passes its own test (only a
-    prefix of a request's counts); None when nothing was proposed."""
+    """[proposals] bool, request by request: whether each proposal (toks, flattened) passes its
+    own test (only a prefix of a request's counts); None when nothing was proposed."""
     rows = [starts[i] + j for i, d in enumerate(drafts) for j in range(len(d))]
     if not rows:
         return None
-    toks = _on_device([t for d in drafts for t in d], dev)
     rows_t = _on_device(rows, dev)
     ok = argmax[rows_t] == toks
     if q is not None:

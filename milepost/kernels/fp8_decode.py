@@ -17,7 +17,6 @@ from milepost.kernels.fp8_quant import (
     TILE,
     _round_e4m3,
     _sm_count,
-    gdc_launch_dependents,
     gdc_wait,
     pdl_supported,
     quantize_act_1x128,

@@ -20,7 +20,6 @@ import triton.language as tl
 
 from milepost.kernels.fp8_quant import (
     TILE,
-    _sm_count,
     early_launch,
     gdc_launch_dependents,
     quant_blocks_1x128,
