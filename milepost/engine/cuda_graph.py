@@ -27,20 +27,21 @@ from milepost.models.base import CausalLM, ForwardContext
 from milepost.models.llama import DecoderLM
 
 log = logging.getLogger(__name__)
-Feed = tuple[torch.Tensor, list[int]]  # (tokens sampled on the device, source row per chunk)
+# (tokens sampled on the device, positions in the step's flat input ids, source row of each)
+Feed = tuple[torch.Tensor, list[int], list[int]]
 
 
 def fed_tokens(ids: torch.Tensor, feed: Feed, device: torch.device) -> None:
-    """ids[:n] = tokens[rows], on the device (no read-back of the previous step's samples)."""
-    tokens, rows = feed
-    n = len(rows)
-    if rows == list(range(n)):  # the usual case: same requests, same order
+    """ids[dest] = tokens[src], on the device (no read-back of the previous step's samples)."""
+    tokens, dest, src = feed
+    n = len(dest)
+    if dest == src == list(range(n)):  # the usual case: a decode step of the same requests
         ids[:n].copy_(tokens[:n])
-    else:
-        src = torch.tensor(rows, dtype=torch.long)
-        if device.type == "cuda":  # pinned: a pageable copy would wait for all queued work
-            src = src.pin_memory().to(device, non_blocking=True)
-        ids[:n].copy_(tokens.index_select(0, src))
+        return
+    index = torch.tensor([dest, src], dtype=torch.long)
+    if device.type == "cuda":  # pinned: a pageable copy would wait for all queued work
+        index = index.pin_memory().to(device, non_blocking=True)
+    ids.index_copy_(0, index[0], tokens.index_select(0, index[1]).to(ids.dtype))
 
 
 class DecodeGraphs:

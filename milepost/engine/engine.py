@@ -70,7 +70,7 @@ class Engine(Stepper):
         self._thread = threading.Thread(target=self._loop, name="milepost-engine", daemon=True)
         self.error: BaseException | None = None
         self._closers: list[Callable[[], None]] = []
-        self._launched: LaunchedStep | None = None  # a decode step queued ahead (overlap schedule)
+        self._launched: LaunchedStep | None = None  # a step queued ahead (overlap schedule)
 
     # ---- thread-safe API -------------------------------------------------------------------
     def start(self) -> None:
@@ -95,7 +95,9 @@ class Engine(Stepper):
             )
         else:
             req.generator = self._generator
-        self._inbox.put(lambda: self._add(req))
+        task = lambda: self._add(req)  # noqa: E731
+        task.keeps_queued_step = True  # admitting reads no step's results (see _drain_inbox)
+        self._inbox.put(task)
 
     def abort(self, rid: str | None, message: str = "aborted by request") -> None:
         """Abort one request by id, or every request when rid is None."""
@@ -177,9 +179,11 @@ class Engine(Stepper):
     def _drain_inbox(self, block: bool) -> None:
         try:
             task = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-            if self.error is None:
-                self._flush()  # tasks (aborts, updates, pauses) see every step's results applied
             while True:
+                # Tasks (aborts, updates, pauses, calls) see every step's results applied; a
+                # submission only queues its request, which the step launched ahead can admit.
+                if self.error is None and not getattr(task, "keeps_queued_step", False):
+                    self._flush()
                 task()
                 task = self._inbox.get_nowait()
         except queue.Empty:
@@ -190,6 +194,8 @@ class Engine(Stepper):
         if self.error is not None:
             req.on_output(_abort_output(req, f"engine error: {self.error}"))
             return
+        if req.rid in self._by_rid:
+            self._flush()  # the step queued ahead may have finished it
         if req.rid in self._by_rid:
             req.on_output(_abort_output(req, f"duplicate rid {req.rid!r}: already running"))
             return

@@ -99,9 +99,9 @@ class ModelRunner:
         """Compute KV for every chunk; logits [n_sampling_chunks, vocab] in chunk order: fp32,
         or the model's dtype from the decode graphs (cuda_graph.py; every reader casts).
 
-        feed = (tokens on the device, rows): an all-decode step whose input tokens the previous
-        step sampled and nobody has read back yet; chunk i's token is tokens[rows[i]] (the
-        host-side ids of those chunks are placeholders).
+        feed = (tokens on the device, dest, src): input tokens the previous step sampled and
+        nobody has read back yet (the overlap schedule); the step's flat input id at position
+        dest[j] is tokens[src[j]] (the host-side ids there are placeholders).
         """
         # inference_mode is also what switches the model onto its fused GPU kernels (layers.py,
         # grouped experts); the torch backend stays the reference path throughout.

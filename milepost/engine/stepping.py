@@ -1,13 +1,13 @@
 """One engine step: schedule, compute, sample, apply the tokens; and the overlap schedule.
 
 `Stepper` is the part of `Engine` (engine.py) that runs on the engine thread for each step.
-With the overlap schedule (SGLang's), an all-decode step's sampled tokens are left on the
-device: the next step schedules and launches its successor first, feeding those tokens to the
-forward on the device, and reads them back while that forward runs. It only runs ahead when the
-next step is the same requests decoding again (no admission, preemption or eviction can
-happen); anything else, and every inbox task, first applies the queued results. A request that
-samples a stop token decodes one more token in the step already launched; that token is dropped.
-"""
+With the overlap schedule (SGLang's), a step's sampled tokens are left on the device: the next
+step schedules and launches its successor first, feeding those tokens to the forward on the
+device, and reads them back while that forward runs. The successor may be a mixed step (prompt
+chunks of running requests, admissions from the queue) as long as nothing can be preempted and
+no request reads its last token on the host (penalties, grammars); anything else, and every
+inbox task but a submission, first applies the queued results. A request that samples a stop
+token decodes one more token in the step already launched; that token is dropped."""
 
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ from milepost.engine.grammar import fill_masks
 from milepost.engine.prompt_logprobs import take_prompt_logprobs
 from milepost.engine.request import ReqState, Request
 from milepost.engine.sampling import SampleResult, sample
+from milepost.engine.scheduler import Chunk
 
 if TYPE_CHECKING:
+    from milepost.engine.cuda_graph import Feed
     from milepost.engine.speculative import Speculator
 
 PENDING_TOKEN = -1  # an output slot whose token is still on the device (overlap schedule)
@@ -39,50 +41,59 @@ class Stepper:
     def step(self) -> None:
         """One forward pass: schedule chunks, compute, sample, finish what is done.
 
-        With the overlap schedule an all-decode step is left queued on the device: the next
-        call schedules and launches its successor first, feeding it the sampled tokens on the
-        device, and reads the queued results while that forward runs (SGLang's overlap
-        scheduler), so per-request host work hides behind GPU work.
+        With the overlap schedule a step whose sampling is plain is left queued on the device:
+        the next call schedules and launches its successor first, feeding it the sampled tokens
+        on the device, and reads the queued results while that forward runs (SGLang's overlap
+        scheduler), so per-request host work hides behind GPU work. That holds for mixed steps
+        too: prompt chunks of running or newly admitted requests ride along.
         """
         t0 = time.perf_counter()
         spec = self.speculator
         proposing = spec is not None and not spec.resting()
+        prev, feed = None, None
         if self._launched is not None and not proposing and self._can_overlap(self._launched):
-            self._overlapped_step(t0)
-            return
-        self._flush()
-        chunks = self.scheduler.schedule()
+            prev, self._launched = self._launched, None
+            chunks, feed = self._schedule_ahead(prev)
+        else:
+            self._flush()
+            chunks = self.scheduler.schedule()
         if not chunks:
+            if prev is not None:
+                self._process(prev, pending=True)
             return
         if proposing:  # proposals turn decode chunks into verify chunks
             spec.attach(chunks, self)
         elif spec is not None:  # the n-gram back-off (speculative.py): a plain step
             spec.rest_one()
-        logits = self.runner.forward(chunks)
-        if self.speculator is not None:  # an MTP draft reads the target's hidden states
-            self.speculator.observe(chunks, self.runner)
+        logits = self.runner.forward(chunks, feed)
+        if spec is not None:  # an MTP draft reads the target's hidden states
+            spec.observe(chunks, self.runner)
+        self.scheduler.after_forward(chunks)
+        if prev is not None:  # read back while the GPU runs the forward just launched
+            self._process(prev, pending=True)
         scoring = not all(c.req.logprob_start_len < 0 for c in chunks)  # usually False: one pass
         if scoring:
             logits = take_prompt_logprobs(chunks, logits)
-        self.scheduler.after_forward(chunks)
         for c in chunks if scoring else ():  # requests for 0 new tokens end once scored
             req = c.req
             if req.tokens_to_compute == 0 and req.params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
         sampling = [c.req for c in chunks if c.samples]
         n_sampled = len(sampling)
-        if sampling and self.speculator is not None and any(c.verify for c in chunks):
-            n_sampled = self.speculator.finish(self, [c for c in chunks if c.samples], logits)
+        if sampling and spec is not None and any(c.verify for c in chunks):
+            n_sampled = spec.finish(self, [c for c in chunks if c.samples], logits)
         elif sampling:
             launched = LaunchedStep.of(sampling, self._sample(logits, sampling), self.weight_version)
-            if self.cfg.overlap_schedule and all(c.length == 1 for c in chunks):
+            if self.cfg.overlap_schedule and not scoring:
                 self._launched = launched
             else:
                 self._process(launched)
         self.stats.record_step(chunks, n_sampled, time.perf_counter() - t0)
 
-    def _overlapped_step(self, t0: float) -> None:
-        prev, self._launched = self._launched, None
+    def _schedule_ahead(self, prev: LaunchedStep) -> tuple[list[Chunk], Feed | None]:
+        """The next step's chunks while prev's tokens are still on the device: each of prev's
+        live requests gets a slot for its token (filled by `_process`) and decodes it, fed on
+        the device; other requests' prompt chunks and admissions are scheduled as usual."""
         live = [r for r in prev.sampling if not r.is_finished]
         for req in live:  # prev's token: a slot now, its value still on the device
             req.output_ids.append(PENDING_TOKEN)
@@ -94,34 +105,32 @@ class Stepper:
             running.remove(r)
         chunks = self.scheduler.schedule()
         running.extend(ending)
-        logits = None
-        if chunks:
-            row = {id(r): i for i, r in enumerate(prev.sampling)}
-            feed = (prev.result.tokens, [row[id(c.req)] for c in chunks])
-            logits = self.runner.forward(chunks, feed)
-            self.scheduler.after_forward(chunks)
-        if self.speculator is not None:  # only a resting n-gram speculator lets steps overlap
-            self.speculator.rest_one()
-        self._process(prev, pending=True)  # reads prev back while the GPU runs the new forward
-        if chunks:
-            sampling = [c.req for c in chunks]  # all decodes: every chunk samples
-            self._launched = LaunchedStep.of(sampling, self._sample(logits, sampling),
-                                             self.weight_version)
-        self.stats.record_step(chunks, len(chunks), time.perf_counter() - t0)
+        row = {id(r): i for i, r in enumerate(prev.sampling)}
+        dest, src, offset = [], [], 0
+        for c in chunks:
+            i = row.get(id(c.req))
+            if i is not None:  # prev sampled its last token: always a one-token decode chunk
+                assert c.length == 1 and c.start == c.req.total_len - 1, "a pending token misplaced"
+                dest.append(offset)
+                src.append(i)
+            offset += c.length
+        return chunks, (prev.result.tokens, dest, src) if dest else None
 
     def _can_overlap(self, prev: LaunchedStep) -> bool:
-        """The next step is exactly prev's live requests decoding again, with no admission,
-        preemption or eviction: what a launch ahead of prev's results can schedule correctly."""
-        s = self.scheduler
+        """The next step can be scheduled before prev's tokens are known: no preemption can
+        happen (every decode finds free blocks; prompt chunks and admissions never preempt),
+        and no live request reads its last token on the host (penalties, grammars)."""
+        if self.paused is not None:
+            return False
         live = [r for r in prev.sampling if not r.is_finished]
-        if self.paused is not None or s.waiting or len(s.running) != len(live):
+        if any(r.state is not ReqState.RUNNING or r.waits_for_output for r in live):
             return False
-        if any(r.state is not ReqState.RUNNING for r in live):
-            return False
-        if any(r.waits_for_output for r in live):
-            return False  # penalties and grammars read the last token: it must be on the host
-        bs = self.cfg.block_size
-        need = sum(1 for r in live if r.total_len + 1 > len(r.blocks) * bs)
+        fed = {id(r) for r in live}
+        bs, need = self.cfg.block_size, 0
+        for r in self.scheduler.running:
+            n = r.total_len + (id(r) in fed)  # its length once prev's token has a slot
+            if r.state is ReqState.RUNNING and r.num_computed == n - 1:  # decodes next step
+                need += max(0, -(-n // bs) - len(r.blocks))
         return need <= self.pool.num_free
 
     def _out_of_room(self, req: Request) -> bool:

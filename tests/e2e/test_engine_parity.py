@@ -61,12 +61,15 @@ class Driver:
         self.requests: dict[str, Request] = {}
         self.batches: list[list[tuple[str, int, int]]] = []  # per forward: (rid, start, length)
         self.fed = 0  # forwards whose input tokens were still on the device (overlap schedule)
+        self.fed_batches: list[list[tuple[str, int, int]]] = []  # those forwards' chunks
         forward = engine.runner.forward
 
-        def recording_forward(chunks, *feed):
+        def recording_forward(chunks, feed=None):
             self.batches.append([(c.req.rid, c.start, c.length) for c in chunks])
-            self.fed += bool(feed)
-            return forward(chunks, *feed)
+            self.fed += feed is not None
+            if feed is not None:
+                self.fed_batches.append(self.batches[-1])
+            return forward(chunks, feed)
 
         engine.runner.forward = recording_forward
 
@@ -169,6 +172,38 @@ def test_overlap_schedule_matches_generate(arch, ckpts, hf_models) -> None:
             expect = expect[: expect.index(stop) + 1]
         assert d.tokens(f"r{i}") == expect, f"{arch} r{i}"
     assert d.final("r1").finish_reason == {"type": "stop", "matched": stop}
+    assert d.engine.pool.num_used == d.engine.cache.num_cached_blocks, "blocks leaked"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_overlap_schedule_runs_mixed_steps_ahead(arch, ckpts, hf_models) -> None:
+    """Steps with prompt chunks are launched ahead too: long prompts prefilled over several steps
+    beside decodes, a queue past max_running admitted while a step is queued, submissions that
+    do not apply the queued step, a stop token. Greedy tokens equal generate."""
+    d = Driver(make_engine(ckpts[arch], overlap_schedule="on", max_running_requests=3))
+    ps = prompts([5, 23, 9, 30, 4, 17], seed=11)
+    n_new = [10, 6, 12, 5, 9, 7]
+    want = [hf_greedy(hf_models[arch], p, n) for p, n in zip(ps, n_new)]
+    stop = want[2][3]
+    for i in range(4):
+        d.submit(f"r{i}", ps[i], greedy(n_new[i]), stop_ids=frozenset({stop}) if i == 2 else frozenset())
+    d.step(4)
+    assert d.engine._launched is not None, "a step should be queued"
+    d.submit("r4", ps[4], greedy(n_new[4]))
+    assert d.engine._launched is not None, "a submission applied the queued step"
+    d.step(1)
+    d.submit("r5", ps[5], greedy(n_new[5]))
+    d.run()
+    prompt_len = {rid: len(r.prompt_ids) for rid, r in d.requests.items()}
+    mixed_fed = [b for b in d.fed_batches if any(n > 1 for _, _, n in b)
+                 and any(s >= prompt_len[rid] for rid, s, _ in b)]
+    assert mixed_fed, "no step with a prompt chunk beside decodes was launched ahead"
+    admitted = [b for b in d.fed_batches if any(s == 0 for _, s, _ in b)]
+    assert admitted, "no request was admitted in a step launched ahead"
+    for i in range(6):
+        expect = want[i][: want[i].index(stop) + 1] if i == 2 and stop in want[i] else want[i]
+        assert d.tokens(f"r{i}") == expect, f"{arch} r{i}"
+    assert d.final("r2").finish_reason == {"type": "stop", "matched": stop}
     assert d.engine.pool.num_used == d.engine.cache.num_cached_blocks, "blocks leaked"
 
 

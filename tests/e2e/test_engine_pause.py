@@ -256,11 +256,11 @@ def test_a_crashed_loop_answers_every_caller(ckpts) -> None:
     forward = engine.runner.forward
     calls = []
 
-    def failing_forward(chunks):  # noqa: ANN001, ANN202 - the third step fails
+    def failing_forward(chunks, feed=None):  # noqa: ANN001, ANN202 - the third step fails
         calls.append(len(chunks))
         if len(calls) == 3:
             raise RuntimeError("injected failure")
-        return forward(chunks)
+        return forward(chunks, feed)
 
     engine.runner.forward = failing_forward
 

@@ -50,9 +50,9 @@ class Driver:
         self.fed = 0
         forward = engine.runner.forward
 
-        def counting(chunks, *feed):
-            self.fed += bool(feed)
-            return forward(chunks, *feed)
+        def counting(chunks, feed=None):
+            self.fed += feed is not None
+            return forward(chunks, feed)
 
         engine.runner.forward = counting
 
