@@ -182,7 +182,8 @@ class Engine(Stepper):
             while True:
                 # Tasks (aborts, updates, pauses, calls) see every step's results applied; a
                 # submission only queues its request, which the step launched ahead can admit.
-                if self.error is None and not getattr(task, "keeps_queued_step", False):
+                keeps = self.overlap_mixed and getattr(task, "keeps_queued_step", False)
+                if self.error is None and not keeps:
                     self._flush()
                 task()
                 task = self._inbox.get_nowait()

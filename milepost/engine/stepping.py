@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -35,6 +35,9 @@ class Stepper:
     """Mixed into Engine: uses its scheduler, runner, cfg, pool, stats, tokenizer, weight
     version, and its _finish / _emit."""
 
+    # Mixed steps (prompt chunks, admissions) queued ahead too; off: only all-decode steps of the
+    # same requests, as before (a class switch so benchmarks/overlap_mixed_ab.py can time both).
+    overlap_mixed: ClassVar[bool] = True
     _launched: LaunchedStep | None = None
     speculator: Speculator | None = None  # speculative decoding (speculative.py); set by setup
 
@@ -84,7 +87,8 @@ class Stepper:
             n_sampled = spec.finish(self, [c for c in chunks if c.samples], logits)
         elif sampling:
             launched = LaunchedStep.of(sampling, self._sample(logits, sampling), self.weight_version)
-            if self.cfg.overlap_schedule and not scoring:
+            if self.cfg.overlap_schedule and not scoring and (
+                    self.overlap_mixed or all(c.length == 1 for c in chunks)):
                 self._launched = launched
             else:
                 self._process(launched)
@@ -123,11 +127,14 @@ class Stepper:
         if self.paused is not None:
             return False
         live = [r for r in prev.sampling if not r.is_finished]
+        s = self.scheduler
+        if not self.overlap_mixed and (s.waiting or len(s.running) != len(live)):
+            return False
         if any(r.state is not ReqState.RUNNING or r.waits_for_output for r in live):
             return False
         fed = {id(r) for r in live}
         bs, need = self.cfg.block_size, 0
-        for r in self.scheduler.running:
+        for r in s.running:
             n = r.total_len + (id(r) in fed)  # its length once prev's token has a slot
             if r.state is ReqState.RUNNING and r.num_computed == n - 1:  # decodes next step
                 need += max(0, -(-n // bs) - len(r.blocks))
