@@ -75,6 +75,9 @@ class BenchArgs(BaseModel):
     speculative_num_draft_tokens: int = Field(
         4, ge=2, description="--speculative: tokens verified per request and step, the last "
         "sampled one included (milepost serve --speculative-num-draft-tokens).")
+    speculative_ngram_measured_rest: bool = Field(
+        True, description="--speculative ngram: rest from proposing while speculating measures "
+        "slower than plain steps (milepost serve --speculative-ngram-measured-rest).")
     speculative_ngram_scope: str = Field(
         "request,prompt,engine", description="--speculative ngram: comma-separated n-gram scopes "
         "(milepost serve --speculative-ngram-scope), each run over every scenario in this run.")

@@ -161,6 +161,8 @@ def _speculative_args(sargs: ServerArgs, args: BenchArgs, scope: str = "") -> Se
              "speculative_num_draft_tokens": args.speculative_num_draft_tokens}
     if algo != "NGRAM":
         extra["overlap_schedule"] = "off"
+    else:
+        extra["speculative_ngram_measured_rest"] = args.speculative_ngram_measured_rest
     if scope:
         extra["speculative_ngram_scope"] = scope
     if spec.startswith("draft:"):
@@ -194,22 +196,25 @@ def _workloads(args: BenchArgs, vocab: int, seed: int | None = None) -> list[wor
     return [make[name]() for name in args.scenario_list]
 
 
-def _spec_counters(engine: object) -> tuple[int, int, int, int] | None:
+def _spec_counters(engine: object) -> tuple[int, ...] | None:
     spec = getattr(engine, "speculator", None)
     if spec is None:
         return None
     s = engine.call(lambda: (spec.stats.verify_rows, spec.stats.proposed, spec.stats.accepted,
-                             engine.runner.verify_replays))
+                             engine.runner.verify_replays, spec.stats.rested_steps,
+                             spec.pace.slower_rests))
     return s.result()
 
 
 def _spec_delta(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> dict | None:
     """Acceptance over one workload: tokens per verified request-step (1 + accepted proposals),
-    and the engine steps whose verify the decode CUDA graphs replayed."""
+    the engine steps whose verify the decode CUDA graphs replayed, and NGRAM's rested steps (and
+    rests begun because speculating measured slower, speculative_pace.py)."""
     if before is None or after is None:
         return None
-    rows, proposed, accepted, replays = (a - b for a, b in zip(after, before))
+    rows, proposed, accepted, replays, rested, slower = (a - b for a, b in zip(after, before))
     return {"verify_steps": rows, "graph_verify_steps": replays, "proposed": proposed, "accepted": accepted,
+            "rested_steps": rested, "slower_rests": slower,
             "accept_length": (rows + accepted) / rows if rows else 0.0,
             "accept_rate": accepted / proposed if proposed else 0.0}
 
@@ -308,7 +313,9 @@ def print_table(result: dict) -> None:
                          f"acceptance length {spec.get('accept_length', 0):.2f} "
                          f"(rate {spec.get('accept_rate', 0):.1%} of "
                          f"{spec.get('proposed', 0):,} proposed; "
-                         f"{spec.get('graph_verify_steps', 0):,} verify steps in CUDA graphs)")
+                         f"{spec.get('graph_verify_steps', 0):,} verify steps in CUDA graphs; "
+                         f"{spec.get('rested_steps', 0):,} steps rested, "
+                         f"{spec.get('slower_rests', 0):,} rests for measuring slower)")
         if r.get("timeline"):
             notes.extend(format_summary(r["scenario"], r["timeline"]))
         if r.get("stalls"):

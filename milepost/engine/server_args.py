@@ -226,6 +226,11 @@ class ServerArgs(BaseModel):
         "recently (a GRPO group's samples, the prompt's earlier rollouts); engine = every request "
         "the engine saw recently. Proposals stay exact whatever their source; a weight update keeps "
         "the texts (docs/speculative.md).")
+    speculative_ngram_measured_rest: bool = Field(
+        True, description="NGRAM with the overlap schedule: also rest from proposing (plain decode "
+        "steps, launched ahead) while speculative steps are measured to emit fewer tokens a second "
+        "than the plain steps between them, probing again after 1, 2, 4 .. 16 steps "
+        "(docs/speculative.md); off: rest only after steps that proposed nothing.")
     speculative_ngram_capacity: int = Field(
         1 << 18, ge=1, description="NGRAM with scope prompt or engine: most tokens the shared n-gram "
         "store indexes (about 1.2 KB of host memory each at the default window 2-8, so ~320 MB); the "

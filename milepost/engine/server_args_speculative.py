@@ -21,7 +21,8 @@ def check_speculative(args: ServerArgs) -> None:
              or args.speculative_ngram_min_match_window_size != 2
              or args.speculative_ngram_max_match_window_size != 8
              or args.speculative_ngram_scope != "prompt"
-             or args.speculative_ngram_capacity != 1 << 18)
+             or args.speculative_ngram_capacity != 1 << 18
+             or not args.speculative_ngram_measured_rest)
     eagle = (args.speculative_num_steps, args.speculative_eagle_topk) != (None, None)
     if algo is None and (draft is not None or tuned or eagle):
         raise ValueError("--speculative-draft-model-path / --speculative-num-draft-tokens / "

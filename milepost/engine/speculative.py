@@ -24,6 +24,7 @@ from milepost.engine.draft_ngram import NgramDrafter
 from milepost.engine.request import Request
 from milepost.engine.sampling import _on_device
 from milepost.engine.scheduler import Chunk
+from milepost.engine.speculative_pace import RestPace
 from milepost.engine.speculative_sampling import Verdict, verify
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class SpecStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0  # tokens those request-steps appended (accepted + 1, less any past a stop)
-    rested_steps: int = 0  # n-gram back-off: decode steps run without proposing (Speculator.resting)
+    rested_steps: int = 0  # n-gram back-off: decode steps run without proposing (speculative_pace.py)
     by_position: list[int] = field(default_factory=list)  # accepted counts per proposal index
 
     @property
@@ -55,16 +56,14 @@ class SpecStats:
 
 
 class Speculator:
-    # N-gram back-off. A step whose eligible requests all got no proposal still cost a step
-    # without the overlap schedule (proposing needs the last tokens on the host): at 256 requests
-    # on an H200 such steps ran 0.43x plain decoding. After one, the engine rests from proposing
-    # for 1, 2, 4, ... MAX_REST steps (doubling while the probes between rests find nothing, back
-    # to none at the first proposal) and runs them as plain overlapped decode steps: exact as
-    # ever, the index catches up at the next probe. Only the n-gram drafter rests (a draft model
-    # or MTP layer must see every step), and only with the overlap schedule on (`can_rest`).
-    MAX_REST = 16
+    # Resting (speculative_pace.py): only the n-gram drafter rests (a draft model or MTP layer
+    # must see every step), and only with the overlap schedule on (`can_rest`): a resting step is
+    # a plain decode step launched ahead. It rests after a step that proposed nothing (at 256
+    # requests on an H200 such steps ran 0.43x plain decoding) and, measured, while speculative
+    # steps emit fewer tokens a second than plain ones; the index catches up at the next probe.
 
-    def __init__(self, num_draft_tokens: int, drafter: Drafter, can_rest: bool = False) -> None:
+    def __init__(self, num_draft_tokens: int, drafter: Drafter, can_rest: bool = False,
+                 measured_rest: bool = True) -> None:
         """num_draft_tokens: SGLang's count, the verified last token included (k + 1)."""
         if num_draft_tokens < 2:
             raise ValueError(f"--speculative-num-draft-tokens must be >= 2 (the last token plus at "
@@ -73,17 +72,31 @@ class Speculator:
         self.drafter = drafter
         self.stats = SpecStats()
         self.can_rest = can_rest
-        self._rest = 0  # steps left to rest
-        self._backoff = 0  # the last rest's length (0: the last probe proposed something)
+        self.pace = RestPace(measured_rest)
 
     def resting(self) -> bool:
         """Whether the next decode step runs without proposals (and may be overlapped)."""
-        return self._rest > 0
+        return self.can_rest and self.pace.resting()
 
-    def rest_one(self) -> None:
-        """A decode step ran while resting."""
-        self._rest -= 1
-        self.stats.rested_steps += 1
+    def step_begins(self) -> None:
+        """Before each engine step: the speculative step just done is timed (it may start a rest)."""
+        if self.can_rest:
+            self.pace.step_begins()
+
+    def scheduled(self) -> None:
+        """A proposing step is about to be scheduled, every queued step applied."""
+        if self.can_rest:
+            self.pace.scheduled()
+
+    def stepped(self, start: float, tokens: int, verified: bool, rested: bool) -> None:
+        """A step that began (resting) or was scheduled (verifying) at `start` sampled `tokens`."""
+        if not self.can_rest:
+            return
+        if verified:
+            self.pace.verified(start, tokens)
+        elif rested:
+            self.pace.rested(start, tokens)
+            self.stats.rested_steps += 1
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -120,11 +133,7 @@ class Speculator:
                 c.length = 1 + len(tokens)
                 c.draft_probs = probs  # read back by `finish`
         if self.can_rest:
-            if any(tokens for tokens, _ in proposals):
-                self._backoff = 0
-            else:
-                self._backoff = min(self.MAX_REST, max(1, 2 * self._backoff))
-                self._rest = self._backoff
+            self.pace.proposed(any(tokens for tokens, _ in proposals))
 
     def finished(self, req: Request) -> None:
         """A request ended: an n-gram store keeps its last tokens for its siblings."""

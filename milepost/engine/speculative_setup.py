@@ -136,7 +136,8 @@ def make_speculator(args: ServerArgs, target: CausalLM, draft: CausalLM | None, 
         drafter.capture_cuda_graphs()
     # N-gram steps that propose nothing rest from proposing, overlapped, where the schedule is on.
     can_rest = isinstance(drafter, NgramDrafter) and args.overlap_schedule == "on"
-    return Speculator(args.verified_tokens(), drafter, can_rest=can_rest)
+    return Speculator(args.verified_tokens(), drafter, can_rest=can_rest,
+                      measured_rest=args.speculative_ngram_measured_rest)
 
 
 DRAFT_PREFIX = "draft/"

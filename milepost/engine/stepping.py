@@ -52,6 +52,8 @@ class Stepper:
         """
         t0 = time.perf_counter()
         spec = self.speculator
+        if spec is not None:
+            spec.step_begins()
         proposing = spec is not None and not spec.resting()
         prev, feed = None, None
         if self._launched is not None and not proposing and self._can_overlap(self._launched):
@@ -59,6 +61,9 @@ class Stepper:
             chunks, feed = self._schedule_ahead(prev)
         else:
             self._flush()
+            if proposing:
+                spec.scheduled()
+                t0 = time.perf_counter()  # a speculative step is timed from here (speculative_pace.py)
             chunks = self.scheduler.schedule()
         if not chunks:
             if prev is not None:
@@ -66,8 +71,6 @@ class Stepper:
             return
         if proposing:  # proposals turn decode chunks into verify chunks
             spec.attach(chunks, self)
-        elif spec is not None:  # the n-gram back-off (speculative.py): a plain step
-            spec.rest_one()
         logits = self.runner.forward(chunks, feed)
         if spec is not None:  # an MTP draft reads the target's hidden states
             spec.observe(chunks, self.runner)
@@ -83,7 +86,8 @@ class Stepper:
                 self._finish(req, {"type": "length", "length": 0})
         sampling = [c.req for c in chunks if c.samples]
         n_sampled = len(sampling)
-        if sampling and spec is not None and any(c.verify for c in chunks):
+        verified = sampling and spec is not None and any(c.verify for c in chunks)
+        if verified:
             n_sampled = spec.finish(self, [c for c in chunks if c.samples], logits)
         elif sampling:
             launched = LaunchedStep.of(sampling, self._sample(logits, sampling), self.weight_version)
@@ -92,6 +96,8 @@ class Stepper:
                 self._launched = launched
             else:
                 self._process(launched)
+        if spec is not None:
+            spec.stepped(t0, n_sampled, verified=bool(verified), rested=not proposing)
         self.stats.record_step(chunks, n_sampled, time.perf_counter() - t0)
 
     def _schedule_ahead(self, prev: LaunchedStep) -> tuple[list[Chunk], Feed | None]:

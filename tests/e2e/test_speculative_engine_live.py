@@ -136,6 +136,30 @@ def test_ngram_rests_overlapped_while_it_proposes_nothing(ckpts) -> None:
     assert eng.pool.num_used == (eng.cache.num_cached_blocks if eng.cache else 0), "blocks leaked"
 
 
+@pytest.mark.parametrize("measured", [True, False])
+def test_ngram_measured_rest_keeps_the_plain_tokens(measured, ckpts) -> None:
+    """With the overlap schedule NGRAM times its speculative steps against the plain steps it
+    rests (speculative_pace.py): the first verify step is followed by a probe of plain steps,
+    both rates are measured, and the tokens stay plain decoding's whichever steps it takes."""
+    ps = looping_prompts(4, seed=3)
+    plain = Run(make_engine(ckpts["qwen3"]))
+    spec = Run(make_engine(ckpts["qwen3"], speculative_algorithm="NGRAM", overlap_schedule="on",
+                           speculative_ngram_measured_rest=measured))
+    for r in (plain, spec):
+        for i, p in enumerate(ps):
+            r.submit(f"r{i}", p, greedy(40), return_logprob=True)
+        r.run()
+    for rid in plain.out:
+        assert spec.tokens(rid) == plain.tokens(rid), rid
+        assert spec.logprobs(rid) == pytest.approx(plain.logprobs(rid), abs=1e-4), rid
+    pace, stats = spec.engine.speculator.pace, spec.engine.speculator.stats
+    assert stats.verify_rows > 0 and pace.spec_rate is not None
+    if measured:  # the probe after the first verify step measured plain decoding
+        assert pace.plain_rate is not None and stats.rested_steps >= pace.PROBE
+    else:
+        assert pace.slower_rests == 0
+
+
 @pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
 def test_greedy_speculation_returns_the_plain_tokens_and_logprobs(algo, ckpts) -> None:
     ps = looping_prompts(5, seed=1)
