@@ -39,9 +39,11 @@ class EngineResult:
 
 
 class EngineBench:
-    def __init__(self, engine: Engine, temperature: float, timeline: bool = False) -> None:
+    def __init__(self, engine: Engine, temperature: float, timeline: bool = False,
+                 top_p: float = 1.0) -> None:
         self.engine = engine
         self.temperature = temperature
+        self.top_p = top_p
         self.timeline = timeline  # record every step of each run (EngineStats.timeline)
 
     def run(self, w: Workload) -> EngineResult:
@@ -59,7 +61,7 @@ class EngineBench:
 
         def submit(i: int) -> None:
             params = SamplingParams(max_new_tokens=w.output_lens[i], temperature=self.temperature,
-                                    ignore_eos=True)
+                                    top_p=self.top_p, ignore_eos=True)
             outputs[i] = []
             engine.submit(Request(rid=f"{w.name}-{i}", prompt_ids=w.prompts[i], params=params,
                                   on_output=lambda out: on_output(i, out), stop_ids=frozenset()))

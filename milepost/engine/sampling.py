@@ -196,7 +196,7 @@ def _on_device(values: list, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor, on_device: bool | None = None) -> torch.Tensor:
     """Keep, per row, the most likely tokens until the mass BEFORE a token reaches top_p * total.
 
     The most likely token is always kept: a top_p that underflows (1e-300 is 0 in fp32) must not
@@ -204,7 +204,9 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
     probs: [r, V] (unnormalized after other truncations), top_p: [r]. Sorting only the top
     TOP_P_CANDIDATES is exact whenever the nucleus ends inside them (the cumulative sums over
-    the head of a full sort are the same numbers); other rows are sorted whole.
+    the head of a full sort are the same numbers). The other rows ("wide") get their nucleus on
+    CUDA (on_device, default: probs there) from kernels/top_p_wide.py, with no read-back, so a
+    top-p batch keeps the overlap schedule; elsewhere the host picks them and sorts them whole.
     """
     limit = top_p * probs.sum(dim=1)  # [r]
     k = min(TOP_P_CANDIDATES, probs.shape[1])
@@ -213,7 +215,12 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop = before >= limit[:, None]
     drop[:, 0] = False
     out = torch.zeros_like(probs).scatter_(1, ids, vals.masked_fill_(drop, 0.0))
-    if k < probs.shape[1]:
+    device = probs.is_cuda if on_device is None else on_device
+    if k < probs.shape[1] and device and probs.dtype == torch.float32:
+        from milepost.kernels.top_p_wide import nucleus_wide_
+
+        nucleus_wide_(probs.contiguous(), out, limit, before[:, -1] + vals[:, -1] < limit)
+    elif k < probs.shape[1]:
         wide = (before[:, -1] + vals[:, -1] < limit).nonzero().flatten().tolist()
         if wide:  # the nucleus spills past the candidates: sort those rows whole
             vals, ids = probs[wide].sort(dim=1, descending=True)

@@ -1,0 +1,87 @@
+"""The top-p nucleus of rows whose nucleus spills past the sampler's sorted candidates, on the device.
+
+`engine/sampling._nucleus` sorts only each row's `TOP_P_CANDIDATES` most likely tokens; a row whose
+nucleus reaches past them ("wide": a flat distribution at a high temperature) needs all its tokens
+ordered. Finding those rows on the host was a `.tolist()` every top-p step, which waits for the
+step's forward and so undid the overlap schedule (engine/stepping.py) for every batch with a top-p
+request. This kernel takes the wide flags on the device instead: one program per row, which
+returns at once for a row that is not wide, and otherwise finds the nucleus without sorting:
+
+- the nucleus keeps tokens in descending order while the mass before them is below
+  `limit = top_p * row mass`; with S(v) the mass of the tokens above v, its last value tau is the
+  smallest token value with S(tau) < limit (S only steps at token values). tau is found by
+  bisection over the bit patterns of non-negative fp32 numbers (which order as the numbers do):
+  32 passes over the row, each summing the tokens above the midpoint;
+- every token above tau is kept, and of the tokens equal to tau the first c by index, c the
+  number of ties t = 0, 1, ... with S(tau) + t * tau < limit (the order among equal values is the
+  one a sort leaves unspecified; here it is the index order).
+
+The row mass sums in another order than torch's cumsum, so where the boundary sits within float
+rounding of `limit` the kept count may differ by one token from a sort's; otherwise the kept set
+is the sort's. A wide row costs ~34 reads of it (~20 MB at 151,936 tokens) in one program.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def _mass_above(P, V, v, BLOCK: tl.constexpr):
+    """Sum of the row's values strictly above v."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        p = tl.load(P + offs, mask=offs < V, other=0.0)
+        acc += tl.where(p > v, p, 0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _nucleus_wide_kernel(PROBS, OUT, LIMIT, WIDE, V, stride_p, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    if tl.load(WIDE + row) == 0:
+        return
+    P = PROBS + row.to(tl.int64) * stride_p
+    O = OUT + row.to(tl.int64) * stride_o
+    limit = tl.load(LIMIT + row)
+    # Bisection over the bit patterns [0, +inf): the smallest v with S(v) < limit.
+    lo = tl.full((), 0, tl.int32)
+    hi = tl.full((), 0x7F800000, tl.int32)  # +inf: nothing is above it, S = 0 < limit
+    for _ in range(31):  # hi - lo < 2^31 halves to 0
+        mid = lo + (hi - lo) // 2
+        under = _mass_above(P, V, mid.to(tl.float32, bitcast=True), BLOCK) < limit
+        hi = tl.where(under, mid, hi)
+        lo = tl.where(under, lo, mid + 1)
+    tau = hi.to(tl.float32, bitcast=True)
+    above = _mass_above(P, V, tau, BLOCK)
+    # The first c of the tokens equal to tau (by index) are kept: S(tau) + t * tau < limit
+    # (tau = 0 only by rounding at top_p = 1: zero-mass tokens, kept or not alike).
+    c = tl.minimum(tl.ceil((limit - above) / tl.maximum(tau, 1e-38)), V).to(tl.int32)
+    ties = tl.full((), 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < V
+        p = tl.load(P + offs, mask=inside, other=0.0)
+        tied = (p == tau) & inside
+        rank = ties + tl.cumsum(tied.to(tl.int32), axis=0) - 1  # the tie's index among all ties
+        keep = (p > tau) | (tied & (rank < c))
+        tl.store(O + offs, tl.where(keep, p, 0.0), mask=inside)
+        ties += tl.sum(tied.to(tl.int32), axis=0)
+
+
+def nucleus_wide_(probs: torch.Tensor, out: torch.Tensor, limit: torch.Tensor,
+                  wide: torch.Tensor) -> None:
+    """out[i] = the top-p nucleus of probs[i] (other tokens 0) for every row with wide[i];
+    other rows of out are left as they are. probs, out: [r, V] fp32; limit: [r] fp32; wide: [r]
+    bool. Nothing is read back to the host."""
+    r, v = probs.shape
+    if r == 0:
+        return
+    assert probs.dtype == out.dtype == torch.float32 and probs.stride(1) == out.stride(1) == 1
+    _nucleus_wide_kernel[(r,)](probs, out, limit.float().contiguous(), wide.to(torch.int8),
+                               v, probs.stride(0), out.stride(0), BLOCK=BLOCK)
