@@ -55,7 +55,7 @@ class Stepper:
         if spec is not None:
             spec.step_begins()
         proposing = spec is not None and not spec.resting()
-        prev, feed = None, None
+        prev, feed, start = None, None, t0  # start: when speculative_pace.py times the step from
         if self._launched is not None and not proposing and self._can_overlap(self._launched):
             prev, self._launched = self._launched, None
             chunks, feed = self._schedule_ahead(prev)
@@ -63,7 +63,7 @@ class Stepper:
             self._flush()
             if proposing:
                 spec.scheduled()
-                t0 = time.perf_counter()  # a speculative step is timed from here (speculative_pace.py)
+                start = time.perf_counter()  # after any queued plain step was applied
             chunks = self.scheduler.schedule()
         if not chunks:
             if prev is not None:
@@ -97,7 +97,7 @@ class Stepper:
             else:
                 self._process(launched)
         if spec is not None:
-            spec.stepped(t0, n_sampled, verified=bool(verified), rested=not proposing)
+            spec.stepped(start, n_sampled, verified=bool(verified), rested=not proposing)
         self.stats.record_step(chunks, n_sampled, time.perf_counter() - t0)
 
     def _schedule_ahead(self, prev: LaunchedStep) -> tuple[list[Chunk], Feed | None]:
