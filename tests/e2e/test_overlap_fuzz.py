@@ -11,7 +11,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from milepost.engine.request import Request
 from milepost.engine.sampling import SamplingParams
