@@ -7,7 +7,7 @@ the GPU waited for), and the kernels by total time, grouped into families.
 
 Usage: python benchmarks/engine_run_profile.py [--shape qwen3-0.6b] [--requests 256]
        [--prompt 128] [--output 256] [--quantization fp8_block] [--kv-cache-dtype fp8_e4m3]
-       [--trace-out FILE]
+       [--trace-out FILE] [--temperature 0 --speculative-ngram]
 """
 
 from __future__ import annotations
@@ -110,6 +110,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--trace-out", default=None, help="also keep the chrome trace here")
     ap.add_argument("--device", default="cuda", help="cpu profiles operators (a smoke run)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy (random weights loop)")
+    ap.add_argument("--speculative-ngram", action="store_true",
+                    help="NGRAM speculation (request scope, measured rest off: every step "
+                         "speculates where it can), to split a speculative step's GPU and idle time")
     a = ap.parse_args()
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -117,11 +121,14 @@ def main() -> None:
     vocab = native.vocab_size
     sargs = ServerArgs(model_path=config_dir, device=dev.type, dtype=str(dtype)[6:],
                        max_running_requests=a.requests, random_seed=0,
-                       quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype).resolved()
+                       quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+                       **(dict(speculative_algorithm="NGRAM", speculative_ngram_scope="request",
+                               speculative_ngram_measured_rest=False)
+                          if a.speculative_ngram else {})).resolved()
     engine, _, _ = build_engine(sargs, model=native)
     engine.start()
     try:
-        bench = EngineBench(engine, 1.0)
+        bench = EngineBench(engine, a.temperature)
         bench.run(workloads.fixed(a.requests, a.prompt, a.output, vocab, 99))  # warm-up
         plain = bench.run(workloads.fixed(a.requests, a.prompt, a.output, vocab, 1))
         print(f"without the profiler: {plain.output_tokens / plain.seconds:,.0f} tok/s, decode step "
@@ -134,7 +141,12 @@ def main() -> None:
             path = Path(a.trace_out or Path(tmp) / "trace.json")
             prof.export_chrome_trace(str(path))
             trace = json.loads(path.read_text())
-        report(f"{a.shape} {a.quantization or 'bf16'} KV {a.kv_cache_dtype} {a.requests} x {a.prompt} -> {a.output}",
+        spec = engine.speculator.stats if engine.speculator is not None else None
+        if spec is not None:
+            print(f"NGRAM: acceptance length {spec.accept_length:.2f}, {spec.verify_rows} verified "
+                  f"request-steps, {engine.runner.verify_replays} verify steps in CUDA graphs")
+        report(f"{a.shape} {a.quantization or 'bf16'} KV {a.kv_cache_dtype} {a.requests} x {a.prompt} -> {a.output}"
+               + (" NGRAM" if spec is not None else ""),
                analyze(trace, a.top), seconds, r.output_tokens)
     finally:
         engine.close()
