@@ -57,6 +57,24 @@ def test_a_finished_request_indexes_its_last_tokens_for_its_siblings() -> None:
     assert own.indexed_tokens == 0 and own.propose(req([1, 2, 3], [51, 52]), 2) == []
 
 
+def test_siblings_leave_the_prompt_to_the_first_one_that_indexed_it() -> None:
+    """A GRPO group's samples share one prompt: the first indexes it, the others only their
+    outputs (their proposals from the prompt come through the first one's entries)."""
+    d = NgramDrafter(2, 4, "prompt")
+    prompt = [5, 6, 7, 8, 5, 6, 9, 10]
+    a = req(prompt, [11])
+    d.propose(a, 1)
+    assert d.indexed_tokens == 9
+    b = req(prompt, [5, 6])
+    assert d.propose(b, 2) == [9, 10]  # "5 6" continued as the prompt goes on (a's entries)
+    assert d.indexed_tokens == 9 + 2, "b indexed the prompt again"
+    small = NgramDrafter(2, 4, "prompt", capacity=9)
+    small.propose(req(prompt, [11]), 1)
+    small.propose(req([1, 2, 3], [4]), 1)  # pushes the first sample out of the store
+    c = req(prompt, [5, 6])
+    assert small.propose(c, 2) == [9, 10], "with the first one dropped, c indexes the prompt itself"
+
+
 def test_the_store_drops_the_oldest_sequences_past_its_capacity() -> None:
     d = NgramDrafter(2, 2, "engine", capacity=10)
     old = req([1, 2, 3, 4, 5, 6])
