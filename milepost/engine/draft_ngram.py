@@ -136,21 +136,24 @@ class NgramDrafter:
         if old < n_prompt:
             seq.extend(req.prompt_ids[old:])
         seq.extend(req.output_ids[max(0, len(seq) - n_prompt):])
-        table = rec.table
-        lo, hi = self.min_window, self.max_window
-        # Positions e whose preceding n-grams are indexed now: those with a token at e (the
-        # n-grams as slices of one tuple of the longest: one allocation each).
-        for e in range(max(old, 1, rec.skip), len(seq)):
-            window = tuple(seq[max(0, e - hi) : e])
-            at = (rec, e)
-            for n in range(lo, len(window) + 1):
-                table[window[len(window) - n:]] = at
+        self._index(rec, max(old, 1, rec.skip), len(seq))
         if self.scope == "request":
             return
         self._ages[rec] = len(seq) - rec.skip
         self.indexed_tokens += len(seq) - max(old, rec.skip)
         while self.indexed_tokens > self.capacity and len(self._ages) > 1:
             self._drop(next(iter(self._ages)))
+
+    def _index(self, rec: _Seq, start: int, end: int) -> None:
+        """Index the n-grams before positions start .. end - 1 of rec's sequence (the n-grams as
+        slices of one tuple of the longest: one allocation each)."""
+        seq, table = rec.seq, rec.table
+        lo, hi = self.min_window, self.max_window
+        for e in range(start, end):
+            window = tuple(seq[max(0, e - hi) : e])
+            at = (rec, e)
+            for n in range(lo, len(window) + 1):
+                table[window[len(window) - n:]] = at
 
     def _drop(self, rec: _Seq) -> None:
         """Forget the oldest sequence: its n-grams that still point at it (O(len * window))."""
@@ -167,3 +170,9 @@ class NgramDrafter:
                     del table[gram]
         if not table:
             self._tables.pop(rec.key, None)
+        for other in [o for o in self._ages if o.table is table and o.skip]:
+            # Siblings that left the prompt to rec: they index it themselves now.
+            self._index(other, 1, other.skip)
+            self._ages[other] += other.skip
+            self.indexed_tokens += other.skip
+            other.skip = 0

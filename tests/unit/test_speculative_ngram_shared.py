@@ -73,6 +73,15 @@ def test_siblings_leave_the_prompt_to_the_first_one_that_indexed_it() -> None:
     small.propose(req([1, 2, 3], [4]), 1)  # pushes the first sample out of the store
     c = req(prompt, [5, 6])
     assert small.propose(c, 2) == [9, 10], "with the first one dropped, c indexes the prompt itself"
+    # A sibling that left the prompt to one dropped later indexes it then.
+    d2 = NgramDrafter(2, 4, "prompt", capacity=15)
+    d2.propose(req(prompt, [11]), 1)
+    e = req(prompt, [5, 6])
+    d2.propose(e, 1)
+    assert e in d2._seqs and d2._seqs[e].skip == len(prompt)
+    d2.propose(req([1, 2, 3, 4], [0]), 1)  # 9 + 2 + 5 > 15: the first sample goes
+    assert d2._seqs[e].live and d2._seqs[e].skip == 0 and d2.indexed_tokens == 15
+    assert d2.propose(e, 1) == [9], "the prompt's n-grams are e's own now"
 
 
 def test_the_store_drops_the_oldest_sequences_past_its_capacity() -> None:
