@@ -91,15 +91,11 @@ class Request:
     output_ids_logprobs: list[list[float]] = field(default_factory=list)
     penalized: bool = field(init=False, default=False)  # params.penalized, cached
     adjusts_logits: bool = field(init=False, default=False)  # params.adjusts_logits, cached
-    # The next step needs this step's token on the host (penalties count it, a grammar's mask
-    # follows it): the overlap schedule must not run ahead of it.
-    waits_for_output: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         # Read every step for every row: computed once here, not from the params each time.
         self.penalized = self.params.penalized
         self.adjusts_logits = self.params.adjusts_logits
-        self.waits_for_output = self.penalized or self.grammar is not None
         if self.logprob_start_len == 0:  # the first prompt token has no log-prob (SGLang: None)
             self.input_logprobs.append(None)
             self.input_top_logprobs.append(None)

@@ -4,10 +4,10 @@
 With the overlap schedule (SGLang's), a step's sampled tokens are left on the device: the next
 step schedules and launches its successor first, feeding those tokens to the forward on the
 device, and reads them back while that forward runs. The successor may be a mixed step (prompt
-chunks of running requests, admissions from the queue) as long as nothing can be preempted and
-no request reads its last token on the host (penalties, grammars); anything else, and every
-inbox task but a submission, first applies the queued results. A request that samples a stop
-token decodes one more token in the step already launched; that token is dropped."""
+chunks of running requests, admissions from the queue) as long as nothing can be preempted;
+penalties and grammars are applied when it samples, after the queued tokens are. Anything else,
+and every inbox task but a submission, first applies the queued results. A request that samples
+a stop token decodes one more token in the step already launched; that token is dropped."""
 
 from __future__ import annotations
 
@@ -128,15 +128,16 @@ class Stepper:
 
     def _can_overlap(self, prev: LaunchedStep) -> bool:
         """The next step can be scheduled before prev's tokens are known: no preemption can
-        happen (every decode finds free blocks; prompt chunks and admissions never preempt),
-        and no live request reads its last token on the host (penalties, grammars)."""
+        happen (every decode finds free blocks; prompt chunks and admissions never preempt).
+        Penalties and grammar masks read prev's tokens only when the next step samples, after
+        `_process(prev)` has applied them (step), so their requests run ahead too."""
         if self.paused is not None:
             return False
         live = [r for r in prev.sampling if not r.is_finished]
         s = self.scheduler
         if not self.overlap_mixed and (s.waiting or len(s.running) != len(live)):
             return False
-        if any(r.state is not ReqState.RUNNING or r.waits_for_output for r in live):
+        if any(r.state is not ReqState.RUNNING for r in live):
             return False
         fed = {id(r) for r in live}
         bs, need = self.cfg.block_size, 0
@@ -160,7 +161,9 @@ class Stepper:
         params = [r.params for r in sampling]
         banned = [self._banned(r) for r in sampling]
         masks = None
-        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        # (a request the queued step just finished decodes one token more, dropped: its grammar
+        # may be complete, so no mask is asked of it)
+        rows = [i for i, r in enumerate(sampling) if r.grammar is not None and not r.is_finished]
         if rows:  # computed on the host while the device runs the forward just launched
             masks = (rows, fill_masks([sampling[i].grammar for i in rows],
                                       [banned[i] for i in rows], logits.shape[-1]))

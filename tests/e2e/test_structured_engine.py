@@ -125,6 +125,36 @@ def test_mixed_batches_under_overlap_and_preemption(ckpt: Path, flags: dict) -> 
     assert engine.pool.num_used == (engine.cache.num_cached_blocks if engine.cache else 0)
 
 
+def test_grammar_rows_run_ahead_under_the_overlap_schedule(ckpt: Path) -> None:
+    """A grammar's mask for the next step follows the queued step's token once it is applied, so
+    steps with grammar rows are launched ahead too: the seeded grammar rows draw the same tokens
+    with the overlap schedule as without it (and end as the regex allows)."""
+    ps = prompts([9, 5, 13], seed=4)
+    got = {}
+    for overlap in ("on", "off"):
+        engine, compiler = engine_of(ckpt, overlap_schedule=overlap)
+        d = Driver(engine, compiler)
+        ahead = [0]  # forwards launched ahead with a grammar row in them
+        forward = engine.runner.forward
+
+        def counting(chunks, feed=None, forward=forward, ahead=ahead):  # noqa: ANN001, ANN202
+            ahead[0] += feed is not None and any(c.req.grammar is not None for c in chunks)
+            return forward(chunks, feed)
+
+        engine.runner.forward = counting
+        d.submit("g0", ps[0], 12, REGEX)
+        d.submit("f0", ps[1], 20)
+        d.submit("g1", ps[2], 12, REGEX)
+        d.run()
+        got[overlap] = ({rid: d.tokens(rid) for rid in ("g0", "f0", "g1")}, ahead[0])
+    assert got["on"][0] == got["off"][0]
+    assert got["on"][1] > 0 and got["off"][1] == 0
+    tok = compiler.tokenizer
+    for rid in ("g0", "g1"):
+        text = tok.decode([t for t in got["on"][0][rid] if t != EOS])
+        assert re.fullmatch(r"[a-z]{1,12}(-[0-9]{0,9})?", text), text
+
+
 def test_retract_and_abort_of_grammar_rows(ckpt: Path) -> None:
     engine, compiler = engine_of(ckpt)
     d = Driver(engine, compiler)
