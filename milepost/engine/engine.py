@@ -23,7 +23,7 @@ import torch
 from milepost.engine.block_pool import BlockPool
 from milepost.engine.radix_cache import RadixCache
 from milepost.engine.request import ReqState, Request, RequestOutput
-from milepost.engine.runner import ModelRunner
+from milepost.engine.runner import ModelRunner, RoutedCopy
 from milepost.engine.scheduler import Chunk, Scheduler
 from milepost.engine.stats import EngineStats
 from milepost.engine.stepping import LaunchedStep, Stepper
@@ -71,6 +71,7 @@ class Engine(Stepper):
         self.error: BaseException | None = None
         self._closers: list[Callable[[], None]] = []
         self._launched: LaunchedStep | None = None  # a step queued ahead (overlap schedule)
+        self._routed_waiting: list[tuple[Request, RoutedCopy]] = []  # finished, not yet emitted
 
     # ---- thread-safe API -------------------------------------------------------------------
     def start(self) -> None:
@@ -167,7 +168,8 @@ class Engine(Stepper):
         """End every request, then keep answering the inbox (new requests are aborted, calls
         fail) until close: a dead loop that stopped reading would leave every caller hanging."""
         self._launched = None
-        for req in list(self._by_rid.values()):
+        waiting, self._routed_waiting = [r for r, _ in self._routed_waiting], []
+        for req in waiting + list(self._by_rid.values()):
             # Not `_finish`: scheduler and pool may be half-updated; only tell the owner.
             req.finish_reason = {"type": "abort", "message": f"engine error: {self.error}"}
             req.state = ReqState.FINISHED
@@ -189,6 +191,8 @@ class Engine(Stepper):
                 task = self._inbox.get_nowait()
         except queue.Empty:
             pass
+        if self.error is None:
+            self._emit_routed(wait=not self.scheduler.has_work)
 
     # ---- request bookkeeping ------------------------------------------------------------------
     def _add(self, req: Request) -> None:
@@ -242,7 +246,22 @@ class Engine(Stepper):
         self.scheduler.finish(req)
         self._by_rid.pop(req.rid, None)
         self.stats.record_finish(req)
-        self._emit(req, routed)
+        if routed is None:
+            self._emit(req)
+        else:  # its routed experts are on their way to the host: emitted once there
+            self._routed_waiting.append((req, routed))
+
+    def _emit_routed(self, wait: bool) -> None:
+        """Emit the finished requests whose routed experts reached the host, in finishing order;
+        wait: all of them (the engine has nothing else to do). Their copies queue behind the step
+        run ahead, so reading them at once would stall the overlap schedule."""
+        left = []
+        for req, copy in self._routed_waiting:
+            if left or not (wait or copy.ready()):
+                left.append((req, copy))
+            else:
+                self._emit(req, copy.base64())
+        self._routed_waiting = left
 
     def _emit(self, req: Request, routed: str | None = None) -> None:
         a = req.emitted

@@ -187,12 +187,37 @@ class ModelRunner:
     def _record_routed(self, slots: torch.Tensor, routed: torch.Tensor) -> None:
         self.routed_slots[slots] = routed
 
-    def routed_experts(self, req: Request) -> str | None:
-        """int32 [total_len - 1, layers, top_k] for every token that went through the model."""
+    def routed_experts(self, req: Request) -> RoutedCopy | None:
+        """int32 [total_len - 1, layers, top_k] for every token that went through the model, as a
+        copy under way: queued behind the work already launched (a step run ahead by the overlap
+        schedule included), read when `RoutedCopy.ready` (no wait for the GPU here). Call before
+        the request's blocks are released: later steps may overwrite its slots."""
         if self.routed_slots is None or req.num_computed < req.total_len - 1:
             return None  # aborted before its tokens went through the model
         import numpy as np
 
-        slots = slots_of(req.blocks, np.arange(req.total_len - 1), self.block_size)
-        data = self.routed_slots[torch.from_numpy(slots).to(self.device)]
-        return base64.b64encode(data.cpu().numpy().tobytes()).decode("ascii")
+        slots = torch.from_numpy(slots_of(req.blocks, np.arange(req.total_len - 1), self.block_size))
+        if self.device.type != "cuda":
+            return RoutedCopy(self.routed_slots[slots].clone(), None)
+        data = self.routed_slots[slots.pin_memory().to(self.device, non_blocking=True)]
+        host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+        host.copy_(data, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return RoutedCopy(host, done)
+
+
+class RoutedCopy:
+    """A request's routed experts on their way to the host (ModelRunner.routed_experts)."""
+
+    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None) -> None:
+        self.host, self.done = host, done
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def base64(self) -> str:
+        """The values as the response carries them (waits for the copy if it is not done)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return base64.b64encode(self.host.numpy().tobytes()).decode("ascii")

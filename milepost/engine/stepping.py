@@ -33,7 +33,7 @@ PENDING_TOKEN = -1  # an output slot whose token is still on the device (overlap
 
 class Stepper:
     """Mixed into Engine: uses its scheduler, runner, cfg, pool, stats, tokenizer, weight
-    version, and its _finish / _emit."""
+    version, and its _finish / _emit / _emit_routed."""
 
     # Mixed steps (prompt chunks, admissions) queued ahead too; off: only all-decode steps of the
     # same requests, as before (a class switch so benchmarks/overlap_mixed_ab.py can time both).
@@ -42,6 +42,12 @@ class Stepper:
     speculator: Speculator | None = None  # speculative decoding (speculative.py); set by setup
 
     def step(self) -> None:
+        """One forward pass (`_step`), then the finished requests whose routed experts reached
+        the host are emitted (all of them once the engine has no more work)."""
+        self._step()
+        self._emit_routed(wait=not self.scheduler.has_work)
+
+    def _step(self) -> None:
         """One forward pass: schedule chunks, compute, sample, finish what is done.
 
         With the overlap schedule a step whose sampling is plain is left queued on the device:
