@@ -191,8 +191,8 @@ class Engine(Stepper):
                 task = self._inbox.get_nowait()
         except queue.Empty:
             pass
-        if self.error is None:
-            self._emit_routed(wait=not self.scheduler.has_work)
+        if self.error is None:  # idle or paused: no step will come to emit them
+            self._emit_routed(wait=self.paused is not None or not self.scheduler.has_work)
 
     # ---- request bookkeeping ------------------------------------------------------------------
     def _add(self, req: Request) -> None:
