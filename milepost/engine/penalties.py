@@ -8,8 +8,10 @@ added last. Only rows that ask are touched, so a batch without them pays one Pyt
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from milepost.engine.sampling_params import SamplingParams
@@ -48,13 +50,15 @@ def to_device(values: list | torch.Tensor, device: torch.device,
 def _penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
               outputs: list[Sequence[int]]) -> None:
     vocab, dev = logits.shape[1], logits.device
-    width = max(1, max(len(o) for o in outputs))
-    # Padding points at an extra column that is dropped: one scatter counts every row.
-    ids = torch.full((len(rows), width), vocab, dtype=torch.long)
-    for j, out in enumerate(outputs):
-        if out:
-            ids[j, : len(out)] = torch.tensor(list(out), dtype=torch.long)
-    ids = to_device(ids, dev)
+    # Padding points at an extra column that is dropped: one scatter counts every row. The rows
+    # are laid out with numpy in one pass (a tensor a row cost ~17 ms a step at 256 rows x 200
+    # tokens on a 2-core host, this ~2 ms).
+    lens = np.fromiter((len(o) for o in outputs), dtype=np.int64, count=len(outputs))
+    width = max(1, int(lens.max()))
+    ids_np = np.full((len(rows), width), vocab, dtype=np.int64)
+    ids_np[np.arange(width)[None, :] < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(outputs), dtype=np.int64, count=int(lens.sum()))
+    ids = to_device(torch.from_numpy(ids_np), dev)
     counts = torch.zeros(len(rows), vocab + 1, dtype=logits.dtype, device=dev)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
     counts = counts[:, :vocab]
