@@ -168,11 +168,12 @@ class NgramDrafter:
                 hit = table.get(gram)
                 if hit is not None and hit[0] is rec:
                     del table[gram]
-        if not table:
-            self._tables.pop(rec.key, None)
         for other in [o for o in self._ages if o.table is table and o.skip]:
-            # Siblings that left the prompt to rec: they index it themselves now.
+            # Siblings that left the prompt to rec: they index it themselves now (before the
+            # empty-table check: one with no output yet has nothing else in the table).
             self._index(other, 1, other.skip)
             self._ages[other] += other.skip
             self.indexed_tokens += other.skip
             other.skip = 0
+        if not table:
+            self._tables.pop(rec.key, None)

@@ -215,8 +215,9 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor, on_device: bool | None = 
     drop = before >= limit[:, None]
     drop[:, 0] = False
     out = torch.zeros_like(probs).scatter_(1, ids, vals.masked_fill_(drop, 0.0))
-    device = probs.is_cuda if on_device is None else on_device
-    if k < probs.shape[1] and device and probs.dtype == torch.float32:
+    if on_device is None:
+        on_device = probs.is_cuda
+    if k < probs.shape[1] and on_device and probs.dtype == torch.float32:
         from milepost.kernels.top_p_wide import nucleus_wide_
 
         nucleus_wide_(probs.contiguous(), out, limit, before[:, -1] + vals[:, -1] < limit)

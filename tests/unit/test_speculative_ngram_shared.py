@@ -82,6 +82,13 @@ def test_siblings_leave_the_prompt_to_the_first_one_that_indexed_it() -> None:
     d2.propose(req([1, 2, 3, 4], [0]), 1)  # 9 + 2 + 5 > 15: the first sample goes
     assert d2._seqs[e].live and d2._seqs[e].skip == 0 and d2.indexed_tokens == 15
     assert d2.propose(e, 1) == [9], "the prompt's n-grams are e's own now"
+    # One with no output yet has nothing else in the prompt's table: it stays in the store.
+    d3 = NgramDrafter(2, 4, "prompt", capacity=13)
+    d3.propose(req(prompt, [11]), 1)
+    f = req(prompt)
+    d3.propose(f, 1)
+    d3.propose(req([1, 2, 3, 4], [0]), 1)  # 9 + 5 > 13: the first sample goes
+    assert d3._seqs[f].live and d3._tables.get(tuple(prompt)) is d3._seqs[f].table
 
 
 def test_the_store_drops_the_oldest_sequences_past_its_capacity() -> None:
