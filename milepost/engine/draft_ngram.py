@@ -10,6 +10,12 @@ dictionary reads, never a scan. The longest matching tail wins. Shared scopes ke
 `capacity` indexed tokens; the oldest sequences are dropped first. Proposals are point masses
 (speculative_sampling.py accepts them exactly), so any text is a valid source: a weight update
 invalidates nothing.
+
+Keys and values are plain ints (an n-gram packed into one int, a (sequence, position) pair into
+another): an index of int -> int is invisible to Python's garbage collector. With tuples (an n-gram's
+tokens; the sequence record and position) every indexed token left ~8 tracked objects behind,
+and the growing index made full collections frequent and long: 4-9 of them, up to 80 ms each,
+in a 3 s multi-turn run on the H100 (session 31), with every engine step waiting.
 """
 
 from __future__ import annotations
@@ -23,14 +29,27 @@ from milepost.engine.request import Request
 Scope = Literal["request", "prompt", "engine"]
 SCOPES: tuple[str, ...] = ("request", "prompt", "engine")
 
-# n-gram -> (the sequence it occurred in, position after its latest occurrence there)
-_Table = dict[tuple[int, ...], tuple["_Seq", int]]
+# n-gram key (`gram_key`) -> the sequence it occurred in * _AT + the position after its latest
+# occurrence there
+_Table = dict[int, int]
+_DIGIT = 32  # bits of one token in an n-gram's key (token ids are below 2**32 - 1)
+_AT = 1 << 40  # positions are below 2**40
+
+
+def gram_key(tokens: list[int]) -> int:
+    """One int for an n-gram: its tokens + 1 as base-2**32 digits, the last token lowest (so a
+    key extends to the next longer suffix by one digit, and lengths never collide)."""
+    key = 0
+    for i, tok in enumerate(reversed(tokens)):
+        key |= (tok + 1) << (i * _DIGIT)
+    return key
 
 
 class _Seq:
-    __slots__ = ("seq", "table", "key", "live", "skip", "__weakref__")
+    __slots__ = ("seq", "table", "key", "live", "skip", "num", "__weakref__")
 
-    def __init__(self, table: _Table, key: object, skip: int = 0) -> None:
+    def __init__(self, table: _Table, key: object, num: int, skip: int = 0) -> None:
+        self.num = num  # its number in index values (the drafter's count of sequences)
         self.seq: list[int] = []  # the request's tokens indexed so far
         self.table = table  # the index its n-grams go into (its own, its prompt's or the engine's)
         self.key = key  # the table's key in the store (None: a request-scope table of its own)
@@ -58,6 +77,8 @@ class NgramDrafter:
         # counts against `capacity`); finished requests' sequences stay here until dropped.
         self._tables: dict[object, _Table] = {}
         self._ages: OrderedDict[_Seq, int] = OrderedDict()
+        self._shared: dict[int, _Seq] = {}  # shared scopes' indexed sequences by number
+        self._count = 0
         self.indexed_tokens = 0
 
     def propose(self, req: Request, k: int) -> list[int]:
@@ -75,18 +96,22 @@ class NgramDrafter:
         # has, and most steps end after one lookup (per step this is Python work on the host, ~256
         # requests at a time, against a ~3 ms GPU step). n = n_seq too: another text may hold the
         # whole sequence (own text: nothing indexed).
-        tail = tuple(seq[n_seq - min(self.max_window, n_seq):])
-        hit = None
-        for n in range(self.min_window, len(tail) + 1):
-            longer = table.get(tail[len(tail) - n:])
+        hit, key, shift = None, 0, 0
+        for n in range(1, min(self.max_window, n_seq) + 1):
+            key |= (seq[n_seq - n] + 1) << shift  # gram_key of the tail's last n tokens
+            shift += _DIGIT
+            if n < self.min_window:
+                continue
+            longer = table.get(key)
             if longer is None:
                 break
             hit = longer
         if hit is None:
             return []
-        src, pos = hit
-        if src is not rec:  # another request's text: as far as it goes
-            return src.seq[pos : pos + k]
+        num, pos = divmod(hit, _AT)
+        if num != rec.num:  # another request's text: as far as it goes
+            src = self._shared.get(num)
+            return src.seq[pos : pos + k] if src is not None else []
         # Where the continuation reaches the tail it goes on repeating itself (a loop
         # of period n_seq - pos proposes k tokens, not only the ones written so far).
         out: list[int] = []
@@ -107,14 +132,16 @@ class NgramDrafter:
         self._extend(rec, req)
 
     def _register(self, req: Request) -> _Seq:
+        self._count += 1
         if self.scope == "request":
-            return _Seq({}, None)
+            return _Seq({}, None, self._count)
         key = tuple(req.prompt_ids) if self.scope == "prompt" else None
         table = self._tables.get(key)
         if table is None:
             table = self._tables[key] = {}
-        rec = _Seq(table, key, self._sibling_indexed(table, req.prompt_ids))
+        rec = _Seq(table, key, self._count, self._sibling_indexed(table, req.prompt_ids))
         self._ages[rec] = 0
+        self._shared[rec.num] = rec
         return rec
 
     def _sibling_indexed(self, table: _Table, prompt: list[int]) -> int:
@@ -124,8 +151,8 @@ class NgramDrafter:
         n = min(self.max_window, len(prompt) - 1)
         if self.scope != "prompt" or n < self.min_window:
             return 0
-        hit = table.get(tuple(prompt[len(prompt) - 1 - n : len(prompt) - 1]))
-        return len(prompt) if hit is not None and hit[0].live else 0
+        hit = table.get(gram_key(prompt[len(prompt) - 1 - n : len(prompt) - 1]))
+        return len(prompt) if hit is not None and hit // _AT in self._shared else 0
 
     def _extend(self, rec: _Seq, req: Request) -> None:
         """Append the tokens that arrived since the last call and index the n-grams that now have a
@@ -145,29 +172,34 @@ class NgramDrafter:
             self._drop(next(iter(self._ages)))
 
     def _index(self, rec: _Seq, start: int, end: int) -> None:
-        """Index the n-grams before positions start .. end - 1 of rec's sequence (the n-grams as
-        slices of one tuple of the longest: one allocation each)."""
+        """Index the n-grams before positions start .. end - 1 of rec's sequence (each key one
+        digit longer than the last: `gram_key` inlined, this is the per-token work)."""
         seq, table = rec.seq, rec.table
         lo, hi = self.min_window, self.max_window
+        base = rec.num * _AT
         for e in range(start, end):
-            window = tuple(seq[max(0, e - hi) : e])
-            at = (rec, e)
-            for n in range(lo, len(window) + 1):
-                table[window[len(window) - n:]] = at
+            key, shift = 0, 0
+            for n in range(1, min(hi, e) + 1):
+                key |= (seq[e - n] + 1) << shift
+                shift += _DIGIT
+                if n >= lo:
+                    table[key] = base + e
 
     def _drop(self, rec: _Seq) -> None:
         """Forget the oldest sequence: its n-grams that still point at it (O(len * window))."""
         self.indexed_tokens -= self._ages.pop(rec)
+        del self._shared[rec.num]
         rec.live = False
         table, seq = rec.table, rec.seq
         lo, hi = self.min_window, self.max_window
         for e in range(1, len(seq)):
-            window = tuple(seq[max(0, e - hi) : e])
-            for n in range(lo, len(window) + 1):
-                gram = window[len(window) - n:]
-                hit = table.get(gram)
-                if hit is not None and hit[0] is rec:
-                    del table[gram]
+            key, shift = 0, 0
+            for n in range(1, min(hi, e) + 1):
+                key |= (seq[e - n] + 1) << shift
+                shift += _DIGIT
+                hit = table.get(key) if n >= lo else None
+                if hit is not None and hit // _AT == rec.num:
+                    del table[key]
         for other in [o for o in self._ages if o.table is table and o.skip]:
             # Siblings that left the prompt to rec: they index it themselves now (before the
             # empty-table check: one with no output yet has nothing else in the table).
