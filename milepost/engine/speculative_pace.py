@@ -7,7 +7,10 @@ Whether that buys tokens depends on the acceptance, the batch and the machine: o
 shape at 16 requests ran 0.78x plain decoding at acceptance length 3 (benchmarks/RESULTS.md). So
 the pace measures both: tokens a second of each speculative step (from its scheduling, after any
 queued plain step was applied, to the next step's start), and of each run of resting steps (from
-the first one's start until their results are applied). While speculating is slower, it rests for
+the second one's start until their results are applied: the first starts with nothing queued
+ahead of it, so it pays its host work in full, which the overlap schedule hides for the others;
+counted, it made a 4-step probe ~20% slower than plain decoding and speculation look faster than
+it was). While speculating is slower, it rests for
 1, 2, 4, ... MAX_REST steps (doubling while the probes between rests still lose; back to none once
 one wins); with no plain rate yet, or none for REFRESH speculative steps, it rests PROBE steps to
 measure one. Steps that proposed nothing rest the same way (the first back-off, session 21).
@@ -36,7 +39,9 @@ class RestPace:
         self.slower_rests = 0  # rests begun because speculating measured slower
         self._since_plain = 0  # speculative steps since plain decoding was last measured
         self._spec: tuple[float, int] | None = None  # the open speculative step: (start, tokens)
-        self._plain: list[float] = []  # the open run of resting steps: [start, tokens]
+        self._run_steps = 0  # resting steps in the open run (0: no run open)
+        self._run_start = 0.0  # the open run's second step's start
+        self._run_tokens = 0  # tokens of the open run's steps from the second on
 
     def resting(self) -> bool:
         return self.rest > 0
@@ -44,21 +49,24 @@ class RestPace:
     def scheduled(self) -> None:
         """A step is about to be scheduled, every queued step applied: close a run of resting
         steps (their tokens are all on the host now)."""
-        if self._plain and not self.resting():
-            start, tokens = self._plain
-            self._plain = []
-            seconds = self.clock() - start
+        if self._run_steps and not self.resting():
+            tokens = self._run_tokens
+            self._run_steps = self._run_tokens = 0
+            seconds = self.clock() - self._run_start
             if seconds > 0 and tokens:
                 rate = tokens / seconds
                 self.plain_rate = rate if self.plain_rate is None else (self.plain_rate + rate) / 2
                 self._since_plain = 0
 
     def rested(self, start: float, tokens: int) -> None:
-        """A resting step that began at `start` sampled `tokens` tokens."""
+        """A resting step that began at `start` sampled `tokens` tokens (the first of a run is
+        not timed: it fills the overlap schedule's pipeline)."""
         self.rest -= 1
-        if not self._plain:
-            self._plain = [start, 0]
-        self._plain[1] += tokens
+        self._run_steps += 1
+        if self._run_steps == 2:
+            self._run_start = start
+        if self._run_steps >= 2:
+            self._run_tokens += tokens
 
     def verified(self, start: float, tokens: int) -> None:
         """A speculative step scheduled at `start` appended `tokens`; timed at the next step."""
