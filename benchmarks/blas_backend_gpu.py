@@ -9,17 +9,18 @@ graph of every layer's four projections (distinct weights a layer, as in the mod
 median of `--reps` replays timed by CUDA events. Each back-end's outputs are compared with
 cuBLAS's (largest |difference| over the largest |value|).
 
-    python benchmarks/blas_backend_gpu.py [--shapes qwen3-0.6b,qwen3-4b] [--rows 64,256]
+    PYTHONPATH=$PWD python benchmarks/blas_backend_gpu.py [--shapes qwen3-0.6b,qwen3-4b] [--rows 64,256]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.moe_sweep import graph_ms
 
 SHAPES = {  # (layers, [(name, N, K)]): fused qkv, o, fused gate/up, down
     "qwen3-0.6b": (28, [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024),
@@ -36,30 +37,13 @@ def use_backend(name: str) -> None:
     torch.backends.cuda.preferred_blas_library("cublas" if name == "tunable" else name)
 
 
-def graph_of(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()  # warm-up outside the capture (TunableOp tunes here, never inside a graph)
-    torch.cuda.current_stream().wait_stream(stream)
+def timed_ms(fn: Callable[[], None], reps: int) -> float:
+    """fn's CUDA graph replayed: median ms (moe_sweep.graph_ms), after two eager calls in which
+    TunableOp tunes (never inside a capture)."""
+    fn()
+    fn()
     torch.cuda.tunable.tuning_enable(False)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return graph_ms(fn, reps)
 
 
 def run_shape(shape: str, rows: int, reps: int) -> None:
@@ -87,8 +71,8 @@ def run_shape(shape: str, rows: int, reps: int) -> None:
     for backend in BACKENDS:
         try:
             use_backend(backend)
-            whole = replay_ms(graph_of(step), reps) * 1e3 / layers
-            parts = [replay_ms(graph_of(one(i)), reps) * 1e3 / layers for i in range(len(projs))]
+            whole = timed_ms(step, reps) * 1e3 / layers
+            parts = [timed_ms(one(i), reps) * 1e3 / layers for i in range(len(projs))]
         except RuntimeError as e:  # a back-end this build lacks
             print(f"{shape} M={rows} {backend}: failed: {str(e).splitlines()[0]}", flush=True)
             continue
