@@ -164,7 +164,7 @@ class RadixCache:
 
         Each node's link to its parent is cut on the way: a child and its parent's children dict
         refer to each other, so a dropped tree was a cycle that only Python's full garbage
-        collection freed, mid-rollout after every weight update (133k objects in one 420 ms
+        collection freed, mid-rollout after every weight update (132k objects in one 312 ms
         collection in a CPU run of `milepost bench engine`). Cut, the tree is freed right here."""
         stack = list(self._root.children.values())
         while stack:

@@ -9,10 +9,11 @@ the pace measures both: tokens a second of each speculative step (from its sched
 queued plain step was applied, to the next step's start), and of each run of resting steps (from
 the second one's start until their results are applied: the first starts with nothing queued
 ahead of it, so it pays its host work in full, which the overlap schedule hides for the others;
-counted, it made plain decoding look slower than it is, and speculation kept on while it lost). While speculating is slower, it rests for
-1, 2, 4, ... MAX_REST steps (doubling while the probes between rests still lose; back to none once
-one wins); with no plain rate yet, or none for REFRESH speculative steps, it rests PROBE steps to
-measure one. Steps that proposed nothing rest the same way (the first back-off, session 21).
+counted, it made plain decoding look slower than it is, and speculation kept on while it lost).
+While speculating is slower, it rests for 1, 2, 4, ... MAX_REST steps (doubling while the probes
+between rests still lose; back to none once one wins); with no plain rate yet, or none for REFRESH
+speculative steps, it rests PROBE steps to measure one. Steps that proposed nothing rest the same
+way (the first back-off, session 21).
 """
 
 from __future__ import annotations

@@ -271,8 +271,8 @@ def test_partial_leaves_are_evicted_like_any_leaf() -> None:
 
 def test_a_reset_tree_is_freed_without_the_garbage_collector() -> None:
     # A child and its parent's children dict refer to each other: a dropped tree was a cycle that
-    # only a full collection freed, mid-rollout after every weight update (133k objects in one
-    # 420 ms collection in a CPU run of `milepost bench engine`).
+    # only a full collection freed, mid-rollout after every weight update (132k objects in one
+    # 312 ms collection in a CPU run of `milepost bench engine`).
     import gc
 
     from milepost.engine.radix_cache import _Node
