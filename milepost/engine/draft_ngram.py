@@ -34,6 +34,7 @@ SCOPES: tuple[str, ...] = ("request", "prompt", "engine")
 _Table = dict[int, int]
 _DIGIT = 32  # bits of one token in an n-gram's key (token ids are below 2**32 - 1)
 _AT = 1 << 40  # positions are below 2**40
+_TURN_HEAD = 16  # tokens a kept turn is found by (request scope)
 
 
 def gram_key(tokens: list[int]) -> int:
@@ -78,6 +79,8 @@ class NgramDrafter:
         self._tables: dict[object, _Table] = {}
         self._ages: OrderedDict[_Seq, int] = OrderedDict()
         self._shared: dict[int, _Seq] = {}  # shared scopes' indexed sequences by number
+        # Request scope: finished requests' records by their first tokens (`_keep_turn`).
+        self._turns: dict[tuple[int, ...], list[_Seq]] = {}
         self._count = 0
         self.indexed_tokens = 0
 
@@ -122,9 +125,13 @@ class NgramDrafter:
     def record_finished(self, req: Request) -> None:
         """A finished request's text into a shared scope's index: the tokens since its last
         proposal (or all of it, if it never proposed: decoded while the speculator rested, or
-        ineligible), which its siblings may still continue. Request scope keeps nothing past the
-        request's end."""
+        ineligible), which its siblings may still continue. Request scope keeps an indexed
+        request's table for the conversation's next turn (`_continued`)."""
         if self.scope == "request":
+            rec = self._seqs.get(req)
+            if rec is not None:
+                self._extend(rec, req)
+                self._keep_turn(rec)
             return
         rec = self._seqs.get(req)
         if rec is None or not rec.live:
@@ -134,7 +141,7 @@ class NgramDrafter:
     def _register(self, req: Request) -> _Seq:
         self._count += 1
         if self.scope == "request":
-            return _Seq({}, None, self._count)
+            return self._continued(req.prompt_ids) or _Seq({}, None, self._count)
         key = tuple(req.prompt_ids) if self.scope == "prompt" else None
         table = self._tables.get(key)
         if table is None:
@@ -143,6 +150,38 @@ class NgramDrafter:
         self._ages[rec] = 0
         self._shared[rec.num] = rec
         return rec
+
+    def _keep_turn(self, rec: _Seq) -> None:
+        """Request scope: a finished request's table, kept (at most `capacity` tokens, the oldest
+        dropped first) for a later request whose prompt extends its text: the next turn of a
+        conversation, which then indexes only its new tokens, not the whole history again."""
+        self._turns.setdefault(tuple(rec.seq[:_TURN_HEAD]), []).append(rec)
+        self._ages[rec] = len(rec.seq)
+        self.indexed_tokens += len(rec.seq)
+        while self.indexed_tokens > self.capacity and self._ages:
+            old = next(iter(self._ages))
+            self.indexed_tokens -= self._ages.pop(old)
+            self._forget_turn(old)
+
+    def _forget_turn(self, rec: _Seq) -> None:
+        head = tuple(rec.seq[:_TURN_HEAD])
+        kept = self._turns[head]
+        kept.remove(rec)
+        if not kept:
+            del self._turns[head]
+
+    def _continued(self, prompt: list[int]) -> _Seq | None:
+        """The kept turn whose text is the longest prefix of `prompt`, taken out of the store
+        (its table and numbers carry on in the new request's record), or None."""
+        best = None
+        for rec in self._turns.get(tuple(prompt[:_TURN_HEAD]), ()):
+            n = len(rec.seq)
+            if n <= len(prompt) and (best is None or n > len(best.seq)) and prompt[:n] == rec.seq:
+                best = rec
+        if best is not None:
+            self.indexed_tokens -= self._ages.pop(best)
+            self._forget_turn(best)
+        return best
 
     def _sibling_indexed(self, table: _Table, prompt: list[int]) -> int:
         """Prompt scope: the prompt's length when a live sibling has indexed the prompt already

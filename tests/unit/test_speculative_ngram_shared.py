@@ -159,3 +159,31 @@ def test_gram_keys_are_distinct_across_lengths_and_extend_by_one_digit() -> None
     grams = [[0], [0, 0], [1], [0, 1], [1, 0], [5, 0, 0], [0, 5, 0]]
     assert len({gram_key(g) for g in grams}) == len(grams)
     assert gram_key([7, 8, 9]) == gram_key([8, 9]) | (7 + 1) << 64
+
+
+def test_request_scope_carries_a_conversation_into_its_next_turn() -> None:
+    # The next turn's prompt is the last turn's text and a new message: its request takes over
+    # the finished turn's index and indexes only the new tokens, not the history again.
+    d = NgramDrafter(2, 4, "request", capacity=1000)
+    history = list(range(100, 140))
+    first = req(history, [50, 51, 52, 53, 54])
+    assert d.propose(first, 2) == []
+    table = d._seqs[first].table
+    d.record_finished(first)
+    second = req(history + [50, 51, 52, 53, 54] + [7, 8, 50, 51])  # ... "50 51" again
+    assert d.propose(second, 3) == [52, 53, 54]  # the first turn's continuation
+    assert d._seqs[second].table is table and d._turns == {} and d.indexed_tokens == 0
+    other = req(list(range(300, 340)))  # another conversation starts its own table
+    d.propose(other, 1)
+    assert d._seqs[other].table is not table
+
+
+def test_kept_turns_are_bounded_by_the_capacity() -> None:
+    d = NgramDrafter(2, 4, "request", capacity=100)
+    for start in (0, 1000, 2000):
+        r = req(list(range(start, start + 40)), [start + 999])
+        d.propose(r, 1)
+        d.record_finished(r)
+    assert d.indexed_tokens <= 100 and len(d._ages) == 2  # the oldest (41 tokens) went
+    assert d._continued(list(range(0, 41)) + [5]) is None
+    assert d._continued(list(range(2000, 2040)) + [2999, 5]) is not None
