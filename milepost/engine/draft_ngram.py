@@ -158,7 +158,7 @@ class NgramDrafter:
         self._turns.setdefault(tuple(rec.seq[:_TURN_HEAD]), []).append(rec)
         self._ages[rec] = len(rec.seq)
         self.indexed_tokens += len(rec.seq)
-        while self.indexed_tokens > self.capacity and self._ages:
+        while self.indexed_tokens > self.capacity and len(self._ages) > 1:
             old = next(iter(self._ages))
             self.indexed_tokens -= self._ages.pop(old)
             self._forget_turn(old)

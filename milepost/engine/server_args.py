@@ -232,8 +232,9 @@ class ServerArgs(BaseModel):
         "than the plain steps between them, probing again after 1, 2, 4 .. 16 steps "
         "(docs/speculative.md); off: rest only after steps that proposed nothing.")
     speculative_ngram_capacity: int = Field(
-        1 << 18, ge=1, description="NGRAM with scope prompt or engine: most tokens the shared n-gram "
-        "store indexes (about 1.2 KB of host memory each at the default window 2-8, so ~320 MB); the "
+        1 << 18, ge=1, description="NGRAM: most tokens the shared n-gram store indexes (scope prompt "
+        "or engine) or keeps of finished requests for their conversations' next turns (scope "
+        "request); about 1 KB of host memory each at the default window 2-8, so ~260 MB. The "
         "oldest sequences are dropped first (the newest one is kept whole even past it).")
     random_seed: int = Field(0, description="Seed of the sampler's random generator.")
     weight_version: str = Field(
