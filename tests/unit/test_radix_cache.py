@@ -282,14 +282,20 @@ def test_a_reset_tree_is_freed_without_the_garbage_collector() -> None:
         tokens = [1, 2, 3, 4] + list(range(start, start + 20))
         cache.insert(tokens, _compute(pool, len(tokens)))
     assert cache.num_cached_blocks > 10
+    nodes, stack = set(), list(cache._root.children.values())
+    while stack:  # this tree's nodes by id (references would keep them alive)
+        node = stack.pop()
+        nodes.add(id(node))
+        stack.extend(node.children.values())
+    del node
     gc.collect()
     gc.disable()  # cyclic garbage would stay alive until the next collection
     try:
         cache.reset()
-        alive = [o for o in gc.get_objects() if isinstance(o, _Node) and o is not cache._root]
+        alive = [o for o in gc.get_objects() if isinstance(o, _Node) and id(o) in nodes]
     finally:
         gc.enable()
-    assert alive == []
+    assert len(nodes) > 10 and alive == []
 
 
 @pytest.mark.parametrize("siblings", [3, 20])  # below and past the first-token index (_INDEX_FROM)
