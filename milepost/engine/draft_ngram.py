@@ -128,7 +128,7 @@ class NgramDrafter:
         ineligible), which its siblings may still continue. Request scope keeps an indexed
         request's table for the conversation's next turn (`_continued`)."""
         if self.scope == "request":
-            rec = self._seqs.get(req)
+            rec = self._seqs.pop(req, None)  # a finished request proposes no more
             if rec is not None:
                 self._extend(rec, req)
                 self._keep_turn(rec)

@@ -187,3 +187,12 @@ def test_kept_turns_are_bounded_by_the_capacity() -> None:
     assert d.indexed_tokens <= 100 and len(d._ages) == 2  # the oldest (41 tokens) went
     assert d._continued(list(range(0, 41)) + [5]) is None
     assert d._continued(list(range(2000, 2040)) + [2999, 5]) is not None
+
+
+def test_a_turn_is_kept_once() -> None:
+    d = NgramDrafter(2, 4, "request", capacity=1000)
+    r = req(list(range(40)), [1, 2, 3])
+    d.propose(r, 1)
+    d.record_finished(r)
+    d.record_finished(r)  # an engine finishes a request once; twice must not keep it twice
+    assert d.indexed_tokens == 43 and sum(len(v) for v in d._turns.values()) == 1
