@@ -16,7 +16,7 @@ start=$(date +%s)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || { echo "wheel install failed" | tee -a "$log"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH  # bin: py-spy
 fi
 export PYTHONUNBUFFERED=1 OUT="$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$log"

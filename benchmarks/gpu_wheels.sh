@@ -26,4 +26,7 @@ for pin in $pins; do  # one at a time: a pure-Python wheel and a binary one need
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${platforms[@]}" --platform any -d .whl "$pin"
 done
+# py-spy (a sampling profiler, benchmarks/host_samples.py reads its output): not a milepost
+# dependency, so not pinned from .venv; its wheel is one static binary for any Python
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: "${platforms[@]}" -d .whl py-spy
 ls .whl

@@ -41,8 +41,13 @@ def rows(seed: int, n: int, vocab: int, ties: bool) -> torch.Tensor:
     return torch.softmax(logits, dim=1)
 
 
+@pytest.mark.parametrize("pivots", [1, 3, 15])
 @pytest.mark.parametrize("ties", [False, True])
-def test_wide_rows_keep_the_sorted_nucleus(ties: bool) -> None:
+def test_wide_rows_keep_the_sorted_nucleus(ties: bool, pivots: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any pivot count (1: bisection) finds the sorted nucleus."""
+    import milepost.kernels.top_p_wide as kernel
+
+    monkeypatch.setattr(kernel, "PIVOTS", pivots)
     vocab = 2500  # three blocks of 1024, the last one partial
     probs = rows(1 + ties, 6, vocab, ties)
     top_p = torch.tensor([0.9, 0.5, 0.99, 0.2, 0.75, 0.999])
@@ -83,11 +88,11 @@ def test_sampler_nucleus_on_the_device_path_matches_the_host_path() -> None:
 
 
 _COMPILE = """
-from milepost.kernels.top_p_wide import BLOCK, _nucleus_wide_kernel
+from milepost.kernels.top_p_wide import BLOCK, NUM_WARPS, PIVOTS, SEARCH_BLOCK, _nucleus_wide_kernel
 from milepost.testing.hopper_compile import compile_sm90
 
 ptrs = dict(PROBS="*fp32", OUT="*fp32", LIMIT="*fp32", WIDE="*i8")
-k = compile_sm90(_nucleus_wide_kernel, ptrs, dict(BLOCK=BLOCK), 4, 1)
+k = compile_sm90(_nucleus_wide_kernel, ptrs, dict(BLOCK=BLOCK, PIVOTS=PIVOTS, SEARCH_BLOCK=SEARCH_BLOCK), NUM_WARPS, 1)
 assert k.asm["cubin"]
 """
 
