@@ -6,7 +6,10 @@ other request with the same prompt, in flight or finished recently (a GRPO group
 same prompt in a later rollout); `engine` every request the engine saw recently. Each scope keeps
 an index from every n-gram (n in [min, max] of the match window) to (sequence, position after its
 latest occurrence), extended as tokens arrive (O(window) per token), so a proposal costs a few
-dictionary reads, never a scan. The longest matching tail wins. Shared scopes keep at most
+dictionary reads, never a scan. The longest matching tail wins. A conversation's next turn, whose
+prompt is a finished request's text and a new message, indexes only the new tokens: in request
+scope it takes the finished request's index over, in the shared scopes it joins its table and
+leaves the history's entries to it. Shared scopes keep at most
 `capacity` indexed tokens; the oldest sequences are dropped first. Proposals are point masses
 (speculative_sampling.py accepts them exactly), so any text is a valid source: a weight update
 invalidates nothing.
@@ -47,15 +50,17 @@ def gram_key(tokens: list[int]) -> int:
 
 
 class _Seq:
-    __slots__ = ("seq", "table", "key", "live", "skip", "num", "__weakref__")
+    __slots__ = ("seq", "table", "key", "live", "skip", "src", "done", "num", "__weakref__")
 
-    def __init__(self, table: _Table, key: object, num: int, skip: int = 0) -> None:
+    def __init__(self, table: _Table, key: object, num: int, skip: int = 0, src: int = 0) -> None:
         self.num = num  # its number in index values (the drafter's count of sequences)
         self.seq: list[int] = []  # the request's tokens indexed so far
         self.table = table  # the index its n-grams go into (its own, its prompt's or the engine's)
         self.key = key  # the table's key in the store (None: a request-scope table of its own)
         self.live = True  # False once dropped from the store (its n-grams are gone from the table)
-        self.skip = skip  # positions below this are indexed by a sibling (prompt scope), not here
+        self.skip = skip  # positions below this are indexed by another sequence, not here:
+        self.src = src  # the finished turn this one continues (its number), or 0: a sibling
+        self.done = False  # finished (shared scopes: then a later turn may continue it)
 
 
 class NgramDrafter:
@@ -112,7 +117,7 @@ class NgramDrafter:
         if hit is None:
             return []
         num, pos = divmod(hit, _AT)
-        if num != rec.num:  # another request's text: as far as it goes
+        if num != rec.num and num != rec.src:  # another request's text: as far as it goes
             src = self._shared.get(num)
             return src.seq[pos : pos + k] if src is not None else []
         # Where the continuation reaches the tail it goes on repeating itself (a loop
@@ -125,8 +130,9 @@ class NgramDrafter:
     def record_finished(self, req: Request) -> None:
         """A finished request's text into a shared scope's index: the tokens since its last
         proposal (or all of it, if it never proposed: decoded while the speculator rested, or
-        ineligible), which its siblings may still continue. Request scope keeps an indexed
-        request's table for the conversation's next turn (`_continued`)."""
+        ineligible), which its siblings may still continue, and a conversation's next turn
+        (`_continued_shared`). Request scope keeps an indexed request's table for the
+        conversation's next turn (`_continued`)."""
         if self.scope == "request":
             rec = self._seqs.pop(req, None)  # a finished request proposes no more
             if rec is not None:
@@ -137,16 +143,26 @@ class NgramDrafter:
         if rec is None or not rec.live:
             rec = self._seqs[req] = self._register(req)
         self._extend(rec, req)
+        if not rec.done and rec.live:
+            rec.done = True
+            self._turns.setdefault(tuple(rec.seq[:_TURN_HEAD]), []).append(rec)
 
     def _register(self, req: Request) -> _Seq:
         self._count += 1
         if self.scope == "request":
             return self._continued(req.prompt_ids) or _Seq({}, None, self._count)
-        key = tuple(req.prompt_ids) if self.scope == "prompt" else None
+        prompt = req.prompt_ids
+        key = tuple(prompt) if self.scope == "prompt" else None
         table = self._tables.get(key)
+        skip, src = self._sibling_indexed(table, prompt), 0
+        if not skip:  # the next turn of a conversation: the history's entries are its last turn's
+            prev = self._continued_shared(prompt)
+            if prev is not None and table in (None, prev.table):
+                table, skip, src = prev.table, len(prev.seq), prev.num
         if table is None:
-            table = self._tables[key] = {}
-        rec = _Seq(table, key, self._count, self._sibling_indexed(table, req.prompt_ids))
+            table = {}
+        self._tables[key] = table
+        rec = _Seq(table, key, self._count, skip, src)
         self._ages[rec] = 0
         self._shared[rec.num] = rec
         return rec
@@ -163,6 +179,17 @@ class NgramDrafter:
             self.indexed_tokens -= self._ages.pop(old)
             self._forget_turn(old)
 
+    def _continued_shared(self, prompt: list[int]) -> _Seq | None:
+        """Shared scopes: the finished sequence still kept whose text is the longest prefix of
+        `prompt` (it stays kept: other turns may branch from it too), or None."""
+        best = None
+        for rec in self._turns.get(tuple(prompt[:_TURN_HEAD]), ()):
+            n = len(rec.seq)
+            if (n <= len(prompt) and (best is None or n > len(best.seq)) and rec.live
+                    and prompt[n - _TURN_HEAD : n] == rec.seq[-_TURN_HEAD:] and prompt[:n] == rec.seq):
+                best = rec
+        return best
+
     def _forget_turn(self, rec: _Seq) -> None:
         head = tuple(rec.seq[:_TURN_HEAD])
         kept = self._turns[head]
@@ -176,19 +203,20 @@ class NgramDrafter:
         best = None
         for rec in self._turns.get(tuple(prompt[:_TURN_HEAD]), ()):
             n = len(rec.seq)
-            if n <= len(prompt) and (best is None or n > len(best.seq)) and prompt[:n] == rec.seq:
+            if (n <= len(prompt) and (best is None or n > len(best.seq))
+                    and prompt[n - _TURN_HEAD : n] == rec.seq[-_TURN_HEAD:] and prompt[:n] == rec.seq):
                 best = rec
         if best is not None:
             self.indexed_tokens -= self._ages.pop(best)
             self._forget_turn(best)
         return best
 
-    def _sibling_indexed(self, table: _Table, prompt: list[int]) -> int:
+    def _sibling_indexed(self, table: _Table | None, prompt: list[int]) -> int:
         """Prompt scope: the prompt's length when a live sibling has indexed the prompt already
         (its n-grams are the same; indexing them again cost ~0.5 ms a 128-token prompt, times
         every sample of a GRPO group at the first speculative step), else 0."""
         n = min(self.max_window, len(prompt) - 1)
-        if self.scope != "prompt" or n < self.min_window:
+        if self.scope != "prompt" or n < self.min_window or table is None:
             return 0
         hit = table.get(gram_key(prompt[len(prompt) - 1 - n : len(prompt) - 1]))
         return len(prompt) if hit is not None and hit // _AT in self._shared else 0
@@ -239,12 +267,17 @@ class NgramDrafter:
                 hit = table.get(key) if n >= lo else None
                 if hit is not None and hit // _AT == rec.num:
                     del table[key]
-        for other in [o for o in self._ages if o.table is table and o.skip]:
-            # Siblings that left the prompt to rec: they index it themselves now (before the
-            # empty-table check: one with no output yet has nothing else in the table).
+        if rec.done:
+            self._forget_turn(rec)
+        for other in [o for o in self._ages if o.skip and (
+                o.src == rec.num if o.src else o.table is table)]:
+            # Later turns that left their history to rec, and siblings that left it the prompt
+            # (any sibling may have: all of them, as before): they index it themselves now
+            # (before the empty-table check: one with no output yet has nothing else there).
             self._index(other, 1, other.skip)
             self._ages[other] += other.skip
             self.indexed_tokens += other.skip
-            other.skip = 0
-        if not table:
-            self._tables.pop(rec.key, None)
+            other.skip = other.src = 0
+        if not table:  # under its prompt's key and those of the turns that joined it
+            for key in [k for k, t in self._tables.items() if t is table]:
+                del self._tables[key]

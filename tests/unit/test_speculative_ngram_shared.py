@@ -196,3 +196,62 @@ def test_a_turn_is_kept_once() -> None:
     d.record_finished(r)
     d.record_finished(r)  # an engine finishes a request once; twice must not keep it twice
     assert d.indexed_tokens == 43 and sum(len(v) for v in d._turns.values()) == 1
+
+
+@pytest.mark.parametrize("scope", ["prompt", "engine"])
+def test_shared_scopes_carry_a_conversation_into_its_next_turn(scope: str) -> None:
+    # The next turn joins the finished turn's table and indexes only its new tokens; the
+    # history's n-grams stay the finished turn's (whose text is the prompt's beginning).
+    d = NgramDrafter(2, 4, scope, capacity=1000)
+    history = list(range(100, 140))
+    first = req(history, [50, 51, 52, 53, 54])
+    d.propose(first, 2)
+    d.record_finished(first)
+    before = d.indexed_tokens
+    second = req(history + [50, 51, 52, 53, 54] + [7, 8, 50, 51])  # ... "50 51" again
+    assert d.propose(second, 3) == [52, 53, 54]
+    rec = d._seqs[second]
+    assert rec.table is d._seqs[first].table and rec.skip == 45 and rec.src == d._seqs[first].num
+    assert d.indexed_tokens == before + 4, "the history was indexed again"
+    # The history read as its own text: a loop through the prompt's end goes on repeating.
+    looping = req(history + [50, 51, 52, 53, 54, 50, 51, 52, 53, 54, 50])
+    assert d.propose(looping, 6) == [51, 52, 53, 54, 50, 51]
+    # Another conversation with the same beginning but another history is no continuation.
+    branch = req(history[:20] + [9] * 30)
+    d.propose(branch, 1)
+    assert d._seqs[branch].src == 0
+
+
+def test_a_dropped_turn_leaves_its_history_to_the_turn_that_continued_it() -> None:
+    d = NgramDrafter(2, 4, "engine", capacity=70)
+    history = list(range(100, 140))
+    first = req(history, [50, 51])
+    d.propose(first, 1)
+    d.record_finished(first)
+    d.propose(req(list(range(300, 310))), 1)  # another text, younger than the first turn
+    second = req(history + [50, 51, 7, 8])
+    d.propose(second, 1)
+    rec = d._seqs[second]
+    assert rec.skip == 42 and d.indexed_tokens == 42 + 10 + 2
+    # 54 + 20 > 70: the first turn goes (its history then counts as the second's: still over)
+    # and then the next oldest; the second turn stays, its history indexed as its own.
+    d.propose(req(list(range(500, 520))), 1)
+    assert not d._seqs[first].live and d._turns == {}
+    assert rec.live and rec.skip == 0 and rec.src == 0 and d.indexed_tokens == 44 + 20
+    second.output_ids.extend([110, 111])
+    assert d.propose(second, 3) == [112, 113, 114], "the history's n-grams are second's own now"
+
+
+def test_a_prompt_table_that_empties_leaves_under_every_key() -> None:
+    d = NgramDrafter(2, 4, "prompt", capacity=50)
+    history = list(range(100, 130))
+    first = req(history, [50])
+    d.propose(first, 1)
+    d.record_finished(first)
+    second = req(history + [50, 7])
+    d.propose(second, 1)
+    d.record_finished(second)
+    table = d._seqs[first].table
+    assert d._tables[tuple(history)] is table and d._tables[tuple(history + [50, 7])] is table
+    d.propose(req(list(range(500, 549))), 1)  # both turns go
+    assert all(t is not table for t in d._tables.values()) and d._turns == {}
