@@ -13,6 +13,7 @@ Reported log-probs are the target's `log_softmax(logits / T)` at each token (sam
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from dataclasses import dataclass
 
 import torch
@@ -46,40 +47,37 @@ def verify(
     logits = logits.float()
     dev = logits.device
     counts = [len(d) + 1 for d in drafts]
-    starts = [0] * len(counts)
-    for i in range(1, len(counts)):
-        starts[i] = starts[i - 1] + counts[i - 1]
+    starts = list(accumulate(counts[:-1], initial=0))
     row_params = [p for p, n in zip(params, counts) for _ in range(n)]
-    temps = [1.0 if p.greedy else p.temperature for p in row_params]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    kmax = max(counts) - 1
+    # q: [rows of sampled requests, V] the target's sampling distribution; q_at[r]: row r's
+    # index in q (0 for greedy rows, whose q is never read: they compare with the argmax).
+    q_rows = [starts[i] + j for i in sampled for j in range(counts[i])]
+    q_at = [0] * len(row_params)
+    for n, r in enumerate(q_rows):
+        q_at[r] = n
+    on = _stage(dev, _index_lists(drafts, draft_probs, params, generators, starts, sampled, q_at))
+
     scaled = logits
+    temps = [1.0 if p.greedy else p.temperature for p in row_params]
     if any(t != 1.0 for t in temps):
         scaled = logits / _on_device(temps, dev)[:, None]
     logprobs_all = torch.log_softmax(scaled, dim=-1)  # [R, V]
     argmax = logits.argmax(dim=-1)  # [R]
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    # q: [rows of sampled requests, V] the target's sampling distribution; q_at[r]: row r's
-    # index in q (0 for greedy rows, whose q is never read: they compare with the argmax).
-    q = q_at = None
+    q = None
     if sampled:
-        rows = [starts[i] + j for i in sampled for j in range(counts[i])]
-        q = logprobs_all[rows].exp() if len(sampled) < len(params) else logprobs_all.exp()
-        _truncate(q, [row_params[r] for r in rows])
+        q = logprobs_all[q_rows].exp() if len(sampled) < len(params) else logprobs_all.exp()
+        _truncate(q, [row_params[r] for r in q_rows])
         q /= q.sum(dim=1, keepdim=True)
-        at = [0] * len(row_params)
-        for n, r in enumerate(rows):
-            at[r] = n
-        q_at = _on_device(at, dev)
 
     # Every proposal's test at once; each request's accepted prefix, its final token and the
     # log-probs of what it keeps are found on the device and read back together (one wait).
-    kmax = max(counts) - 1
-    toks = _on_device([t for d in drafts for t in d], dev) if kmax else None  # every proposal
-    ok = _accept_flags(q, q_at, argmax, toks, drafts, draft_probs, params, generators, starts, dev)
-    lens = _on_device([len(d) for d in drafts], dev)
+    ok = _accept_flags(q, on, argmax, drafts, draft_probs, params, generators, starts, dev)
     drafts_pad = torch.zeros((len(drafts), max(kmax, 1)), dtype=torch.long, device=dev)
     if ok is not None:
-        cell = _on_device([[i, j] for i, d in enumerate(drafts) for j in range(len(d))], dev)
-        drafts_pad[cell[:, 0], cell[:, 1]] = toks
+        cell = on["cell"].view(-1, 2)
+        drafts_pad[cell[:, 0], cell[:, 1]] = on["toks"]
         passed = torch.zeros((len(drafts), kmax), dtype=torch.int32, device=dev)
         passed[cell[:, 0], cell[:, 1]] = ok.to(torch.int32)
         accepted_t = passed.cumprod(dim=1).sum(dim=1)  # the proposals before the first rejection
@@ -88,14 +86,14 @@ def verify(
 
     # One token drawn at row starts[i] + m: greedy argmax, else q there, or after a rejection
     # the residual max(q - p, 0) (a point mass p: q without the rejected token).
-    starts_t = _on_device(starts, dev)
+    starts_t = on["starts"]
     last = starts_t + accepted_t
     final = argmax[last]
     if sampled:
-        sampled_t = _on_device(sampled, dev)
-        q_last = q[q_at[last[sampled_t]]]  # [S, V]
+        sampled_t = on["sampled"]
+        q_last = q[on["q_at"][last[sampled_t]]]  # [S, V]
         dist = _residuals(q_last, sampled, drafts, draft_probs, accepted_t[sampled_t],
-                          lens[sampled_t], drafts_pad[sampled_t], dev)
+                          on["lens"][sampled_t], drafts_pad[sampled_t], on)
         final[sampled_t] = _race(dist, [generators[i] for i in sampled])
 
     # Request i keeps proposals 0 .. m - 1 and the final token: positions j <= m of its rows.
@@ -118,6 +116,54 @@ def verify(
     return Verdict(tokens, logprobs, out_rows, accepted, logprobs_all)
 
 
+def _index_lists(drafts: Sequence[Sequence[int]], draft_probs: Sequence[torch.Tensor | None],
+                 params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                 starts: list[int], sampled: list[int], q_at: list[int]) -> dict[str, list[int]]:
+    """Every small index list the verifier's device work reads, built on the host."""
+    lists = {
+        "toks": [t for d in drafts for t in d],  # every proposal
+        "lens": [len(d) for d in drafts],
+        "cell": [x for i, d in enumerate(drafts) for j in range(len(d)) for x in (i, j)],
+        "starts": starts,
+        "rows": [starts[i] + j for i, d in enumerate(drafts) for j in range(len(d))],  # proposals'
+    }
+    if not sampled:
+        return lists
+    lists["sampled"] = sampled
+    lists["q_at"] = q_at
+    lists["greedy"] = [int(params[i].greedy) for i, d in enumerate(drafts) for _ in d]
+    with_p = [i for i, (d, p) in enumerate(zip(drafts, draft_probs)) if p is not None and len(d)]
+    lists["with_p"] = [starts[i] - i + j for i in with_p for j in range(len(drafts[i]))]
+    groups: dict[int, list[int]] = {}  # uniforms: the proposals of each generator, in order
+    off = 0
+    for i, d in enumerate(drafts):
+        if len(d) and not params[i].greedy:
+            groups.setdefault(id(generators[i]), []).extend(range(off, off + len(d)))
+        off += len(d)
+    lists["uniform"] = [x for idx in groups.values() for x in idx]
+    lists["point"] = [s for s, i in enumerate(sampled) if draft_probs[i] is None and len(drafts[i])]
+    model = [s for s, i in enumerate(sampled) if draft_probs[i] is not None and len(drafts[i])]
+    lists["model"] = model
+    first = [0]
+    for s in model[:-1]:
+        first.append(first[-1] + len(drafts[sampled[s]]))
+    lists["model_first"] = first if model else []
+    return lists
+
+
+def _stage(dev: torch.device, lists: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The lists on the device in one copy, as views of it by name. Sent one by one they cost a
+    pinned copy each: `_on_device` was 9% of a speculative step's host time on an H100 (session
+    32, py-spy), with 5 to 12 such lists a step."""
+    flat = [x for v in lists.values() for x in v]
+    t = _on_device(flat, dev) if flat else torch.empty(0, dtype=torch.long, device=dev)
+    out, off = {}, 0
+    for name, v in lists.items():
+        out[name] = t[off : off + len(v)]
+        off += len(v)
+    return out
+
+
 def _read_back(ints: torch.Tensor, floats: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
     """Both tensors as lists after one wait: on CUDA copied into pinned memory without blocking,
     then one synchronize (two .tolist() calls would wait twice)."""
@@ -130,73 +176,68 @@ def _read_back(ints: torch.Tensor, floats: torch.Tensor) -> tuple[list[list[int]
     return ints.tolist(), floats.tolist()
 
 
-def _accept_flags(q: torch.Tensor | None, q_at: torch.Tensor | None, argmax: torch.Tensor,
-                  toks: torch.Tensor | None, drafts: Sequence[Sequence[int]],
-                  draft_probs: Sequence[torch.Tensor | None], params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator | None], starts: list[int],
-                  dev: torch.device) -> torch.Tensor | None:
-    """[proposals] bool, request by request: whether each proposal (toks, flattened) passes its
-    own test (only a prefix of a request's counts); None when nothing was proposed."""
-    rows = [starts[i] + j for i, d in enumerate(drafts) for j in range(len(d))]
-    if not rows:
+def _accept_flags(q: torch.Tensor | None, on: dict[str, torch.Tensor], argmax: torch.Tensor,
+                  drafts: Sequence[Sequence[int]], draft_probs: Sequence[torch.Tensor | None],
+                  params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                  starts: list[int], dev: torch.device) -> torch.Tensor | None:
+    """[proposals] bool, request by request: whether each proposal (on["toks"], flattened) passes
+    its own test (only a prefix of a request's counts); None when nothing was proposed."""
+    rows_t, toks = on["rows"], on["toks"]
+    if not rows_t.numel():
         return None
-    rows_t = _on_device(rows, dev)
     ok = argmax[rows_t] == toks
     if q is not None:
-        target = q[q_at[rows_t], toks]  # q(d) (read on greedy rows too, then not used)
+        target = q[on["q_at"][rows_t], toks]  # q(d) (read on greedy rows too, then not used)
         proposal = torch.ones_like(target)  # p(d): 1 for a point mass
         with_p = [i for i, (d, p) in enumerate(zip(drafts, draft_probs)) if p is not None and len(d)]
         if with_p:
-            at = _on_device([starts[i] - i + j for i in with_p for j in range(len(drafts[i]))], dev)
+            at = on["with_p"]
             p_all = torch.cat([draft_probs[i][: len(drafts[i])] for i in with_p])  # [n, V]
             proposal[at] = p_all.gather(1, toks[at][:, None]).squeeze(1)
-        u = _uniforms(len(rows), drafts, params, generators, dev)
-        is_greedy = _on_device([params[i].greedy for i, d in enumerate(drafts) for _ in d], dev)
+        u = _uniforms(rows_t.numel(), on["uniform"], drafts, params, generators, dev)
         # u < q/p, written u * p < q: no division by a p that underflowed to 0.
-        ok = torch.where(is_greedy, ok, u * proposal < target)
+        ok = torch.where(on["greedy"].bool(), ok, u * proposal < target)
     return ok
 
 
-def _uniforms(n: int, drafts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-              generators: Sequence[torch.Generator | None], dev: torch.device) -> torch.Tensor:
+def _uniforms(n: int, order: torch.Tensor, drafts: Sequence[Sequence[int]],
+              params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+              dev: torch.device) -> torch.Tensor:
     """[n] U(0, 1), one per proposal, each from its request's generator; requests sharing a
-    generator draw theirs in one call (in request order)."""
-    u = torch.zeros(n, device=dev)
-    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
-    off = 0
+    generator draw theirs in one call (in request order). order: the proposals of each
+    generator in turn (_index_lists), where the draws go."""
+    sizes: dict[int, tuple[torch.Generator | None, int]] = {}
     for i, d in enumerate(drafts):
         if len(d) and not params[i].greedy:
-            groups.setdefault(id(generators[i]), (generators[i], []))[1].extend(
-                range(off, off + len(d)))
-        off += len(d)
-    for g, idx in groups.values():
-        u[_on_device(idx, dev)] = torch.empty(len(idx), device=dev).uniform_(generator=g)
+            g, k = sizes.get(id(generators[i]), (generators[i], 0))
+            sizes[id(generators[i])] = (g, k + len(d))
+    u = torch.zeros(n, device=dev)
+    if sizes:
+        draws = [torch.empty(k, device=dev).uniform_(generator=g) for g, k in sizes.values()]
+        u[order] = torch.cat(draws) if len(draws) > 1 else draws[0]
     return u
 
 
 def _residuals(q_last: torch.Tensor, sampled: list[int], drafts: Sequence[Sequence[int]],
                draft_probs: Sequence[torch.Tensor | None], accepted: torch.Tensor,
-               lens: torch.Tensor, drafts_pad: torch.Tensor, dev: torch.device) -> torch.Tensor:
+               lens: torch.Tensor, drafts_pad: torch.Tensor, on: dict[str, torch.Tensor]) -> torch.Tensor:
     """What to draw each sampled request's final token from: q at its last row (q_last [S, V]),
     or, where the request rejected a proposal (accepted [S] < lens [S], on the device),
     max(q - p, 0) with p the point mass of the rejected proposal (drafts_pad [S, kmax]) or its
-    draft model's distribution; the race normalizes them."""
+    draft model's distribution; the race normalizes them. on: _index_lists' "point" (sampled
+    requests with n-gram proposals), "model" (with a draft model's) and "model_first"."""
     rejected = accepted < lens
     dist = q_last.clone()
     at = torch.minimum(accepted, (lens - 1).clamp(min=0))[:, None]  # the rejected proposal (if any)
-    point = [s for s, i in enumerate(sampled) if draft_probs[i] is None and len(drafts[i])]
-    if point:
-        rows = _on_device(point, dev)
+    if on["point"].numel():
+        rows = on["point"]
         cols = drafts_pad[rows].gather(1, at[rows]).squeeze(1)
         dist[rows, cols] = torch.where(rejected[rows], 0.0, dist[rows, cols])
-    model = [s for s, i in enumerate(sampled) if draft_probs[i] is not None and len(drafts[i])]
-    if model:
-        rows = _on_device(model, dev)
+    if on["model"].numel():
+        rows = on["model"]
+        model = [s for s, i in enumerate(sampled) if draft_probs[i] is not None and len(drafts[i])]
         p_all = torch.cat([draft_probs[sampled[s]][: len(drafts[sampled[s]])] for s in model])
-        first = [0]
-        for s in model[:-1]:
-            first.append(first[-1] + len(drafts[sampled[s]]))
-        p = p_all[_on_device(first, dev) + at[rows, 0]]  # the rejected proposal's distribution
+        p = p_all[on["model_first"] + at[rows, 0]]  # the rejected proposal's distribution
         dist[rows] = torch.where(rejected[rows, None], (dist[rows] - p).clamp_(min=0.0), dist[rows])
     # q == p (up to rounding) rejects with probability ~0; should it happen the residual is empty
     # and q itself is the only sensible choice (the race would return token 0).
