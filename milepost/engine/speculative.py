@@ -25,7 +25,7 @@ from milepost.engine.request import Request
 from milepost.engine.sampling import _on_device
 from milepost.engine.scheduler import Chunk
 from milepost.engine.speculative_pace import RestPace
-from milepost.engine.speculative_sampling import Verdict, verify
+from milepost.engine.speculative_sampling import Verdict, launch_verify
 
 if TYPE_CHECKING:
     from milepost.engine.engine import Engine
@@ -158,19 +158,24 @@ class Speculator:
             (spec if c.verify else plain).append(c)
             off += c.logit_rows
         appended = 0
+        launched = pending = None
         if plain:
             from milepost.engine.stepping import LaunchedStep
 
             reqs = [c.req for c in plain]
             rows = logits if not spec else logits[_on_device(plain_rows, logits.device)]
-            engine._process(LaunchedStep.of(reqs, engine._sample(rows, reqs), engine.weight_version))
-            appended += len(plain)
+            launched = LaunchedStep.of(reqs, engine._sample(rows, reqs), engine.weight_version)
         if spec:
-            # (through pinned memory: a pageable copy would wait here for the forward, before the
-            # verifier's kernels are even queued behind it)
+            # Queued before the plain rows are read back (that read waits for the forward): the
+            # verifier's host work then runs beside the forward, not after it.
             rows = logits if not plain else logits[_on_device(spec_rows, logits.device)]
-            verdict = verify(rows, [c.draft for c in spec], [c.draft_probs for c in spec],
-                             [c.req.params for c in spec], [c.req.generator for c in spec])
+            pending = launch_verify(rows, [c.draft for c in spec], [c.draft_probs for c in spec],
+                                    [c.req.params for c in spec], [c.req.generator for c in spec])
+        if launched is not None:
+            engine._process(launched)
+            appended += len(plain)
+        if pending is not None:
+            verdict = pending.result()
             for i, c in enumerate(spec):
                 appended += self._apply(engine, c, verdict, i)
         return appended

@@ -44,6 +44,43 @@ def verify(
     the token after proposal j (row 0: after the last accepted token). drafts[i]: the k_i proposed
     ids; draft_probs[i]: [k_i, V] the normalized distributions they were drawn from, or None for a
     point mass (n-gram). Batched over requests; the results are read back together (one wait)."""
+    return launch_verify(logits, drafts, draft_probs, params, generators).result()
+
+
+@dataclass
+class PendingVerdict:
+    """A verification launched on the device (its results copied to pinned memory behind an
+    event on CUDA): `result()` waits for them and builds the Verdict."""
+
+    ints: torch.Tensor  # [n, 1 + kmax + 1]: accepted count, then the kept tokens
+    logprobs: torch.Tensor  # [n, kmax + 1]
+    copied: torch.cuda.Event | None
+    starts: list[int]
+    logprobs_all: torch.Tensor
+
+    def result(self) -> Verdict:
+        if self.copied is not None:
+            self.copied.synchronize()
+        accepted, tokens, logprobs, out_rows = [], [], [], []
+        for start, row, lp in zip(self.starts, self.ints.tolist(), self.logprobs.tolist()):
+            m_i = row[0]
+            accepted.append(m_i)
+            tokens.append(row[1 : m_i + 2])
+            logprobs.append(lp[: m_i + 1])
+            out_rows.append(list(range(start, start + m_i + 1)))
+        return Verdict(tokens, logprobs, out_rows, accepted, self.logprobs_all)
+
+
+def launch_verify(
+    logits: torch.Tensor,
+    drafts: Sequence[Sequence[int]],
+    draft_probs: Sequence[torch.Tensor | None],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> PendingVerdict:
+    """`verify`'s device work, queued without waiting: the engine queues it before it reads back
+    the step's other rows, so the verifier's host work overlaps the forward instead of following
+    it. (Draft-model proposals read draft_probs on the device, as queued.)"""
     logits = logits.float()
     dev = logits.device
     counts = [len(d) + 1 for d in drafts]
@@ -104,16 +141,13 @@ def verify(
     kept_row = starts_t[:, None] + torch.minimum(j, m)
     kept_lp = logprobs_all[kept_row, kept_tok]
     ints = torch.cat([m, kept_tok], dim=1)
-    ints_host, lp_host = _read_back(ints, kept_lp)
-
-    accepted, tokens, logprobs, out_rows = [], [], [], []
-    for i, (row, lp) in enumerate(zip(ints_host, lp_host)):
-        m_i = row[0]
-        accepted.append(m_i)
-        tokens.append(row[1 : m_i + 2])
-        logprobs.append(lp[: m_i + 1])
-        out_rows.append(list(range(starts[i], starts[i] + m_i + 1)))
-    return Verdict(tokens, logprobs, out_rows, accepted, logprobs_all)
+    copied = None
+    if dev.type == "cuda":  # both copied behind one event: `result` waits once
+        ints, kept_lp = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                         for t in (ints, kept_lp))
+        copied = torch.cuda.Event()
+        copied.record()
+    return PendingVerdict(ints, kept_lp, copied, starts, logprobs_all)
 
 
 def _index_lists(drafts: Sequence[Sequence[int]], draft_probs: Sequence[torch.Tensor | None],
@@ -162,18 +196,6 @@ def _stage(dev: torch.device, lists: dict[str, list[int]]) -> dict[str, torch.Te
         out[name] = t[off : off + len(v)]
         off += len(v)
     return out
-
-
-def _read_back(ints: torch.Tensor, floats: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
-    """Both tensors as lists after one wait: on CUDA copied into pinned memory without blocking,
-    then one synchronize (two .tolist() calls would wait twice)."""
-    if ints.device.type == "cuda":
-        pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ints, floats)]
-        for h, t in zip(pinned, (ints, floats)):
-            h.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(ints.device).synchronize()
-        ints, floats = pinned
-    return ints.tolist(), floats.tolist()
 
 
 def _accept_flags(q: torch.Tensor | None, on: dict[str, torch.Tensor], argmax: torch.Tensor,
