@@ -23,8 +23,8 @@ rounding of `limit` the kept count may differ by one token from a sort's; otherw
 is the sort's. Bisection cost a wide row ~33 reads of it (~20 MB at 151,936 tokens, from HBM when
 256 rows are wide: they do not fit in L2 together), each a loop of dependent loads in one
 program; on an H100 a top-p step with every row wide took ~3x a plain step (12.2 against 4.1 ms,
-2026-12-07). With 15 pivots a row is read ~10 times: the kernel 2.45x faster there, and the
-step 9.75 ms.
+2026-12-07). With 7 pivots a row is read ~13 times, in longer iterations: the kernel 2.96x
+faster there (with 15 pivots, 2.44x, the step took 8.87 ms).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import triton.language as tl
 
 BLOCK = 1024  # tokens a loop iteration of the tie pass reads
 # Measured on an H100 (benchmarks/top_p_wide_gpu.py, 256 flat rows x 151,936, session 32):
-# bisection (1 pivot, 1,024 tokens an iteration, 4 warps) 3,225 us; 1 pivot at 4,096 tokens 1,827;
-# 3 pivots at 1,024 1,814; 15 at 512 1,825; 15 at 1,024 with 8 warps 1,317 (x2.45).
-PIVOTS = 15  # patterns a search pass tests (2^n - 1: the interval splits into 2^n equal parts)
-SEARCH_BLOCK = 1024  # tokens a search iteration reads (x PIVOTS sums in registers)
+# bisection (1 pivot, 1,024 tokens an iteration, 4 warps) 3,212 us; 1 pivot at 8,192 tokens 1,754;
+# 3 pivots at 2,048 1,344; 15 at 1,024 1,315, at 2,048 1,713; 7 at 2,048 with 8 warps 1,084 (x2.96).
+PIVOTS = 7  # patterns a search pass tests (2^n - 1: the interval splits into 2^n equal parts)
+SEARCH_BLOCK = 2048  # tokens a search iteration reads (x PIVOTS sums in registers)
 NUM_WARPS = 8
 
 
