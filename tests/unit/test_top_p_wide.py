@@ -41,7 +41,7 @@ def rows(seed: int, n: int, vocab: int, ties: bool) -> torch.Tensor:
     return torch.softmax(logits, dim=1)
 
 
-@pytest.mark.parametrize("pivots", [1, 3, 15])
+@pytest.mark.parametrize("pivots", [1, 15])
 @pytest.mark.parametrize("ties", [False, True])
 def test_wide_rows_keep_the_sorted_nucleus(ties: bool, pivots: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Any pivot count (1: bisection) finds the sorted nucleus."""
