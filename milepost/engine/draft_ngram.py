@@ -127,6 +127,19 @@ class NgramDrafter:
             out.append(seq[i] if i < n_seq else out[i - n_seq])
         return out
 
+    def catch_up(self, reqs: list[Request]) -> None:
+        """Index the tokens the requests have on the host (a slot whose token is still on the
+        device is left for the next call). The engine calls it on the steps it rests from
+        proposing, after their forward is launched, so the indexing runs while the GPU
+        computes; otherwise the next proposing step indexed every token of the rest at once
+        (at 256 sampled requests on an H100, resting 244 of 256 steps, that cost ~20% of the
+        run, session 32)."""
+        for req in reqs:
+            rec = self._seqs.get(req)
+            if rec is None or not rec.live:
+                rec = self._seqs[req] = self._register(req)
+            self._extend(rec, req)
+
     def record_finished(self, req: Request) -> None:
         """A finished request's text into a shared scope's index: the tokens since its last
         proposal (or all of it, if it never proposed: decoded while the speculator rested, or
@@ -229,7 +242,9 @@ class NgramDrafter:
         old = len(seq)
         if old < n_prompt:
             seq.extend(req.prompt_ids[old:])
-        seq.extend(req.output_ids[max(0, len(seq) - n_prompt):])
+        out = req.output_ids
+        known = len(out) - (1 if out and out[-1] < 0 else 0)  # a slot still on the device: -1
+        seq.extend(out[max(0, len(seq) - n_prompt) : known])
         self._index(rec, max(old, 1, rec.skip), len(seq))
         if self.scope == "request":
             return

@@ -81,6 +81,8 @@ class Stepper:
         if spec is not None:  # an MTP draft reads the target's hidden states
             spec.observe(chunks, self.runner)
         self.scheduler.after_forward(chunks)
+        if spec is not None and not proposing:  # host work while the GPU runs the forward
+            spec.catch_up(self.scheduler.running)
         if prev is not None:  # read back while the GPU runs the forward just launched
             self._process(prev, pending=True)
         scoring = not all(c.req.logprob_start_len < 0 for c in chunks)  # usually False: one pass

@@ -255,3 +255,17 @@ def test_a_prompt_table_that_empties_leaves_under_every_key() -> None:
     assert d._tables[tuple(history)] is table and d._tables[tuple(history + [50, 7])] is table
     d.propose(req(list(range(500, 549))), 1)  # both turns go
     assert all(t is not table for t in d._tables.values()) and d._turns == {}
+
+
+def test_catch_up_indexes_what_is_on_the_host_and_leaves_a_pending_slot() -> None:
+    # A resting step's forward is launched with the previous step's token still on the device
+    # (its slot -1): the index takes everything before it, and the slot once it is filled.
+    d = NgramDrafter(2, 4, "request")
+    r = req([1, 2, 3, 4], [5, 6, -1])
+    d.catch_up([r])
+    assert d._seqs[r].seq == [1, 2, 3, 4, 5, 6]
+    r.output_ids[-1] = 1
+    r.output_ids.append(2)
+    d.catch_up([r])
+    assert d._seqs[r].seq == [1, 2, 3, 4, 5, 6, 1, 2]
+    assert d.propose(r, 2) == [3, 4]  # from the index alone: nothing left to add
