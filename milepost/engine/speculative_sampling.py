@@ -13,13 +13,17 @@ Reported log-probs are the target's `log_softmax(logits / T)` at each token (sam
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from milepost.engine.sampling import _on_device, _race, _truncate
 from milepost.engine.sampling_params import SamplingParams
+
+# The accepted prefixes and kept tokens by kernels/spec_accept.py (None: on CUDA; a test sets
+# True to run them under Triton's interpreter on CPU).
+DEVICE_KERNELS: bool | None = None
 
 
 @dataclass
@@ -110,37 +114,36 @@ def launch_verify(
 
     # Every proposal's test at once; each request's accepted prefix, its final token and the
     # log-probs of what it keeps are found on the device and read back together (one wait).
-    ok = _accept_flags(q, on, argmax, drafts, draft_probs, params, generators, starts, dev)
-    drafts_pad = torch.zeros((len(drafts), max(kmax, 1)), dtype=torch.long, device=dev)
-    if ok is not None:
-        cell = on["cell"].view(-1, 2)
-        drafts_pad[cell[:, 0], cell[:, 1]] = on["toks"]
-        passed = torch.zeros((len(drafts), kmax), dtype=torch.int32, device=dev)
-        passed[cell[:, 0], cell[:, 1]] = ok.to(torch.int32)
-        accepted_t = passed.cumprod(dim=1).sum(dim=1)  # the proposals before the first rejection
+    kernels = DEVICE_KERNELS if DEVICE_KERNELS is not None else dev.type == "cuda"
+    if kernels:
+        from milepost.kernels import spec_accept  # (Triton: imported where it runs)
+    n = len(drafts)
+    ok = None
+    if sampled or not kernels:  # (greedy only: the kernel compares proposals with the argmax)
+        ok = _accept_flags(q, on, argmax, drafts, draft_probs, params, generators, starts, dev)
+    if kernels:
+        accepted_t, last = spec_accept.accepted(ok, on["toks"], argmax, on["offs"], on["lens"],
+                                                on["starts"], kmax)
     else:
-        accepted_t = torch.zeros(len(drafts), dtype=torch.long, device=dev)
+        accepted_t, last = _accepted(ok, on, n, kmax, dev)
 
     # One token drawn at row starts[i] + m: greedy argmax, else q there, or after a rejection
     # the residual max(q - p, 0) (a point mass p: q without the rejected token).
-    starts_t = on["starts"]
-    last = starts_t + accepted_t
-    final = argmax[last]
+    final = None
+    if sampled or not kernels:
+        final = argmax[last]
     if sampled:
         sampled_t = on["sampled"]
         q_last = q[on["q_at"][last[sampled_t]]]  # [S, V]
         dist = _residuals(q_last, sampled, drafts, draft_probs, accepted_t[sampled_t],
-                          on["lens"][sampled_t], drafts_pad[sampled_t], on)
+                          on["lens"][sampled_t], on["offs"][sampled_t], on)
         final[sampled_t] = _race(dist, [generators[i] for i in sampled])
 
-    # Request i keeps proposals 0 .. m - 1 and the final token: positions j <= m of its rows.
-    j = torch.arange(kmax + 1, device=dev)[None, :]
-    m = accepted_t[:, None]
-    proposed = torch.nn.functional.pad(drafts_pad, (0, 1))[:, : kmax + 1]
-    kept_tok = torch.where(j < m, proposed, final[:, None])
-    kept_row = starts_t[:, None] + torch.minimum(j, m)
-    kept_lp = logprobs_all[kept_row, kept_tok]
-    ints = torch.cat([m, kept_tok], dim=1)
+    if kernels:
+        ints, kept_lp = spec_accept.kept(accepted_t, final, on["toks"], argmax, on["offs"],
+                                         on["starts"], logprobs_all, kmax)
+    else:
+        ints, kept_lp = _kept(accepted_t, final, on, logprobs_all, n, kmax, dev)
     copied = None
     if dev.type == "cuda":  # both copied behind one event: `result` waits once
         ints, kept_lp = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
@@ -150,6 +153,38 @@ def launch_verify(
     return PendingVerdict(ints, kept_lp, copied, starts, logprobs_all)
 
 
+def _accepted(ok: torch.Tensor | None, on: dict[str, torch.Tensor], n: int, kmax: int,
+              dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m [n]: the proposals before each request's first rejection, last row [n]) in torch ops
+    (kernels/spec_accept.py's `accepted` on CUDA)."""
+    if ok is None:
+        accepted_t = torch.zeros(n, dtype=torch.long, device=dev)
+    else:
+        cell = on["cell"].view(-1, 2)
+        passed = torch.zeros((n, kmax), dtype=torch.int32, device=dev)
+        passed[cell[:, 0], cell[:, 1]] = ok.to(torch.int32)
+        accepted_t = passed.cumprod(dim=1).sum(dim=1)
+    return accepted_t, on["starts"] + accepted_t
+
+
+def _kept(accepted_t: torch.Tensor, final: torch.Tensor, on: dict[str, torch.Tensor],
+          logprobs_all: torch.Tensor, n: int, kmax: int, dev: torch.device
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request i keeps proposals 0 .. m - 1 and the final token: positions j <= m of its rows.
+    (ints [n, kmax + 2]: m, then the kept tokens; their log-probs [n, kmax + 1]) in torch ops
+    (kernels/spec_accept.py's `kept` on CUDA)."""
+    drafts_pad = torch.zeros((n, max(kmax, 1)), dtype=torch.long, device=dev)
+    if on["toks"].numel():
+        cell = on["cell"].view(-1, 2)
+        drafts_pad[cell[:, 0], cell[:, 1]] = on["toks"]
+    j = torch.arange(kmax + 1, device=dev)[None, :]
+    m = accepted_t[:, None]
+    proposed = torch.nn.functional.pad(drafts_pad, (0, 1))[:, : kmax + 1]
+    kept_tok = torch.where(j < m, proposed, final[:, None])
+    kept_row = on["starts"][:, None] + torch.minimum(j, m)
+    return torch.cat([m, kept_tok], dim=1), logprobs_all[kept_row, kept_tok]
+
+
 def _index_lists(drafts: Sequence[Sequence[int]], draft_probs: Sequence[torch.Tensor | None],
                  params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
                  starts: list[int], sampled: list[int], q_at: list[int]) -> dict[str, list[int]]:
@@ -157,6 +192,7 @@ def _index_lists(drafts: Sequence[Sequence[int]], draft_probs: Sequence[torch.Te
     lists = {
         "toks": [t for d in drafts for t in d],  # every proposal
         "lens": [len(d) for d in drafts],
+        "offs": list(accumulate((len(d) for d in drafts[:-1]), initial=0)),  # first proposal's
         "cell": [x for i, d in enumerate(drafts) for j in range(len(d)) for x in (i, j)],
         "starts": starts,
         "rows": [starts[i] + j for i, d in enumerate(drafts) for j in range(len(d))],  # proposals'
@@ -242,18 +278,19 @@ def _uniforms(n: int, order: torch.Tensor, drafts: Sequence[Sequence[int]],
 
 def _residuals(q_last: torch.Tensor, sampled: list[int], drafts: Sequence[Sequence[int]],
                draft_probs: Sequence[torch.Tensor | None], accepted: torch.Tensor,
-               lens: torch.Tensor, drafts_pad: torch.Tensor, on: dict[str, torch.Tensor]) -> torch.Tensor:
+               lens: torch.Tensor, offs: torch.Tensor, on: dict[str, torch.Tensor]) -> torch.Tensor:
     """What to draw each sampled request's final token from: q at its last row (q_last [S, V]),
     or, where the request rejected a proposal (accepted [S] < lens [S], on the device),
-    max(q - p, 0) with p the point mass of the rejected proposal (drafts_pad [S, kmax]) or its
-    draft model's distribution; the race normalizes them. on: _index_lists' "point" (sampled
-    requests with n-gram proposals), "model" (with a draft model's) and "model_first"."""
+    max(q - p, 0) with p the point mass of the rejected proposal (on["toks"] from offs [S], each
+    request's first) or its draft model's distribution; the race normalizes them. on:
+    _index_lists' "point" (sampled requests with n-gram proposals), "model" (with a draft
+    model's) and "model_first"."""
     rejected = accepted < lens
     dist = q_last.clone()
     at = torch.minimum(accepted, (lens - 1).clamp(min=0))[:, None]  # the rejected proposal (if any)
     if on["point"].numel():
         rows = on["point"]
-        cols = drafts_pad[rows].gather(1, at[rows]).squeeze(1)
+        cols = on["toks"][offs[rows] + at[rows, 0]]
         dist[rows, cols] = torch.where(rejected[rows], 0.0, dist[rows, cols])
     if on["model"].numel():
         rows = on["model"]
