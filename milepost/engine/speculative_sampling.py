@@ -98,7 +98,9 @@ def launch_verify(
     q_at = [0] * len(row_params)
     for n, r in enumerate(q_rows):
         q_at[r] = n
-    on = _stage(dev, _index_lists(drafts, draft_probs, params, generators, starts, sampled, q_at))
+    kernels = DEVICE_KERNELS if DEVICE_KERNELS is not None else dev.type == "cuda"
+    on = _stage(dev, _index_lists(drafts, draft_probs, params, generators, starts, sampled, q_at,
+                                  cells=not kernels))
 
     scaled = logits
     temps = [1.0 if p.greedy else p.temperature for p in row_params]
@@ -114,7 +116,6 @@ def launch_verify(
 
     # Every proposal's test at once; each request's accepted prefix, its final token and the
     # log-probs of what it keeps are found on the device and read back together (one wait).
-    kernels = DEVICE_KERNELS if DEVICE_KERNELS is not None else dev.type == "cuda"
     if kernels:
         from milepost.kernels import spec_accept  # (Triton: imported where it runs)
     n = len(drafts)
@@ -187,16 +188,19 @@ def _kept(accepted_t: torch.Tensor, final: torch.Tensor, on: dict[str, torch.Ten
 
 def _index_lists(drafts: Sequence[Sequence[int]], draft_probs: Sequence[torch.Tensor | None],
                  params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-                 starts: list[int], sampled: list[int], q_at: list[int]) -> dict[str, list[int]]:
-    """Every small index list the verifier's device work reads, built on the host."""
+                 starts: list[int], sampled: list[int], q_at: list[int], cells: bool = True
+                 ) -> dict[str, list[int]]:
+    """Every small index list the verifier's device work reads, built on the host (cells: each
+    proposal's (request, index), which only the torch path reads)."""
     lists = {
         "toks": [t for d in drafts for t in d],  # every proposal
         "lens": [len(d) for d in drafts],
         "offs": list(accumulate((len(d) for d in drafts[:-1]), initial=0)),  # first proposal's
-        "cell": [x for i, d in enumerate(drafts) for j in range(len(d)) for x in (i, j)],
         "starts": starts,
         "rows": [starts[i] + j for i, d in enumerate(drafts) for j in range(len(d))],  # proposals'
     }
+    if cells:
+        lists["cell"] = [x for i, d in enumerate(drafts) for j in range(len(d)) for x in (i, j)]
     if not sampled:
         return lists
     lists["sampled"] = sampled
