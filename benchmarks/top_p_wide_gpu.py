@@ -12,12 +12,11 @@ against top_p = 1, and `_nucleus` alone, at the module's default config.
 from __future__ import annotations
 
 import argparse
-import statistics
-
 import torch
 
 import milepost.engine.sampling as sampling
 import milepost.kernels.top_p_wide as kernel
+from benchmarks.lowprec_gpu import cuda_ms
 from benchmarks.moe_sweep import graph_ms
 from milepost.engine.sampling_params import SamplingParams
 
@@ -27,20 +26,6 @@ CONFIGS = [  # (pivots, search block, warps); session 32 on an H100 also timed (
     (1, 1024, 4), (3, 2048, 8), (3, 4096, 8), (7, 2048, 4), (7, 2048, 8), (7, 2048, 16),
     (7, 4096, 8), (7, 4096, 16), (15, 1024, 8),
 ]
-
-
-def eager_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -71,12 +56,12 @@ def main() -> None:
               f"tokens a row; rows whose kept set differs from the first's: {moved}", flush=True)
     kernel.PIVOTS, kernel.SEARCH_BLOCK, kernel.NUM_WARPS = defaults
     top_p = torch.full((a.rows,), a.top_p, device="cuda")
-    nuc = eager_ms(lambda: sampling._nucleus(probs, top_p), a.reps)
+    nuc = cuda_ms(lambda: sampling._nucleus(probs, top_p), a.reps)
     gens = [None] * a.rows
     plain = [SamplingParams(temperature=1.0) for _ in range(a.rows)]
     nucleus = [SamplingParams(temperature=1.0, top_p=a.top_p) for _ in range(a.rows)]
-    t_plain = eager_ms(lambda: sampling.sample(logits, plain, gens, [[] for _ in plain]), a.reps)
-    t_top_p = eager_ms(lambda: sampling.sample(logits, nucleus, gens, [[] for _ in nucleus]), a.reps)
+    t_plain = cuda_ms(lambda: sampling.sample(logits, plain, gens, [[] for _ in plain]), a.reps)
+    t_top_p = cuda_ms(lambda: sampling.sample(logits, nucleus, gens, [[] for _ in nucleus]), a.reps)
     print(f"default config {defaults}: _nucleus {nuc:.3f} ms; sample() top_p {a.top_p} {t_top_p:.3f} "
           f"ms against top_p 1 {t_plain:.3f} ms (x{t_top_p / t_plain:.2f})")
 
