@@ -269,3 +269,14 @@ def test_catch_up_indexes_what_is_on_the_host_and_leaves_a_pending_slot() -> Non
     d.catch_up([r])
     assert d._seqs[r].seq == [1, 2, 3, 4, 5, 6, 1, 2]
     assert d.propose(r, 2) == [3, 4]  # from the index alone: nothing left to add
+
+
+def test_catch_up_stops_at_its_budget_and_goes_on_where_it_stopped() -> None:
+    d = NgramDrafter(2, 4, "request")
+    reqs = [req(list(range(10 * i, 10 * i + 8))) for i in range(5)]
+    d.catch_up(reqs, budget_s=0.0)  # past the deadline after the first request
+    assert [r in d._seqs for r in reqs] == [True, False, False, False, False]
+    d.catch_up(reqs, budget_s=0.0)
+    assert [r in d._seqs for r in reqs] == [True, True, False, False, False]
+    d.catch_up(reqs)  # the rest, from the third on
+    assert all(r in d._seqs for r in reqs) and d._catch_up_from == 0
