@@ -71,6 +71,7 @@ def accepted(ok: torch.Tensor | None, toks: torch.Tensor, argmax: torch.Tensor, 
     n = lens.numel()
     m = torch.empty(n, dtype=torch.long, device=lens.device)
     last = torch.empty_like(m)
+    toks = _not_empty(toks)
     if n:
         _accepted_kernel[(n,)](ok if ok is not None else toks, toks, argmax, offs, lens, starts,
                                m, last, HAS_OK=ok is not None,
@@ -88,6 +89,7 @@ def kept(m: torch.Tensor, final: torch.Tensor | None, toks: torch.Tensor, argmax
     width = kmax + 1
     ints = torch.empty(n, width + 1, dtype=torch.long, device=m.device)
     lp = torch.empty(n, width, dtype=logprobs_all.dtype, device=m.device)
+    toks = _not_empty(toks)
     if n:
         assert logprobs_all.stride(1) == 1
         _kept_kernel[(n,)](m, toks, offs, starts, final if final is not None else m, argmax,
@@ -95,3 +97,9 @@ def kept(m: torch.Tensor, final: torch.Tensor | None, toks: torch.Tensor, argmax
                            HAS_FINAL=final is not None, WIDTH=width,
                            KP1=max(2, triton.next_power_of_2(width)))
     return ints, lp
+
+
+def _not_empty(t: torch.Tensor) -> torch.Tensor:
+    """No proposal at all: a one-element stand-in (never read: every load of it is masked), since
+    an empty CUDA tensor may have no address to pass."""
+    return t if t.numel() else torch.zeros(1, dtype=t.dtype, device=t.device)

@@ -22,7 +22,7 @@ V = 40
 
 def case(kind: str, seed: int = 0) -> tuple:
     g = torch.Generator().manual_seed(seed)
-    lens = [3, 0, 1, 3, 2, 3]
+    lens = [0, 0] if kind == "none" else [3, 0, 1, 3, 2, 3]
     logits = torch.randn(sum(n + 1 for n in lens), V, generator=g) * 3
     argmax = logits.argmax(dim=-1).tolist()
     drafts, start = [], 0
@@ -38,7 +38,7 @@ def case(kind: str, seed: int = 0) -> tuple:
     return logits, drafts, probs, params
 
 
-@pytest.mark.parametrize("kind", ["greedy", "ngram", "model"])
+@pytest.mark.parametrize("kind", ["greedy", "ngram", "model", "none"])
 def test_kernels_give_the_torch_path_results(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     logits, drafts, probs, params = case(kind)
     out = {}
