@@ -38,7 +38,7 @@ SCOPES: tuple[str, ...] = ("request", "prompt", "engine")
 _Table = dict[int, int]
 _DIGIT = 32  # bits of one token in an n-gram's key (token ids are below 2**32 - 1)
 _AT = 1 << 40  # positions are below 2**40
-_TURN_HEAD = 16  # tokens a kept turn is found by (request scope)
+_TURN_HEAD = 16  # tokens a finished turn is found by (its next turn's prompt begins with them)
 # Host time a rested step may spend indexing (`catch_up`), hidden behind its forward on the GPU
 # (a 0.6B decode step at 256 requests takes ~3.5 ms on an H100)
 CATCH_UP_S = 1e-3
@@ -88,7 +88,8 @@ class NgramDrafter:
         self._tables: dict[object, _Table] = {}
         self._ages: OrderedDict[_Seq, int] = OrderedDict()
         self._shared: dict[int, _Seq] = {}  # shared scopes' indexed sequences by number
-        # Request scope: finished requests' records by their first tokens (`_keep_turn`).
+        # Finished requests' records by their first tokens, for a next turn (`_keep_turn` in
+        # request scope, `_continued_shared` in the shared ones).
         self._turns: dict[tuple[int, ...], list[_Seq]] = {}
         self._count = 0
         self._catch_up_from = 0  # where the next `catch_up` starts in its request list
@@ -98,9 +99,7 @@ class NgramDrafter:
         """Up to k tokens that followed the longest earlier occurrence of the sequence's tail."""
         if k <= 0:
             return []
-        rec = self._seqs.get(req)
-        if rec is None or not rec.live:
-            rec = self._seqs[req] = self._register(req)
+        rec = self._record(req)
         self._extend(rec, req)
         seq, table = rec.seq, rec.table
         n_seq = len(seq)
@@ -147,9 +146,7 @@ class NgramDrafter:
         deadline = time.perf_counter() + budget_s
         for i in range(n):
             req = reqs[(first + i) % n]
-            rec = self._seqs.get(req)
-            if rec is None or not rec.live:
-                rec = self._seqs[req] = self._register(req)
+            rec = self._record(req)
             self._extend(rec, req)
             if time.perf_counter() > deadline:
                 self._catch_up_from = first + i + 1
@@ -168,13 +165,18 @@ class NgramDrafter:
                 self._extend(rec, req)
                 self._keep_turn(rec)
             return
-        rec = self._seqs.get(req)
-        if rec is None or not rec.live:
-            rec = self._seqs[req] = self._register(req)
+        rec = self._record(req)
         self._extend(rec, req)
         if not rec.done and rec.live:
             rec.done = True
             self._turns.setdefault(tuple(rec.seq[:_TURN_HEAD]), []).append(rec)
+
+    def _record(self, req: Request) -> _Seq:
+        """The request's sequence record, registered anew if it has none or it was dropped."""
+        rec = self._seqs.get(req)
+        if rec is None or not rec.live:
+            rec = self._seqs[req] = self._register(req)
+        return rec
 
     def _register(self, req: Request) -> _Seq:
         self._count += 1

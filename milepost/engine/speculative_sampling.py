@@ -121,7 +121,7 @@ def launch_verify(
     n = len(drafts)
     ok = None
     if sampled or not kernels:  # (greedy only: the kernel compares proposals with the argmax)
-        ok = _accept_flags(q, on, argmax, drafts, draft_probs, params, generators, starts, dev)
+        ok = _accept_flags(q, on, argmax, drafts, draft_probs, params, generators, dev)
     if kernels:
         accepted_t, last = spec_accept.accepted(ok, on["toks"], argmax, on["offs"], on["lens"],
                                                 on["starts"], kmax)
@@ -241,7 +241,7 @@ def _stage(dev: torch.device, lists: dict[str, list[int]]) -> dict[str, torch.Te
 def _accept_flags(q: torch.Tensor | None, on: dict[str, torch.Tensor], argmax: torch.Tensor,
                   drafts: Sequence[Sequence[int]], draft_probs: Sequence[torch.Tensor | None],
                   params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-                  starts: list[int], dev: torch.device) -> torch.Tensor | None:
+                  dev: torch.device) -> torch.Tensor | None:
     """[proposals] bool, request by request: whether each proposal (on["toks"], flattened) passes
     its own test (only a prefix of a request's counts); None when nothing was proposed."""
     rows_t, toks = on["rows"], on["toks"]
