@@ -1,6 +1,7 @@
 """N-gram speculation by scope on real RL prompts: the demo model, n samples per prompt (GRPO).
 
-`python benchmarks/ngram_scope.py DEMO_DIR [--prompts 16 --n 8 --temperature 1.0 --rounds 2]`
+`python benchmarks/ngram_scope.py DEMO_DIR [--prompts 16 --n 8 --temperature 1.0 --rounds 2]
+[--model RUN_DIR/hf] [--device cuda]`
 runs the same requests (the demo's rl_prompts.jsonl, each sampled n times at once, stopping at
 EOS as rollouts do) through a plain engine and through NGRAM engines of scope request, prompt and
 engine, in one process, and prints tokens/s, speed-up and acceptance length. Round r > 1 sends
@@ -25,9 +26,9 @@ from milepost.engine.setup import build_engine
 
 
 def run(model: Path, prompts: list[list[int]], n: int, temperature: float, rounds: int,
-        eos: int, scope: str | None, max_new: int) -> dict:
+        eos: int, scope: str | None, max_new: int, device: str = "cpu") -> dict:
     flags = {"speculative_algorithm": "NGRAM", "speculative_ngram_scope": scope} if scope else {}
-    engine = build_engine(ServerArgs(model_path=model, device="cpu", dtype="float32",
+    engine = build_engine(ServerArgs(model_path=model, device=device, dtype="float32",
                                      max_running_requests=len(prompts) * n, **flags).resolved())[0]
     engine.start()
     per_round = []
@@ -74,16 +75,20 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="checkpoint to serve (default DEMO_DIR/base_model; the RL'd demo: "
+                         "RUN_DIR/hf of `milepost train recipes/tiny_demo.toml`)")
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
     torch.set_num_threads(2)
-    model = a.demo_dir / "base_model"
+    model = a.model or a.demo_dir / "base_model"
     tok = AutoTokenizer.from_pretrained(model)
     lines = (a.demo_dir / "rl_prompts.jsonl").read_text().splitlines()[: a.prompts]
     prompts = [tok.encode(json.loads(x)["prompt"], add_special_tokens=False) for x in lines]
     results = {}
     for scope in (None, "request", "prompt", "engine"):
         results[scope or "plain"] = res = run(model, prompts, a.n, a.temperature, a.rounds,
-                                              tok.eos_token_id, scope, a.max_new_tokens)
+                                              tok.eos_token_id, scope, a.max_new_tokens, a.device)
         rates = [x["tokens"] / x["seconds"] for x in res["rounds"]]
         base = results["plain"]["rounds"]
         speed = [rt / (b["tokens"] / b["seconds"]) for rt, b in zip(rates, base)]
