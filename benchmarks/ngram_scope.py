@@ -4,8 +4,10 @@
 [--model RUN_DIR/hf] [--device cuda]`
 runs the same requests (the demo's rl_prompts.jsonl, each sampled n times at once, stopping at
 EOS as rollouts do) through a plain engine and through NGRAM engines of scope request, prompt and
-engine, in one process, and prints tokens/s, speed-up and acceptance length. Round r > 1 sends
-the same prompts again (a later rollout) to the same engine: what the shared store can reuse.
+engine, in one process, and prints tokens/s, speed-up and acceptance length (over all rounds, the
+warm-up included, and by timed round). Round 1 is a rollout's first sight of its prompts: a GRPO
+group's samples decode in step, so a sibling is rarely ahead with text to offer. Round r > 1 sends
+the same prompts again (a later epoch) to the same engine: what the shared store can reuse.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def run(model: Path, prompts: list[list[int]], n: int, temperature: float, round
                         if left[0] == 0:
                             done.set()
 
+            before = _counts(engine)
             t0 = time.perf_counter()
             for i, p in enumerate(batch):
                 for j in range(n):
@@ -58,13 +61,22 @@ def run(model: Path, prompts: list[list[int]], n: int, temperature: float, round
             seconds = time.perf_counter() - t0
             assert engine.call(engine.flush_cache).result()
             if r:
-                per_round.append({"tokens": count[0], "seconds": seconds})
+                after = _counts(engine)
+                rows, accepted = after[0] - before[0], after[1] - before[1]
+                per_round.append({"tokens": count[0], "seconds": seconds,
+                                  "accept_length": (rows + accepted) / rows if rows else None})
         stats = engine.speculator.stats if engine.speculator else None
         spec = ({"accept_length": stats.accept_length, "accept_rate": stats.accept_rate,
                  "proposed": stats.proposed} if stats else {})
     finally:
         engine.close()
     return {"rounds": per_round, **spec}
+
+
+def _counts(engine: object) -> tuple[int, int]:
+    """(verified request-steps, accepted proposals) so far: a round's acceptance is the change."""
+    stats = engine.speculator.stats if engine.speculator else None
+    return (stats.verify_rows, stats.accepted) if stats else (0, 0)
 
 
 def main() -> None:
@@ -94,8 +106,10 @@ def main() -> None:
         speed = [rt / (b["tokens"] / b["seconds"]) for rt, b in zip(rates, base)]
         print(f"{scope or 'plain':8s} tok/s by round {[round(x) for x in rates]} "
               f"speed-up {[round(x, 2) for x in speed]} tokens {[x['tokens'] for x in res['rounds']]}"
-              + (f" acceptance length {res['accept_length']:.2f} rate {res['accept_rate']:.1%} "
-                 f"of {res['proposed']} proposed" if scope else ""), flush=True)
+              + (f" acceptance length {res['accept_length']:.2f} (by round "
+                 f"{[round(x['accept_length'] or 0, 2) for x in res['rounds']]}) rate "
+                 f"{res['accept_rate']:.1%} of {res['proposed']} proposed" if scope else ""),
+              flush=True)
 
 
 if __name__ == "__main__":
