@@ -3,7 +3,8 @@
 Same model (same weights), same requests, same lengths on both sides; the engine runs
 in-process (`Engine`, no HTTP) so the numbers are the engine's. Per scenario it reports tokens/s
 of both and their ratio; for decode, the fraction of the memory-bandwidth bound reached:
-(bytes of weights + KV read by the decode steps) / (their measured time) / peak bandwidth.
+(bytes of weights + KV read by the decode steps) / (their measured time) / peak bandwidth, and
+the same bytes a second against a device-to-device copy timed in the same run (copy_bandwidth.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from milepost.bench import workloads
 from milepost.bench.args import PEAK_BANDWIDTH, BenchArgs
+from milepost.bench.copy_bandwidth import copy_bandwidth
 from milepost.bench.engine_side import EngineBench, EngineResult
 from milepost.bench.hf_side import run_hf
 from milepost.bench.models import (
@@ -43,6 +45,7 @@ def run_bench(args: BenchArgs) -> dict:
                           else ("cpu" if args.device == "auto" else args.device))
     dtype = getattr(torch, args.dtype if args.dtype != "auto" else
                     ("bfloat16" if device.type == "cuda" else "float32"))
+    copy_bw = copy_bandwidth(device)  # before the model and the KV pool take the memory
     native, config_dir = native_model(args.model, args.shape, dtype, device, args.seed)
     vocab = native.vocab_size
     context = native.hf_config.max_position_embeddings
@@ -85,6 +88,9 @@ def run_bench(args: BenchArgs) -> dict:
             _progress(f"transformers {w.name}: {r.output_tokens} new tokens in {r.seconds:.1f} s")
     peak = args.peak_bandwidth or _known_peak(device)
     rows = [_row(w, ours[w.name], theirs.get(w.name), decode_bytes[w.name], peak) for w in loads]
+    for row in rows:
+        if row.get("decode_bytes_per_s"):
+            row["copy_bandwidth_fraction"] = row["decode_bytes_per_s"] / copy_bw
     for row, w in zip(rows, loads):
         by_scope = [_speculative_row(args.speculative or "", scope, row, spec[w.name])
                     for scope, spec in spec_runs.items()]
@@ -103,7 +109,7 @@ def run_bench(args: BenchArgs) -> dict:
         "model": str(args.model or args.shape), "parameters": parameter_count(native),
         "device": _device_name(device), "dtype": str(dtype).removeprefix("torch."),
         "kv_cache_dtype": sargs.kv_cache_dtype, "kv_pool_tokens": pool_tokens, "decode_gemm": sargs.decode_gemm,
-        "peak_bandwidth": peak, "torch": torch.__version__,
+        "peak_bandwidth": peak, "copy_bandwidth": copy_bw, "torch": torch.__version__,
         "scenarios": rows,
     }
 
@@ -329,6 +335,12 @@ def print_table(result: dict) -> None:
         console.print(note)
     if result["peak_bandwidth"] is None:
         console.print("bandwidth bound: no peak known for this device (pass --peak-bandwidth)")
+    decoding = [r for r in result["scenarios"] if r.get("copy_bandwidth_fraction")]
+    if decoding:
+        console.print(f"a {result['device']} memory copy in this run: {result['copy_bandwidth'] / 1e12:.2f} "
+                      f"TB/s (read + write); decode reads at " + ", ".join(
+                          f"{r['copy_bandwidth_fraction']:.1%} of it ({r['scenario']})"
+                          for r in decoding))
 
 
 def main(args: BenchArgs) -> int:

@@ -52,6 +52,10 @@ def test_bench_engine_tiny_cpu(tmp_path: Path) -> None:
         r = rows[name]
         assert r["decode_steps"] > 0 and r["decode_step_ms"] > 0
         assert r["bandwidth_fraction"] == r["decode_bytes_per_s"] / 1e11
+        # and against a copy timed in the same run (a CPU's memcpy: well above 100 MB/s)
+        assert result["copy_bandwidth"] > 1e8
+        assert r["copy_bandwidth_fraction"] == r["decode_bytes_per_s"] / result["copy_bandwidth"]
+    assert "a cpu memory copy in this run" in proc.stdout
     for r in rows.values():  # CPU: no Triton compiles; full collections counted, if any
         assert r["stalls"]["compiles"] == 0 and r["stalls"]["gc_gen2"] >= 0
 
