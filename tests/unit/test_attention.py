@@ -165,3 +165,22 @@ def test_cache_nbytes() -> None:
     cache = PagedKVCache(3, 5, 4, 2, D, torch.bfloat16, "cpu")
     assert cache.nbytes() == 2 * 3 * (5 * 4 * 2 * D) * 2
     assert cache.k[0].shape == (20, 2, D) and cache.num_blocks == 5 and cache.block_size == 4
+
+
+def test_paged_short_chunks_share_one_call_and_match_the_reference() -> None:
+    """Verify-sized chunks (2-16 new tokens, SHORT_QUERY) go through one padded call beside decode
+    rows and a long chunk; at the boundary 16 tokens are short and 17 are a prefill chunk."""
+    from milepost.models.attention import SHORT_QUERY
+
+    assert SHORT_QUERY == 16
+    lens = [30, 21, 40, 12, 50]
+    steps = [
+        [20, 17, 6, 5, 16],  # prefill chunks, one of them exactly 17 and one 16 tokens
+        [4, 1, 3, 2, 1],  # verify-like chunks of unequal lengths beside decodes
+        [2, 3, 17, 1, 16],  # short chunks, a 17-token chunk and a 16-token chunk in one step
+        [4, 0, 14, 4, 17],
+    ]
+    assert [sum(s[i] for s in steps) for i in range(len(lens))] == lens
+    for h, hkv in ((4, 2), (4, 1), (2, 2)):
+        assert_all_close(*run_schedule(lens, steps, h, hkv, block_size=4))
+    assert_all_close(*run_schedule(lens, steps, 4, 2, block_size=4, strip_cpu=True))
