@@ -188,7 +188,6 @@ class TorchPagedAttention:
         if self._prefill:
             ranges = [torch.arange(p.token_start, p.token_start + p.query_len) for p in self._prefill]
             self._pre_tokens = torch.cat(ranges).to(device)
-        self._all_decode = not pre and not short
         self._batch = batch
 
     def attend(
@@ -202,17 +201,12 @@ class TorchPagedAttention:
         kc[slots] = to_cache(k, kc.dtype)
         vc[slots] = to_cache(v, vc.dtype)
 
-        dec_out = None
+        parts = []  # (token indices, outputs) of each group of sequences
         if self._dec_tokens is not None:
             qd = q.index_select(0, self._dec_tokens)[:, :, None, :]  # [Bd, H, 1, D]
             kd = kc[self._dec_slots].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, Lmax, D]
             vd = vc[self._dec_slots].transpose(1, 2).to(q.dtype)
-            dec_out = _sdpa(qd, kd, vd, scale, attn_mask=self._dec_mask)[:, :, 0, :]
-            if self._all_decode:
-                return dec_out  # decode queries are the tokens themselves, in order
-        parts = []  # (token indices, outputs) of each group of sequences
-        if dec_out is not None:
-            parts.append((self._dec_tokens, dec_out))
+            parts.append((self._dec_tokens, _sdpa(qd, kd, vd, scale, attn_mask=self._dec_mask)[:, :, 0, :]))
         if self._short is not None:
             parts.append((self._short.tokens, self._short.attend(q, kc, vc, scale)))
         if self._prefill:
